@@ -1,0 +1,40 @@
+# Set up and run the course. `make test` and `make lab` install first, once.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# Rewritten whenever pyproject.toml (or the torch choice) changes, so a second
+# `make install` with nothing changed does nothing.
+STAMP  := $(VENV)/.installed
+
+# Root needs --allow-root; with no display there is no browser to open.
+LAB_FLAGS := --ServerApp.root_dir=notebooks --ServerApp.ip=127.0.0.1 \
+	$(if $(filter 0,$(shell id -u)),--allow-root) \
+	$(if $(DISPLAY),,--no-browser)
+
+.PHONY: venv install lab test clean
+
+venv: $(PY)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+install: $(STAMP)
+
+# torch first, from a local CPU wheel when pip's find-links holds one, so the
+# package's own `torch>=2.6` is already met and pip never fetches a CUDA build.
+$(STAMP): pyproject.toml scripts/torch-requirement | $(PY)
+	torch=$$($(PY) scripts/torch-requirement) && $(PY) -m pip install "$$torch"
+	$(PY) -m pip install -e '.[dev]'
+	touch $@
+
+test: install
+	$(PY) -m pytest
+
+# Jupyter makes up a token and prints the URL that carries it.
+lab: install
+	$(VENV)/bin/jupyter lab $(LAB_FLAGS)
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

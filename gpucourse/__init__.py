@@ -1,0 +1,16 @@
+"""gpucourse: run, watch, change and check multi-GPU training — on a laptop or on eight GPUs.
+
+    from gpucourse import TrainConfig, run, launch
+    result = run(TrainConfig(dp=2, steps=20))      # a RunResult
+    values = launch(fn, world_size=4, timeout=60)  # [rank0_value, rank1_value, ...]
+"""
+
+from .config import ConfigError, TrainConfig
+from .measure import RunResult
+from .runtime import LaunchError, LaunchTimeout, WorkerError, current, launch, report
+from .train import run
+
+__version__ = "0.1.0"
+
+__all__ = ["ConfigError", "LaunchError", "LaunchTimeout", "RunResult", "TrainConfig", "WorkerError", "current",
+           "launch", "report", "run"]

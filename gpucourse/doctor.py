@@ -1,0 +1,247 @@
+"""What this machine offers for distributed training, and what that means.
+
+`collect()` gathers the facts a run depends on: Python and torch versions,
+which GPUs this process can see, which torch.distributed backends are built
+in (NCCL for GPUs, gloo for CPUs), the course's other packages, and the
+environment variables that change how collectives report trouble.
+`format_text()` turns those facts into a short report with advice.
+
+Looking must not change what it looks at. A notebook kernel that initialised
+CUDA can no longer fork ranks that use the GPU, so this module never creates
+a CUDA context:
+
+* the GPU count comes from `torch.cuda.device_count()`, which asks NVML (the
+  driver's management library) and honours CUDA_VISIBLE_DEVICES;
+  `torch.cuda.is_available()` is avoided because it initialises the CUDA driver;
+* GPU names and memory come from `nvidia-smi`, a separate process, and not from
+  `torch.cuda.get_device_properties()`, which initialises CUDA. Without
+  nvidia-smi the GPUs are still counted, with their name and memory unknown.
+
+Only torch is imported; the other packages are looked up by their installed
+version, so the doctor also works on a bare GPU node.
+"""
+
+import multiprocessing
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+
+import torch
+import torch.distributed as dist
+
+PACKAGES = ("jupyterlab", "ipywidgets", "plotly", "accelerate", "nbclient")
+ENV_VARS = (
+    "NCCL_DEBUG",
+    "TORCH_DISTRIBUTED_DEBUG",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "CUDA_VISIBLE_DEVICES",
+)
+
+# Always worth knowing when a run hangs or fails; one sentence each.
+TROUBLESHOOTING = (
+    "NCCL_DEBUG=INFO makes NCCL print its version, the transport it picked "
+    "(NVLink, PCIe, InfiniBand, sockets) and its rings at start-up, which shows "
+    "why ranks hang at their first collective or move data slower than expected.",
+    "TORCH_DISTRIBUTED_DEBUG=DETAIL makes torch.distributed check that every "
+    "rank calls the same collective with the same shapes, so a mismatch fails "
+    "with a message naming it instead of hanging.",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (torchrun's default) makes a rank whose "
+    "NCCL collective fails or times out abort and exit, so the launcher sees the "
+    "failure and stops the whole group instead of leaving it stuck.",
+    "The timeout= of init_process_group (10 minutes unless set) bounds how long "
+    "a collective waits for the other ranks, turning a dead or diverging rank "
+    "into an error instead of a silent hang.",
+)
+
+
+def collect() -> dict:
+    """Gather the facts about this machine as a plain, JSON-ready dict.
+
+    Keys: python, platform, torch_version, cuda_available, cuda_version
+    (the CUDA torch was built for, None on a CPU build), gpu_count, gpus
+    (one {index, name, memory_gb} per GPU this process can use; index is the
+    `cuda:N` number), driver_version, nccl_available, gloo_available,
+    mpi_available, default_device, cpu_count, start_method, versions (of the
+    course's packages, None when missing), env (the debug variables, None
+    when unset) and advice (plain sentences).
+    """
+    cuda_version = torch.version.cuda
+    gpu_count = torch.cuda.device_count()
+    smi_rows = _nvidia_smi()
+    visible = _visible_rows(smi_rows, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    gpus = [
+        {
+            "index": index,
+            "name": visible[index]["name"] if index < len(visible) else None,
+            "memory_gb": visible[index]["memory_gb"] if index < len(visible) else None,
+        }
+        for index in range(gpu_count)
+    ]
+    info = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch_version": torch.__version__,
+        "cuda_available": gpu_count > 0,
+        "cuda_version": cuda_version,
+        "gpu_count": gpu_count,
+        "gpus": gpus,
+        "driver_version": smi_rows[0]["driver_version"] if smi_rows else None,
+        "nccl_available": dist.is_available() and dist.is_nccl_available(),
+        "gloo_available": dist.is_available() and dist.is_gloo_available(),
+        "mpi_available": dist.is_available() and dist.is_mpi_available(),
+        "default_device": "cuda" if gpu_count >= 1 else "cpu",
+        "cpu_count": _cpu_count(),
+        # The first listed method is the default; asking get_start_method()
+        # without allow_none would fix it for the whole process.
+        "start_method": multiprocessing.get_start_method(allow_none=True)
+        or multiprocessing.get_all_start_methods()[0],
+        "versions": {name: _version(name) for name in PACKAGES},
+        "env": {name: os.environ.get(name) for name in ENV_VARS},
+    }
+    info["advice"] = _advice(info, machine_gpus=len(smi_rows))
+    return info
+
+
+def format_text(info: dict) -> str:
+    """Render `collect()`'s dict as an aligned report followed by the advice."""
+    backends = ", ".join(
+        f"{name} {'yes' if info[f'{name}_available'] else 'no'}"
+        for name in ("nccl", "gloo", "mpi")
+    )
+    build = f"built for CUDA {info['cuda_version']}" if info["cuda_version"] else "CPU-only build"
+    backend = "nccl" if info["default_device"] == "cuda" and info["nccl_available"] else "gloo"
+    rows = [
+        ("python", f"{info['python']} ({sys.executable})"),
+        ("platform", info["platform"]),
+        ("torch", f"{info['torch_version']} ({build})"),
+        ("default device", f"{info['default_device']} ({backend})"),
+        ("GPUs", str(info["gpu_count"])),
+    ]
+    for gpu in info["gpus"]:
+        memory = f"{gpu['memory_gb']} GiB" if gpu["memory_gb"] is not None else "memory unknown"
+        rows.append((f"  cuda:{gpu['index']}", f"{gpu['name'] or 'unknown model'}, {memory}"))
+    if info["driver_version"]:
+        rows.append(("NVIDIA driver", info["driver_version"]))
+    rows += [
+        ("backends", backends),
+        ("CPU cores", str(info["cpu_count"])),
+        ("start method", info["start_method"]),
+    ]
+    rows += [(name, version or "not installed") for name, version in info["versions"].items()]
+    rows += [(name, value if value is not None else "(unset)") for name, value in info["env"].items()]
+
+    width = max(len(label) for label, _ in rows)
+    lines = ["gpucourse doctor", ""]
+    lines += [f"  {label.ljust(width)}  {value}" for label, value in rows]
+    lines += ["", "Advice"]
+    lines += [f"  - {sentence}" for sentence in info["advice"]]
+    return "\n".join(lines)
+
+
+def _advice(info: dict, machine_gpus: int) -> list[str]:
+    """Plain sentences on what the facts mean for a run."""
+    advice = []
+    count, cores = info["gpu_count"], info["cpu_count"]
+    if count == 0:
+        advice.append(
+            "No GPU is visible: runs use gloo on CPU processes ('virtual GPUs'); "
+            f"4 ranks on {cores} core{'s' if cores != 1 else ''} work, only slower."
+        )
+        if machine_gpus and info["cuda_version"] is None:
+            advice.append(
+                f"nvidia-smi lists {machine_gpus} GPU(s) but this torch "
+                f"({info['torch_version']}) is a CPU-only build: install a CUDA "
+                "build of torch to use them."
+            )
+    elif info["nccl_available"]:
+        advice.append(
+            f"{count} GPU(s) visible: layouts with dp×tp×pp up to {count} ranks "
+            "run on NCCL, one rank per GPU; larger ones run on gloo CPU processes."
+        )
+    else:
+        advice.append(
+            f"{count} GPU(s) visible but this torch has no NCCL: runs use gloo, "
+            "which works but is far slower between GPUs."
+        )
+    visible_devices = info["env"]["CUDA_VISIBLE_DEVICES"]
+    if visible_devices is not None:
+        advice.append(
+            f"CUDA_VISIBLE_DEVICES={visible_devices!r} limits this process and its "
+            "ranks to those GPUs; unset it to use them all."
+        )
+    advice.extend(TROUBLESHOOTING)
+    return advice
+
+
+def _nvidia_smi() -> list[dict]:
+    """Every GPU nvidia-smi lists on this machine, in its own index order.
+
+    Empty when nvidia-smi is missing or fails. A separate process, so asking
+    leaves CUDA in this one untouched.
+    """
+    executable = shutil.which("nvidia-smi")
+    if executable is None:
+        return []
+    try:
+        result = subprocess.run(
+            [
+                executable,
+                "--query-gpu=index,uuid,name,memory.total,driver_version",
+                "--format=csv,noheader,nounits",
+            ],
+            capture_output=True, text=True, timeout=20, check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return []
+    rows = []
+    for line in result.stdout.splitlines():
+        fields = [field.strip() for field in line.split(",")]
+        if len(fields) != 5:
+            continue
+        index, uuid, name, memory_mib, driver = fields
+        try:
+            memory_gb = round(int(memory_mib) / 1024, 1)
+        except ValueError:  # "[N/A]" on some virtualised or MIG setups
+            memory_gb = None
+        rows.append({"index": index, "uuid": uuid, "name": name,
+                     "memory_gb": memory_gb, "driver_version": driver})
+    return rows
+
+
+def _visible_rows(rows: list[dict], visible_devices: str | None) -> list[dict]:
+    """The nvidia-smi rows in the order CUDA numbers them for this process.
+
+    CUDA_VISIBLE_DEVICES lists GPU indices or UUIDs (or their prefixes);
+    like CUDA, stop at the first entry that names no GPU.
+    """
+    if visible_devices is None:
+        return rows
+    chosen = []
+    for entry in visible_devices.split(","):
+        entry = entry.strip()
+        match = next(
+            (row for row in rows if entry and (row["index"] == entry or row["uuid"].startswith(entry))),
+            None,
+        )
+        if match is None:
+            break
+        chosen.append(match)
+    return chosen
+
+
+def _cpu_count() -> int:
+    """Cores this process may run on (a container or SLURM job may get fewer than the machine has)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _version(package: str) -> str | None:
+    """Installed version of `package`, without importing it; None when missing."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None

@@ -1,0 +1,224 @@
+"""What a run measures, as plain data.
+
+Each rank owns one :class:`Recorder`. Strategies wrap their phases in
+``rec.span("forward", microbatch=i)`` and route collectives through
+:mod:`gpucourse.comm`, which tells the recorder how many bytes each one moved.
+At the end every rank hands back a plain dict, and :func:`merge` turns those into
+one :class:`RunResult` that serialises to JSON. Figures, the grader, benchmarks
+and the CLI all read that object and nothing else.
+
+Timing: on CPU a span is two ``time.perf_counter()`` readings. On CUDA work is
+asynchronous, so a span records two CUDA events instead and they are turned into
+seconds once per step (:meth:`Recorder.flush`), when the step has already waited
+for its loss — no extra synchronisation inside the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SPAN_KINDS = ("forward", "backward", "comm", "optimizer", "idle", "step")
+
+
+class Recorder:
+    """Per-rank log of spans and collective bytes.
+
+    ``enabled=False`` turns span recording into a no-op (bytes are still
+    counted: that is one addition per collective).
+    """
+
+    def __init__(self, rank: int, device: torch.device, enabled: bool = True):
+        self.rank = rank
+        self.enabled = enabled
+        self.step = -1  # set-up, before the first step
+        self.spans: list[dict] = []
+        self.comm: dict[tuple[int, str], list[int]] = {}
+        self._cuda = device.type == "cuda"
+        self._pending: list[tuple[dict, Any, Any]] = []
+        self._t0 = time.perf_counter()
+        if self._cuda:
+            self._ref = torch.cuda.Event(enable_timing=True)
+            self._ref.record()
+
+    def now(self) -> float:
+        """Seconds since this recorder started (host clock)."""
+        return time.perf_counter() - self._t0
+
+    @contextlib.contextmanager
+    def span(self, kind: str, name: str = "", microbatch: int | None = None):
+        """Record the time the body takes as one span of ``kind``."""
+        if not self.enabled:
+            yield
+            return
+        rec = {"rank": self.rank, "step": self.step, "kind": kind, "name": name or kind,
+               "microbatch": microbatch}
+        if self._cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._pending.append((rec, start, end))
+                self.spans.append(rec)
+        else:
+            rec["start_s"] = self.now()
+            try:
+                yield
+            finally:
+                rec["end_s"] = self.now()
+                self.spans.append(rec)
+
+    def add_span(self, kind: str, name: str, start_s: float, end_s: float, microbatch: int | None = None):
+        """Add a span measured elsewhere (for example an async collective's launch-to-wait)."""
+        if self.enabled:
+            self.spans.append({"rank": self.rank, "step": self.step, "kind": kind, "name": name,
+                               "microbatch": microbatch, "start_s": start_s, "end_s": end_s})
+
+    def count_comm(self, op: str, nbytes: int, bus_bytes: int) -> None:
+        """Count one collective call of ``op``: its payload and the bytes this rank sends for it."""
+        totals = self.comm.setdefault((self.step, op), [0, 0, 0])
+        totals[0] += int(nbytes)
+        totals[1] += int(bus_bytes)
+        totals[2] += 1
+
+    def flush(self) -> None:
+        """Turn pending CUDA event pairs into seconds (call after the step has synchronised)."""
+        if not self._pending:
+            return
+        self._pending[-1][2].synchronize()
+        for rec, start, end in self._pending:
+            rec["start_s"] = self._ref.elapsed_time(start) / 1e3
+            rec["end_s"] = self._ref.elapsed_time(end) / 1e3
+        self._pending.clear()
+
+    def export(self) -> dict:
+        """This rank's measurements as plain, picklable data."""
+        self.flush()
+        return {
+            "spans": self.spans,
+            "comm": [{"rank": self.rank, "step": s, "op": op, "bytes": b, "bus_bytes": bb, "calls": c}
+                     for (s, op), (b, bb, c) in sorted(self.comm.items())],
+        }
+
+
+@dataclass
+class RunResult:
+    """One run, merged over ranks. ``RunResult.load(path)`` reads a saved one.
+
+    - ``losses``: global mean training loss of each optimizer step.
+    - ``step_times_s``: wall time of each step (the slowest rank's).
+    - ``tokens_per_s``: global tokens per second over the steps after the first
+      (the first pays for warm-up and is left out).
+    - ``timeline``: spans ``{rank, step, kind, name, microbatch, start_s, end_s}``.
+    - ``comm_bytes``: payload bytes handed to collectives (see :mod:`gpucourse.comm`),
+      ``total``, ``per_op``, ``per_rank`` and ``per_step`` (summed over ranks, steps
+      from 0; set-up traffic such as the first broadcast counts as step -1 and only
+      in ``total``), and ``bus_total``, the ring algorithm's bytes sent.
+    - ``comm``: the same counts, one row per (rank, step, op).
+    """
+
+    config: dict
+    world_size: int
+    device: str
+    backend: str
+    losses: list[float]
+    step_times_s: list[float]
+    tokens_per_s: float
+    timeline: list[dict] = field(default_factory=list)
+    comm_bytes: dict = field(default_factory=dict)
+    comm: list[dict] = field(default_factory=list)
+    memory: dict = field(default_factory=dict)
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def final_loss(self) -> float:
+        return self.losses[-1]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the result as JSON, atomically: a reader never sees half a file."""
+        write_atomic(path, self.to_json(indent=1))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunResult":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def load(cls, path_or_result) -> "RunResult":
+        """A RunResult from itself, a dict, or a JSON file path."""
+        if isinstance(path_or_result, RunResult):
+            return path_or_result
+        if isinstance(path_or_result, dict):
+            return cls.from_dict(path_or_result)
+        with open(path_or_result) as f:
+            return cls.from_dict(json.load(f))
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def merge(config: dict, rank_outputs: list[dict], device: str, backend: str) -> RunResult:
+    """Combine each rank's output dict into one RunResult.
+
+    A rank output holds ``losses`` (its local mean loss per step, or None where
+    the rank does not see the loss, e.g. a pipeline stage before the last),
+    ``step_times_s``, and the recorder's ``spans`` and ``comm``. Every rank that
+    sees the loss holds an equal share of the global batch, so the global loss
+    is the plain mean of theirs.
+    """
+    holders = [o for o in rank_outputs if o["losses"] is not None]
+    steps = len(holders[0]["losses"])
+    losses = [sum(o["losses"][s] for o in holders) / len(holders) for s in range(steps)]
+    step_times = [max(o["step_times_s"][s] for o in rank_outputs) for s in range(steps)]
+    tokens_per_step = config["batch_size"] * config["seq_len"]
+    timed = step_times[1:] if steps > 1 else step_times
+    tokens_per_s = tokens_per_step * len(timed) / sum(timed) if sum(timed) > 0 else 0.0
+
+    comm = [c for o in rank_outputs for c in o["comm"]]
+    per_op: dict[str, int] = {}
+    per_rank = [0] * len(rank_outputs)
+    per_step = [0] * steps
+    for c in comm:
+        per_op[c["op"]] = per_op.get(c["op"], 0) + c["bytes"]
+        per_rank[c["rank"]] += c["bytes"]
+        if 0 <= c["step"] < steps:
+            per_step[c["step"]] += c["bytes"]
+    timeline = sorted((s for o in rank_outputs for s in o["spans"]), key=lambda s: (s["rank"], s["start_s"]))
+    memory = {str(o["rank"]): o["memory"] for o in rank_outputs if o.get("memory")}
+    return RunResult(
+        config=config, world_size=len(rank_outputs), device=device, backend=backend,
+        losses=losses, step_times_s=step_times, tokens_per_s=tokens_per_s, timeline=timeline,
+        comm_bytes={"total": sum(per_op.values()), "per_op": per_op, "per_rank": per_rank, "per_step": per_step,
+                    "bus_total": sum(c["bus_bytes"] for c in comm)},
+        comm=comm, memory=memory,
+        extras={k: v for o in rank_outputs for k, v in o.get("extras", {}).items()},
+    )

@@ -1,0 +1,166 @@
+"""gpucourse's GPT, the whole model in one file.
+
+Token and position embeddings, a stack of pre-norm blocks (causal self-attention,
+then an MLP), a final LayerNorm and an output head. The model knows nothing about
+parallelism: strategies in ``gpucourse.parallel`` take this plain module and wrap
+it, split it into stages, or swap its Linear layers for sharded ones. That is why
+attention reads the number of heads from the width of its projections rather than
+from the config: after tensor parallelism a rank holds only its share of heads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of one GPT. ``n_embd`` must divide by ``n_head``."""
+
+    vocab_size: int = 64
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+# Named sizes. ``tiny`` takes a CPU step in a few milliseconds; ``gpt2-small`` is
+# the 124M-parameter GPT-2 for real GPUs.
+MODELS = {
+    "tiny": GPTConfig(vocab_size=64, block_size=128, n_layer=4, n_head=4, n_embd=64),
+    "small": GPTConfig(vocab_size=64, block_size=256, n_layer=6, n_head=6, n_embd=192),
+    "medium": GPTConfig(vocab_size=64, block_size=512, n_layer=8, n_head=8, n_embd=512),
+    "gpt2-small": GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": GPTConfig(vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head attention where each position sees only itself and the past."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.q = nn.Linear(cfg.n_embd, cfg.n_embd)
+        # No key bias: it adds the same amount to every score of a query, which the
+        # softmax ignores, so its true gradient is zero and Adam would only amplify
+        # rounding noise into it (and make equal runs differ).
+        self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.v = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # (B, T, heads·head_dim) -> (B, heads, T, head_dim); heads = whatever this rank holds.
+        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """Two Linear layers with a GELU between, four times wider inside."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """One transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer language model.
+
+    ``forward(idx)`` returns logits of shape (batch, time, vocab). Pass ``targets``
+    to get the mean cross-entropy loss instead.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.apply(self._init)
+        # GPT-2's trick: scale the residual projections so the residual stream's
+        # variance does not grow with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token plus position embedding: (B, T) ids -> (B, T, n_embd)."""
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and output head: (B, T, n_embd) -> (B, T, vocab)."""
+        return self.head(self.ln_f(x))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.logits(x)
+        if targets is None:
+            return logits
+        return loss_fn(logits, targets)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position in the batch."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def build_model(cfg: GPTConfig, seed: int) -> GPT:
+    """The same initial weights for a given seed, on every rank and every layout."""
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        return GPT(cfg)
+    finally:
+        torch.random.set_rng_state(gen_state)

@@ -1,0 +1,90 @@
+"""Data parallelism: every rank holds the whole model and a slice of the batch.
+
+Each of the ``dp`` ranks runs forward and backward on its own B/dp sequences.
+Their gradients differ, so before the optimizer step they are averaged:
+
+    g = (g_0 + g_1 + ... + g_{dp-1}) / dp        one all-reduce (sum) per parameter
+
+Because every rank's loss is a mean over an equal share of the batch, the average
+of their gradients is exactly the gradient of the mean loss over the whole batch:
+the same step the single device takes. Weights start equal (same seed, and a
+broadcast from rank 0 to be sure) and stay equal, since every rank applies the
+same averaged gradient.
+
+Communication per step: every gradient once, ``sum(p.numel())`` × 4 bytes of
+all-reduce payload per rank in fp32 — whatever ``grad_accum`` is, because
+accumulation adds up gradients locally and communicates once.
+
+``DataParallelScratch`` is that, written out. ``TorchDDP`` is the production
+version, ``torch.nn.parallel.DistributedDataParallel``, which buckets gradients
+and overlaps their all-reduce with the rest of backward; a comm hook lets us
+count its bytes and time its buckets with the same recorder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from .single import Trainer
+
+
+def broadcast_parameters(model: torch.nn.Module, group, src: int) -> None:
+    """Copy rank ``src``'s weights to every rank of ``group``."""
+    with torch.no_grad():
+        for p in model.parameters():
+            comm.broadcast(p.data, src=src, group=group, name="broadcast weights")
+
+
+class DataParallelScratch(Trainer):
+    """Data parallel from scratch: one blocking all-reduce per gradient after backward."""
+
+    def __init__(self, model, lr, grad_accum, rec, group):
+        self.group = group
+        self.dp = dist.get_world_size(group)
+        broadcast_parameters(model, group, src=dist.get_global_rank(group, 0))
+        super().__init__(model, lr, grad_accum, rec)
+
+    def sync_gradients(self) -> None:
+        for name, p in self.model.named_parameters():
+            if p.grad is None:  # frozen, or unused in this step on every rank
+                continue
+            comm.all_reduce(p.grad, group=self.group, name=f"all_reduce {name}")
+            p.grad /= self.dp
+
+
+class TorchDDP(Trainer):
+    """``DistributedDataParallel``: bucketed all-reduce overlapped with backward."""
+
+    def __init__(self, model, lr, grad_accum, rec, group, device):
+        self.group = group
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, process_group=group, device_ids=[device.index] if device.type == "cuda" else None)
+        ddp.register_comm_hook(state=(rec, group), hook=_recording_allreduce_hook)
+        super().__init__(ddp, lr, grad_accum, rec)
+
+    def accumulating(self, last: bool):
+        # Only the last microbatch's backward communicates; the others accumulate locally.
+        return contextlib.nullcontext() if last else self.model.no_sync()
+
+    def full_state_dict(self) -> dict:
+        return {k: v.detach().cpu().clone() for k, v in self.model.module.state_dict().items()}
+
+
+def _recording_allreduce_hook(state, bucket):
+    """DDP's own averaging all-reduce, with its bytes counted and its time recorded."""
+    rec, group = state
+    tensor = bucket.buffer()
+    comm.count("all_reduce", tensor, group)
+    start = rec.now()
+    tensor.div_(dist.get_world_size(group))
+    fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+
+    def done(f):
+        rec.add_span("comm", f"all_reduce bucket {bucket.index()}", start, rec.now())
+        return f.value()[0]
+
+    return fut.then(done)

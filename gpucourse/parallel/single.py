@@ -1,0 +1,80 @@
+"""The single-device trainer: the baseline every strategy must equal.
+
+One optimizer step on a global batch of B sequences, split into ``grad_accum``
+microbatches so that a batch too big for memory still trains as one step:
+
+    for each microbatch:   loss = mean cross-entropy / grad_accum
+                           loss.backward()          (gradients add up in .grad)
+    sync_gradients()                                (nothing to do on one device)
+    optimizer.step(); optimizer.zero_grad()
+
+Dividing each microbatch loss by ``grad_accum`` makes the summed gradient the
+gradient of the mean loss over the whole batch, exactly as if it had been one
+forward. Data-parallel trainers reuse this loop and fill in ``sync_gradients``
+(and ``accumulating``, to skip communication on all but the last microbatch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..measure import Recorder
+from ..model import loss_fn
+
+
+def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
+    """AdamW, the same settings in every layout (so every layout can be compared).
+
+    ``eps=1e-6`` rather than 1e-8: Adam divides by the root of the squared
+    gradient, so a parameter whose gradient is almost zero (a neuron GELU has
+    switched off) would otherwise turn float rounding into a full-size update,
+    and two equal layouts would drift apart in exactly those weights.
+    """
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.0)
+
+
+class Trainer:
+    """Trains ``model`` on one device; subclasses add the communication."""
+
+    def __init__(self, model: torch.nn.Module, lr: float, grad_accum: int, rec: Recorder):
+        self.model = model
+        self.grad_accum = grad_accum
+        self.rec = rec
+        self.optimizer = make_optimizer([p for p in self.params() if p.requires_grad], lr)
+
+    def params(self):
+        """The parameters this trainer updates (the model's, by default)."""
+        return self.model.parameters()
+
+    def accumulating(self, last: bool):
+        """Context for one microbatch's forward and backward (a no-op here)."""
+        return contextlib.nullcontext()
+
+    def sync_gradients(self) -> None:
+        """Make gradients the same on every replica (nothing to do on one device)."""
+
+    def optimizer_step(self) -> None:
+        with self.rec.span("optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on this rank's share of the batch; returns its mean loss."""
+        total = torch.zeros((), device=x.device)
+        micro = list(zip(x.chunk(self.grad_accum), y.chunk(self.grad_accum)))
+        for i, (mx, my) in enumerate(micro):
+            with self.accumulating(last=i == len(micro) - 1):
+                with self.rec.span("forward", microbatch=i):
+                    loss = loss_fn(self.model(mx), my) / self.grad_accum
+                with self.rec.span("backward", microbatch=i):
+                    loss.backward()
+            total += loss.detach()
+        self.sync_gradients()
+        self.optimizer_step()
+        return total
+
+    def full_state_dict(self) -> dict:
+        """The whole model's weights under single-device names (collective in sharded trainers)."""
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}

@@ -1,0 +1,345 @@
+"""Start ranks: one function for notebook cells, the CLI and the grader.
+
+``launch(fn, *args, world_size=4)`` stands on ``torch.distributed.elastic``, the
+engine under ``torchrun``: its agent starts the processes, runs a c10d
+rendezvous on a free port, tees each rank's output to ours with a ``[rank N]``
+prefix, and stops every rank as soon as one fails. Around it this module adds
+what a teaching runtime needs:
+
+- a device decision made without initialising CUDA in the caller;
+- one clear error: :class:`WorkerError` names the failing rank and carries its
+  traceback; :class:`LaunchTimeout` names the ranks that did not finish;
+- a wall-clock timeout, and a Ctrl-C (or kernel interrupt) that stops the group;
+- a channel for ranks to send small messages back (progress, live metrics);
+- in place under ``torchrun`` / ``accelerate launch``: no second launch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import multiprocessing
+import os
+import pickle
+import queue
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from . import worker
+
+
+class LaunchError(RuntimeError):
+    """The group could not be started as asked (one sentence says why)."""
+
+
+class WorkerError(RuntimeError):
+    """A rank raised. ``rank``, ``exc_type``, ``message`` and ``remote_traceback`` say what."""
+
+    def __init__(self, rank: int, exc_type: str, message: str, remote_traceback: str = ""):
+        self.rank, self.exc_type, self.message, self.remote_traceback = rank, exc_type, message, remote_traceback
+        text = f"rank {rank} failed: {exc_type}: {message}"
+        if remote_traceback:
+            text += f"\n\n--- traceback of rank {rank} ---\n{remote_traceback.rstrip()}"
+        super().__init__(text)
+
+
+class LaunchTimeout(TimeoutError):
+    """Some ranks had not finished after ``timeout`` seconds; ``pending`` lists them."""
+
+    def __init__(self, timeout: float, pending: list[int], finished: list[int], waiting: dict | None = None):
+        self.timeout, self.pending, self.finished, self.waiting = timeout, pending, finished, waiting or {}
+        text = (f"rank{'s' if len(pending) > 1 else ''} {', '.join(map(str, pending))} did not finish "
+                f"within {timeout:g} s")
+        text += f" (finished: {', '.join(map(str, finished))})" if finished else " (none finished)"
+        for rank, what in sorted(self.waiting.items()):
+            text += f"\n  rank {rank}: {what}"
+        super().__init__(text)
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """Where ranks run and over which backend, and why."""
+
+    device: str   # "cuda" or "cpu"
+    backend: str  # "nccl" or "gloo"
+    reason: str
+
+
+def visible_gpus() -> int:
+    """GPUs this process could use, counted without initialising CUDA.
+
+    ``torch.cuda.device_count()`` asks NVML first and so leaves the process safe
+    to fork; ``torch.cuda.is_available()`` would start the CUDA driver instead.
+    """
+    return torch.cuda.device_count()
+
+
+def cpu_rank_limit() -> int:
+    """Most CPU processes ('virtual GPUs') one launch may start on this machine."""
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+def plan_device(device: str, world_size: int) -> DevicePlan:
+    """Decide CUDA/NCCL or CPU/gloo for ``world_size`` ranks, or raise LaunchError."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise LaunchError(f"device={device!r} must be 'auto', 'cpu' or 'cuda'.")
+    gpus = visible_gpus()
+    if device == "cuda" and gpus < world_size:
+        raise LaunchError(f"device='cuda' needs {world_size} GPU{'s' * (world_size > 1)} for {world_size} "
+                          f"rank{'s' * (world_size > 1)} but {gpus} {'is' if gpus == 1 else 'are'} visible; "
+                          f"use device='auto' to fall back to gloo on CPU processes.")
+    if device == "cuda" or (device == "auto" and gpus >= world_size):
+        return DevicePlan("cuda", "nccl", f"{gpus} GPU{'s' * (gpus > 1)} visible, one per rank")
+    limit = cpu_rank_limit()
+    if world_size > limit:
+        fallback = (f" ({gpus} GPU{'s' * (gpus != 1)} visible, too few for {world_size} ranks, so the run "
+                    f"would fall back to CPU processes)") if device == "auto" else ""
+        raise LaunchError(f"{world_size} ranks are more than this machine can run as CPU processes "
+                          f"(at most {limit}){fallback}; use fewer ranks.")
+    if device == "cpu":
+        why = "device='cpu' asked for"
+    elif gpus == 0:
+        why = "no GPU is visible"
+    else:
+        why = f"only {gpus} GPU{'s' * (gpus > 1)} visible for {world_size} ranks"
+    return DevicePlan("cpu", "gloo", f"{why}: ranks are CPU processes ('virtual GPUs')")
+
+
+def in_place() -> bool:
+    """True when this process is already one rank of a group (torchrun, accelerate launch)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and worker._CONTEXT is None
+
+
+def _start_method(fn, plan: DevicePlan, start_method: str | None) -> str:
+    if start_method:
+        return start_method
+    # fork is fast (no re-import of torch) and runs functions defined in a notebook
+    # cell; it is only unsafe once the parent has initialised CUDA, or off Linux.
+    if sys.platform.startswith("linux") and not torch.cuda.is_initialized():
+        return "fork"
+    return "spawn"
+
+
+def _check_spawnable(fn, args, kwargs) -> None:
+    main = sys.modules.get("__main__")
+    defined_in_notebook = getattr(fn, "__module__", None) == "__main__" and not hasattr(main, "__file__")
+    if defined_in_notebook or "<locals>" in getattr(fn, "__qualname__", "") or getattr(fn, "__name__", "") == "<lambda>":
+        raise LaunchError(f"{getattr(fn, '__qualname__', fn)!r} is defined in a notebook cell or inside another "
+                          f"function, so new (spawned) processes cannot import it; put it at the top level of a "
+                          f".py file next to the notebook and import it from there.")
+    try:
+        pickle.dumps((fn, args, kwargs))
+    except Exception as e:
+        raise LaunchError(f"the function or its arguments cannot be sent to spawned processes ({e}); "
+                          f"pass plain data such as numbers, strings, lists, dicts or tensors.") from None
+
+
+class _Watchdog:
+    """Kills the group's processes if the launch outlives its timeout."""
+
+    def __init__(self, timeout: float | None, before: set):
+        self.fired = False
+        self._before = before
+        self._timer = threading.Timer(timeout, self._fire) if timeout else None
+        if self._timer:
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _fire(self) -> None:
+        self.fired = True
+        self.kill()
+
+    def kill(self) -> None:
+        # Only our own children that started during this launch: never a stranger's pid.
+        for proc in multiprocessing.active_children():
+            if proc.pid not in self._before:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(proc.pid, signal.SIGKILL)
+
+    def cancel(self) -> None:
+        if self._timer:
+            self._timer.cancel()
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _notes(run_dir: str, kind: str) -> dict[int, dict]:
+    out = {}
+    for path in glob.glob(os.path.join(run_dir, f"{kind}-*.json")):
+        rank = int(os.path.basename(path)[len(kind) + 1:-5])
+        out[rank] = _read_json(path)
+    return out
+
+
+def _worker_error(run_dir: str, failures: dict) -> WorkerError:
+    errors = _notes(run_dir, "error")
+    if errors:
+        first = min(errors.values(), key=lambda e: e.get("time", 0))
+        return WorkerError(first["rank"], first["type"], first["message"], first["traceback"])
+    rank, failure = min(failures.items())
+    code = failure.exitcode
+    if code is not None and code < 0:
+        what = f"was killed by {signal.Signals(-code).name}"
+    else:
+        what = f"exited with code {code} without raising an exception (os._exit, or a crash)"
+    return WorkerError(rank, "ProcessExit", f"the process {what}")
+
+
+@contextlib.contextmanager
+def _quiet_elastic():
+    # The agent logs every failure as a table of its own; the caller gets one
+    # WorkerError instead, so keep the agent's logger for real emergencies only.
+    logs = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    old = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for log, level in zip(logs, old):
+            log.setLevel(level)
+
+
+@contextlib.contextmanager
+def _saved_signal_handlers():
+    # The agent installs its own SIGINT/SIGTERM handlers in the main thread and
+    # does not put the caller's back (a notebook kernel needs its own).
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = [signal.SIGINT, signal.SIGTERM] + [getattr(signal, n) for n in ("SIGHUP", "SIGQUIT") if hasattr(signal, n)]
+    saved = {s: signal.getsignal(s) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            if h is not None:
+                signal.signal(s, h)
+
+
+def _drain(channel, on_message, stop: threading.Event) -> None:
+    while True:
+        try:
+            msg = channel.get(timeout=0.05)
+        except queue.Empty:
+            if stop.is_set():
+                return
+            continue
+        except (EOFError, OSError):
+            return
+        if on_message is not None:
+            on_message(msg)
+
+
+def launch(fn, *args, world_size: int, timeout: float | None = None, device: str = "auto",
+           start_method: str | None = None, on_message=None, pg_timeout: float | None = None,
+           quiet: bool = False, **kwargs) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their values in rank order.
+
+    Inside ``fn`` the default process group is ready (gloo on CPU, NCCL on CUDA)
+    and :func:`gpucourse.runtime.current` says which rank this is.
+
+    - ``timeout``: seconds for the whole group; past it every rank is killed and
+      :class:`LaunchTimeout` names the ranks that had not finished.
+    - ``device``: ``"auto"`` (NCCL when there is a GPU per rank, else gloo on CPU),
+      ``"cpu"`` or ``"cuda"``.
+    - ``on_message``: called in this process with each dict a rank passes to
+      :func:`gpucourse.runtime.report`.
+    - ``pg_timeout``: how long a collective may wait before the process group
+      gives up (defaults to ``timeout`` + 30 s, or 300 s).
+
+    Under ``torchrun`` (RANK and WORLD_SIZE already set) nothing is launched:
+    ``fn`` runs here as this process's rank and every rank gets all values.
+    """
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise LaunchError(f"world_size={world_size!r} must be a whole number of at least 1.")
+    # The process group waits a little longer than the launch, so that a hang is
+    # reported as the LaunchTimeout it is rather than as a collective's own error.
+    pg_timeout = pg_timeout or (timeout + 30 if timeout else 300.0)
+    if in_place():
+        env_world = int(os.environ["WORLD_SIZE"])
+        if env_world != world_size:
+            raise LaunchError(f"this process is one of {env_world} ranks started by torchrun, "
+                              f"but world_size={world_size} was asked for.")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", env_world))
+        plan = plan_device(device, local)
+        return worker.run_in_place(fn, args, kwargs, plan.device, plan.backend, pg_timeout)
+
+    plan = plan_device(device, world_size)
+    method = _start_method(fn, plan, start_method)
+    if method != "fork":
+        _check_spawnable(fn, args, kwargs)
+    if not quiet:
+        print(f"gpucourse: {world_size} rank{'s' * (world_size > 1)} on {plan.device} ({plan.backend}): "
+              f"{plan.reason}.", flush=True)
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    run_dir = tempfile.mkdtemp(prefix="gpucourse-run-")
+    ctx = multiprocessing.get_context(method)
+    channel = ctx.Queue()
+    spec = {"run_dir": run_dir, "device_type": plan.device, "backend": plan.backend, "pg_timeout": pg_timeout,
+            "channel": channel,
+            "threads": 1 if method == "fork" else max(1, (os.cpu_count() or 1) // world_size)}
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex,
+        # Port 0: the agent's store binds a free port, so launches never collide.
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", rdzv_configs={"timeout": 120},
+        max_restarts=0, monitor_interval=0.05, start_method=method,
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "logs"), redirects=Std.ALL, tee=Std.ALL),
+        log_line_prefix_template="[rank ${rank}] ", shutdown_timeout=5,
+    )
+    stop = threading.Event()
+    drainer = threading.Thread(target=_drain, args=(channel, on_message, stop), daemon=True)
+    drainer.start()
+    watchdog = _Watchdog(timeout, {p.pid for p in multiprocessing.active_children()})
+    try:
+        with _quiet_elastic(), _saved_signal_handlers():
+            try:
+                values = elastic_launch(config, worker.rank_main)(fn, args, kwargs, spec)
+            except ChildFailedError as e:
+                if watchdog.fired:
+                    raise _timeout_error(timeout, run_dir, world_size) from None
+                raise _worker_error(run_dir, e.failures) from None
+            except SignalException as e:
+                if e.sigval == signal.SIGINT:
+                    raise KeyboardInterrupt("launch interrupted; every rank was stopped") from None
+                raise
+            except KeyboardInterrupt:
+                watchdog.kill()
+                raise
+        if watchdog.fired:
+            raise _timeout_error(timeout, run_dir, world_size)
+        return [values[r] for r in range(world_size)]
+    finally:
+        watchdog.cancel()
+        watchdog.kill()
+        stop.set()
+        drainer.join(timeout=5)
+        channel.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _timeout_error(timeout, run_dir: str, world_size: int) -> LaunchTimeout:
+    done = sorted(_notes(run_dir, "done"))
+    pending = [r for r in range(world_size) if r not in done]
+    waiting = {r: s.get("waiting", "") for r, s in _notes(run_dir, "status").items() if r in pending and s.get("waiting")}
+    return LaunchTimeout(timeout, pending, done, waiting)

@@ -1,0 +1,161 @@
+"""What runs first inside every rank.
+
+:func:`rank_main` is the entry point the launcher hands to torch's elastic agent.
+It makes the process safe to use (one torch thread after a fork, plain stdout,
+default signal handling, death with its parent), joins the process group, runs
+the user's function, and leaves a note in the run folder: its pid when it starts,
+its error (type, message, traceback, time) if it raises, and a mark when it
+finishes. The launcher reads those notes to say which rank failed or hung.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import io
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class RankContext:
+    """Who this process is in the run."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    channel: Any = None
+
+
+_CONTEXT: RankContext | None = None
+
+
+def current() -> RankContext:
+    """The running rank's context (inside a function started by ``launch``)."""
+    if _CONTEXT is None:
+        raise RuntimeError("gpucourse.runtime.current() is only available inside a rank started by launch().")
+    return _CONTEXT
+
+
+def report(message: dict) -> None:
+    """Send a small picklable dict to the launching process (progress, live metrics).
+
+    Without a launcher listening (under ``torchrun``) rank 0 prints it instead.
+    """
+    ctx = current()
+    message = {"rank": ctx.rank, **message}
+    if ctx.channel is not None:
+        ctx.channel.put(message)
+    elif ctx.rank == 0 and message.get("print"):
+        print(message["print"], flush=True)
+
+
+def _die_with_parent() -> None:
+    # Linux only: if the launcher is killed outright, its ranks must not linger.
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _note(run_dir: str, name: str, payload: dict) -> None:
+    path = os.path.join(run_dir, name)
+    with open(path + ".tmp", "w") as f:
+        json.dump(payload, f)
+    os.replace(path + ".tmp", path)
+
+
+def pick_device(device_type: str, local_rank: int) -> torch.device:
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def rank_main(fn, args: tuple, kwargs: dict, spec: dict):
+    """Run ``fn(*args, **kwargs)`` as one rank of a launched group and return its value."""
+    global _CONTEXT
+    # A forked child inherits the launcher's signal handlers, which only run
+    # between Python bytecodes: a rank blocked inside a collective would ignore
+    # the agent's SIGTERM. Default handling lets it stop at once.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    _die_with_parent()
+    # After a fork, OpenMP's thread pool is unusable and large collectives can
+    # hang; one thread per rank avoids that (and ranks share the cores anyway).
+    torch.set_num_threads(spec["threads"])
+    # A child forked from a notebook kernel still holds the kernel's stdout
+    # objects; write to the real (redirected) file descriptors instead.
+    sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), line_buffering=True)
+
+    rank = int(os.environ["RANK"])
+    run_dir = spec["run_dir"]
+    _note(run_dir, f"pid-{rank}.json", {"pid": os.getpid()})
+    try:
+        device = pick_device(spec["device_type"], int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(spec["backend"], timeout=datetime.timedelta(seconds=spec["pg_timeout"]))
+        _CONTEXT = RankContext(rank, dist.get_world_size(), int(os.environ["LOCAL_RANK"]), device,
+                               spec["backend"], spec.get("channel"))
+        value = fn(*args, **kwargs)
+        _note(run_dir, f"done-{rank}.json", {"time": time.time()})
+        _wait_for_all_ranks()
+    except BaseException as e:  # SystemExit and KeyboardInterrupt are failures of the rank too
+        _note(run_dir, f"error-{rank}.json", {
+            "rank": rank, "type": type(e).__name__, "message": str(e),
+            "traceback": traceback.format_exc(), "time": time.time()})
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return value
+
+
+def _wait_for_all_ranks() -> None:
+    # A rank that finishes early must not exit: its closed connections would turn
+    # a peer's pending collective into a confusing "connection reset" instead of
+    # the hang it really is. Wait on the rendezvous store, not on the process
+    # group, so a collective the peer is still missing cannot be matched by this.
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    if store.add("gpucourse/finished", 1) == dist.get_world_size():
+        store.set("gpucourse/all-finished", "1")
+    store.wait(["gpucourse/all-finished"])
+
+
+def run_in_place(fn, args: tuple, kwargs: dict, device_type: str, backend: str, pg_timeout: float) -> list:
+    """Run as one rank of a group someone else started (``torchrun``, ``accelerate launch``).
+
+    Every rank gets the values of all ranks, in rank order, like ``launch``.
+    """
+    global _CONTEXT
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(device_type, local_rank)
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=pg_timeout))
+    _CONTEXT = RankContext(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+    try:
+        value = fn(*args, **kwargs)
+        values: list = [None] * dist.get_world_size()
+        dist.all_gather_object(values, value)
+        return values
+    finally:
+        _CONTEXT = None
+        if owns_group:
+            dist.destroy_process_group()

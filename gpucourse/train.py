@@ -1,0 +1,106 @@
+"""config → mesh → parallelize(model) → one training loop.
+
+:func:`run` validates a :class:`~gpucourse.config.TrainConfig`, starts its ranks
+through :func:`gpucourse.runtime.launch`, and merges what they measured into one
+:class:`~gpucourse.measure.RunResult`. :func:`train_worker` is what each rank
+runs; under ``torchrun`` it runs in place, in every process.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+
+import torch
+
+from . import comm, data
+from .config import TrainConfig
+from .measure import Recorder, RunResult, merge, write_atomic
+from .model import build_model
+from .parallel import parallelize
+from .runtime import current, launch, report
+
+
+def build_mesh(cfg: TrainConfig, device: torch.device):
+    """One DeviceMesh for the layout: dims (pp, dp, tp), tensor-parallel ranks adjacent."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (cfg.pp, cfg.dp, cfg.tp), mesh_dim_names=("pp", "dp", "tp"))
+
+
+def train_worker(cfg_dict: dict, export_path: str | None = None) -> dict:
+    """Train on this rank; return its measurements as plain data."""
+    cfg = TrainConfig.from_dict(cfg_dict)
+    ctx = current()
+    mesh = build_mesh(cfg, ctx.device)
+    dp_rank = mesh["dp"].get_local_rank()
+    rec = Recorder(ctx.rank, ctx.device, enabled=cfg.record)
+    comm.set_recorder(rec)
+    try:
+        model = build_model(cfg.model_config(), cfg.seed).to(ctx.device)
+        trainer = parallelize(model, mesh, cfg, rec, ctx.device)
+        losses, step_times = [], []
+        for step in range(cfg.steps):
+            rec.step = step
+            x, y = data.rank_batch(step, cfg.batch_size, cfg.seq_len, cfg.seed, dp_rank, cfg.dp)
+            start = time.perf_counter()
+            with rec.span("step"):
+                loss = trainer.step(x.to(ctx.device), y.to(ctx.device))
+            value = None if loss is None else loss.item()  # .item() waits for the step on CUDA
+            step_times.append(time.perf_counter() - start)
+            rec.flush()
+            losses.append(value)
+            if value is not None:
+                report({"kind": "step", "step": step, "steps": cfg.steps, "loss": value,
+                        "time_s": step_times[-1]})
+        state = trainer.full_state_dict()
+        if export_path and ctx.rank == 0:
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            write_atomic(export_path, buf.getvalue())
+    finally:
+        comm.set_recorder(None)
+    out = {"rank": ctx.rank, "losses": None if losses[0] is None else losses, "step_times_s": step_times,
+           **rec.export()}
+    return out
+
+
+class _Progress:
+    """Turns per-rank step reports into one global-loss callback per step."""
+
+    def __init__(self, holders: int, callback):
+        self.holders, self.callback = holders, callback
+        self._seen: dict[int, list] = {}
+
+    def __call__(self, msg: dict) -> None:
+        if msg.get("kind") != "step":
+            return
+        got = self._seen.setdefault(msg["step"], [])
+        got.append(msg)
+        if len(got) == self.holders:
+            del self._seen[msg["step"]]
+            loss = sum(m["loss"] for m in got) / len(got)
+            self.callback({"step": msg["step"], "steps": msg["steps"], "loss": loss,
+                           "time_s": max(m["time_s"] for m in got)})
+
+
+def run(config: TrainConfig, *, timeout: float | None = None, export_weights: str | os.PathLike | None = None,
+        on_step=None, quiet: bool = False) -> RunResult:
+    """Train ``config`` on its ranks and return the merged :class:`RunResult`.
+
+    ``on_step`` is called in this process with ``{step, steps, loss, time_s}``
+    after each step (the global mean loss). ``export_weights`` saves the trained
+    model as one single-device ``state_dict`` file, whatever the layout.
+    """
+    config.validate()
+    holders = config.dp  # ranks that see a loss: one per data-parallel replica
+    on_message = _Progress(holders, on_step) if on_step else None
+    export = os.fspath(export_weights) if export_weights else None
+    outputs = launch(train_worker, config.to_dict(), export, world_size=config.world_size, timeout=timeout,
+                     device=config.device, on_message=on_message, quiet=quiet)
+    from .runtime.launcher import plan_device, in_place
+
+    plan = plan_device(config.device, int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
+                       if in_place() else config.world_size)
+    return merge(config.to_dict(), outputs, device=plan.device, backend=plan.backend)
