@@ -1,0 +1,215 @@
+"""The ``gpucourse`` command: the same runtime as the notebooks, from a terminal.
+
+Every subcommand checks its input before any rank starts; bad input gets one
+sentence on stderr and exit status 2, and no file is half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .config import ConfigError, TrainConfig, supported_table
+from .runtime.launcher import LaunchError, LaunchTimeout, WorkerError, in_place, plan_device
+
+
+class UsageError(Exception):
+    """Bad command-line input; the message is one sentence."""
+
+
+def _check_writable(path: str, flag: str) -> None:
+    """Refuse an output path we could not write, before anything runs."""
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path} is a folder; give a file name.")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path} cannot be written: the folder {folder} does not exist.")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"{flag} {path} cannot be written: permission denied.")
+
+
+def _add_layout_args(p: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
+    p.add_argument("--model", default=d.model, help="model size: tiny, small, medium, gpt2-small, gpt2-medium")
+    p.add_argument("--dp", type=int, default=d.dp, help="data-parallel degree")
+    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree")
+    p.add_argument("--pp", type=int, default=d.pp, help="pipeline-parallel degree (stages)")
+    p.add_argument("--zero", type=int, default=d.zero, help="ZeRO stage 0-3")
+    p.add_argument("--schedule", default=d.schedule, help="pipeline schedule: naive, gpipe, 1f1b")
+    p.add_argument("--microbatches", type=int, default=d.microbatches, help="pipeline microbatches per step")
+    p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="gradient-accumulation microbatches")
+    p.add_argument("--precision", default=d.precision, help="fp32")
+    p.add_argument("--impl", default=d.impl, help="scratch (gpucourse's own) or torch (PyTorch's)")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help="global batch per optimizer step, in sequences (= microbatch × grad_accum × dp)")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+    p.add_argument("--lr", type=float, default=d.lr, help="learning rate (AdamW)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed for weights and data order")
+    p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
+
+
+def _config_from(args) -> TrainConfig:
+    return TrainConfig(model=args.model, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
+                       schedule=args.schedule, microbatches=args.microbatches, grad_accum=args.grad_accum,
+                       precision=args.precision, impl=args.impl, steps=args.steps, batch_size=args.batch_size,
+                       seq_len=args.seq_len, lr=args.lr, seed=args.seed, device=args.device,
+                       record=not args.no_record)
+
+
+class _ProgressBar:
+    """A one-line bar on a terminal; a line per tenth of the run otherwise."""
+
+    def __init__(self, stream=sys.stderr):
+        self.stream = stream
+        self.tty = stream.isatty()
+
+    def __call__(self, s: dict) -> None:
+        done, total = s["step"] + 1, s["steps"]
+        text = f"step {done:>{len(str(total))}}/{total}  loss {s['loss']:.4f}  {s['time_s'] * 1e3:7.1f} ms/step"
+        if self.tty:
+            width = 24
+            filled = round(width * done / total)
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}")
+            if done == total:
+                self.stream.write("\n")
+        elif done == total or done % max(1, total // 10) == 0:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def summary_table(result) -> str:
+    """The end-of-run summary the CLI prints."""
+    cfg = result.config
+    steps = len(result.losses)
+    per_step = sum(result.comm_bytes.get("per_step", [])) / max(steps, 1)
+    rows = [
+        ("layout", TrainConfig.from_dict(cfg).layout()),
+        ("impl", cfg["impl"]),
+        ("ranks", f"{result.world_size} on {result.device} ({result.backend})"),
+        ("model", cfg["model"]),
+        ("global batch", f"{cfg['batch_size']} seq × {cfg['seq_len']} tokens "
+                         f"(microbatch {cfg['batch_size'] // (cfg['dp'] * cfg['grad_accum'])} × "
+                         f"grad_accum {cfg['grad_accum']} × dp {cfg['dp']})"),
+        ("steps", str(steps)),
+        ("loss", f"{result.losses[0]:.4f} → {result.losses[-1]:.4f}"),
+        ("step time", f"{1e3 * sum(result.step_times_s) / steps:.1f} ms mean"),
+        ("throughput", f"{result.tokens_per_s:,.0f} tokens/s"),
+        ("communication", f"{_human_bytes(per_step)} per step, all ranks (run total: "
+                          + ", ".join(f"{op} {_human_bytes(b)}" for op, b in result.comm_bytes.get("per_op", {}).items())
+                          + ")" if per_step else "none"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def cmd_train(args) -> int:
+    if args.list:
+        rows = supported_table()
+        w = max(len(r["layout"]) for r in rows)
+        print(f"{'layout':<{w}}  {'impl':<8}  example")
+        for r in rows:
+            print(f"{r['layout']:<{w}}  {r['impl']:<8}  {r['example']}")
+        return 0
+    cfg = _config_from(args)
+    cfg.validate()
+    for path, flag in ((args.json, "--json"), (args.export_weights, "--export-weights")):
+        if path:
+            _check_writable(path, flag)
+    if in_place():
+        env_world = int(os.environ["WORLD_SIZE"])
+        if env_world != cfg.world_size:
+            raise UsageError(f"torchrun started {env_world} ranks but dp × tp × pp = {cfg.world_size}; "
+                             f"make them equal.")
+    else:
+        plan_device(cfg.device, cfg.world_size)
+
+    from .train import run
+
+    rank0 = not in_place() or int(os.environ["RANK"]) == 0
+    result = run(cfg, timeout=args.timeout, export_weights=args.export_weights,
+                 on_step=None if args.quiet else _ProgressBar(), quiet=args.quiet)
+    if rank0:
+        if args.json:
+            result.save(args.json)
+        print(summary_table(result))
+        for path, what in ((args.json, "result"), (args.export_weights, "weights")):
+            if path:
+                print(f"  {what} written to {path}")
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    from . import doctor
+
+    info = doctor.collect()
+    print(json.dumps(info, indent=2) if args.json else doctor.format_text(info))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    if args.json:
+        _check_writable(args.json, "--json")
+    from . import bench
+
+    bench.main(quick=args.quick, json_path=args.json)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpucourse", description="Run, watch and check distributed training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a layout (dp × tp × pp) and print a summary",
+                       description="Train one layout. --batch-size is the global batch per optimizer step.")
+    _add_layout_args(p)
+    p.add_argument("--json", metavar="FILE", help="write the RunResult as JSON")
+    p.add_argument("--export-weights", metavar="FILE", help="save the trained model as one single-device state_dict")
+    p.add_argument("--timeout", type=float, default=None, help="seconds before the run is stopped (default: none)")
+    p.add_argument("--no-record", action="store_true", help="do not record timeline spans")
+    p.add_argument("--quiet", action="store_true", help="no progress or device line")
+    p.add_argument("--list", action="store_true", help="list the layouts and impls this build supports")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("doctor", help="what this machine has for distributed training")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("bench", help="benchmarks: ratios against the PyTorch counterparts, measured side by side")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions")
+    p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``gpucourse`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, LaunchError, UsageError) as e:
+        print(f"gpucourse: error: {e}", file=sys.stderr)
+        return 2
+    except WorkerError as e:
+        print(f"gpucourse: {e}", file=sys.stderr)
+        return 1
+    except LaunchTimeout as e:
+        print(f"gpucourse: timeout: {e}", file=sys.stderr)
+        return 124
+    except KeyboardInterrupt:
+        print("gpucourse: interrupted; every rank was stopped.", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
