@@ -41,7 +41,10 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=d.microbatches, help="pipeline microbatches per step")
     p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="gradient-accumulation microbatches")
     p.add_argument("--precision", default=d.precision, help="fp32")
-    p.add_argument("--impl", default=d.impl, help="scratch (gpucourse's own) or torch (PyTorch's)")
+    p.add_argument("--impl", default=d.impl,
+                   help="scratch (gpucourse's own), torch (PyTorch's) or accelerate (Hugging Face Accelerate)")
+    p.add_argument("--bucket-mb", type=float, default=d.bucket_mb,
+                   help="data parallel: gradient bucket size in MB, all-reduced during backward")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=d.batch_size,
                    help="global batch per optimizer step, in sequences (= microbatch × grad_accum × dp)")
@@ -53,7 +56,7 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
 
 def _config_from(args) -> TrainConfig:
     return TrainConfig(model=args.model, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
-                       schedule=args.schedule, microbatches=args.microbatches, grad_accum=args.grad_accum,
+                       schedule=args.schedule, microbatches=args.microbatches, bucket_mb=args.bucket_mb, grad_accum=args.grad_accum,
                        precision=args.precision, impl=args.impl, steps=args.steps, batch_size=args.batch_size,
                        seq_len=args.seq_len, lr=args.lr, seed=args.seed, device=args.device,
                        record=not args.no_record)
@@ -117,9 +120,10 @@ def cmd_train(args) -> int:
     if args.list:
         rows = supported_table()
         w = max(len(r["layout"]) for r in rows)
-        print(f"{'layout':<{w}}  {'impl':<8}  example")
+        ww = max(len(r["what"]) for r in rows)
+        print(f"{'layout':<{w}}  {'impl':<10}  {'what':<{ww}}  example")
         for r in rows:
-            print(f"{r['layout']:<{w}}  {r['impl']:<8}  {r['example']}")
+            print(f"{r['layout']:<{w}}  {r['impl']:<10}  {r['what']:<{ww}}  {r['example']}")
         return 0
     cfg = _config_from(args)
     cfg.validate()
@@ -132,7 +136,7 @@ def cmd_train(args) -> int:
             raise UsageError(f"torchrun started {env_world} ranks but dp × tp × pp = {cfg.world_size}; "
                              f"make them equal.")
     else:
-        plan_device(cfg.device, cfg.world_size)
+        cfg.validate_on(plan_device(cfg.device, cfg.world_size).device)
 
     from .train import run
 
@@ -146,6 +150,48 @@ def cmd_train(args) -> int:
         for path, what in ((args.json, "result"), (args.export_weights, "weights")):
             if path:
                 print(f"  {what} written to {path}")
+    return 0
+
+
+def cmd_schedule(args) -> int:
+    from .measure import write_atomic
+    from .parallel import schedules
+
+    if args.schedule not in schedules.SCHEDULES:
+        raise UsageError(f"--schedule {args.schedule!r} is not one of {', '.join(schedules.SCHEDULES)}.")
+    for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches)):
+        if value < 1:
+            raise UsageError(f"{flag} {value} must be at least 1.")
+    if args.pp * args.microbatches > 1 << 20:
+        raise UsageError(f"--pp {args.pp} × --microbatches {args.microbatches} is over a million "
+                         f"microbatch-stages, too many to simulate quickly; use fewer.")
+    for flag, value in (("--cost-f", args.cost_f), ("--cost-b", args.cost_b), ("--cost-comm", args.cost_comm)):
+        if value < 0:
+            raise UsageError(f"{flag} {value} must not be negative.")
+    if args.json:
+        _check_writable(args.json, "--json")
+    pp, m = args.pp, args.microbatches
+    ops = schedules.build(args.schedule, pp, m)
+    schedules.validate(ops, pp, m)
+    sim = schedules.simulate(ops, pp, m, args.cost_f, args.cost_b, args.cost_comm)
+    formula = schedules.formula_bubble(args.schedule, pp, m)
+    print(f"{args.schedule}: {pp} stage{'s' * (pp > 1)}, {m} microbatch{'es' * (m > 1)}; "
+          f"F costs {args.cost_f:g}, B {args.cost_b:g}, a transfer {args.cost_comm:g}")
+    print(schedules.gantt(sim))
+    print(f"  makespan        {sim.makespan:g} time units")
+    print(f"  bubble          {sim.bubble_fraction:.1%} of stage-time idle "
+          f"(equal-cost formula {'(p-1)/p' if args.schedule == 'naive' else '(p-1)/(m+p-1)'} = {formula:.1%})")
+    print(f"  peak in flight  {' '.join(map(str, sim.peak_in_flight))} microbatches held, stage 0 to {pp - 1}")
+    if args.json:
+        write_atomic(args.json, json.dumps({
+            "schedule": args.schedule, "pp": pp, "microbatches": m,
+            "cost": {"f": args.cost_f, "b": args.cost_b, "comm": args.cost_comm},
+            "ops": [[str(op) for op in row] for row in ops],
+            "timeline": [[{"op": str(op), "start": b, "end": e} for op, b, e in row] for row in sim.timeline],
+            "makespan": sim.makespan, "bubble_fraction": sim.bubble_fraction, "formula_bubble": formula,
+            "peak_in_flight": sim.peak_in_flight, "busy": sim.busy, "comm": sim.comm, "idle": sim.idle,
+        }, indent=1))
+        print(f"  written to {args.json}")
     return 0
 
 
@@ -180,6 +226,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress or device line")
     p.add_argument("--list", action="store_true", help="list the layouts and impls this build supports")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("schedule", help="lay out a pipeline schedule on a clock, without starting any rank",
+                       description="Print a pipeline schedule's per-stage timeline, bubble and activations held.")
+    p.add_argument("--pp", type=int, default=4, help="pipeline stages")
+    p.add_argument("--microbatches", type=int, default=8, help="microbatches per step")
+    p.add_argument("--schedule", default="1f1b", help="naive, gpipe or 1f1b")
+    p.add_argument("--cost-f", type=float, default=1.0, help="time of one stage's forward of one microbatch")
+    p.add_argument("--cost-b", type=float, default=2.0, help="time of one stage's backward of one microbatch")
+    p.add_argument("--cost-comm", type=float, default=0.0, help="time of one activation or gradient transfer")
+    p.add_argument("--json", metavar="FILE", help="write the schedule, timeline and figures as JSON")
+    p.set_defaults(func=cmd_schedule)
 
     p = sub.add_parser("doctor", help="what this machine has for distributed training")
     p.add_argument("--json", action="store_true", help="print JSON")

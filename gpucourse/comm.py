@@ -43,25 +43,91 @@ def set_recorder(rec: Recorder | None) -> None:
     _RECORDER = rec
 
 
-def count(op: str, tensor: torch.Tensor, group=None) -> None:
-    """Count one collective of ``op`` on ``tensor`` (also used by comm hooks)."""
+def _count(op: str, payload: int, n: int) -> None:
     if _RECORDER is not None:
-        n = dist.get_world_size(group)
-        payload = tensor.numel() * tensor.element_size()
         _RECORDER.count_comm(op, payload, int(round(payload * RING_FACTOR[op](n))))
 
 
+def count(op: str, tensor: torch.Tensor, group=None) -> None:
+    """Count one collective of ``op`` on ``tensor``."""
+    _count(op, tensor.numel() * tensor.element_size(), dist.get_world_size(group))
+
+
+def _nbytes(tensors) -> int:
+    if torch.is_tensor(tensors):
+        return tensors.numel() * tensors.element_size()
+    return sum(_nbytes(t) for t in tensors)
+
+
+# c10d operator -> (our name, which argument holds the payload). Every
+# torch.distributed call, also those PyTorch's own FSDP, ZeroRedundancyOptimizer,
+# pipelining and DTensor make, passes through one of these dispatcher operators.
+_C10D_OPS = {
+    "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0),
+    "_allgather_base_": ("all_gather", 0), "allgather_": ("all_gather", 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "broadcast_": ("broadcast", 0), "send": ("send", 0), "recv_": ("recv", 0),
+}
+
+
+class counting:
+    """Count the bytes of every collective issued inside this ``with`` block.
+
+    Used around PyTorch's own strategies, whose collectives we do not call
+    ourselves: a dispatch mode sees each c10d operator with its tensors and
+    process group, on whatever thread autograd runs it.
+    """
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func._schema.name
+                if name.startswith("c10d::"):
+                    known = _C10D_OPS.get(name[len("c10d::"):])
+                    if known:
+                        op, arg = known
+                        names = [a.name for a in func._schema.arguments]
+                        group = dist.ProcessGroup.unbox(args[names.index("process_group")])
+                        _count(op, _nbytes(args[arg]), group.size())
+                return func(*args, **(kwargs or {}))
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
 class Pending:
-    """An in-flight collective; ``wait()`` blocks until it is done."""
+    """An in-flight collective; ``wait()`` blocks until it is done.
+
+    Its ``comm`` span runs from the launch to the moment the collective
+    completed (on CPU the work's future says when; on CUDA, the point where the
+    compute stream has waited for it).
+    """
 
     def __init__(self, work, name: str):
-        self._work, self._name = work, name
-        self._start = _RECORDER.now() if _RECORDER else 0.0
+        self._work, self._name, self._rec = work, name, _RECORDER
+        self._start = self._rec.mark() if self._rec else None
+        self._done = None
+        if self._rec is not None and not self._rec._cuda:
+            work.get_future().then(self._completed)
+
+    def _completed(self, fut):
+        self._done = self._rec.now()
 
     def wait(self) -> None:
         self._work.wait()
-        if _RECORDER is not None:
-            _RECORDER.add_span("comm", self._name, self._start, _RECORDER.now())
+        if self._rec is not None:
+            end = self._rec.mark()
+            if self._done is not None:
+                end = min(end, self._done)
+            self._rec.add_span("comm", self._name, self._start, end)
 
 
 def _run(op: str, name: str, fn, tensor: torch.Tensor, group, async_op: bool):
@@ -82,17 +148,22 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, name="a
                 tensor, group, async_op)
 
 
+# Newer PyTorch renamed the flat-tensor collectives; accept both spellings.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather_into_tensor(output, input, group=None, async_op=False, name="all_gather"):
     """``output`` (n × the size of ``input``) receives every rank's ``input``, in rank order."""
     return _run("all_gather", name,
-                lambda async_op: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op),
+                lambda async_op: _all_gather_flat(output, input, group=group, async_op=async_op),
                 output, group, async_op)
 
 
 def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, name="reduce_scatter"):
     """Reduce ``input`` over ranks; rank i keeps the i-th of n equal chunks in ``output``."""
     return _run("reduce_scatter", name,
-                lambda async_op: dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op),
+                lambda async_op: _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op),
                 input, group, async_op)
 
 

@@ -18,16 +18,35 @@ class ConfigError(ValueError):
     """A config that cannot run; the message is one sentence saying why."""
 
 
-# Which (strategy, impl) pairs this build supports. ``gpucourse train --list``
-# prints this table, and validate() refuses anything outside it.
-IMPLS = ("scratch", "torch")
+IMPLS = ("scratch", "torch", "accelerate")
 SCHEDULES = ("naive", "gpipe", "1f1b")
 PRECISIONS = ("fp32",)
-SUPPORTED = {
-    # layout kind -> impls that implement it
-    "single": ("scratch", "torch"),
-    "dp": ("scratch", "torch"),
-}
+
+# What this build runs: (layout, impl, what it is, an example). ``gpucourse train
+# --list`` prints it; validate() below is what enforces it.
+SUPPORTED = [
+    ("single", "scratch", "one device, the baseline", "gpucourse train"),
+    ("dp", "scratch", "one all-reduce per gradient after backward", "gpucourse train --dp 2"),
+    ("dp", "scratch", "bucketed all-reduce overlapped with backward", "gpucourse train --dp 2 --bucket-mb 1"),
+    ("dp", "torch", "DistributedDataParallel", "gpucourse train --dp 2 --impl torch"),
+    ("dp", "accelerate", "accelerate.Accelerator (DDP)", "gpucourse train --dp 2 --impl accelerate"),
+    ("zero1", "scratch", "optimizer state sharded", "gpucourse train --dp 2 --zero 1"),
+    ("zero2", "scratch", "gradients sharded too (reduce-scatter)", "gpucourse train --dp 2 --zero 2"),
+    ("zero1", "torch", "ZeroRedundancyOptimizer", "gpucourse train --dp 2 --zero 1 --impl torch"),
+    ("zero2", "torch", "FSDP2 fully_shard, parameters kept between forward and backward",
+     "gpucourse train --dp 2 --zero 2 --impl torch"),
+    ("zero3", "torch", "FSDP2 fully_shard", "gpucourse train --dp 2 --zero 3 --impl torch"),
+    ("zero3", "accelerate", "accelerate.Accelerator (FSDP; CUDA only)", "gpucourse train --dp 2 --zero 3 --impl accelerate"),
+    ("pp", "scratch", "pipeline, naive / gpipe / 1f1b", "gpucourse train --pp 2 --schedule 1f1b --microbatches 4"),
+    ("pp", "torch", "torch.distributed.pipelining, gpipe / 1f1b",
+     "gpucourse train --pp 2 --schedule 1f1b --microbatches 4 --impl torch"),
+    ("tp", "scratch", "Megatron-style column/row parallel", "gpucourse train --tp 2"),
+    ("tp", "torch", "DTensor ColwiseParallel / RowwiseParallel", "gpucourse train --tp 2 --impl torch"),
+    ("dp×tp", "scratch", "hybrid on one DeviceMesh", "gpucourse train --dp 2 --tp 2"),
+    ("dp×pp", "scratch", "hybrid on one DeviceMesh", "gpucourse train --dp 2 --pp 2 --microbatches 2"),
+    ("tp×pp", "scratch", "hybrid on one DeviceMesh", "gpucourse train --tp 2 --pp 2 --microbatches 2"),
+    ("dp×tp×pp", "scratch", "hybrid on one DeviceMesh", "gpucourse train --dp 2 --tp 2 --pp 2 --microbatches 2"),
+]
 
 
 @dataclass
@@ -51,6 +70,7 @@ class TrainConfig:
     precision: str = "fp32"
     checkpoint_activations: bool = False
     impl: str = "scratch"
+    bucket_mb: float | None = None
     steps: int = 20
     batch_size: int = 8
     seq_len: int = 64
@@ -102,51 +122,83 @@ class TrainConfig:
             raise ConfigError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)} in this build.")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}.")
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"zero={self.zero!r} must be a ZeRO stage: 0, 1, 2 or 3.")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout={self.dropout} must be at least 0 and below 1.")
         if self.lr <= 0:
             raise ConfigError(f"lr={self.lr} must be positive.")
-        kind = self.kind()
-        if kind not in SUPPORTED:
-            raise ConfigError(f"the layout {self.layout()} (zero={self.zero}) is not supported by this build; "
-                              f"`gpucourse train --list` shows what is.")
-        if self.impl not in SUPPORTED[kind]:
-            raise ConfigError(f"impl={self.impl!r} does not implement the {kind} layout; it supports "
-                              f"{', '.join(i for i, ks in _impls_by_kind().items() if kind in ks) or 'none'}.")
-        per_step = self.dp * self.grad_accum
-        if self.batch_size % per_step:
-            raise ConfigError(f"batch_size={self.batch_size} must be divisible by grad_accum × dp = "
-                              f"{self.grad_accum} × {self.dp} = {per_step}.")
         mc = self.model_config()
         if self.seq_len > mc.block_size:
             raise ConfigError(f"seq_len={self.seq_len} is longer than model {self.model!r}'s "
                               f"block_size={mc.block_size}.")
+        if self.tp > 1:
+            if mc.n_head % self.tp:
+                raise ConfigError(f"tp={self.tp} must divide n_head={mc.n_head} of model {self.model!r}: "
+                                  f"each rank holds whole attention heads.")
+            if (4 * mc.n_embd) % self.tp:
+                raise ConfigError(f"tp={self.tp} must divide the MLP width 4 × n_embd = {4 * mc.n_embd}.")
+        if self.pp > mc.n_layer:
+            raise ConfigError(f"pp={self.pp} is more than the {mc.n_layer} blocks of model {self.model!r}; "
+                              f"each stage needs at least one block.")
+        per_step = self.dp * self.grad_accum
+        if self.batch_size % per_step:
+            raise ConfigError(f"batch_size={self.batch_size} must be divisible by grad_accum × dp = "
+                              f"{self.grad_accum} × {self.dp} = {per_step}.")
+        if self.pp > 1:
+            if self.grad_accum != 1:
+                raise ConfigError("with pp > 1 the batch is split by microbatches=M, not grad_accum; "
+                                  "set grad_accum=1.")
+            per_dp = self.batch_size // self.dp
+            if per_dp % self.microbatches:
+                raise ConfigError(f"microbatches={self.microbatches} must divide the batch of each data-parallel "
+                                  f"rank, batch_size / dp = {per_dp} sequences.")
+        elif self.microbatches != 1:
+            raise ConfigError("microbatches=M splits the batch between pipeline stages and needs pp > 1; "
+                              "on one stage use grad_accum to split it.")
+        if self.bucket_mb is not None:
+            if not self.bucket_mb > 0:
+                raise ConfigError(f"bucket_mb={self.bucket_mb} must be a positive number of megabytes.")
+            if self.dp == 1 or self.zero or self.tp > 1 or self.pp > 1 or self.impl == "accelerate":
+                raise ConfigError("bucket_mb sets the gradient buckets of plain data parallelism "
+                                  "(dp > 1, zero=0, tp=1, pp=1, impl scratch or torch).")
+        self._check_supported()
+        return self
+
+    def _check_supported(self) -> None:
+        hybrid = sum(d > 1 for d in (self.dp, self.tp, self.pp)) > 1
+        if self.zero and (self.tp > 1 or self.pp > 1):
+            raise ConfigError(f"zero={self.zero} combines only with data parallelism (tp=1, pp=1) in this build.")
+        if self.impl == "scratch" and self.zero == 3:
+            raise ConfigError("zero=3 is not written from scratch in this build; use impl='torch' (FSDP2).")
+        if self.impl == "torch":
+            if hybrid:
+                raise ConfigError(f"the hybrid layout {self.layout()} runs with impl='scratch' only in this build.")
+            if self.pp > 1 and self.schedule == "naive":
+                raise ConfigError("torch.distributed.pipelining has no 'naive' schedule; use gpipe or 1f1b, "
+                                  "or impl='scratch'.")
+        if self.impl == "accelerate":
+            if self.tp > 1 or self.pp > 1:
+                raise ConfigError("impl='accelerate' runs data parallelism only (tp=1, pp=1).")
+            if self.zero not in (0, 3):
+                raise ConfigError(f"impl='accelerate' offers DDP (zero=0) and FSDP (zero=3), not zero={self.zero}.")
+
+    def validate_on(self, device: str) -> "TrainConfig":
+        """The checks that depend on where the ranks run (``cpu`` or ``cuda``)."""
+        if device == "cpu" and self.impl == "accelerate" and self.zero == 3:
+            raise ConfigError("Accelerate offers FSDP only on GPUs; on CPU ranks use impl='torch' with zero=3 "
+                              "(the same FSDP2 it would use).")
         return self
 
     def kind(self) -> str:
-        """The family of strategy this layout needs (``single``, ``dp``, ...)."""
-        if self.tp == 1 and self.pp == 1 and self.zero == 0:
-            return "single" if self.dp == 1 else "dp"
-        return f"dp{self.dp}-tp{self.tp}-pp{self.pp}-zero{self.zero}"
-
-
-def _impls_by_kind() -> dict:
-    out: dict = {}
-    for kind, impls in SUPPORTED.items():
-        for impl in impls:
-            out.setdefault(impl, []).append(kind)
-    return out
+        """The layout's name in the ``--list`` table (``single``, ``dp``, ``zero1``, ``dp×tp``...)."""
+        if self.zero:
+            return f"zero{self.zero}"
+        names = [n for n, d in (("dp", self.dp), ("tp", self.tp), ("pp", self.pp)) if d > 1]
+        return "×".join(names) or "single"
 
 
 def supported_table() -> list[dict]:
     """Rows of what this build runs, for ``gpucourse train --list``."""
-    examples = {
-        "single": "gpucourse train",
-        "dp": "gpucourse train --dp 2",
-    }
-    rows = []
-    for kind, impls in SUPPORTED.items():
-        for impl in impls:
-            cmd = examples[kind] + ("" if impl == "scratch" else f" --impl {impl}")
-            rows.append({"layout": kind, "impl": impl, "example": cmd})
-    return rows
+    return [{"layout": layout, "impl": impl, "what": what, "example": example}
+            for layout, impl, what, example in SUPPORTED]

@@ -79,11 +79,24 @@ class Recorder:
                 rec["end_s"] = self.now()
                 self.spans.append(rec)
 
-    def add_span(self, kind: str, name: str, start_s: float, end_s: float, microbatch: int | None = None):
-        """Add a span measured elsewhere (for example an async collective's launch-to-wait)."""
-        if self.enabled:
-            self.spans.append({"rank": self.rank, "step": self.step, "kind": kind, "name": name,
-                               "microbatch": microbatch, "start_s": start_s, "end_s": end_s})
+    def mark(self):
+        """A point in time to pass to :meth:`add_span` (a CUDA event on CUDA)."""
+        if self._cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return self.now()
+
+    def add_span(self, kind: str, name: str, start, end, microbatch: int | None = None):
+        """Add a span between two :meth:`mark` points (e.g. an async collective's launch and completion)."""
+        if not self.enabled:
+            return
+        rec = {"rank": self.rank, "step": self.step, "kind": kind, "name": name, "microbatch": microbatch}
+        if self._cuda:
+            self._pending.append((rec, start, end))
+        else:
+            rec["start_s"], rec["end_s"] = start, end
+        self.spans.append(rec)
 
     def count_comm(self, op: str, nbytes: int, bus_bytes: int) -> None:
         """Count one collective call of ``op``: its payload and the bytes this rank sends for it."""
@@ -169,6 +182,31 @@ class RunResult:
             return cls.from_dict(path_or_result)
         with open(path_or_result) as f:
             return cls.from_dict(json.load(f))
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of the elements of ``tensors``, each tensor counted once.
+
+    A sharded tensor (a DTensor) counts only this rank's local shard.
+    """
+    held, total = {}, 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        if key not in held:
+            held[key] = t  # keep it alive so its address cannot be reused while we count
+            total += t.numel() * t.element_size()
+    return total
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of an optimizer's per-parameter state (Adam's two moments).
+
+    Scalar entries such as Adam's step counter are left out: they are a few
+    bytes per tensor and no memory formula counts them.
+    """
+    return tensor_bytes(v for state in optimizer.state.values() for v in state.values()
+                        if torch.is_tensor(v) and v.dim() > 0)
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:

@@ -8,6 +8,7 @@ runs; under ``torchrun`` it runs in place, in every process.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import time
@@ -20,6 +21,7 @@ from .measure import Recorder, RunResult, merge, write_atomic
 from .model import build_model
 from .parallel import parallelize
 from .runtime import current, launch, report
+from .runtime.launcher import in_place, plan_device
 
 
 def build_mesh(cfg: TrainConfig, device: torch.device):
@@ -33,37 +35,44 @@ def train_worker(cfg_dict: dict, export_path: str | None = None) -> dict:
     """Train on this rank; return its measurements as plain data."""
     cfg = TrainConfig.from_dict(cfg_dict)
     ctx = current()
-    mesh = build_mesh(cfg, ctx.device)
-    dp_rank = mesh["dp"].get_local_rank()
     rec = Recorder(ctx.rank, ctx.device, enabled=cfg.record)
     comm.set_recorder(rec)
+    # Our own strategies count their bytes as they call gpucourse.comm; PyTorch's
+    # make their collectives inside torch, so there we count at the dispatcher.
+    counting = comm.counting() if cfg.impl != "scratch" else contextlib.nullcontext()
     try:
-        model = build_model(cfg.model_config(), cfg.seed).to(ctx.device)
-        trainer = parallelize(model, mesh, cfg, rec, ctx.device)
-        losses, step_times = [], []
-        for step in range(cfg.steps):
-            rec.step = step
-            x, y = data.rank_batch(step, cfg.batch_size, cfg.seq_len, cfg.seed, dp_rank, cfg.dp)
-            start = time.perf_counter()
-            with rec.span("step"):
-                loss = trainer.step(x.to(ctx.device), y.to(ctx.device))
-            value = None if loss is None else loss.item()  # .item() waits for the step on CUDA
-            step_times.append(time.perf_counter() - start)
-            rec.flush()
-            losses.append(value)
-            if value is not None:
-                report({"kind": "step", "step": step, "steps": cfg.steps, "loss": value,
-                        "time_s": step_times[-1]})
-        state = trainer.full_state_dict()
-        if export_path and ctx.rank == 0:
-            buf = io.BytesIO()
-            torch.save(state, buf)
-            write_atomic(export_path, buf.getvalue())
+        with counting:
+            return _train(cfg, ctx, rec, export_path)
     finally:
         comm.set_recorder(None)
-    out = {"rank": ctx.rank, "losses": None if losses[0] is None else losses, "step_times_s": step_times,
-           **rec.export()}
-    return out
+
+
+def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dict:
+    mesh = build_mesh(cfg, ctx.device)
+    dp_rank = mesh["dp"].get_local_rank()
+    model = build_model(cfg.model_config(), cfg.seed).to(ctx.device)
+    trainer = parallelize(model, mesh, cfg, rec, ctx.device)
+    losses, step_times = [], []
+    for step in range(cfg.steps):
+        rec.step = step
+        x, y = data.rank_batch(step, cfg.batch_size, cfg.seq_len, cfg.seed, dp_rank, cfg.dp)
+        start = time.perf_counter()
+        with rec.span("step"):
+            loss = trainer.step(x.to(ctx.device), y.to(ctx.device))
+        value = None if loss is None else loss.item()  # .item() waits for the step on CUDA
+        step_times.append(time.perf_counter() - start)
+        rec.flush()
+        losses.append(value)
+        if value is not None:
+            report({"kind": "step", "step": step, "steps": cfg.steps, "loss": value, "time_s": step_times[-1]})
+    rec.step = cfg.steps  # gathering the weights is not training traffic: it counts after the last step
+    state = trainer.full_state_dict()
+    if export_path and ctx.rank == 0:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        write_atomic(export_path, buf.getvalue())
+    return {"rank": ctx.rank, "losses": None if losses[0] is None else losses, "step_times_s": step_times,
+            "memory": trainer.memory, "extras": getattr(trainer, "extras", {}), **rec.export()}
 
 
 class _Progress:
@@ -94,13 +103,12 @@ def run(config: TrainConfig, *, timeout: float | None = None, export_weights: st
     model as one single-device ``state_dict`` file, whatever the layout.
     """
     config.validate()
-    holders = config.dp  # ranks that see a loss: one per data-parallel replica
+    plan = plan_device(config.device, int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
+                       if in_place() else config.world_size)
+    config.validate_on(plan.device)
+    holders = config.dp * config.tp  # ranks that see a loss: the last pipeline stage of each replica
     on_message = _Progress(holders, on_step) if on_step else None
     export = os.fspath(export_weights) if export_weights else None
     outputs = launch(train_worker, config.to_dict(), export, world_size=config.world_size, timeout=timeout,
                      device=config.device, on_message=on_message, quiet=quiet)
-    from .runtime.launcher import plan_device, in_place
-
-    plan = plan_device(config.device, int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
-                       if in_place() else config.world_size)
     return merge(config.to_dict(), outputs, device=plan.device, backend=plan.backend)

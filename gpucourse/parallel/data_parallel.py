@@ -17,8 +17,8 @@ accumulation adds up gradients locally and communicates once.
 
 ``DataParallelScratch`` is that, written out. ``TorchDDP`` is the production
 version, ``torch.nn.parallel.DistributedDataParallel``, which buckets gradients
-and overlaps their all-reduce with the rest of backward; a comm hook lets us
-count its bytes and time its buckets with the same recorder.
+and overlaps their all-reduce with the rest of backward; a comm hook times its
+buckets with the same recorder (``comm.counting`` counts its bytes).
 """
 
 from __future__ import annotations
@@ -39,30 +39,36 @@ def broadcast_parameters(model: torch.nn.Module, group, src: int) -> None:
             comm.broadcast(p.data, src=src, group=group, name="broadcast weights")
 
 
+def allreduce_gradients(module: torch.nn.Module, group) -> None:
+    """Average every gradient over ``group``: one all-reduce (sum, then / size) per parameter."""
+    size = dist.get_world_size(group)
+    for name, p in module.named_parameters():
+        if p.grad is None:  # frozen, or unused in this step on every rank
+            continue
+        comm.all_reduce(p.grad, group=group, name=f"all_reduce {name}")
+        p.grad /= size
+
+
 class DataParallelScratch(Trainer):
     """Data parallel from scratch: one blocking all-reduce per gradient after backward."""
 
     def __init__(self, model, lr, grad_accum, rec, group):
         self.group = group
-        self.dp = dist.get_world_size(group)
         broadcast_parameters(model, group, src=dist.get_global_rank(group, 0))
         super().__init__(model, lr, grad_accum, rec)
 
     def sync_gradients(self) -> None:
-        for name, p in self.model.named_parameters():
-            if p.grad is None:  # frozen, or unused in this step on every rank
-                continue
-            comm.all_reduce(p.grad, group=self.group, name=f"all_reduce {name}")
-            p.grad /= self.dp
+        allreduce_gradients(self.model, self.group)
 
 
 class TorchDDP(Trainer):
     """``DistributedDataParallel``: bucketed all-reduce overlapped with backward."""
 
-    def __init__(self, model, lr, grad_accum, rec, group, device):
+    def __init__(self, model, lr, grad_accum, rec, group, device, bucket_mb: float | None = None):
         self.group = group
         ddp = torch.nn.parallel.DistributedDataParallel(
-            model, process_group=group, device_ids=[device.index] if device.type == "cuda" else None)
+            model, process_group=group, device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=25 if bucket_mb is None else bucket_mb)
         ddp.register_comm_hook(state=(rec, group), hook=_recording_allreduce_hook)
         super().__init__(ddp, lr, grad_accum, rec)
 
@@ -75,16 +81,15 @@ class TorchDDP(Trainer):
 
 
 def _recording_allreduce_hook(state, bucket):
-    """DDP's own averaging all-reduce, with its bytes counted and its time recorded."""
+    """DDP's own averaging all-reduce, with its time recorded (its bytes are counted by comm.counting)."""
     rec, group = state
     tensor = bucket.buffer()
-    comm.count("all_reduce", tensor, group)
-    start = rec.now()
+    start = rec.mark()
     tensor.div_(dist.get_world_size(group))
     fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
 
     def done(f):
-        rec.add_span("comm", f"all_reduce bucket {bucket.index()}", start, rec.now())
+        rec.add_span("comm", f"all_reduce bucket {bucket.index()}", start, rec.mark())
         return f.value()[0]
 
     return fut.then(done)

@@ -10,18 +10,24 @@ microbatches so that a batch too big for memory still trains as one step:
 
 Dividing each microbatch loss by ``grad_accum`` makes the summed gradient the
 gradient of the mean loss over the whole batch, exactly as if it had been one
-forward. Data-parallel trainers reuse this loop and fill in ``sync_gradients``
-(and ``accumulating``, to skip communication on all but the last microbatch).
+forward. Parallel trainers reuse this loop: data parallel fills in
+``sync_gradients`` (and ``accumulating``, to skip communication on all but the
+last microbatch), a pipeline replaces the microbatch loop by its schedule, ZeRO
+replaces the optimizer step.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 
-from ..measure import Recorder
+from ..measure import Recorder, optimizer_state_bytes, tensor_bytes
 from ..model import loss_fn
+
+
+ADAMW = {"betas": (0.9, 0.95), "eps": 1e-6, "weight_decay": 0.0}
 
 
 def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
@@ -32,21 +38,27 @@ def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
     switched off) would otherwise turn float rounding into a full-size update,
     and two equal layouts would drift apart in exactly those weights.
     """
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.0)
+    return torch.optim.AdamW(params, lr=lr, **ADAMW)
 
 
 class Trainer:
-    """Trains ``model`` on one device; subclasses add the communication."""
+    """Trains ``model`` on one device; subclasses add the communication.
 
-    def __init__(self, model: torch.nn.Module, lr: float, grad_accum: int, rec: Recorder):
+    ``grad_sync``, if given, is called after the last backward of a step; it is
+    how a strategy composes with data parallelism (see ``data_parallel``).
+    """
+
+    def __init__(self, model: torch.nn.Module, lr: float, grad_accum: int, rec: Recorder,
+                 grad_sync: Callable[[], None] | None = None):
         self.model = model
         self.grad_accum = grad_accum
         self.rec = rec
-        self.optimizer = make_optimizer([p for p in self.params() if p.requires_grad], lr)
+        self.grad_sync = grad_sync
+        self.memory: dict = {}
+        self.optimizer = self.make_optimizer(lr)
 
-    def params(self):
-        """The parameters this trainer updates (the model's, by default)."""
-        return self.model.parameters()
+    def make_optimizer(self, lr: float) -> torch.optim.Optimizer:
+        return make_optimizer([p for p in self.model.parameters() if p.requires_grad], lr)
 
     def accumulating(self, last: bool):
         """Context for one microbatch's forward and backward (a no-op here)."""
@@ -54,11 +66,34 @@ class Trainer:
 
     def sync_gradients(self) -> None:
         """Make gradients the same on every replica (nothing to do on one device)."""
+        if self.grad_sync is not None:
+            self.grad_sync()
 
     def optimizer_step(self) -> None:
         with self.rec.span("optimizer"):
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        self.measure_memory()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # What this rank holds, by category, counted from the tensors themselves.
+    def weight_bytes(self) -> int:
+        return tensor_bytes(self.model.parameters())
+
+    def gradient_bytes(self) -> int:
+        return tensor_bytes(p.grad for p in self.model.parameters() if p.grad is not None)
+
+    def measure_memory(self) -> None:
+        """Record weights, gradients and optimizer state (after the first step, when all exist)."""
+        if not self.memory:
+            self.memory = {"weights": self.weight_bytes(), "gradients": self.gradient_bytes(),
+                           "optimizer": optimizer_state_bytes(self.optimizer)}
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, microbatch: int) -> torch.Tensor:
+        with self.rec.span("forward", microbatch=microbatch):
+            loss = loss_fn(self.model(x), y) / self.grad_accum
+        with self.rec.span("backward", microbatch=microbatch):
+            loss.backward()
+        return loss.detach()
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One optimizer step on this rank's share of the batch; returns its mean loss."""
@@ -66,11 +101,7 @@ class Trainer:
         micro = list(zip(x.chunk(self.grad_accum), y.chunk(self.grad_accum)))
         for i, (mx, my) in enumerate(micro):
             with self.accumulating(last=i == len(micro) - 1):
-                with self.rec.span("forward", microbatch=i):
-                    loss = loss_fn(self.model(mx), my) / self.grad_accum
-                with self.rec.span("backward", microbatch=i):
-                    loss.backward()
-            total += loss.detach()
+                total += self.forward_backward(mx, my, i)
         self.sync_gradients()
         self.optimizer_step()
         return total

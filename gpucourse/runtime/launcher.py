@@ -190,13 +190,22 @@ def _worker_error(run_dir: str, failures: dict) -> WorkerError:
     errors = _notes(run_dir, "error")
     if errors:
         first = min(errors.values(), key=lambda e: e.get("time", 0))
-        return WorkerError(first["rank"], first["type"], first["message"], first["traceback"])
-    rank, failure = min(failures.items())
-    code = failure.exitcode
+        # A rank that ends without raising (os._exit, a crash, the OOM killer)
+        # leaves no note, and makes its peers raise "connection closed" in their
+        # next collective: the first of those names it, and it is the cause.
+        if not first.get("silent_exits"):
+            return WorkerError(first["rank"], first["type"], first["message"], first["traceback"])
+        rank = first["silent_exits"][0]
+    else:
+        rank = min(failures)
+    # The agent reports only the first exit it saw, which may be a peer's.
+    code = failures[rank].exitcode if rank in failures else None
     if code is not None and code < 0:
         what = f"was killed by {signal.Signals(-code).name}"
-    else:
+    elif code is not None:
         what = f"exited with code {code} without raising an exception (os._exit, or a crash)"
+    else:
+        what = "ended without raising an exception (os._exit, or a crash)"
     return WorkerError(rank, "ProcessExit", f"the process {what}")
 
 

@@ -96,6 +96,7 @@ def rank_main(fn, args: tuple, kwargs: dict, spec: dict):
     # After a fork, OpenMP's thread pool is unusable and large collectives can
     # hang; one thread per rank avoids that (and ranks share the cores anyway).
     torch.set_num_threads(spec["threads"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(spec["threads"]))  # libraries that read it (Accelerate) agree
     # A child forked from a notebook kernel still holds the kernel's stdout
     # objects; write to the real (redirected) file descriptors instead.
     sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), line_buffering=True)
@@ -115,7 +116,7 @@ def rank_main(fn, args: tuple, kwargs: dict, spec: dict):
     except BaseException as e:  # SystemExit and KeyboardInterrupt are failures of the rank too
         _note(run_dir, f"error-{rank}.json", {
             "rank": rank, "type": type(e).__name__, "message": str(e),
-            "traceback": traceback.format_exc(), "time": time.time()})
+            "traceback": traceback.format_exc(), "time": time.time(), "silent_exits": _silent_exits(run_dir)})
         raise
     finally:
         if dist.is_initialized():
@@ -123,6 +124,35 @@ def rank_main(fn, args: tuple, kwargs: dict, spec: dict):
         sys.stdout.flush()
         sys.stderr.flush()
     return value
+
+
+def _silent_exits(run_dir: str) -> list[int]:
+    """Ranks whose process has already ended without leaving an error or a done note.
+
+    A rank that dies silently (os._exit, a crash) makes its peers fail in their
+    next collective; a peer that sees it gone records so, and the launcher then
+    blames the silent rank instead of the peer's "connection closed".
+    """
+    if not sys.platform.startswith("linux"):
+        return []
+    gone = []
+    for name in os.listdir(run_dir):
+        if not (name.startswith("pid-") and name.endswith(".json")):
+            continue
+        rank = name[len("pid-"):-len(".json")]
+        if any(os.path.exists(os.path.join(run_dir, f"{kind}-{rank}.json")) for kind in ("error", "done")):
+            continue
+        with open(os.path.join(run_dir, name)) as f:
+            pid = json.load(f)["pid"]
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                # A zombie has ended already; only the agent has not reaped it yet.
+                running = f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            running = False
+        if not running:
+            gone.append(int(rank))
+    return sorted(gone)
 
 
 def _wait_for_all_ranks() -> None:

@@ -1,0 +1,362 @@
+"""Benchmarks: gpucourse's runtime and strategies against their PyTorch and Accelerate counterparts.
+
+``gpucourse bench`` measures a list of *figures*. Each figure is a number,
+usually a ratio "ours over theirs", and a target it should meet (``"<= 1.10"``)
+or ``"report"`` when the number is only shown. Every ratio is measured side by
+side in one run: the two sides take turns (A B B A A B B A …) and each side's
+median is used, so a machine that gets slower or busier during the run (a
+laptop warming up, a neighbour's job on a shared box) slows both sides alike,
+and a few outliers do not move the result.
+
+Adding a figure is one function::
+
+    @figure("my_ratio", target="<= 1.05", quick=dict(reps=3), full=dict(reps=9))
+    def my_ratio(reps: int) -> Reading:
+        times = interleave({"ours": lambda: ..., "theirs": lambda: ...}, reps)
+        return ratio_reading(times["ours"], times["theirs"], ...)
+
+``quick`` and ``full`` are the keyword arguments the function gets under
+``gpucourse bench --quick`` and ``gpucourse bench``. :func:`main` runs every
+registered figure, prints a table and can write all figures as one JSON object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import io
+import json
+import math
+import operator
+import os
+import platform
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .measure import write_atomic
+from .runtime.launcher import plan_device, visible_gpus
+
+# Steps at the start of every run that are left out of step-time medians: the
+# first steps pay for allocator growth, lazy initialisation and DDP's bucket set-up.
+WARMUP_STEPS = 3
+# Ranks of every figure: the smallest group that communicates.
+RANKS = 2
+RUN_TIMEOUT_S = 600
+
+
+@dataclass
+class Reading:
+    """What one figure measured: its ``value``, the raw timings, and a line for people."""
+
+    value: float
+    detail: dict
+    summary: str = ""
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A registered benchmark: ``measure(**quick)`` or ``measure(**full)`` returns a :class:`Reading`."""
+
+    key: str
+    target: str
+    measure: Callable[..., Reading]
+    quick: dict = field(default_factory=dict)
+    full: dict = field(default_factory=dict)
+
+
+FIGURES: list[Figure] = []
+
+
+def figure(key: str, target: str = "report", *, quick: dict, full: dict):
+    """Register the decorated function as the figure ``key`` (see the module docstring)."""
+    parse_target(target)
+
+    def register(fn):
+        FIGURES.append(Figure(key, target, fn, quick, full))
+        return fn
+    return register
+
+
+_COMPARE = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt}
+
+
+def parse_target(target: str):
+    """``"<= 1.10"`` -> (operator.le, 1.10); ``"report"`` -> None."""
+    if target == "report":
+        return None
+    op, _, limit = target.partition(" ")
+    if op not in _COMPARE:
+        raise ValueError(f"target {target!r} must be 'report' or '<op> <number>' with op one of {', '.join(_COMPARE)}.")
+    return _COMPARE[op], float(limit)
+
+
+def passed(value: float | None, target: str) -> bool | None:
+    """Whether ``value`` meets ``target``; None for a figure that is only reported."""
+    parsed = parse_target(target)
+    if parsed is None:
+        return None
+    compare, limit = parsed
+    return value is not None and math.isfinite(value) and bool(compare(value, limit))
+
+
+def interleave(sides: dict[str, Callable[[], object]], reps: int) -> dict[str, list]:
+    """Call each side ``reps`` times, taking turns A B B A A B …; return each side's results in order.
+
+    Reversing the order every round means neither side always runs first (after
+    the other has warmed the caches) and a slow drift of the machine's speed
+    falls equally on both.
+    """
+    names = list(sides)
+    out: dict[str, list] = {n: [] for n in names}
+    for rep in range(reps):
+        for name in (names if rep % 2 == 0 else names[::-1]):
+            out[name].append(sides[name]())
+    return out
+
+
+def ratio(a: float, b: float) -> float:
+    """a / b, refusing what would not be a meaningful positive ratio."""
+    if not (a > 0 and b > 0 and math.isfinite(a) and math.isfinite(b)):
+        raise ValueError(f"cannot form a ratio of {a!r} over {b!r}: both must be positive and finite.")
+    return a / b
+
+
+# --- step times of whole training runs -------------------------------------------------
+
+
+def _steady_step_times(config) -> list[float]:
+    """Train ``config`` once; return its step times without the warm-up steps."""
+    from .train import run
+
+    result = run(config, timeout=RUN_TIMEOUT_S, quiet=True)
+    return result.step_times_s[WARMUP_STEPS:]
+
+
+def compare_runs(configs: dict, reps: int) -> tuple[dict, dict[str, float]]:
+    """Train each config ``reps`` times, interleaved; return the raw step times and each one's median.
+
+    The median is over every steady step of every repetition of that config.
+    """
+    runs = interleave({name: (lambda c=c: _steady_step_times(c)) for name, c in configs.items()}, reps)
+    medians = {name: statistics.median(t for r in rs for t in r) for name, rs in runs.items()}
+    detail = {name: {"config": configs[name].to_dict(), "median_step_s": medians[name],
+                     "run_medians_s": [statistics.median(r) for r in rs], "step_times_s": rs}
+              for name, rs in runs.items()}
+    return detail, medians
+
+
+def _bench_config(**changes):
+    """The layout the step-time figures train: tiny GPT, 2 data-parallel ranks, 16 sequences a step."""
+    from .config import TrainConfig
+
+    return TrainConfig(**{"model": "tiny", "dp": RANKS, "batch_size": 16, "impl": "torch", **changes})
+
+
+@figure("dp_scratch_vs_ddp", quick=dict(reps=2, steps=15), full=dict(reps=4, steps=40))
+def dp_scratch_vs_ddp(reps: int, steps: int) -> Reading:
+    """Step time of our data parallel (one all-reduce per gradient) over PyTorch's DDP."""
+    detail, med = compare_runs({"scratch": _bench_config(impl="scratch", steps=steps),
+                                "torch": _bench_config(impl="torch", steps=steps)}, reps)
+    detail.update(reps=reps, warmup_steps=WARMUP_STEPS)
+    return Reading(ratio(med["scratch"], med["torch"]), detail,
+                   f"scratch {med['scratch'] * 1e3:.1f} ms, DDP {med['torch'] * 1e3:.1f} ms per step")
+
+
+@figure("recording_overhead", target="<= 1.03", quick=dict(reps=3, steps=20), full=dict(reps=8, steps=60))
+def recording_overhead(reps: int, steps: int) -> Reading:
+    """Step time with the timeline recorded over the same run without it."""
+    detail, med = compare_runs({"record": _bench_config(record=True, steps=steps),
+                                "no_record": _bench_config(record=False, steps=steps)}, reps)
+    detail.update(reps=reps, warmup_steps=WARMUP_STEPS)
+    return Reading(ratio(med["record"], med["no_record"]), detail,
+                   f"on {med['record'] * 1e3:.2f} ms, off {med['no_record'] * 1e3:.2f} ms per step")
+
+
+# --- launching ranks -------------------------------------------------------------------
+
+
+def first_step(out_dir: str, device_type: str) -> None:
+    """One data-parallel training step of the tiny GPT; write when it ended to ``out_dir``.
+
+    Both launchers start this same function. It does what a learner's first
+    cell does: build the model and AdamW, run forward and backward on this
+    rank's shard of the batch, average the gradients with all-reduce, step.
+    Under ``gpucourse.launch`` the process group is already up; under
+    ``accelerate.notebook_launcher`` only the environment is (MASTER_ADDR,
+    RANK, WORLD_SIZE …), so the function joins the group itself, and leaves it.
+    """
+    from . import data
+    from .model import MODELS, build_model, loss_fn
+    from .parallel.single import make_optimizer
+
+    torch.set_num_threads(1)  # what gpucourse's launcher does in each forked rank
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device("cpu")
+        model = build_model(MODELS["tiny"], seed=0).to(device)
+        optimizer = make_optimizer(model.parameters(), lr=3e-3)
+        x, y = data.rank_batch(0, 8, 64, 0, rank, world)
+        loss_fn(model(x.to(device)), y.to(device)).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        optimizer.step()
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        ended = time.time()  # wall clock: comparable across processes
+        with open(os.path.join(out_dir, f"step-{rank}.txt"), "w") as f:
+            f.write(repr(ended))
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def preimport() -> None:
+    """Import what every rank's first AdamW would import, once, here, before ranks are forked.
+
+    AdamW's constructor imports ``torch._dynamo``: about a second of CPU on a
+    small machine, paid by every rank that has not inherited it. A notebook
+    kernel that has built an optimizer before has it already; importing it here
+    makes every launch in the suite start like that, so the figures measure
+    launchers and training steps rather than that import (and the suite runs faster).
+    """
+    import torch._dynamo  # noqa: F401
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _time_launch(start: Callable[[str], None]) -> dict:
+    """Seconds from calling ``start(out_dir)`` to the end of the slowest rank's first step, and to its return."""
+    out_dir = tempfile.mkdtemp(prefix="gpucourse-bench-")
+    try:
+        t0 = time.time()
+        start(out_dir)
+        returned = time.time() - t0
+        ends = [float(open(p).read()) for p in glob.glob(os.path.join(out_dir, "step-*.txt"))]
+        if len(ends) != RANKS:
+            raise RuntimeError(f"{len(ends)} of {RANKS} ranks finished their first step.")
+        return {"first_step_s": max(ends) - t0, "returned_s": returned}
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+@figure("launch_vs_notebook_launcher", target="<= 1.0", quick=dict(reps=5), full=dict(reps=15))
+def launch_vs_notebook_launcher(reps: int) -> Reading:
+    """Call-to-first-step time of ``gpucourse.launch`` over ``accelerate.notebook_launcher``, 2 ranks."""
+    from accelerate import notebook_launcher
+
+    from .runtime import launch
+
+    preimport()
+    device_type = plan_device("auto", RANKS).device
+
+    def ours(out_dir):
+        launch(first_step, out_dir, device_type, world_size=RANKS, device=device_type, timeout=RUN_TIMEOUT_S,
+               quiet=True)
+
+    def accelerate(out_dir):
+        # Its default port 29500 would collide with any other run; it also prints a banner.
+        with contextlib.redirect_stdout(io.StringIO()):
+            notebook_launcher(first_step, args=(out_dir, device_type), num_processes=RANKS,
+                              use_port=str(_free_port()))
+
+    # One untimed round of each: the first launch in a process imports the elastic agent.
+    interleave({"ours": lambda: _time_launch(ours), "accelerate": lambda: _time_launch(accelerate)}, 1)
+    times = interleave({"ours": lambda: _time_launch(ours), "accelerate": lambda: _time_launch(accelerate)}, reps)
+    med = {side: {k: statistics.median(t[k] for t in ts) for k in ("first_step_s", "returned_s")}
+           for side, ts in times.items()}
+    detail = {side: {"median_first_step_s": med[side]["first_step_s"], "median_returned_s": med[side]["returned_s"],
+                     "first_step_s": [t["first_step_s"] for t in ts], "returned_s": [t["returned_s"] for t in ts]}
+              for side, ts in times.items()}
+    detail.update(reps=reps, device=device_type, ranks=RANKS)
+    return Reading(ratio(med["ours"]["first_step_s"], med["accelerate"]["first_step_s"]), detail,
+                   f"ours {med['ours']['first_step_s']:.3f} s, accelerate {med['accelerate']['first_step_s']:.3f} s "
+                   f"to the first step")
+
+
+# --- the suite -------------------------------------------------------------------------
+
+
+def machine() -> dict:
+    """Where the figures were measured (found without initialising CUDA)."""
+    plan = plan_device("auto", RANKS)
+    return {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+            "device": plan.device, "backend": plan.backend, "gpus": visible_gpus(), "cpu_count": os.cpu_count()}
+
+
+def measure(fig: Figure, quick: bool) -> dict:
+    """Run one figure; its JSON entry. A figure that raises is recorded as failed, with the error."""
+    try:
+        reading = fig.measure(**(fig.quick if quick else fig.full))
+        value = float(reading.value)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"figure {fig.key} measured {value!r}, not a positive finite number.")
+    except Exception as e:
+        traceback.print_exc(file=sys.stderr)
+        return {"value": None, "target": fig.target, "passed": False,
+                "detail": {"error": f"{type(e).__name__}: {e}"}}
+    detail = {**reading.detail, "summary": reading.summary}
+    return {"value": value, "target": fig.target, "passed": passed(value, fig.target), "detail": detail}
+
+
+def format_table(results: dict) -> str:
+    """The table ``gpucourse bench`` prints: figure, value, target, result, and what was measured."""
+    rows = [("figure", "value", "target", "result", "measured")]
+    for key, entry in results.items():
+        if key == "machine":
+            continue
+        value = "-" if entry["value"] is None else f"{entry['value']:.3f}"
+        result = {True: "pass", False: "FAIL", None: "report"}[entry["passed"]]
+        note = entry["detail"].get("error") or entry["detail"].get("summary", "")
+        if entry["value"] is None:
+            result = "error"
+        rows.append((key, value, entry["target"], result, note))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(f"{c:<{w}}" for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
+    m = results.get("machine", {})
+    if m:
+        lines.append(f"(torch {m['torch']}, {RANKS} ranks on {m['device']} ({m['backend']}), {m['cpu_count']} CPUs, "
+                     f"{m['gpus']} GPUs)")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def main(quick: bool = False, json_path: str | None = None) -> dict:
+    """Measure every registered figure, print the table, optionally write the JSON; return the results.
+
+    The JSON object has one entry per figure key, ``{"value", "target",
+    "passed", "detail"}``, and ``"machine"``. It is written once, at the end,
+    atomically: an interrupted bench leaves the previous file as it was.
+    """
+    results: dict = {}
+    preimport()
+    for fig in FIGURES:
+        print(f"gpucourse bench: measuring {fig.key} ({'quick' if quick else 'full'}) …", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        results[fig.key] = measure(fig, quick)
+        results[fig.key]["detail"]["wall_s"] = time.perf_counter() - start
+    results["machine"] = {**machine(), "suite": "quick" if quick else "full"}
+    print(format_table(results), flush=True)
+    if json_path:
+        write_atomic(json_path, json.dumps(results, indent=1))
+        print(f"figures written to {json_path}", flush=True)
+    return results

@@ -1,0 +1,138 @@
+"""Data parallel, bucketed and overlapped with backward — what DDP does inside.
+
+The per-parameter version (``data_parallel.py``) waits for the whole backward,
+then sends one small all-reduce per parameter. Two things make that slow:
+many small messages each pay the network's latency, and the network sits idle
+during backward while the compute units sit idle during communication.
+
+Buckets fix both. Gradients become ready in backward in roughly the reverse of
+the forward order (the output head first, the embeddings last). So:
+
+1. Before training, walk the parameters in that order and pack them into
+   buckets of at most ``bucket_mb`` megabytes (:func:`assign_buckets`).
+2. During backward, a hook fires as each parameter's gradient is complete; it
+   copies the gradient into its bucket's flat buffer. When the last gradient of
+   a bucket arrives, the bucket's all-reduce is launched *asynchronously* —
+   while autograd goes on computing the gradients of earlier layers.
+3. Before the optimizer step, wait for every bucket, divide by dp, and copy the
+   averaged values back into ``p.grad``.
+
+With gradient accumulation only the last microbatch's backward communicates
+(``accumulating(last=False)`` turns the hooks off), so each gradient still
+crosses the network once per optimizer step: the same bytes as the
+per-parameter version, in ``len(buckets)`` messages instead of one per tensor.
+
+A parameter that receives no gradient in a step contributes zeros to its bucket
+(a bucket waits only for the gradients it can get, see ``sync_gradients``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from .data_parallel import broadcast_parameters
+from .single import Trainer
+
+
+def assign_buckets(params: list[torch.nn.Parameter], cap_bytes: int) -> list[list[torch.nn.Parameter]]:
+    """Group ``params`` (already in gradient-ready order) into buckets of at most ``cap_bytes``.
+
+    A parameter larger than the cap gets a bucket of its own; no bucket is empty.
+    """
+    buckets: list[list[torch.nn.Parameter]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if not buckets or size + nbytes > cap_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
+
+
+class _Bucket:
+    """One flat buffer, the parameters it serves, and its in-flight all-reduce."""
+
+    def __init__(self, index: int, params: list[torch.nn.Parameter]):
+        self.index = index
+        self.params = params
+        self.offsets = {}
+        offset = 0
+        for p in params:
+            self.offsets[p] = (offset, p.numel())
+            offset += p.numel()
+        self.buffer = torch.zeros(offset, dtype=params[0].dtype, device=params[0].device)
+        self.reset()
+
+    def reset(self) -> None:
+        self.ready: set = set()
+        self.pending = None
+        self.buffer.zero_()
+
+    def put(self, p: torch.nn.Parameter) -> None:
+        start, n = self.offsets[p]
+        self.buffer[start:start + n].copy_(p.grad.reshape(-1))
+        self.ready.add(p)
+
+    def view(self, p: torch.nn.Parameter) -> torch.Tensor:
+        start, n = self.offsets[p]
+        return self.buffer[start:start + n].view_as(p)
+
+
+class BucketedDataParallel(Trainer):
+    """Data parallel with gradient buckets all-reduced during backward."""
+
+    def __init__(self, model, lr, grad_accum, rec, group, bucket_mb: float):
+        self.group = group
+        self.dp = dist.get_world_size(group)
+        broadcast_parameters(model, group, src=dist.get_global_rank(group, 0))
+        super().__init__(model, lr, grad_accum, rec)
+        ready_order = [p for p in reversed(list(model.parameters())) if p.requires_grad]
+        cap = max(1, int(bucket_mb * 2**20))
+        self.buckets = [_Bucket(i, ps) for i, ps in enumerate(assign_buckets(ready_order, cap))]
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._communicate = True
+        for p in ready_order:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+        self.extras = {"buckets": [[n for n, q in model.named_parameters() if q in set(b.params)]
+                                   for b in self.buckets]}
+
+    def _grad_ready(self, p: torch.nn.Parameter) -> None:
+        # Called by autograd when p.grad holds this backward's full gradient.
+        if not self._communicate:
+            return
+        bucket = self._bucket_of[p]
+        bucket.put(p)
+        if len(bucket.ready) == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.pending = comm.all_reduce(bucket.buffer, group=self.group, async_op=True,
+                                         name=f"all_reduce bucket {bucket.index}")
+
+    def accumulating(self, last: bool):
+        @contextlib.contextmanager
+        def only_last_communicates():
+            self._communicate = last
+            try:
+                yield
+            finally:
+                self._communicate = True
+        return only_last_communicates()
+
+    def sync_gradients(self) -> None:
+        for bucket in self.buckets:
+            if bucket.pending is None:
+                # Some parameter got no gradient this step: send what we have (zeros for it).
+                self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.pending.wait()
+            bucket.buffer /= self.dp
+            for p in bucket.params:
+                p.grad = bucket.view(p).clone()
+            bucket.reset()

@@ -1,0 +1,297 @@
+"""Pipeline schedules as data: what each stage does, in order, and what that costs.
+
+A pipeline cuts the model into ``pp`` stages, one per rank, and the batch into
+``m`` microbatches. A *schedule* says, for every stage, the order of its
+operations; it is a plain list the engine in ``pipeline.py`` executes one op at
+a time, and that :func:`simulate` can lay out on a clock for any ``pp`` and
+``m`` — far past what one machine can run.
+
+An :class:`Op` is a kind and a microbatch. Stage ``s`` talks only to its
+neighbours, so the kind names the peer too:
+
+    F i       forward of microbatch i     B i       backward of microbatch i
+    RECV_F i  activation from s-1         SEND_F i  activation to s+1
+    RECV_B i  output gradient from s+1    SEND_B i  input gradient to s-1
+
+**Sends block.** A send and its receive are one *rendezvous*: whichever side
+arrives first waits for the other, then both take ``cost_comm``. That is the
+safe rule for real hardware (gloo's send of a large tensor waits for the
+receiver) and it makes deadlock visible: two neighbours that each wait in a send
+to the other never finish. :func:`validate` simulates exactly that and names
+where a schedule gets stuck. It is why 1F1B below takes the next stage's
+gradient *before* handing it the next activation — the order the next stage
+wants them in. (Megatron-LM fuses the two into one ``send_forward_recv_backward``
+so it never has to choose.)
+
+The three schedules, with equal costs F = B and free communication:
+
+    naive   one microbatch at a time through all stages and back:
+            only one stage is ever busy, bubble (p-1)/p
+    gpipe   all forwards, then all backwards: bubble (p-1)/(m+p-1), but every
+            stage holds the activations of all m microbatches
+    1f1b    p-s-1 warm-up forwards, then one forward / one backward in turn:
+            the same bubble as GPipe, while stage s holds at most p-s microbatches
+
+The bubble fraction is the idle share of all stage-time, ``idle / (pp × makespan)``.
+In GPipe and 1F1B each stage idles while the first microbatch reaches it and
+while the last gradient comes back — (p-1)(F+B) — out of a makespan of
+(m+p-1)(F+B); that holds for any F and B as long as every stage costs the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+F, B = "F", "B"
+SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+KINDS = (F, B, SEND_F, RECV_F, SEND_B, RECV_B)
+# Each communication op: which neighbour it talks to (+1 next, -1 previous), and the op it pairs with there.
+PEER = {SEND_F: +1, RECV_F: -1, SEND_B: -1, RECV_B: +1}
+PARTNER = {SEND_F: RECV_F, RECV_F: SEND_F, SEND_B: RECV_B, RECV_B: SEND_B}
+
+
+class Op(NamedTuple):
+    """One step of a stage: ``kind`` (F, B, SEND_F, RECV_F, SEND_B, RECV_B) on ``microbatch``.
+
+    A named tuple: immutable, compared by value, and cheap to make by the million.
+    """
+
+    kind: str
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}"
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run; the message says which stage and op, and why."""
+
+
+# A stage's forward and backward of one microbatch, with the communication around
+# them. Each stage receives before it computes and sends after.
+def _forward(stage: int, pp: int, i: int) -> list[Op]:
+    return ([Op(RECV_F, i)] if stage > 0 else []) + [Op(F, i)] + ([Op(SEND_F, i)] if stage < pp - 1 else [])
+
+
+def _backward(stage: int, pp: int, i: int) -> list[Op]:
+    return ([Op(RECV_B, i)] if stage < pp - 1 else []) + [Op(B, i)] + ([Op(SEND_B, i)] if stage > 0 else [])
+
+
+def naive(pp: int, m: int) -> list[list[Op]]:
+    """Microbatch after microbatch, each all the way forward and back before the next starts."""
+    return [[op for i in range(m) for op in _forward(s, pp, i) + _backward(s, pp, i)] for s in range(pp)]
+
+
+def gpipe(pp: int, m: int) -> list[list[Op]]:
+    """GPipe: every stage runs all m forwards, then all m backwards (in the same order)."""
+    return [[op for i in range(m) for op in _forward(s, pp, i)] + [op for i in range(m) for op in _backward(s, pp, i)]
+            for s in range(pp)]
+
+
+def one_f_one_b(pp: int, m: int) -> list[list[Op]]:
+    """1F1B (PipeDream-Flush): warm up, then alternate one forward and one backward, then drain.
+
+    Stage s runs ``w = min(pp - s - 1, m)`` warm-up forwards: just enough that
+    when its first gradient returns, the next stage is already in its steady
+    state. Then it alternates forward of microbatch w + k with backward of k, so
+    at most w + 1 microbatches are ever in flight, and finishes with the w
+    backwards still owed.
+    """
+    schedule = []
+    for s in range(pp):
+        w = min(pp - s - 1, m)
+        ops = [op for i in range(w) for op in _forward(s, pp, i)]
+        for k in range(m - w):
+            fwd, bwd = _forward(s, pp, w + k), _backward(s, pp, k)
+            if s < pp - 1:
+                # fwd ends in SEND_F(w+k) and bwd starts with RECV_B(k). Stage s+1 sends
+                # gradient k before it asks for activation w+k, so receive first: sending
+                # first would leave both stages blocked in a send to each other.
+                fwd, bwd = fwd[:-1] + [bwd[0], fwd[-1]], bwd[1:]
+            ops += fwd + bwd
+        ops += [op for k in range(m - w, m) for op in _backward(s, pp, k)]
+        schedule.append(ops)
+    return schedule
+
+
+SCHEDULES = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def build(name: str, pp: int, m: int) -> list[list[Op]]:
+    """The schedule called ``name`` for ``pp`` stages and ``m`` microbatches."""
+    if name not in SCHEDULES:
+        raise ScheduleError(f"schedule {name!r} is not one of {', '.join(SCHEDULES)}.")
+    if pp < 1 or m < 1:
+        raise ScheduleError(f"pp={pp} and microbatches={m} must both be at least 1.")
+    return SCHEDULES[name](pp, m)
+
+
+@dataclass
+class Simulation:
+    """A schedule laid out on a clock.
+
+    - ``timeline[s]``: stage s's ops as ``(op, start, end)``; a communication op
+      starts when both sides have reached it.
+    - ``makespan``: when the last stage finishes.
+    - ``busy[s]`` / ``comm[s]`` / ``idle[s]``: time stage s computes (F, B), transfers,
+      and waits; the three add up to ``makespan``.
+    - ``bubble_fraction``: ``sum(idle) / (pp × makespan)``.
+    - ``peak_in_flight[s]``: most microbatches forwarded but not yet backwarded on
+      stage s — how many microbatches' activations it holds at once.
+    """
+
+    timeline: list[list[tuple[Op, float, float]]]
+    makespan: float
+    busy: list[float]
+    comm: list[float]
+    idle: list[float]
+    bubble_fraction: float
+    peak_in_flight: list[int] = field(default_factory=list)
+
+
+def _per_stage(cost, pp: int, name: str) -> list[float]:
+    costs = [float(cost)] * pp if isinstance(cost, (int, float)) else [float(c) for c in cost]
+    if len(costs) != pp or any(c < 0 for c in costs):
+        raise ScheduleError(f"{name} must be one non-negative number or one per stage ({pp}).")
+    return costs
+
+
+def simulate(schedule: list[list[Op]], pp: int, m: int, cost_f=1.0, cost_b=2.0, cost_comm=0.0) -> Simulation:
+    """Run ``schedule`` on a clock: compute ops take their cost, each send/recv pair is a rendezvous.
+
+    ``cost_f`` and ``cost_b`` are one number or one per stage; ``cost_comm`` is the
+    time one transfer takes. Raises :class:`ScheduleError` if the schedule is
+    malformed or deadlocks. Each op is visited once: 64 stages × 1024
+    microbatches take about a second.
+    """
+    _check_ops(schedule, pp, m)
+    return _clock(schedule, pp, _per_stage(cost_f, pp, "cost_f"), _per_stage(cost_b, pp, "cost_b"), float(cost_comm))
+
+
+def _clock(schedule, pp: int, cost_f: list[float], cost_b: list[float], cost_comm: float) -> Simulation:
+    pc = [0] * pp                   # index of each stage's next op
+    clock = [0.0] * pp              # when each stage is free again
+    busy, comm = [0.0] * pp, [0.0] * pp
+    timeline: list[list] = [[] for _ in range(pp)]
+    in_flight, peak = [0] * pp, [0] * pp
+    ready = list(range(pp))         # stages that may be able to move
+    while ready:
+        s = ready.pop()
+        ops, row = schedule[s], timeline[s]
+        while pc[s] < len(ops):
+            op = ops[pc[s]]
+            if op.kind == F or op.kind == B:
+                cost = cost_f[s] if op.kind == F else cost_b[s]
+                in_flight[s] += 1 if op.kind == F else -1
+                peak[s] = max(peak[s], in_flight[s])
+                row.append((op, clock[s], clock[s] + cost))
+                clock[s] += cost
+                busy[s] += cost
+                pc[s] += 1
+                continue
+            peer = s + PEER[op.kind]
+            if pc[peer] >= len(schedule[peer]):
+                break                   # the peer has finished: this op can never pair (a deadlock)
+            theirs = schedule[peer][pc[peer]]
+            if theirs.kind != PARTNER[op.kind] or theirs.microbatch != op.microbatch:
+                break                   # blocked; the peer will pair with us when it gets here
+            start = max(clock[s], clock[peer])
+            for stage, o in ((s, op), (peer, theirs)):
+                timeline[stage].append((o, start, start + cost_comm))
+                clock[stage] = start + cost_comm
+                comm[stage] += cost_comm
+                pc[stage] += 1
+            ready.append(peer)
+    stuck = [s for s in range(pp) if pc[s] < len(schedule[s])]
+    if stuck:
+        where = "; ".join(f"stage {s} waits in op {pc[s]} ({schedule[s][pc[s]]})" for s in stuck)
+        raise ScheduleError(f"deadlock: {where}.")
+    makespan = max(clock)
+    idle = [makespan - busy[s] - comm[s] for s in range(pp)]
+    bubble = sum(idle) / (pp * makespan) if makespan > 0 else 0.0
+    return Simulation(timeline, makespan, busy, comm, idle, bubble, peak)
+
+
+def _check_ops(schedule: list[list[Op]], pp: int, m: int) -> None:
+    """The per-stage rules, without a clock (see :func:`validate`)."""
+    if len(schedule) != pp:
+        raise ScheduleError(f"the schedule has {len(schedule)} stages, not pp={pp}.")
+    for s, ops in enumerate(schedule):
+        # What must already have happened on this stage for an op to have its data.
+        needs = {F: (RECV_F,) if s > 0 else (), SEND_F: (F,), RECV_B: (F,),
+                 B: (F, RECV_B) if s < pp - 1 else (F,), SEND_B: (B,), RECV_F: ()}
+        done: set[Op] = set()
+        for n, op in enumerate(ops):
+            if op.kind not in KINDS or not 0 <= op.microbatch < m:
+                raise ScheduleError(f"stage {s}, op {n} ({op}): not an op of this schedule "
+                                    f"(kinds {', '.join(KINDS)}, microbatches 0..{m - 1}).")
+            if op.kind in PEER and not 0 <= s + PEER[op.kind] < pp:
+                raise ScheduleError(f"stage {s}, op {n} ({op}): stage {s} has no neighbour there.")
+            if op in done:
+                raise ScheduleError(f"stage {s}, op {n} ({op}): done twice.")
+            for need in needs[op.kind]:
+                if (need, op.microbatch) not in done:
+                    raise ScheduleError(f"stage {s}, op {n} ({op}): comes before {Op(need, op.microbatch)}.")
+            done.add(op)
+        for kind in (F, B):
+            missing = [i for i in range(m) if Op(kind, i) not in done]
+            if missing:
+                raise ScheduleError(f"stage {s} never runs {kind} of microbatch{'es' * (len(missing) > 1)} "
+                                    f"{', '.join(map(str, missing[:5]))}{'…' if len(missing) > 5 else ''}.")
+
+
+def validate(schedule: list[list[Op]], pp: int, m: int) -> None:
+    """Raise :class:`ScheduleError` unless ``schedule`` can run on ``pp`` stages with ``m`` microbatches.
+
+    Per stage: every microbatch is forwarded and backwarded exactly once, forward
+    before backward, each op after what it needs (a forward after its
+    activation arrived, a send after what it sends was computed), and there is no
+    communication with a stage that does not exist. Between stages: each send
+    meets its receive on the neighbour, in the same order; and, with every send
+    blocking until its receive (a rendezvous), the whole schedule finishes — a
+    deadlock is reported with the op each stuck stage waits in.
+    """
+    _check_ops(schedule, pp, m)
+    for s in range(pp - 1):
+        for send, recv, a, b in ((SEND_F, RECV_F, s, s + 1), (SEND_B, RECV_B, s + 1, s)):
+            sent = [op.microbatch for op in schedule[a] if op.kind == send]
+            got = [op.microbatch for op in schedule[b] if op.kind == recv]
+            if sent != got:
+                n = next((n for n, (x, y) in enumerate(zip(sent, got)) if x != y), min(len(sent), len(got)))
+                says = [f"microbatch {seq[n]}" if n < len(seq) else "nothing" for seq in (sent, got)]
+                raise ScheduleError(f"transfer {n} from stage {a} to stage {b} does not match: stage {a}'s "
+                                    f"{send} sends {says[0]} but stage {b}'s {recv} expects {says[1]}.")
+    _clock(schedule, pp, [1.0] * pp, [1.0] * pp, 0.0)
+
+
+def formula_bubble(name: str, pp: int, m: int) -> float:
+    """The textbook bubble fraction with equal stage costs and free communication."""
+    return (pp - 1) / pp if name == "naive" else (pp - 1) / (m + pp - 1)
+
+
+def gantt(sim: Simulation, max_cells: int = 160) -> str:
+    """A text picture of a simulation: one row per stage, one cell per time unit.
+
+    ``..`` is idle time and ``<>`` a transfer that costs time; an op that takes
+    two units fills two cells. Costs should be whole numbers for the cells to
+    line up. Past ``max_cells`` time units each row lists its F and B ops in
+    order instead, the middle left out.
+    """
+    compute = [[(o, b, e) for o, b, e in row if o.kind in (F, B)] for row in sim.timeline]
+    cell = max([2] + [len(str(o)) for row in compute for o, _, _ in row])
+    label = [f"stage {s:>{len(str(len(compute) - 1))}} | " for s in range(len(compute))]
+    slots = int(round(sim.makespan))
+    if slots > max_cells:
+        def order(row):
+            names = [str(o) for o, _, _ in row]
+            return " ".join(names if len(names) <= 24 else names[:16] + ["…"] + names[-4:])
+        return "\n".join(label[s] + order(row) for s, row in enumerate(compute))
+    lines = []
+    for s, row in enumerate(sim.timeline):
+        cells = ["..".ljust(cell)] * slots
+        for op, start, end in row:
+            for t in range(int(round(start)), int(round(end))):
+                cells[t] = (str(op) if op.kind in (F, B) else "<>").ljust(cell)
+        lines.append(label[s] + " ".join(cells).rstrip())
+    return "\n".join(lines)

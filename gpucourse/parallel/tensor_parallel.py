@@ -1,0 +1,256 @@
+"""Tensor parallelism (Megatron-LM style): every rank holds a slice of each weight matrix.
+
+Data parallelism copies the whole model; tensor parallelism cuts each block's
+big matrices between the ``tp`` ranks of a group, so a model too big for one
+device fits on several. All ``tp`` ranks see the *same* batch and together
+compute what one device would. A linear layer ``Y = X Wᵀ + b`` (W: out × in)
+can be cut two ways:
+
+- **column-parallel**: cut W by *output* features. Rank r computes
+  ``Y_r = X W_rᵀ + b_r``, its slice of Y's last dimension. The input X must be
+  whole on every rank; in backward each rank's ``dX`` is only its slice's
+  contribution, so the full ``dX`` is their sum.
+- **row-parallel**: cut W by *input* features. Rank r takes its slice ``X_r`` of
+  the input and computes a partial ``X_r W_rᵀ``; the output is the sum over ranks,
+  plus the bias, added once after that sum.
+
+Put a column-parallel layer before a row-parallel one and the sliced activation
+between them never has to be gathered. Two conjugate operators mark the region:
+
+    f: forward identity,   backward all-reduce    (entry: X is whole, dX is summed)
+    g: forward all-reduce, backward identity      (exit: partial outputs are summed)
+
+In a GPT block each sub-layer is one such region:
+
+- attention: ``q``, ``k``, ``v`` column-parallel — contiguous output features are
+  whole heads, so each rank holds ``n_head / tp`` heads and attends with them
+  alone — then ``proj`` row-parallel;
+- MLP: ``fc`` column-parallel, GELU on the local slice (it is element-wise),
+  ``proj`` row-parallel.
+
+That is one all-reduce forward (g) and one backward (f) per sub-layer. f sits
+once at the sub-layer's entrance, not in each of q, k, v, because they share one
+input: one all-reduce of its summed gradient does (Megatron fuses q, k, v into
+one matrix for the same reason). Everything else — embeddings, LayerNorms, the
+head, the biases of row-parallel layers — is replicated, and stays identical on
+every tp rank without any gradient sync: f hands each LayerNorm the same, whole
+gradient, and after g every rank holds the same activation and gradient.
+
+Communication per optimizer step, each tp rank (fp32, 4 bytes a number):
+
+    forward 2 + backward 2 all-reduces per block, each B × T × n_embd × 4 bytes
+    = 4 · n_layer · (batch_size / dp) · seq_len · n_embd · 4 bytes
+
+(``grad_accum`` only splits B between microbatches), so summed over all
+``dp · tp`` ranks ``16 · n_layer · batch_size · seq_len · n_embd · tp`` bytes.
+With dp × tp each rank also averages its (local) gradients over its dp group.
+
+Shards are cut from the model's full initialisation, so the run equals the
+single-device run. ``impl="torch"`` does the same with DTensor's
+``ColwiseParallel`` / ``RowwiseParallel``, which put f and g in for you.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from .. import comm
+from .data_parallel import allreduce_gradients, broadcast_parameters
+from .single import Trainer
+
+
+class CopyToTensorParallel(torch.autograd.Function):
+    """f: identity forward; all-reduce (sum) of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()  # autograd may share the incoming buffer
+        comm.all_reduce(grad, group=ctx.group, name="tp all_reduce backward (f)")
+        return grad, None
+
+
+class ReduceFromTensorParallel(torch.autograd.Function):
+    """g: all-reduce (sum) forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        comm.all_reduce(x, group=group, name="tp all_reduce forward (g)")
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _shard(t: torch.Tensor, dim: int, group) -> nn.Parameter:
+    """This rank's contiguous slice of ``t`` along ``dim``, as a new Parameter."""
+    piece = t.detach().chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)]
+    return nn.Parameter(piece.clone(), requires_grad=t.requires_grad)
+
+
+class ColumnParallelLinear(nn.Module):
+    """This rank's slice of a Linear's output features (weight and bias rows).
+
+    Input: the whole X, which must have passed f (the gradient sum) before.
+    Output: this rank's slice of the last dimension.
+    """
+
+    shard_dims = {"weight": 0, "bias": 0}  # the dimension each parameter is cut along
+
+    def __init__(self, full: nn.Linear, group):
+        super().__init__()
+        self.weight = _shard(full.weight, 0, group)
+        self.bias = None if full.bias is None else _shard(full.bias, 0, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """This rank's slice of a Linear's input features; the partial outputs are summed by g.
+
+    Input: this rank's slice of the last dimension. Output: the whole Y, equal on every rank.
+    """
+
+    shard_dims = {"weight": 1}  # the bias is whole on every rank
+
+    def __init__(self, full: nn.Linear, group):
+        super().__init__()
+        self.group = group
+        self.weight = _shard(full.weight, 1, group)
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = ReduceFromTensorParallel.apply(F.linear(x, self.weight), self.group)
+        # Added once, after the sum: added before it, it would count tp times.
+        return y if self.bias is None else y + self.bias
+
+
+def _enter_region(group, module, args):
+    """Forward pre-hook of a sub-layer: its input passes f once, whoever reads it."""
+    return (CopyToTensorParallel.apply(args[0], group), *args[1:])
+
+
+def _blocks(module: nn.Module):
+    """The transformer blocks of a GPT or of a pipeline stage of one (blocks may be a ModuleDict)."""
+    blocks = module.blocks
+    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
+
+
+def apply_tensor_parallel(module: nn.Module, tp_group) -> nn.Module:
+    """Swap each block's Linear layers for this rank's shards, in place; return ``module``.
+
+    attn.q, attn.k, attn.v and mlp.fc become column-parallel, attn.proj and
+    mlp.proj row-parallel, and each attention and MLP sub-layer gets f at its
+    entrance. Embeddings, LayerNorms and the head are left whole (replicated).
+    """
+    for block in _blocks(module):
+        attn, mlp = block.attn, block.mlp
+        for name in ("q", "k", "v"):
+            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), tp_group))
+        attn.proj = RowParallelLinear(attn.proj, tp_group)
+        mlp.fc = ColumnParallelLinear(mlp.fc, tp_group)
+        mlp.proj = RowParallelLinear(mlp.proj, tp_group)
+        for sub in (attn, mlp):
+            sub.register_forward_pre_hook(functools.partial(_enter_region, tp_group))
+    return module
+
+
+def full_tensor_state(module: nn.Module, tp_group) -> dict:
+    """The whole single-device ``state_dict``, on every rank (collective over ``tp_group``).
+
+    Sharded parameters are all-gathered along the dimension they were cut.
+    This uses ``torch.distributed`` directly: exporting is not training traffic.
+    """
+    cut = {f"{prefix}.{name}" if prefix else name: dim
+           for prefix, m in module.named_modules() for name, dim in getattr(m, "shard_dims", {}).items()}
+    n = dist.get_world_size(tp_group)
+    state = {}
+    for name, t in module.state_dict().items():
+        if name in cut:
+            pieces = [torch.empty_like(t) for _ in range(n)]
+            dist.all_gather(pieces, t.contiguous(), group=tp_group)
+            t = torch.cat(pieces, dim=cut[name])
+        state[name] = t.detach().cpu().clone()
+    return state
+
+
+class TensorParallelScratch(Trainer):
+    """Tensor parallel from scratch over ``tp_group``; with a ``dp_group``, data parallel across it too.
+
+    Each gradient is synchronised over one group only: the tp all-reduces live
+    inside forward and backward (f, g); after backward, only dp averages.
+    """
+
+    def __init__(self, model, lr, grad_accum, rec, tp_group, dp_group=None):
+        self.tp_group = tp_group
+        apply_tensor_parallel(model, tp_group)
+        grad_sync = None
+        if dp_group is not None and dist.get_world_size(dp_group) > 1:
+            broadcast_parameters(model, dp_group, src=dist.get_global_rank(dp_group, 0))
+            grad_sync = functools.partial(allreduce_gradients, model, dp_group)
+        super().__init__(model, lr, grad_accum, rec, grad_sync=grad_sync)
+
+    def full_state_dict(self) -> dict:
+        return full_tensor_state(self.model, self.tp_group)
+
+
+def torch_block_plan() -> dict:
+    """The same layout for DTensor's ``parallelize_module``, one block at a time.
+
+    Colwise layers take a Replicate input and Rowwise layers sum their partial
+    outputs: g, written for you. Each sub-layer's input is first made one
+    Replicate DTensor (``PrepareModuleInput``) shared by q, k and v, so that their
+    three partial input gradients add up locally and are all-reduced once, at
+    that boundary: f, once per sub-layer, as in scratch.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    def enter():
+        return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
+
+    return {"attn": enter(), "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+            "attn.v": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+            "mlp": enter(), "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
+
+
+class TorchTensorParallel(Trainer):
+    """DTensor tensor parallel: ``parallelize_module`` with Colwise/RowwiseParallel on a 1-D tp mesh.
+
+    Colwise layers hand back plain local tensors (``use_local_output=True``), so
+    attention's ``view(B, T, -1, head_dim)`` finds this rank's heads, as in scratch.
+    Parameters become DTensors and AdamW updates them shard by shard; memory is
+    counted from their local shards.
+    """
+
+    def __init__(self, model, lr, grad_accum, rec, tp_mesh):
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        for block in _blocks(model):
+            parallelize_module(block, tp_mesh, torch_block_plan())
+        super().__init__(model, lr, grad_accum, rec)
+
+    def full_state_dict(self) -> dict:
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+                for k, v in self.model.state_dict().items()}
+
+
+def make_tensor_parallel_trainer(model, mesh, cfg, rec, device) -> Trainer:
+    """The tensor-parallel trainer for ``cfg`` on ``mesh`` (dims pp, dp, tp; here pp = 1)."""
+    if cfg.impl == "torch":
+        return TorchTensorParallel(model, cfg.lr, cfg.grad_accum, rec, mesh["tp"])
+    return TensorParallelScratch(model, cfg.lr, cfg.grad_accum, rec, mesh["tp"].get_group(),
+                                 mesh["dp"].get_group() if cfg.dp > 1 else None)

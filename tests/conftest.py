@@ -1,0 +1,15 @@
+"""Fixtures shared by the tests that start ranks."""
+
+import multiprocessing
+
+import pytest
+
+from procs import wait_for
+
+
+@pytest.fixture
+def no_leftover_children():
+    """Fail the test if a process it started is still a child of this one afterwards."""
+    yield
+    # active_children() also reaps the children that have exited.
+    wait_for(lambda: not multiprocessing.active_children(), 5, "the test's child processes to end")

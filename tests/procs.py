@@ -1,0 +1,79 @@
+"""Helpers for tests that start processes: free ports, clean environments, and
+checking that a process is really gone (a reused pid does not count as alive)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+BIN = Path(sys.executable).parent
+# Set by torchrun / accelerate; a test run started under one must not leak them into children.
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the OS picks it: bind port 0)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict:
+    """os.environ without launcher variables, with tests/ importable (for ``rankfns``)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[1].split()  # fields from 3 (state) on; the name may hold spaces
+
+
+def identity(pid: int | None = None) -> list:
+    """``[pid, start time]`` of a process (JSON-friendly), so a reused pid is not mistaken for it."""
+    pid = pid or os.getpid()
+    return [pid, _stat(pid)[19]]
+
+
+def alive(ident) -> bool:
+    """Whether that very process still runs (a zombie has exited, so it does not)."""
+    fields = _stat(ident[0])
+    return fields is not None and fields[19] == ident[1] and fields[0] != "Z"
+
+
+def wait_gone(idents, within: float = 10.0) -> list:
+    """Poll until none of ``idents`` runs; return those still running after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        left = [i for i in idents if alive(i)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def wait_for(condition, within: float, what: str) -> None:
+    """Poll ``condition()`` until it is true; fail the test after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up after {within:g} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def read_identities(folder: Path) -> dict[int, list]:
+    """The identities ranks wrote with :func:`rankfns.note_identity`, by rank."""
+    import json
+
+    return {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in folder.glob("rank-*.json")}

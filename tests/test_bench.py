@@ -1,0 +1,162 @@
+"""The bench's machinery: targets, turn-taking, the JSON it writes (atomically),
+and each real figure run at the smallest size, checked for a positive finite
+value. Timings themselves are not asserted: this box is too noisy for that."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from gpucourse import bench, cli
+
+pytestmark = pytest.mark.usefixtures("no_leftover_children")
+
+ENTRY_KEYS = {"value", "target", "passed", "detail"}
+
+
+def fake(key, value, target="report"):
+    return bench.Figure(key, target, lambda n: bench.Reading(value * n, {"n": n, "times_s": [0.1, 0.2]}, "fake"),
+                        quick={"n": 1}, full={"n": 2})
+
+
+def broken(n):
+    raise RuntimeError("rank 1 failed: boom")
+
+
+def interrupted(n):
+    raise KeyboardInterrupt
+
+
+# --- targets and turn-taking --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, target, expected", [
+    (1.0, "<= 1.0", True), (1.0999, "<= 1.10", True), (1.2, "<= 1.10", False), (0.5, ">= 1", False),
+    (2.0, "report", None), (None, "<= 1.0", False), (math.nan, "<= 1.0", False), (math.inf, "<= 1.0", False),
+])
+def test_passed_compares_with_the_target(value, target, expected):
+    assert bench.passed(value, target) is expected
+
+
+@pytest.mark.parametrize("target", ["1.10", "=< 1.1", "<= many", "fast"])
+def test_a_malformed_target_is_refused_at_registration(target):
+    with pytest.raises(ValueError):
+        bench.figure("x", target, quick={}, full={})
+
+
+def test_interleave_takes_turns_abba():
+    calls = []
+    out = bench.interleave({"a": lambda: calls.append("a") or len(calls), "b": lambda: calls.append("b") or len(calls)},
+                           reps=4)
+    assert calls == list("abbaabba")
+    assert out == {"a": [1, 4, 5, 8], "b": [2, 3, 6, 7]}
+
+
+@pytest.mark.parametrize("a, b", [(0.0, 1.0), (1.0, 0.0), (-1.0, 1.0), (math.nan, 1.0), (1.0, math.inf)])
+def test_ratio_refuses_what_is_not_a_positive_finite_ratio(a, b):
+    with pytest.raises(ValueError):
+        bench.ratio(a, b)
+
+
+def test_the_figures_are_registered_with_their_targets():
+    targets = {f.key: f.target for f in bench.FIGURES}
+    assert targets["dp_scratch_vs_ddp"] == "report"
+    assert targets["launch_vs_notebook_launcher"] == "<= 1.0"
+    assert targets["recording_overhead"] == "<= 1.03"
+    for f in bench.FIGURES:
+        assert bench.parse_target(f.target) is None or f.target.split()[0] in ("<=", "<", ">=", ">")
+
+
+# --- the suite and its JSON --------------------------------------------------------------------------------
+
+def test_main_writes_one_entry_per_figure_and_the_machine(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "FIGURES", [fake("ok_ratio", 0.9, "<= 1.0"), fake("too_slow", 1.5, "<= 1.10"),
+                                           fake("shown", 2.0), bench.Figure("broken", "<= 1.0", broken, {"n": 1},
+                                                                            {"n": 1})])
+    written = []
+    real_write = bench.write_atomic
+    monkeypatch.setattr(bench, "write_atomic", lambda path, data: (written.append(path), real_write(path, data)))
+    path = tmp_path / "bench.json"
+
+    results = bench.main(quick=True, json_path=str(path))
+
+    assert written == [str(path)], "the JSON must go through measure.write_atomic"
+    assert os.listdir(tmp_path) == ["bench.json"], "no temporary file may be left behind"
+    assert json.loads(path.read_text()) == json.loads(json.dumps(results))
+    assert set(results) == {"ok_ratio", "too_slow", "shown", "broken", "machine"}
+    for key in ("ok_ratio", "too_slow", "shown", "broken"):
+        assert set(results[key]) == ENTRY_KEYS
+    assert results["ok_ratio"]["value"] == 0.9 and results["ok_ratio"]["passed"] is True
+    assert results["too_slow"]["passed"] is False
+    assert results["shown"]["passed"] is None and results["shown"]["target"] == "report"
+    assert results["shown"]["detail"]["times_s"] == [0.1, 0.2]
+    assert results["broken"]["value"] is None and results["broken"]["passed"] is False
+    assert "boom" in results["broken"]["detail"]["error"]
+    machine = results["machine"]
+    assert machine["torch"] == torch.__version__ and machine["device"] in ("cpu", "cuda")
+    assert machine["cpu_count"] == os.cpu_count() and machine["suite"] == "quick"
+
+    table = capsys.readouterr().out
+    for key, result in (("ok_ratio", "pass"), ("too_slow", "FAIL"), ("shown", "report"), ("broken", "error")):
+        line = next(line for line in table.splitlines() if line.startswith(key))
+        assert result in line.split()
+
+
+def test_quick_and_full_pass_their_own_sizes(monkeypatch):
+    monkeypatch.setattr(bench, "FIGURES", [fake("f", 1.0)])
+    assert bench.main(quick=True)["f"]["detail"]["n"] == 1
+    assert bench.main(quick=False)["f"]["detail"]["n"] == 2
+
+
+def test_an_interrupted_bench_leaves_the_previous_file_alone(tmp_path, monkeypatch):
+    path = tmp_path / "bench.json"
+    path.write_text('{"previous": true}')
+    monkeypatch.setattr(bench, "FIGURES", [fake("first", 1.0), bench.Figure("stop", "report", interrupted,
+                                                                            {"n": 1}, {"n": 1})])
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(quick=True, json_path=str(path))
+    assert path.read_text() == '{"previous": true}'
+    assert os.listdir(tmp_path) == ["bench.json"]
+
+
+def test_the_cli_runs_the_suite_and_writes_the_json(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "FIGURES", [fake("f", 1.25)])
+    path = tmp_path / "out.json"
+    assert cli.main(["bench", "--quick", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["f"]["value"] == 1.25
+    assert "f" in capsys.readouterr().out
+
+
+# --- the real figures, at their smallest ---------------------------------------------------------------------
+
+SMALLEST = {
+    "dp_scratch_vs_ddp": {"reps": 1, "steps": bench.WARMUP_STEPS + 2},
+    "recording_overhead": {"reps": 1, "steps": bench.WARMUP_STEPS + 2},
+    "launch_vs_notebook_launcher": {"reps": 1},
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("key", sorted(SMALLEST))
+def test_each_real_figure_measures_a_positive_finite_ratio(key):
+    fig = next(f for f in bench.FIGURES if f.key == key)
+    bench.preimport()
+    entry = bench.measure(dataclasses.replace(fig, quick=SMALLEST[key]), quick=True)
+    assert set(entry) == ENTRY_KEYS
+    assert "error" not in entry["detail"], entry["detail"].get("error")
+    assert isinstance(entry["value"], float) and math.isfinite(entry["value"]) and entry["value"] > 0
+    assert entry["passed"] is bench.passed(entry["value"], fig.target)
+    json.dumps(entry, allow_nan=False)  # plain, finite data all the way down
+    assert not torch.cuda.is_initialized(), "the bench initialised CUDA in the launching process"
+
+
+def test_the_figures_sides_are_the_same_work():
+    # The two sides of a ratio differ in exactly the thing measured.
+    configs = {"dp_scratch_vs_ddp": ("impl", "scratch", "torch"), "recording_overhead": ("record", True, False)}
+    for key, (name, a, b) in configs.items():
+        ca, cb = bench._bench_config(**{name: a}).to_dict(), bench._bench_config(**{name: b}).to_dict()
+        assert {k for k in ca if ca[k] != cb[k]} == {name}, key

@@ -1,0 +1,300 @@
+"""launch(): values in rank order, one clear error per failure, a bounded hang,
+no process left behind, and the ranks' output and messages reaching the caller
+(a test process, a second launcher at the same time, a notebook kernel)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import nbformat
+import pytest
+import torch
+
+import rankfns
+from gpucourse import LaunchError, LaunchTimeout, WorkerError, launch
+from gpucourse.runtime.launcher import cpu_rank_limit
+from procs import clean_env, read_identities, wait_for, wait_gone
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leftover_children")]
+
+
+# --- values and collectives -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_values_come_back_in_rank_order(world_size):
+    values = launch(rankfns.whoami, world_size=world_size, timeout=60, quiet=True)
+    assert [v[:2] for v in values] == [(rank, world_size) for rank in range(world_size)]
+    pids = {v[2][0] for v in values}
+    assert len(pids) == world_size and os.getpid() not in pids
+    assert wait_gone([v[2] for v in values]) == [], "ranks still run after a successful launch"
+    assert not torch.cuda.is_initialized(), "the launching process initialised CUDA"
+
+
+def test_large_all_reduce_after_threaded_torch_work_in_the_parent():
+    # The fork-after-threads trap: a parent that already ran multi-threaded torch
+    # work used to leave forked ranks hanging in their first large collective.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        a = torch.randn(512, 512, requires_grad=True)
+        (a @ a).tanh().sum().backward()
+        assert a.grad is not None
+        values = launch(rankfns.all_reduce_ones, 4_000_000, world_size=2, timeout=60, quiet=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert values == [(3.0, 3.0), (3.0, 3.0)]
+
+
+def test_back_to_back_launches():
+    for _ in range(4):
+        values = launch(rankfns.whoami, world_size=2, timeout=60, quiet=True)
+        assert [v[:2] for v in values] == [(0, 2), (1, 2)]
+
+
+def test_spawn_starts_an_importable_function():
+    values = launch(rankfns.whoami, world_size=2, timeout=90, start_method="spawn", quiet=True)
+    assert [v[:2] for v in values] == [(0, 2), (1, 2)]
+
+
+@pytest.mark.timeout(180)
+def test_two_launchers_at_once_do_not_collide(tmp_path):
+    # Two pytest-like processes, each launching 2 ranks several times, started together.
+    procs = [subprocess.Popen([sys.executable, "-m", "rankfns", "repeat", str(tmp_path)], env=clean_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        outputs = [p.communicate(timeout=150) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+        assert "launches ok" in out
+
+
+# --- failures -----------------------------------------------------------------------------------------------------
+
+def test_a_rank_that_raises_fails_the_launch_at_once(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        # The others wait in a barrier; a 10-minute process-group timeout must not matter.
+        launch(rankfns.fail_on, 1, str(tmp_path), world_size=3, timeout=60, pg_timeout=600, quiet=True)
+    elapsed = time.monotonic() - start
+    error = info.value
+    assert (error.rank, error.exc_type, error.message) == (1, "ValueError", "rank 1 was told to fail")
+    assert 'raise ValueError(f"rank {bad} was told to fail")' in error.remote_traceback
+    assert "rankfns.py" in error.remote_traceback
+    assert str(error).startswith("rank 1 failed: ValueError: rank 1 was told to fail")
+    assert elapsed < 15, f"the failure took {elapsed:.1f} s to reach the caller"
+    identities = read_identities(tmp_path)
+    assert sorted(identities) == [0, 1, 2]
+    assert wait_gone(identities.values()) == [], "ranks still run after a failed launch"
+
+
+@pytest.mark.parametrize("fn, bad, code, exc_type, message", [
+    (rankfns.exit_on, 1, 3, "SystemExit", "3"),
+    # No exception at all, and the other ranks then fail in their barrier with
+    # "connection closed" errors of their own: rank 2 must still be the one named.
+    (rankfns.os_exit_on, 2, 7, "ProcessExit", "without raising an exception"),
+])
+def test_a_rank_that_exits_fails_the_launch(tmp_path, fn, bad, code, exc_type, message):
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        launch(fn, bad, code, str(tmp_path), world_size=3, timeout=60, pg_timeout=600, quiet=True)
+    elapsed = time.monotonic() - start
+    error = info.value
+    assert (error.rank, error.exc_type) == (bad, exc_type), str(error)
+    assert message in error.message
+    assert str(error).startswith(f"rank {bad} failed")
+    assert elapsed < 15
+    identities = read_identities(tmp_path)
+    assert sorted(identities) == [0, 1, 2]
+    assert wait_gone(identities.values()) == []
+
+
+def test_a_hang_ends_in_launch_timeout_naming_the_pending_ranks(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        launch(rankfns.skip_barrier, 1, str(tmp_path), world_size=3, timeout=4, quiet=True)
+    elapsed = time.monotonic() - start
+    error = info.value
+    assert 4 <= elapsed < 20
+    assert (error.pending, error.finished) == ([0, 2], [1])
+    assert "ranks 0, 2 did not finish within 4 s" in str(error)
+    identities = read_identities(tmp_path)
+    assert sorted(identities) == [0, 1, 2]
+    assert wait_gone(identities.values()) == [], "ranks still run after a timeout"
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_stops_every_rank(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "rankfns", "block", str(tmp_path)], env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: len(read_identities(tmp_path)) == 2 or proc.poll() is not None, 60, "both ranks to start")
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        identities = read_identities(tmp_path)
+        proc.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        out, err = proc.communicate(timeout=30)
+        elapsed = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "KeyboardInterrupt reached the caller" in err, err[-3000:]
+    assert proc.returncode == 130
+    assert elapsed < 15
+    assert wait_gone(identities.values()) == [], "ranks outlived a Ctrl-C"
+
+
+# --- what reaches the caller --------------------------------------------------------------------------------------
+
+def test_rank_output_reaches_the_caller_prefixed(capfd):
+    assert launch(rankfns.chatter, world_size=2, timeout=60, quiet=True) == [0, 1]
+    out, err = capfd.readouterr()
+    for rank in (0, 1):
+        assert f"[rank {rank}] out line of rank {rank}\n" in out
+        assert f"[rank {rank}] err line of rank {rank}\n" in err
+    assert "err line" not in out and "out line" not in err
+
+
+def test_report_reaches_on_message():
+    got = []
+    launch(rankfns.chatter, world_size=2, timeout=60, on_message=got.append, quiet=True)
+    assert sorted(got, key=lambda m: m["rank"]) == [{"rank": 0, "hello": 0, "payload": [0, 0, 0]},
+                                                     {"rank": 1, "hello": 1, "payload": [1, 1, 1]}]
+
+
+def test_device_line_says_where_ranks_run(capfd, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    launch(rankfns.whoami, world_size=2, timeout=60)
+    out = capfd.readouterr().out
+    assert "gpucourse: 2 ranks on cpu (gloo): no GPU is visible" in out
+
+
+# --- refused before any process starts ----------------------------------------------------------------------------
+
+def refused(capsys, **kwargs) -> str:
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(rankfns.whoami, timeout=60, **kwargs)
+    assert time.monotonic() - start < 2
+    assert "ranks on" not in capsys.readouterr().out, "the launch went as far as announcing its ranks"
+    return str(info.value)
+
+
+def test_cuda_without_gpus_is_refused_with_the_auto_fallback(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    message = refused(capsys, world_size=2, device="cuda")
+    assert "device='cuda' needs 2 GPUs" in message
+    assert "device='auto'" in message and "fall back" in message
+
+
+def test_unknown_device_is_refused(capsys):
+    assert "'bogus'" in refused(capsys, world_size=2, device="bogus")
+
+
+@pytest.mark.parametrize("world_size", [0, -1, 1.5, True, "2"])
+def test_bad_world_size_is_refused(capsys, world_size):
+    assert "world_size" in refused(capsys, world_size=world_size)
+
+
+@pytest.mark.parametrize("device", ["cpu", "auto"])
+def test_more_cpu_ranks_than_the_machine_holds_are_refused(capsys, monkeypatch, device):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    too_many = cpu_rank_limit() + 1
+    message = refused(capsys, world_size=too_many, device=device)
+    assert f"{too_many} ranks are more than this machine can run as CPU processes" in message
+    assert f"at most {cpu_rank_limit()}" in message
+
+
+def test_launching_never_initialises_cuda(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the launching process initialised CUDA")
+
+    for name in ("init", "_lazy_init", "is_available"):
+        monkeypatch.setattr(torch.cuda, name, forbidden)
+    assert len(launch(rankfns.whoami, world_size=2, timeout=60, device="cpu", quiet=True)) == 2
+    assert not torch.cuda.is_initialized()
+
+
+# --- a notebook kernel --------------------------------------------------------------------------------------------
+
+NOTEBOOK_CELLS = [
+    """\
+import json, sys, time
+import torch
+a = torch.randn(256, 256, requires_grad=True)
+(a @ a).sum().backward()
+print("EXE", sys.executable)""",
+    """\
+import torch.distributed as dist
+
+def in_a_cell(n):
+    t = torch.full((n,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    print(f"hello from rank {dist.get_rank()}")
+    return dist.get_rank(), float(t.max())""",
+    """\
+from gpucourse import launch
+values = launch(in_a_cell, 1_000_000, world_size=2, timeout=60)
+assert values == [(0, 3.0), (1, 3.0)], values""",
+    """\
+import gpucourse
+from gpucourse import TrainConfig
+result = gpucourse.run(TrainConfig(dp=2, steps=5), timeout=120)
+assert type(result).__name__ == "RunResult" and len(result.losses) == 5, result
+print("LOSSES", json.dumps(result.losses))""",
+    """\
+from gpucourse import LaunchError
+start = time.monotonic()
+try:
+    launch(in_a_cell, 10, world_size=2, timeout=60, start_method="spawn")
+except LaunchError as e:
+    refusal = str(e)
+else:
+    raise AssertionError("spawn started a function defined in a cell")
+assert time.monotonic() - start < 2
+print("REFUSAL", refusal)""",
+]
+
+
+def cell_text(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+
+
+@pytest.mark.timeout(240)
+def test_launch_from_a_notebook_cell(tmp_path):
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import KernelManager
+    from nbclient import NotebookClient
+
+    # A kernel spec of our own makes the kernel this venv's python, whatever python3 means elsewhere.
+    spec = tmp_path / "kernels" / "python3"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (gpucourse venv)", "language": "python"}))
+    km = KernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec.parent)]))
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                           "language": "python"}})
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in NOTEBOOK_CELLS]
+    NotebookClient(nb, km=km, timeout=180, resources={"metadata": {"path": str(tmp_path)}}).execute()
+
+    setup, _, launched, trained, spawn = nb.cells
+    assert f"EXE {sys.executable}" in cell_text(setup)
+    assert "[rank 0] hello from rank 0" in cell_text(launched)
+    assert "[rank 1] hello from rank 1" in cell_text(launched)
+    losses = json.loads(cell_text(trained).split("LOSSES ", 1)[1].splitlines()[0])
+    assert len(losses) == 5 and all(isinstance(x, float) for x in losses)
+    text = cell_text(spawn)
+    refusal = text.split("REFUSAL ", 1)[1]
+    assert "in_a_cell" in refusal and "import it" in refusal and ".py file" in refusal
+    assert "[rank" not in text and "Traceback" not in text, "the refusal started ranks"

@@ -1,0 +1,165 @@
+"""Pipeline schedules are data: every one validates, and the simulator reproduces the textbook numbers.
+
+Cost model of the formulas: every stage takes the same time for a forward (F)
+and the same for a backward (B), transfers are free, and a send waits for its
+receive (a rendezvous). Then naive idles (p-1)/p of stage-time, and GPipe and
+1F1B idle (p-1)/(m+p-1), for F = B and for any other F, B as well.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpucourse import cli
+from gpucourse.parallel.schedules import (B, F, RECV_F, SCHEDULES, SEND_F, Op, ScheduleError, build,
+                                          formula_bubble, simulate, validate)
+
+pp_s = st.integers(1, 8)
+m_s = st.integers(1, 32)
+name_s = st.sampled_from(sorted(SCHEDULES))
+
+
+@settings(max_examples=150, deadline=None)
+@given(name=name_s, pp=pp_s, m=m_s)
+def test_every_schedule_validates_and_runs_each_microbatch_once(name, pp, m):
+    schedule = build(name, pp, m)
+    validate(schedule, pp, m)
+    for s, ops in enumerate(schedule):
+        assert sorted(op.microbatch for op in ops if op.kind == F) == list(range(m))
+        assert sorted(op.microbatch for op in ops if op.kind == B) == list(range(m))
+        kinds = {op.kind for op in ops}
+        assert (RECV_F in kinds) == (s > 0) and (SEND_F in kinds) == (s < pp - 1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(name=name_s, pp=pp_s, m=m_s, cost=st.sampled_from([(1, 1), (1, 2), (2, 3)]))
+def test_bubble_fraction_matches_the_formula(name, pp, m, cost):
+    sim = simulate(build(name, pp, m), pp, m, cost_f=cost[0], cost_b=cost[1])
+    assert sim.bubble_fraction == pytest.approx(formula_bubble(name, pp, m), abs=1e-12)
+    expected = (pp - 1) / pp if name == "naive" else (pp - 1) / (m + pp - 1)
+    assert sim.bubble_fraction == pytest.approx(expected, abs=1e-12)
+    per_pass = cost[0] + cost[1]
+    assert sim.makespan == pytest.approx(m * pp * per_pass if name == "naive" else (m + pp - 1) * per_pass)
+    for s in range(pp):
+        assert sim.busy[s] + sim.comm[s] + sim.idle[s] == pytest.approx(sim.makespan)
+
+
+@settings(max_examples=150, deadline=None)
+@given(pp=pp_s, m=m_s)
+def test_activations_held(pp, m):
+    assert simulate(build("gpipe", pp, m), pp, m).peak_in_flight == [m] * pp
+    assert simulate(build("naive", pp, m), pp, m).peak_in_flight == [1] * pp
+    peak = simulate(build("1f1b", pp, m), pp, m).peak_in_flight
+    assert peak[0] == min(pp, m)
+    assert peak == [min(pp - s, m) for s in range(pp)]
+    assert max(peak) <= pp
+
+
+@settings(max_examples=50, deadline=None)
+@given(name=name_s, pp=st.integers(2, 6), m=st.integers(1, 12), comm=st.sampled_from([0.5, 1, 3]))
+def test_transfers_that_cost_time_never_shorten_a_step(name, pp, m, comm):
+    schedule = build(name, pp, m)
+    free, paid = simulate(schedule, pp, m), simulate(schedule, pp, m, cost_comm=comm)
+    assert paid.makespan >= free.makespan
+    assert paid.comm[0] == pytest.approx(comm * sum(op.kind not in (F, B) for op in schedule[0]))
+
+
+def test_per_stage_costs_move_the_bubble_to_the_fast_stages():
+    sim = simulate(build("1f1b", 3, 6), 3, 6, cost_f=[1, 1, 2], cost_b=[2, 2, 4])
+    assert sim.busy == [18, 18, 36]
+    assert sim.idle[0] > sim.idle[2]
+
+
+def _receives_swapped(pp=3, m=4):
+    """Stage 1 receives microbatch 1's activation before 0's, whole forwards swapped so each stage alone is fine."""
+    schedule = build("gpipe", pp, m)
+    ops = schedule[1]
+    first, second = ops[0:3], ops[3:6]  # RECV_F0 F0 SEND_F0, RECV_F1 F1 SEND_F1
+    ops[0:6] = second + first
+    return schedule
+
+
+def test_receives_out_of_order_are_rejected():
+    with pytest.raises(ScheduleError, match="transfer 0 from stage 0 to stage 1 does not match"):
+        validate(_receives_swapped(), 3, 4)
+
+
+def test_backward_before_forward_is_rejected():
+    schedule = build("gpipe", 2, 2)
+    schedule[0].remove(Op(B, 1))
+    schedule[0].insert(0, Op(B, 1))
+    with pytest.raises(ScheduleError, match=r"stage 0, op 0 \(B1\): comes before F1"):
+        validate(schedule, 2, 2)
+
+
+def test_a_forward_before_its_activation_arrived_is_rejected():
+    schedule = build("1f1b", 2, 2)
+    schedule[1][0], schedule[1][1] = schedule[1][1], schedule[1][0]  # F0 before RECV_F0
+    with pytest.raises(ScheduleError, match="comes before RECV_F0"):
+        validate(schedule, 2, 2)
+
+
+def test_sending_before_receiving_deadlocks_1f1b_and_the_error_says_where():
+    """The 1F1B order with SEND_F before RECV_B: stage s waits to send to s+1, which waits to send back."""
+    schedule = build("1f1b", 4, 8)
+    for ops in schedule[:-1]:
+        for n in range(len(ops) - 1):
+            if ops[n].kind == "RECV_B" and ops[n + 1].kind == "SEND_F":
+                ops[n], ops[n + 1] = ops[n + 1], ops[n]
+    with pytest.raises(ScheduleError, match=r"deadlock: stage 0 waits in op 7 \(SEND_F3\);.*"
+                                            r"stage 3 waits in op 3 \(SEND_B0\)"):
+        validate(schedule, 4, 8)
+
+
+def test_missing_and_duplicated_ops_are_rejected():
+    schedule = build("naive", 2, 3)
+    schedule[1] = [op for op in schedule[1] if op != Op(B, 2)]
+    with pytest.raises(ScheduleError):
+        validate(schedule, 2, 3)
+    schedule = build("naive", 1, 2)
+    schedule[0].append(Op(F, 0))
+    with pytest.raises(ScheduleError, match="done twice"):
+        validate(schedule, 1, 2)
+    with pytest.raises(ScheduleError, match="no neighbour"):
+        validate([[Op(RECV_F, 0), Op(F, 0), Op(B, 0)]], 1, 1)
+
+
+def test_far_past_one_machine_is_fast():
+    import time
+
+    start = time.perf_counter()
+    schedule = build("1f1b", 64, 1024)
+    validate(schedule, 64, 1024)
+    sim = simulate(schedule, 64, 1024)
+    assert sim.bubble_fraction == pytest.approx(63 / (1024 + 63))
+    assert sim.peak_in_flight[0] == 64
+    assert time.perf_counter() - start < 20  # about 3 s on an idle 2-core machine
+
+
+def test_cli_prints_the_gantt_and_the_numbers(capsys, tmp_path):
+    out_json = tmp_path / "s.json"
+    assert cli.main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b",
+                     "--cost-b", "1", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "stage 3 | .. .. .. F0 B0 F1 B1" in out
+    assert "bubble          27.3%" in out
+    assert "peak in flight  4 3 2 1" in out
+    data = json.loads(out_json.read_text())
+    assert data["bubble_fraction"] == pytest.approx(3 / 11)
+    assert data["ops"][3][:3] == ["RECV_F0", "F0", "B0"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pp", "0"], "--pp 0 must be at least 1."),
+    (["--schedule", "zero-bubble"], "--schedule 'zero-bubble' is not one of naive, gpipe, 1f1b."),
+    (["--microbatches", "-3"], "--microbatches -3 must be at least 1."),
+])
+def test_cli_bad_input_is_one_sentence_and_exit_2(argv, message):
+    proc = subprocess.run([sys.executable, "-m", "gpucourse", "schedule", *argv], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"gpucourse: error: {message}"
+    assert proc.stdout == ""
