@@ -72,6 +72,25 @@ _C10D_OPS = {
 }
 
 
+# DTensor and compiled code use the functional collectives instead:
+# name -> (our name, payload as a multiple of the input's size).
+_FUNCTIONAL_OPS = {
+    "all_reduce": ("all_reduce", False), "all_reduce_": ("all_reduce", False),
+    "all_gather_into_tensor": ("all_gather", True), "reduce_scatter_tensor": ("reduce_scatter", False),
+    "broadcast": ("broadcast", False), "broadcast_": ("broadcast", False),
+}
+
+
+def _group_size(func, args, kwargs) -> int:
+    names = [a.name for a in func._schema.arguments]
+    values = dict(zip(names, args), **(kwargs or {}))
+    if "process_group" in values:
+        return dist.ProcessGroup.unbox(values["process_group"]).size()
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(values["group_name"]).size()
+
+
 class counting:
     """Count the bytes of every collective issued inside this ``with`` block.
 
@@ -85,14 +104,14 @@ class counting:
 
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = func._schema.name
-                if name.startswith("c10d::"):
-                    known = _C10D_OPS.get(name[len("c10d::"):])
-                    if known:
-                        op, arg = known
-                        names = [a.name for a in func._schema.arguments]
-                        group = dist.ProcessGroup.unbox(args[names.index("process_group")])
-                        _count(op, _nbytes(args[arg]), group.size())
+                namespace, _, name = func._schema.name.partition("::")
+                if namespace == "c10d" and name in _C10D_OPS:
+                    op, arg = _C10D_OPS[name]
+                    _count(op, _nbytes(args[arg]), _group_size(func, args, kwargs))
+                elif namespace == "_c10d_functional" and name in _FUNCTIONAL_OPS:
+                    op, gathered = _FUNCTIONAL_OPS[name]
+                    n = _group_size(func, args, kwargs)
+                    _count(op, _nbytes(args[0]) * (n if gathered else 1), n)
                 return func(*args, **(kwargs or {}))
 
         self._mode = _Mode()

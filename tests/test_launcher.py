@@ -216,12 +216,24 @@ def test_more_cpu_ranks_than_the_machine_holds_are_refused(capsys, monkeypatch, 
 
 
 def test_launching_never_initialises_cuda(monkeypatch):
-    def forbidden(*args, **kwargs):
-        raise AssertionError("the launching process initialised CUDA")
+    # This CPU build never reaches the CUDA driver, so pretend to be a CUDA build on
+    # a box without GPUs, and forbid (in this process only: ranks are forked with
+    # these patches) every call that starts CUDA or its driver and so poisons fork.
+    parent = os.getpid()
 
-    for name in ("init", "_lazy_init", "is_available"):
-        monkeypatch.setattr(torch.cuda, name, forbidden)
-    assert len(launch(rankfns.whoami, world_size=2, timeout=60, device="cpu", quiet=True)) == 2
+    def forbidden(name, real=None):
+        def call(*args, **kwargs):
+            if os.getpid() == parent:
+                raise AssertionError(f"the launching process called {name}, which starts CUDA")
+            return real(*args, **kwargs) if real else 0
+        return call
+
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: os.getpid() == parent)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # what NVML answers there
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", forbidden("torch._C._cuda_getDeviceCount"), raising=False)
+    for name in ("init", "_lazy_init"):
+        monkeypatch.setattr(torch.cuda, name, forbidden(f"torch.cuda.{name}", getattr(torch.cuda, name)))
+    assert len(launch(rankfns.whoami, world_size=2, timeout=60, quiet=True)) == 2
     assert not torch.cuda.is_initialized()
 
 

@@ -7,8 +7,7 @@ receive (a rendezvous). Then naive idles (p-1)/p of stage-time, and GPipe and
 """
 
 import json
-import subprocess
-import sys
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -129,15 +128,13 @@ def test_missing_and_duplicated_ops_are_rejected():
 
 
 def test_far_past_one_machine_is_fast():
-    import time
-
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: others' load on the machine does not count
     schedule = build("1f1b", 64, 1024)
     validate(schedule, 64, 1024)
     sim = simulate(schedule, 64, 1024)
     assert sim.bubble_fraction == pytest.approx(63 / (1024 + 63))
     assert sim.peak_in_flight[0] == 64
-    assert time.perf_counter() - start < 20  # about 3 s on an idle 2-core machine
+    assert time.process_time() - start < 15  # about 3 s here
 
 
 def test_cli_prints_the_gantt_and_the_numbers(capsys, tmp_path):
@@ -158,8 +155,8 @@ def test_cli_prints_the_gantt_and_the_numbers(capsys, tmp_path):
     (["--schedule", "zero-bubble"], "--schedule 'zero-bubble' is not one of naive, gpipe, 1f1b."),
     (["--microbatches", "-3"], "--microbatches -3 must be at least 1."),
 ])
-def test_cli_bad_input_is_one_sentence_and_exit_2(argv, message):
-    proc = subprocess.run([sys.executable, "-m", "gpucourse", "schedule", *argv], capture_output=True, text=True)
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == f"gpucourse: error: {message}"
-    assert proc.stdout == ""
+def test_cli_bad_input_is_one_sentence_and_exit_2(argv, message, capsys):
+    assert cli.main(["schedule", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip() == f"gpucourse: error: {message}"
+    assert out == ""

@@ -140,11 +140,8 @@ def test_tensor_parallel_equals_single_device(tmp_path_factory, layout):
 
 
 @pytest.mark.parametrize("layout", [
-    dict(tp=2), dict(tp=4), dict(dp=2, tp=2),
-    # The DTensor plan issues the same 16 all-reduces a step, as _c10d_functional ops, which
-    # comm.counting does not count yet; strict, so this fails loudly once it does.
-    pytest.param(dict(tp=2, impl="torch"), marks=pytest.mark.xfail(
-        strict=True, reason="comm.counting does not see DTensor's _c10d_functional collectives")),
+    # The DTensor plan issues the same 16 all-reduces a step (as _c10d_functional ops).
+    dict(tp=2), dict(tp=4), dict(dp=2, tp=2), dict(tp=2, impl="torch"),
 ], ids=["tp2", "tp4", "dp2xtp2", "tp2-torch"])
 def test_bytes_are_what_the_algorithm_moves(tmp_path_factory, layout):
     result, _ = train(tmp_path_factory, **layout)

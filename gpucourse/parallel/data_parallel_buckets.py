@@ -99,8 +99,8 @@ class BucketedDataParallel(Trainer):
         self._communicate = True
         for p in ready_order:
             p.register_post_accumulate_grad_hook(self._grad_ready)
-        self.extras = {"buckets": [[n for n, q in model.named_parameters() if q in set(b.params)]
-                                   for b in self.buckets]}
+        name_of = {p: n for n, p in model.named_parameters()}
+        self.extras = {"buckets": [[name_of[p] for p in b.params] for b in self.buckets]}
 
     def _grad_ready(self, p: torch.nn.Parameter) -> None:
         # Called by autograd when p.grad holds this backward's full gradient.

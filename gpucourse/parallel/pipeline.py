@@ -16,17 +16,26 @@ executes op by op:
     B i        torch.autograd.backward(output, grad)   (last stage: from the loss)
     SEND_B i   send the gradient of the input activation to the previous stage
 
+Sends and receives block, so their order matters: a schedule that has two
+neighbours both sending to each other first never finishes (``schedules.validate``
+finds that before anything runs). Every activation has the known shape
+(microbatch, seq_len, n_embd), so a receive needs no shape exchange first.
+
 Every stage adds the gradients of its m microbatches (each loss divided by m),
 so after the schedule each stage holds exactly the single-device gradient of its
 own parameters; the optimizer step is the usual one, per stage. With dp > 1 each
-stage then averages its gradients over its data-parallel group.
+stage then averages its gradients over its data-parallel group; with tp > 1 the
+stage's blocks are also split between tp ranks (``tensor_parallel.py``).
 
-Communication per optimizer step, each pipeline (fp32, 4 bytes a number):
+Communication per optimizer step, each pipeline (fp32, 4 bytes a number; B is
+the global batch, so B/dp/m sequences a microbatch):
 
     2 × (pp − 1) × m × (B/dp/m) × seq_len × n_embd × 4 bytes sent
 
 — one activation forward and one gradient backward per microbatch over each of
-the pp − 1 stage boundaries; summed over the dp pipelines, dp times that.
+the pp − 1 stage boundaries. There are dp × tp pipelines: with tensor
+parallelism inside a stage, each tp rank sends its own (identical) copy to the
+same tp rank of the next stage.
 
 ``impl="torch"`` runs the same stage modules with ``torch.distributed.pipelining``
 (``PipelineStage`` with ``ScheduleGPipe`` / ``Schedule1F1B``).
@@ -90,10 +99,10 @@ class PipelineScratch(Trainer):
 
     def __init__(self, stage_module: GPTStage, cfg, mesh, rec, device, tp_group=None):
         self.pp_group = mesh["pp"].get_group()
-        self.stage, self.pp, self.m = mesh["pp"].get_local_rank(), cfg.pp, cfg.microbatches
+        self.stage, self.m = mesh["pp"].get_local_rank(), cfg.microbatches
         # Neighbours as global ranks: the same dp and tp index, one stage up or down.
         self.prev = dist.get_global_rank(self.pp_group, self.stage - 1) if self.stage > 0 else None
-        self.next = dist.get_global_rank(self.pp_group, self.stage + 1) if self.stage < self.pp - 1 else None
+        self.next = dist.get_global_rank(self.pp_group, self.stage + 1) if self.stage < cfg.pp - 1 else None
         self.ops = build(cfg.schedule, cfg.pp, cfg.microbatches)[self.stage]
         # Every activation has the same, known shape: no shape exchange is needed.
         mc = cfg.model_config()
@@ -215,9 +224,9 @@ def _dp_sync(stage_module, mesh, cfg):
 
 
 def _extras(cfg, mesh) -> dict:
-    """What every rank can say about the whole run: the schedule, and which stage each rank runs."""
+    """What every rank can say about the whole run: each stage's ops, and which stage each rank runs."""
     ranks = mesh.mesh  # (pp, dp, tp) tensor of global ranks
-    return {"schedule": cfg.schedule, "microbatches": cfg.microbatches,
+    return {"schedule": [[str(op) for op in ops] for ops in build(cfg.schedule, cfg.pp, cfg.microbatches)],
             "stage_of_rank": {str(int(r)): s for s in range(cfg.pp) for r in ranks[s].flatten()}}
 
 

@@ -40,7 +40,7 @@ while the last gradient comes back — (p-1)(F+B) — out of a makespan of
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 F, B = "F", "B"
@@ -92,11 +92,12 @@ def gpipe(pp: int, m: int) -> list[list[Op]]:
 def one_f_one_b(pp: int, m: int) -> list[list[Op]]:
     """1F1B (PipeDream-Flush): warm up, then alternate one forward and one backward, then drain.
 
-    Stage s runs ``w = min(pp - s - 1, m)`` warm-up forwards: just enough that
-    when its first gradient returns, the next stage is already in its steady
-    state. Then it alternates forward of microbatch w + k with backward of k, so
-    at most w + 1 microbatches are ever in flight, and finishes with the w
-    backwards still owed.
+    Stage s runs ``w = min(pp - s - 1, m)`` warm-up forwards: just enough to fill
+    the pipeline, so that the last stage starts each backward right after its
+    forward and every gradient finds its stage ready for it. Then stage s
+    alternates forward of microbatch w + k with backward of k — never more than
+    w + 1 microbatches in flight, the activations of ``pp - s`` at most instead
+    of GPipe's m — and finishes with the w backwards still owed.
     """
     schedule = []
     for s in range(pp):
@@ -147,7 +148,7 @@ class Simulation:
     comm: list[float]
     idle: list[float]
     bubble_fraction: float
-    peak_in_flight: list[int] = field(default_factory=list)
+    peak_in_flight: list[int]
 
 
 def _per_stage(cost, pp: int, name: str) -> list[float]:

@@ -130,7 +130,8 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.group = group
         self.weight = _shard(full.weight, 1, group)
-        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone(),
+                                                                requires_grad=full.bias.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = ReduceFromTensorParallel.apply(F.linear(x, self.weight), self.group)

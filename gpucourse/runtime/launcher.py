@@ -119,6 +119,41 @@ def in_place() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and worker._CONTEXT is None
 
 
+_forking_ranks = False  # True while launch() lets the agent fork ranks
+
+
+def _after_fork_in_child() -> None:
+    # The agent sends a forked rank's output to its log file (the one it tees back
+    # to us with the [rank N] prefix) through sys.stdout.fileno(); a notebook
+    # kernel's or pytest's sys.stdout is not fd 1, so the rank's prints bypassed
+    # the log. Give the rank plain fd 1 and 2 streams before the agent looks.
+    global _forking_ranks
+    if _forking_ranks:
+        _forking_ranks = False
+        worker.plain_std_streams()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@contextlib.contextmanager
+def _nvml_cuda_check():
+    # LaunchConfig's defaults ask torch.cuda.is_available(), which initialises the
+    # CUDA driver in this process and so poisons fork: forked CUDA ranks then fail
+    # with "Cannot re-initialize CUDA in forked subprocess". This variable makes
+    # torch ask NVML instead, as torch.cuda.device_count() already does.
+    old = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = old
+
+
 def _start_method(fn, plan: DevicePlan, start_method: str | None) -> str:
     if start_method:
         return start_method
@@ -308,18 +343,21 @@ def launch(fn, *args, world_size: int, timeout: float | None = None, device: str
     spec = {"run_dir": run_dir, "device_type": plan.device, "backend": plan.backend, "pg_timeout": pg_timeout,
             "channel": channel,
             "threads": 1 if method == "fork" else max(1, (os.cpu_count() or 1) // world_size)}
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex,
-        # Port 0: the agent's store binds a free port, so launches never collide.
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", rdzv_configs={"timeout": 120},
-        max_restarts=0, monitor_interval=0.05, start_method=method,
-        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "logs"), redirects=Std.ALL, tee=Std.ALL),
-        log_line_prefix_template="[rank ${rank}] ", shutdown_timeout=5,
-    )
+    with _nvml_cuda_check():
+        config = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex,
+            # Port 0: the agent's store binds a free port, so launches never collide.
+            rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", rdzv_configs={"timeout": 120},
+            max_restarts=0, monitor_interval=0.05, start_method=method,
+            logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "logs"), redirects=Std.ALL, tee=Std.ALL),
+            log_line_prefix_template="[rank ${rank}] ", shutdown_timeout=5,
+        )
     stop = threading.Event()
     drainer = threading.Thread(target=_drain, args=(channel, on_message, stop), daemon=True)
     drainer.start()
     watchdog = _Watchdog(timeout, {p.pid for p in multiprocessing.active_children()})
+    global _forking_ranks
+    _forking_ranks = method == "fork"
     try:
         with _quiet_elastic(), _saved_signal_handlers():
             try:
@@ -339,6 +377,7 @@ def launch(fn, *args, world_size: int, timeout: float | None = None, device: str
             raise _timeout_error(timeout, run_dir, world_size)
         return [values[r] for r in range(world_size)]
     finally:
+        _forking_ranks = False
         watchdog.cancel()
         watchdog.kill()
         stop.set()

@@ -1,8 +1,8 @@
 """What runs first inside every rank.
 
 :func:`rank_main` is the entry point the launcher hands to torch's elastic agent.
-It makes the process safe to use (one torch thread after a fork, plain stdout,
-default signal handling, death with its parent), joins the process group, runs
+It makes the process safe to use (one torch thread after a fork, default
+signal handling, death with its parent), joins the process group, runs
 the user's function, and leaves a note in the run folder: its pid when it starts,
 its error (type, message, traceback, time) if it raises, and a mark when it
 finishes. The launcher reads those notes to say which rank failed or hung.
@@ -77,6 +77,17 @@ def _note(run_dir: str, name: str, payload: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
+def plain_std_streams() -> None:
+    """Point sys.stdout and sys.stderr at file descriptors 1 and 2, line-buffered.
+
+    A child forked from a notebook kernel (or from pytest) still holds its
+    parent's stream objects, which do not write to fd 1 and 2; the launcher calls
+    this right after forking a rank (see ``launcher._after_fork_in_child``).
+    """
+    sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), line_buffering=True)
+
+
 def pick_device(device_type: str, local_rank: int) -> torch.device:
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
@@ -97,10 +108,6 @@ def rank_main(fn, args: tuple, kwargs: dict, spec: dict):
     # hang; one thread per rank avoids that (and ranks share the cores anyway).
     torch.set_num_threads(spec["threads"])
     os.environ.setdefault("OMP_NUM_THREADS", str(spec["threads"]))  # libraries that read it (Accelerate) agree
-    # A child forked from a notebook kernel still holds the kernel's stdout
-    # objects; write to the real (redirected) file descriptors instead.
-    sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), line_buffering=True)
-    sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), line_buffering=True)
 
     rank = int(os.environ["RANK"])
     run_dir = spec["run_dir"]

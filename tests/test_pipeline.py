@@ -1,0 +1,159 @@
+"""Pipeline parallelism equals the single-device run, moves exactly its activations, and records its schedule.
+
+Oracle: fp32, dropout 0, the same seed and global batch, 10 steps; losses within
+1e-5 relative and the exported weights within 1e-5 absolute of ``TrainConfig()``
+with the same batch.
+
+Bytes: per optimizer step, each pipeline sends one activation forward and one
+gradient backward per microbatch over each of its pp − 1 stage boundaries,
+
+    2 × (pp − 1) × m × (batch_size / dp / m) × seq_len × n_embd × 4 bytes,
+
+and there are dp × tp pipelines (a tp rank sends its own copy to the same tp
+rank of the next stage). torch.distributed.pipelining adds a handshake of a few
+hundred bytes on the first step only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections import defaultdict
+
+import pytest
+import torch
+
+from gpucourse import TrainConfig, run
+from gpucourse.model import MODELS, build_model
+from gpucourse.parallel.pipeline import GPTStage, stage_blocks
+from gpucourse.parallel.schedules import build
+
+BASE = dict(steps=10, seq_len=32, batch_size=8, model="tiny", seed=0, dropout=0.0)
+HAS_TP = importlib.util.find_spec("gpucourse.parallel.tensor_parallel") is not None
+
+LAYOUTS = {
+    "pp2-naive": dict(pp=2, schedule="naive", microbatches=8),
+    "pp2-gpipe": dict(pp=2, schedule="gpipe", microbatches=8),
+    "pp2-1f1b": dict(pp=2, schedule="1f1b", microbatches=8),
+    "pp4-1f1b": dict(pp=4, schedule="1f1b", microbatches=8),
+    "pp2-gpipe-torch": dict(pp=2, schedule="gpipe", microbatches=8, impl="torch"),
+    "pp2-1f1b-torch": dict(pp=2, schedule="1f1b", microbatches=8, impl="torch"),
+    "dp2×pp2-1f1b": dict(dp=2, pp=2, schedule="1f1b", microbatches=4),
+    "tp2×pp2-1f1b": dict(tp=2, pp=2, schedule="1f1b", microbatches=4),
+}
+
+_RUNS: dict = {}
+
+
+def _run(name: str, tmp_path_factory):
+    """Each layout runs once per test session; its tests share the result and the exported weights."""
+    if name not in _RUNS:
+        path = tmp_path_factory.mktemp("weights") / f"{name}.pt"
+        cfg = TrainConfig(**BASE, **LAYOUTS.get(name, {}))
+        result = run(cfg, timeout=120, export_weights=path, quiet=True)
+        _RUNS[name] = (cfg, result, torch.load(path))
+    return _RUNS[name]
+
+
+def _params(name: str):
+    if name.startswith("tp2") and not HAS_TP:
+        return pytest.param(name, marks=pytest.mark.xfail(reason="gpucourse/parallel/tensor_parallel.py is missing",
+                                                          strict=True))
+    return name
+
+
+ALL = [_params(n) for n in LAYOUTS]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_equals_the_single_device_run(name, tmp_path_factory):
+    _, ref, ref_weights = _run("single", tmp_path_factory)
+    _, result, weights = _run(name, tmp_path_factory)
+    assert len(result.losses) == BASE["steps"]
+    for got, want in zip(result.losses, ref.losses):
+        assert got == pytest.approx(want, rel=1e-5)
+    assert list(weights) == list(ref_weights)  # the whole model, single-device names, in order
+    for key, want in ref_weights.items():
+        assert weights[key].shape == want.shape, key
+        assert (weights[key] - want).abs().max().item() <= 1e-5, key
+
+
+def _per_step(result, op: str) -> list[int]:
+    totals = defaultdict(int)
+    for row in result.comm:
+        if row["op"] == op and 0 <= row["step"] < BASE["steps"]:
+            totals[row["step"]] += row["bytes"]
+    return [totals[s] for s in range(BASE["steps"])]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_moves_one_activation_and_one_gradient_per_microbatch_and_boundary(name, tmp_path_factory):
+    cfg, result, _ = _run(name, tmp_path_factory)
+    mc = cfg.model_config()
+    microbatch = cfg.batch_size // cfg.dp // cfg.microbatches
+    expected = 2 * (cfg.pp - 1) * cfg.microbatches * microbatch * cfg.seq_len * mc.n_embd * 4 * cfg.dp * cfg.tp
+    for op in ("send", "recv"):
+        per_step = _per_step(result, op)
+        if cfg.impl == "torch":  # its first step also carries the neighbours' handshake
+            assert expected <= per_step[0] <= expected + 4096, op
+            per_step = per_step[1:]
+        assert set(per_step) == {expected}, op
+    if cfg.dp > 1:  # and every stage's gradients are averaged over dp, once per step
+        n_params = build_model(mc, 0).num_params()
+        assert set(_per_step(result, "all_reduce")) == {cfg.dp * n_params * 4}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_timeline_has_every_microbatch_forward_and_backward_on_every_rank(name, tmp_path_factory):
+    cfg, result, _ = _run(name, tmp_path_factory)
+    seen = defaultdict(list)
+    for span in result.timeline:
+        if span["kind"] in ("forward", "backward") and span["step"] >= 0:
+            seen[span["rank"], span["step"], span["kind"]].append(span["microbatch"])
+    for rank in range(cfg.world_size):
+        for step in range(cfg.steps):
+            for kind in ("forward", "backward"):
+                assert sorted(seen[rank, step, kind]) == list(range(cfg.microbatches)), (rank, step, kind)
+    if cfg.impl == "scratch":
+        assert {s["rank"] for s in result.timeline if s["kind"] == "comm"} == set(range(cfg.world_size))
+    stages = result.extras["stage_of_rank"]
+    assert sorted(stages) == sorted(str(r) for r in range(cfg.world_size))
+    assert sorted(set(stages.values())) == list(range(cfg.pp))
+    assert result.extras["schedule"] == [[str(op) for op in ops]
+                                         for ops in build(cfg.schedule, cfg.pp, cfg.microbatches)]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_each_rank_computes_in_its_schedules_order(name, tmp_path_factory):
+    """The spans, in time order, are the stage's F and B ops from schedules.py (torch's own 1F1B included)."""
+    cfg, result, _ = _run(name, tmp_path_factory)
+    schedule = build(cfg.schedule, cfg.pp, cfg.microbatches)
+    for rank, stage in result.extras["stage_of_rank"].items():
+        want = [str(op) for op in schedule[stage] if op.kind in ("F", "B")]
+        for step in (0, cfg.steps - 1):
+            spans = sorted((s for s in result.timeline if s["rank"] == int(rank) and s["step"] == step
+                            and s["kind"] in ("forward", "backward")), key=lambda s: s["start_s"])
+            assert [f"{s['kind'][0].upper()}{s['microbatch']}" for s in spans] == want, (rank, step)
+
+
+# Stages, without starting any rank.
+
+@pytest.mark.parametrize("n_layer, pp", [(4, 2), (4, 4), (5, 2), (7, 3), (12, 5)])
+def test_stages_are_balanced_contiguous_and_cover_every_block(n_layer, pp):
+    ranges = [stage_blocks(n_layer, pp, s) for s in range(pp)]
+    assert [i for r in ranges for i in r] == list(range(n_layer))
+    assert max(map(len, ranges)) - min(map(len, ranges)) <= 1
+
+
+def test_stages_chained_are_the_model_with_its_names():
+    cfg = MODELS["tiny"]
+    whole = build_model(cfg, 3)
+    names = list(whole.state_dict())
+    idx = torch.randint(0, cfg.vocab_size, (2, 16))
+    with torch.no_grad():
+        want = whole(idx)
+    stages = [GPTStage(build_model(cfg, 3), s, 2) for s in range(2)]
+    assert [k for st in stages for k in st.state_dict()] == names
+    assert "blocks.2.ln1.weight" in stages[1].state_dict()
+    with torch.no_grad():
+        got = stages[1](stages[0](idx))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
