@@ -52,6 +52,9 @@ WARMUP_STEPS = 3
 # Ranks of every figure: the smallest group that communicates.
 RANKS = 2
 RUN_TIMEOUT_S = 600
+# What launch_vs_notebook_launcher times, from the call: until the slowest rank
+# entered the function, until it ended its first step, until the call returned.
+LAUNCH_TIMES = ("entered_s", "first_step_s", "returned_s")
 
 
 @dataclass
@@ -186,7 +189,7 @@ def recording_overhead(reps: int, steps: int) -> Reading:
 
 
 def first_step(out_dir: str, device_type: str) -> None:
-    """One data-parallel training step of the tiny GPT; write when it ended to ``out_dir``.
+    """One data-parallel training step of the tiny GPT; write when it began and ended to ``out_dir``.
 
     Both launchers start this same function. It does what a learner's first
     cell does: build the model and AdamW, run forward and backward on this
@@ -195,6 +198,7 @@ def first_step(out_dir: str, device_type: str) -> None:
     ``accelerate.notebook_launcher`` only the environment is (MASTER_ADDR,
     RANK, WORLD_SIZE …), so the function joins the group itself, and leaves it.
     """
+    entered = time.time()  # wall clock: comparable across processes
     from . import data
     from .model import MODELS, build_model, loss_fn
     from .parallel.single import make_optimizer
@@ -219,9 +223,8 @@ def first_step(out_dir: str, device_type: str) -> None:
         optimizer.step()
         if device_type == "cuda":
             torch.cuda.synchronize()
-        ended = time.time()  # wall clock: comparable across processes
-        with open(os.path.join(out_dir, f"step-{rank}.txt"), "w") as f:
-            f.write(repr(ended))
+        with open(os.path.join(out_dir, f"step-{rank}.json"), "w") as f:
+            json.dump({"entered": entered, "ended": time.time()}, f)
     finally:
         if owns_group:
             dist.destroy_process_group()
@@ -246,16 +249,21 @@ def _free_port() -> int:
 
 
 def _time_launch(start: Callable[[str], None]) -> dict:
-    """Seconds from calling ``start(out_dir)`` to the end of the slowest rank's first step, and to its return."""
+    """Seconds from calling ``start(out_dir)`` until the slowest rank entered the function,
+    until it ended its first step, and until ``start`` returned."""
     out_dir = tempfile.mkdtemp(prefix="gpucourse-bench-")
     try:
         t0 = time.time()
         start(out_dir)
         returned = time.time() - t0
-        ends = [float(open(p).read()) for p in glob.glob(os.path.join(out_dir, "step-*.txt"))]
-        if len(ends) != RANKS:
-            raise RuntimeError(f"{len(ends)} of {RANKS} ranks finished their first step.")
-        return {"first_step_s": max(ends) - t0, "returned_s": returned}
+        ranks = []
+        for path in glob.glob(os.path.join(out_dir, "step-*.json")):
+            with open(path) as f:
+                ranks.append(json.load(f))
+        if len(ranks) != RANKS:
+            raise RuntimeError(f"{len(ranks)} of {RANKS} ranks finished their first step.")
+        return {"entered_s": max(r["entered"] for r in ranks) - t0,
+                "first_step_s": max(r["ended"] for r in ranks) - t0, "returned_s": returned}
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
 
@@ -280,18 +288,18 @@ def launch_vs_notebook_launcher(reps: int) -> Reading:
             notebook_launcher(first_step, args=(out_dir, device_type), num_processes=RANKS,
                               use_port=str(_free_port()))
 
-    # One untimed round of each: the first launch in a process imports the elastic agent.
-    interleave({"ours": lambda: _time_launch(ours), "accelerate": lambda: _time_launch(accelerate)}, 1)
-    times = interleave({"ours": lambda: _time_launch(ours), "accelerate": lambda: _time_launch(accelerate)}, reps)
-    med = {side: {k: statistics.median(t[k] for t in ts) for k in ("first_step_s", "returned_s")}
-           for side, ts in times.items()}
-    detail = {side: {"median_first_step_s": med[side]["first_step_s"], "median_returned_s": med[side]["returned_s"],
-                     "first_step_s": [t["first_step_s"] for t in ts], "returned_s": [t["returned_s"] for t in ts]}
+    sides = {"ours": lambda: _time_launch(ours), "accelerate": lambda: _time_launch(accelerate)}
+    interleave(sides, 1)  # untimed: the first launch in a process imports the elastic agent
+    times = interleave(sides, reps)
+    med = {side: {k: statistics.median(t[k] for t in ts) for k in LAUNCH_TIMES} for side, ts in times.items()}
+    detail = {side: {**{f"median_{k}": med[side][k] for k in LAUNCH_TIMES},
+                     **{k: [t[k] for t in ts] for k in LAUNCH_TIMES}}
               for side, ts in times.items()}
     detail.update(reps=reps, device=device_type, ranks=RANKS)
     return Reading(ratio(med["ours"]["first_step_s"], med["accelerate"]["first_step_s"]), detail,
                    f"ours {med['ours']['first_step_s']:.3f} s, accelerate {med['accelerate']['first_step_s']:.3f} s "
-                   f"to the first step")
+                   f"to the first step (of which to enter the function: {med['ours']['entered_s']:.3f} s, "
+                   f"{med['accelerate']['entered_s']:.3f} s)")
 
 
 # --- the suite -------------------------------------------------------------------------

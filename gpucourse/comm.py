@@ -45,7 +45,7 @@ def set_recorder(rec: Recorder | None) -> None:
 
 def _count(op: str, payload: int, n: int) -> None:
     if _RECORDER is not None:
-        _RECORDER.count_comm(op, payload, int(round(payload * RING_FACTOR[op](n))))
+        _RECORDER.count_comm(op, payload, payload * RING_FACTOR[op](n))
 
 
 def count(op: str, tensor: torch.Tensor, group=None) -> None:

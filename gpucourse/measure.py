@@ -102,7 +102,7 @@ class Recorder:
         """Count one collective call of ``op``: its payload and the bytes this rank sends for it."""
         totals = self.comm.setdefault((self.step, op), [0, 0, 0])
         totals[0] += int(nbytes)
-        totals[1] += int(bus_bytes)
+        totals[1] += bus_bytes
         totals[2] += 1
 
     def flush(self) -> None:

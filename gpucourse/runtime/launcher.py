@@ -184,6 +184,7 @@ class _Watchdog:
     def __init__(self, timeout: float | None, before: set):
         self.fired = False
         self._before = before
+        self._done = threading.Event()
         self._timer = threading.Timer(timeout, self._fire) if timeout else None
         if self._timer:
             self._timer.daemon = True
@@ -191,7 +192,13 @@ class _Watchdog:
 
     def _fire(self) -> None:
         self.fired = True
-        self.kill()
+        # The agent may still be starting ranks (in its rendezvous, or spawning):
+        # keep killing the new ones until the launch has given up, or they would
+        # run on after the timeout.
+        while True:
+            self.kill()
+            if self._done.wait(0.05):
+                return
 
     def kill(self) -> None:
         # Only our own children that started during this launch: never a stranger's pid.
@@ -201,6 +208,7 @@ class _Watchdog:
                     os.kill(proc.pid, signal.SIGKILL)
 
     def cancel(self) -> None:
+        self._done.set()
         if self._timer:
             self._timer.cancel()
 
@@ -248,7 +256,8 @@ def _worker_error(run_dir: str, failures: dict) -> WorkerError:
 def _quiet_elastic():
     # The agent logs every failure as a table of its own; the caller gets one
     # WorkerError instead, so keep the agent's logger for real emergencies only.
-    logs = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    logs = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing",
+                                           "torchelastic-events-null")]
     old = [log.level for log in logs]
     for log in logs:
         log.setLevel(logging.CRITICAL)
@@ -373,8 +382,7 @@ def launch(fn, *args, world_size: int, timeout: float | None = None, device: str
             except KeyboardInterrupt:
                 watchdog.kill()
                 raise
-        if watchdog.fired:
-            raise _timeout_error(timeout, run_dir, world_size)
+        # Every rank returned (even if the watchdog fired as they did): that is a result.
         return [values[r] for r in range(world_size)]
     finally:
         _forking_ranks = False
