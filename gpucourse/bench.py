@@ -12,11 +12,14 @@ Adding a figure is one function::
 
     @figure("my_ratio", target="<= 1.05", quick=dict(reps=3), full=dict(reps=9))
     def my_ratio(reps: int) -> Reading:
-        times = interleave({"ours": lambda: ..., "theirs": lambda: ...}, reps)
-        return ratio_reading(times["ours"], times["theirs"], ...)
+        # seconds of ours over seconds of theirs, each side's median
+        times = interleave({"ours": time_ours, "theirs": time_theirs}, reps)
+        ours, theirs = statistics.median(times["ours"]), statistics.median(times["theirs"])
+        return Reading(ratio(ours, theirs), {"ours_s": times["ours"], "theirs_s": times["theirs"]})
 
 ``quick`` and ``full`` are the keyword arguments the function gets under
-``gpucourse bench --quick`` and ``gpucourse bench``. :func:`main` runs every
+``gpucourse bench --quick`` and ``gpucourse bench``; :func:`compare_runs` does
+the interleaving for two or more training configs. :func:`main` runs every
 registered figure, prints a table and can write all figures as one JSON object.
 """
 
@@ -43,8 +46,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .config import TrainConfig
 from .measure import write_atomic
+from .runtime import launch
 from .runtime.launcher import plan_device, visible_gpus
+from .train import run
 
 # Steps at the start of every run that are left out of step-time medians: the
 # first steps pay for allocator growth, lazy initialisation and DDP's bucket set-up.
@@ -137,15 +143,13 @@ def ratio(a: float, b: float) -> float:
 # --- step times of whole training runs -------------------------------------------------
 
 
-def _steady_step_times(config) -> list[float]:
+def _steady_step_times(config: TrainConfig) -> list[float]:
     """Train ``config`` once; return its step times without the warm-up steps."""
-    from .train import run
-
     result = run(config, timeout=RUN_TIMEOUT_S, quiet=True)
     return result.step_times_s[WARMUP_STEPS:]
 
 
-def compare_runs(configs: dict, reps: int) -> tuple[dict, dict[str, float]]:
+def compare_runs(configs: dict[str, TrainConfig], reps: int) -> tuple[dict, dict[str, float]]:
     """Train each config ``reps`` times, interleaved; return the raw step times and each one's median.
 
     The median is over every steady step of every repetition of that config.
@@ -158,10 +162,8 @@ def compare_runs(configs: dict, reps: int) -> tuple[dict, dict[str, float]]:
     return detail, medians
 
 
-def _bench_config(**changes):
+def _bench_config(**changes) -> TrainConfig:
     """The layout the step-time figures train: tiny GPT, 2 data-parallel ranks, 16 sequences a step."""
-    from .config import TrainConfig
-
     return TrainConfig(**{"model": "tiny", "dp": RANKS, "batch_size": 16, "impl": "torch", **changes})
 
 
@@ -273,8 +275,6 @@ def launch_vs_notebook_launcher(reps: int) -> Reading:
     """Call-to-first-step time of ``gpucourse.launch`` over ``accelerate.notebook_launcher``, 2 ranks."""
     from accelerate import notebook_launcher
 
-    from .runtime import launch
-
     preimport()
     device_type = plan_device("auto", RANKS).device
 
@@ -333,11 +333,11 @@ def format_table(results: dict) -> str:
     for key, entry in results.items():
         if key == "machine":
             continue
-        value = "-" if entry["value"] is None else f"{entry['value']:.3f}"
-        result = {True: "pass", False: "FAIL", None: "report"}[entry["passed"]]
-        note = entry["detail"].get("error") or entry["detail"].get("summary", "")
         if entry["value"] is None:
-            result = "error"
+            value, result = "-", "error"
+        else:
+            value, result = f"{entry['value']:.3f}", {True: "pass", False: "FAIL", None: "report"}[entry["passed"]]
+        note = entry["detail"].get("error") or entry["detail"].get("summary", "")
         rows.append((key, value, entry["target"], result, note))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(f"{c:<{w}}" for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]

@@ -179,7 +179,7 @@ def cmd_schedule(args) -> int:
           f"F costs {args.cost_f:g}, B {args.cost_b:g}, a transfer {args.cost_comm:g}")
     print(schedules.gantt(sim))
     print(f"  makespan        {sim.makespan:g} time units")
-    print(f"  bubble          {sim.bubble_fraction:.1%} of stage-time idle "
+    print(f"  bubble          {sim.bubble_fraction:.1%} of stage-time not computing "
           f"(equal-cost formula {'(p-1)/p' if args.schedule == 'naive' else '(p-1)/(m+p-1)'} = {formula:.1%})")
     print(f"  peak in flight  {' '.join(map(str, sim.peak_in_flight))} microbatches held, stage 0 to {pp - 1}")
     if args.json:
@@ -212,6 +212,15 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_tour(args) -> int:
+    if args.out:
+        _check_writable(args.out, "--out")
+    plan_device(args.device, 1)  # a bad --device is refused before anything runs
+    from . import tour
+
+    return tour.main(quick=args.quick, out=args.out, device=args.device)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpucourse", description="Run, watch and check distributed training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -237,6 +246,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-comm", type=float, default=0.0, help="time of one activation or gradient transfer")
     p.add_argument("--json", metavar="FILE", help="write the schedule, timeline and figures as JSON")
     p.set_defaults(func=cmd_schedule)
+
+    p = sub.add_parser("tour", help="run every supported layout, check each equals the single-device run, "
+                                    "write an HTML report",
+                       description="Train every layout of 'gpucourse train --list' here, compare each with the "
+                                   "single-device run (loss within 1e-5 relative), print a table and write one "
+                                   "self-contained HTML report. Exits 1 if any layout differs.")
+    p.add_argument("--out", metavar="FILE", default="gpucourse-tour.html",
+                   help="the HTML report (default: gpucourse-tour.html)")
+    p.add_argument("--quick", action="store_true", help="tiny runs: 3 steps of 32 tokens (a few minutes on 2 cores)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.set_defaults(func=cmd_tour)
 
     p = sub.add_parser("doctor", help="what this machine has for distributed training")
     p.add_argument("--json", action="store_true", help="print JSON")

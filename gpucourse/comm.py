@@ -9,7 +9,8 @@ same arguments as its ``torch.distributed`` namesake and also tells the run's
   all-gather, the *full* input of a reduce-scatter, the tensor of a send.
 - ``bus_bytes``: what each rank must send for that payload with the ring
   algorithm: all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n,
-  broadcast and send 1 times the payload. By this count ZeRO-2's
+  broadcast and send 1 times the payload (a receive counts 0: each
+  point-to-point transfer is counted once, by its sender). By this count ZeRO-2's
   reduce-scatter plus all-gather moves exactly what data parallel's all-reduce
   does.
 
@@ -44,6 +45,8 @@ def set_recorder(rec: Recorder | None) -> None:
 
 
 def _count(op: str, payload: int, n: int) -> None:
+    if op == "recv":
+        payload = 0  # a transfer is counted once, by its sender
     if _RECORDER is not None:
         _RECORDER.count_comm(op, payload, payload * RING_FACTOR[op](n))
 

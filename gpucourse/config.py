@@ -177,6 +177,9 @@ class TrainConfig:
             if self.pp > 1 and self.schedule == "naive":
                 raise ConfigError("torch.distributed.pipelining has no 'naive' schedule; use gpipe or 1f1b, "
                                   "or impl='scratch'.")
+            if self.pp > 1 and self.schedule == "1f1b" and self.microbatches < self.pp:
+                raise ConfigError(f"torch's Schedule1F1B needs microbatches >= pp ({self.microbatches} < {self.pp}); "
+                                  f"use more microbatches, gpipe, or impl='scratch'.")
         if self.impl == "accelerate":
             if self.tp > 1 or self.pp > 1:
                 raise ConfigError("impl='accelerate' runs data parallelism only (tp=1, pp=1).")

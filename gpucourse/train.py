@@ -65,7 +65,7 @@ def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dic
         losses.append(value)
         if value is not None:
             report({"kind": "step", "step": step, "steps": cfg.steps, "loss": value, "time_s": step_times[-1]})
-    rec.step = cfg.steps  # gathering the weights is not training traffic: it counts after the last step
+    comm.set_recorder(None)  # gathering the weights for export is not training traffic
     state = trainer.full_state_dict()
     if export_path and ctx.rank == 0:
         buf = io.BytesIO()
@@ -95,20 +95,37 @@ class _Progress:
 
 
 def run(config: TrainConfig, *, timeout: float | None = None, export_weights: str | os.PathLike | None = None,
-        on_step=None, quiet: bool = False) -> RunResult:
+        on_step=None, quiet: bool = False, live: bool = False) -> RunResult:
     """Train ``config`` on its ranks and return the merged :class:`RunResult`.
 
     ``on_step`` is called in this process with ``{step, steps, loss, time_s}``
     after each step (the global mean loss). ``export_weights`` saves the trained
     model as one single-device ``state_dict`` file, whatever the layout.
+    ``live=True`` draws the loss and each rank's activity in the notebook while
+    it trains, then the finished run (see :class:`gpucourse.viz.LiveView`).
     """
     config.validate()
     plan = plan_device(config.device, int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
                        if in_place() else config.world_size)
     config.validate_on(plan.device)
+    view = None
+    if live:
+        from .viz.live import LiveView
+        view = LiveView(config, on_step=on_step)
+        on_step = view.on_step
     holders = config.dp * config.tp  # ranks that see a loss: the last pipeline stage of each replica
     on_message = _Progress(holders, on_step) if on_step else None
+    if view:
+        on_message = view.messages(on_message)
     export = os.fspath(export_weights) if export_weights else None
-    outputs = launch(train_worker, config.to_dict(), export, world_size=config.world_size, timeout=timeout,
-                     device=config.device, on_message=on_message, quiet=quiet)
-    return merge(config.to_dict(), outputs, device=plan.device, backend=plan.backend)
+    try:
+        outputs = launch(train_worker, config.to_dict(), export, world_size=config.world_size, timeout=timeout,
+                         device=config.device, on_message=on_message, quiet=quiet)
+    except BaseException:
+        if view:
+            view.close()  # keeps the steps drawn so far
+        raise
+    result = merge(config.to_dict(), outputs, device=plan.device, backend=plan.backend)
+    if view:
+        view.finish(result)
+    return result

@@ -8,6 +8,9 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -160,3 +163,12 @@ def test_the_figures_sides_are_the_same_work():
     for key, (name, a, b) in configs.items():
         ca, cb = bench._bench_config(**{name: a}).to_dict(), bench._bench_config(**{name: b}).to_dict()
         assert {k for k in ca if ca[k] != cb[k]} == {name}, key
+
+
+def test_importing_the_bench_needs_torch_alone():
+    # A bare GPU node or a cluster job runs the bench: accelerate is imported by its figure, when it runs.
+    code = ("import sys, gpucourse.bench; "
+            "print(sorted(m for m in ('accelerate', 'plotly', 'ipywidgets', 'jupyterlab') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout
+    assert out.strip() == "[]"

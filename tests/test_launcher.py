@@ -132,6 +132,16 @@ def test_a_hang_ends_in_launch_timeout_naming_the_pending_ranks(tmp_path):
     assert wait_gone(identities.values()) == [], "ranks still run after a timeout"
 
 
+def test_a_timeout_that_passes_while_ranks_start_still_stops_them(tmp_path):
+    # 0.05 s is over before the agent has started the ranks; they must not run on.
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        launch(rankfns.block, str(tmp_path), world_size=2, timeout=0.05, quiet=True)
+    assert time.monotonic() - start < 10
+    assert (info.value.pending, info.value.finished) == ([0, 1], [])
+    assert wait_gone(read_identities(tmp_path).values()) == []
+
+
 @pytest.mark.timeout(90)
 def test_ctrl_c_stops_every_rank(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "rankfns", "block", str(tmp_path)], env=clean_env(),

@@ -45,12 +45,16 @@ _RUNS: dict = {}
 
 
 def _run(name: str, tmp_path_factory):
-    """Each layout runs once per test session; its tests share the result and the exported weights."""
+    """Each layout runs once per test session; its tests share the result (or the error) and the weights."""
     if name not in _RUNS:
         path = tmp_path_factory.mktemp("weights") / f"{name}.pt"
         cfg = TrainConfig(**BASE, **LAYOUTS.get(name, {}))
-        result = run(cfg, timeout=120, export_weights=path, quiet=True)
-        _RUNS[name] = (cfg, result, torch.load(path))
+        try:
+            _RUNS[name] = (cfg, run(cfg, timeout=120, export_weights=path, quiet=True), torch.load(path))
+        except Exception as e:  # a failed layout fails each of its tests once, not after one launch each
+            _RUNS[name] = e
+    if isinstance(_RUNS[name], Exception):
+        raise _RUNS[name]
     return _RUNS[name]
 
 

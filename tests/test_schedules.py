@@ -64,6 +64,7 @@ def test_transfers_that_cost_time_never_shorten_a_step(name, pp, m, comm):
     schedule = build(name, pp, m)
     free, paid = simulate(schedule, pp, m), simulate(schedule, pp, m, cost_comm=comm)
     assert paid.makespan >= free.makespan
+    assert paid.bubble_fraction >= free.bubble_fraction
     assert paid.comm[0] == pytest.approx(comm * sum(op.kind not in (F, B) for op in schedule[0]))
 
 

@@ -32,7 +32,8 @@ The three schedules, with equal costs F = B and free communication:
     1f1b    p-s-1 warm-up forwards, then one forward / one backward in turn:
             the same bubble as GPipe, while stage s holds at most p-s microbatches
 
-The bubble fraction is the idle share of all stage-time, ``idle / (pp × makespan)``.
+The bubble fraction is the share of all stage-time not spent computing,
+``1 - sum(busy) / (pp × makespan)``: waiting, and transferring when that costs.
 In GPipe and 1F1B each stage idles while the first microbatch reaches it and
 while the last gradient comes back — (p-1)(F+B) — out of a makespan of
 (m+p-1)(F+B); that holds for any F and B as long as every stage costs the same.
@@ -137,7 +138,8 @@ class Simulation:
     - ``makespan``: when the last stage finishes.
     - ``busy[s]`` / ``comm[s]`` / ``idle[s]``: time stage s computes (F, B), transfers,
       and waits; the three add up to ``makespan``.
-    - ``bubble_fraction``: ``sum(idle) / (pp × makespan)``.
+    - ``bubble_fraction``: ``(sum(idle) + sum(comm)) / (pp × makespan)``, the share
+      of stage-time not spent computing.
     - ``peak_in_flight[s]``: most microbatches forwarded but not yet backwarded on
       stage s — how many microbatches' activations it holds at once.
     """
@@ -210,7 +212,7 @@ def _clock(schedule, pp: int, cost_f: list[float], cost_b: list[float], cost_com
         raise ScheduleError(f"deadlock: {where}.")
     makespan = max(clock)
     idle = [makespan - busy[s] - comm[s] for s in range(pp)]
-    bubble = sum(idle) / (pp * makespan) if makespan > 0 else 0.0
+    bubble = 1 - sum(busy) / (pp * makespan) if makespan > 0 else 0.0
     return Simulation(timeline, makespan, busy, comm, idle, bubble, peak)
 
 
@@ -282,7 +284,7 @@ def gantt(sim: Simulation, max_cells: int = 160) -> str:
     compute = [[(o, b, e) for o, b, e in row if o.kind in (F, B)] for row in sim.timeline]
     cell = max([2] + [len(str(o)) for row in compute for o, _, _ in row])
     label = [f"stage {s:>{len(str(len(compute) - 1))}} | " for s in range(len(compute))]
-    slots = int(round(sim.makespan))
+    slots = round(sim.makespan)
     if slots > max_cells:
         def order(row):
             names = [str(o) for o, _, _ in row]
@@ -292,7 +294,7 @@ def gantt(sim: Simulation, max_cells: int = 160) -> str:
     for s, row in enumerate(sim.timeline):
         cells = ["..".ljust(cell)] * slots
         for op, start, end in row:
-            for t in range(int(round(start)), int(round(end))):
+            for t in range(round(start), round(end)):
                 cells[t] = (str(op) if op.kind in (F, B) else "<>").ljust(cell)
         lines.append(label[s] + " ".join(cells).rstrip())
     return "\n".join(lines)

@@ -23,7 +23,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import queue
 import shutil
 import signal
 import sys
@@ -112,6 +111,37 @@ def plan_device(device: str, world_size: int) -> DevicePlan:
     else:
         why = f"only {gpus} GPU{'s' * (gpus > 1)} visible for {world_size} ranks"
     return DevicePlan("cpu", "gloo", f"{why}: ranks are CPU processes ('virtual GPUs')")
+
+
+_RDZV_BACKEND = "gpucourse-local"
+
+
+def _register_local_rendezvous() -> None:
+    """A one-node rendezvous whose store binds a free port (port 0) and says which it got.
+
+    torch's c10d rendezvous also accepts port 0 but waits a random fraction of a
+    second on its first round (it is built for many nodes joining); the static one
+    is instant but needs a port chosen in advance, which two launches can race for.
+    """
+    from torch.distributed import PrefixStore, TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousStoreInfo, registry
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+
+    class LocalRendezvous(StaticTCPRendezvous):
+        def get_backend(self) -> str:
+            return _RDZV_BACKEND
+
+        def next_rendezvous(self) -> RendezvousInfo:
+            if not self._store:
+                self._store = TCPStore(self.master_addr, 0, 1, True, self.timeout)
+            return RendezvousInfo(PrefixStore(self.run_id, self._store), 0, 1,
+                                  RendezvousStoreInfo(self.master_addr, self._store.port))
+
+    def create(params):
+        return LocalRendezvous("127.0.0.1", 0, 0, 1, params.run_id, int(params.config.get("timeout", 120)))
+
+    if _RDZV_BACKEND not in registry.handler_registry._registry:
+        registry.handler_registry.register(_RDZV_BACKEND, create)
 
 
 def in_place() -> bool:
@@ -285,15 +315,18 @@ def _saved_signal_handlers():
                 signal.signal(s, h)
 
 
-def _drain(channel, on_message, stop: threading.Event) -> None:
+_END = "gpucourse: end of messages"
+
+
+def _drain(channel, on_message) -> None:
+    # Block on the queue (no polling: the ranks need the cores); launch() puts
+    # _END once every rank has stopped.
     while True:
         try:
-            msg = channel.get(timeout=0.05)
-        except queue.Empty:
-            if stop.is_set():
-                return
-            continue
+            msg = channel.get()
         except (EOFError, OSError):
+            return
+        if msg == _END:
             return
         if on_message is not None:
             on_message(msg)
@@ -346,6 +379,11 @@ def launch(fn, *args, world_size: int, timeout: float | None = None, device: str
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    _register_local_rendezvous()
+    if method == "fork":
+        # Building an optimizer imports torch._dynamo (about a second of CPU);
+        # importing it once here means forked ranks inherit it instead of each paying.
+        import torch._dynamo  # noqa: F401
     run_dir = tempfile.mkdtemp(prefix="gpucourse-run-")
     ctx = multiprocessing.get_context(method)
     channel = ctx.Queue()
@@ -355,14 +393,13 @@ def launch(fn, *args, world_size: int, timeout: float | None = None, device: str
     with _nvml_cuda_check():
         config = LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex,
-            # Port 0: the agent's store binds a free port, so launches never collide.
-            rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", rdzv_configs={"timeout": 120},
+            # The agent's store binds a free port, so launches never collide.
+            rdzv_backend=_RDZV_BACKEND, rdzv_endpoint="127.0.0.1:0", rdzv_configs={"timeout": 120},
             max_restarts=0, monitor_interval=0.05, start_method=method,
             logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "logs"), redirects=Std.ALL, tee=Std.ALL),
             log_line_prefix_template="[rank ${rank}] ", shutdown_timeout=5,
         )
-    stop = threading.Event()
-    drainer = threading.Thread(target=_drain, args=(channel, on_message, stop), daemon=True)
+    drainer = threading.Thread(target=_drain, args=(channel, on_message), daemon=True)
     drainer.start()
     watchdog = _Watchdog(timeout, {p.pid for p in multiprocessing.active_children()})
     global _forking_ranks
@@ -388,7 +425,7 @@ def launch(fn, *args, world_size: int, timeout: float | None = None, device: str
         _forking_ranks = False
         watchdog.cancel()
         watchdog.kill()
-        stop.set()
+        channel.put(_END)
         drainer.join(timeout=5)
         channel.close()
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,0 +1,35 @@
+"""``check("ex03")``: grade one exercise from a notebook cell and show what passed.
+
+The grading runs in a separate process (see :mod:`gpucourse.grading.runner`),
+so the kernel's variables, its CUDA context and its imported modules are left
+as they were, and the exercise file is read afresh from disk every time: edit,
+save, check again.
+"""
+
+from __future__ import annotations
+
+from .report import html_report, text_report
+from .runner import DEFAULT_TIMEOUT_S, grade, stop_all
+
+
+def check(exercise: str, path=None, *, timeout: float = DEFAULT_TIMEOUT_S, seed: int | None = None) -> None:
+    """Grade ``exercise`` ("ex03") from ``exercises/`` and show each check, its hint and the score.
+
+    ``exercises/`` is looked for in and above the current folder, then in the
+    repository; ``path`` names another folder. In a notebook the summary is
+    HTML; elsewhere it is printed as text.
+    """
+    try:
+        result = grade(path, [exercise], timeout=timeout, seed=seed)
+    except KeyboardInterrupt:
+        stop_all()
+        raise
+    try:
+        from IPython import get_ipython
+        from IPython.display import HTML, display
+    except ImportError:
+        get_ipython = None
+    if get_ipython is not None and get_ipython() is not None:
+        display(HTML(html_report(result)))
+    else:
+        print(text_report(result, show_passed=True))

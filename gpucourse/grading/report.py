@@ -1,0 +1,90 @@
+"""A graded folder, shown: a table for the terminal, HTML for a notebook, JSON for Gradescope."""
+
+from __future__ import annotations
+
+import html
+import textwrap
+
+
+def _not_started(ex: dict) -> bool:
+    return ex["error"] is None and ex["score"] == 0 and \
+        all("not written yet" in c["message"] for c in ex["checks"])
+
+
+def _indent(text: str, prefix: str, width: int = 100) -> str:
+    lines = []
+    for para in text.splitlines() or [""]:
+        lines += textwrap.wrap(para, width - len(prefix), break_on_hyphens=False, break_long_words=False) or [""]
+    return "\n".join(prefix + line for line in lines)
+
+
+def text_report(result: dict, show_passed: bool = False) -> str:
+    """The terminal table: one line per exercise, and under it each failing check, what was seen, and a hint."""
+    rows = [f"graded {result['folder']}  (seed {result['seed']})", ""]
+    width = max([len(e["module"]) for e in result["exercises"]] + [8])
+    for ex in result["exercises"]:
+        rows.append(f"{ex['module']:<{width}}  {ex['score']:>3}/{ex['max_score']:<3} {ex['title']}")
+        if ex["error"]:
+            rows.append(_indent(ex["error"], "    "))
+            continue
+        if _not_started(ex):
+            rows.append(f"    not written yet: every function still raises NotImplementedError "
+                        f"({ex['notebook']} teaches it)")
+            continue
+        for c in ex["checks"]:
+            if c["status"] == "passed":
+                if show_passed:
+                    rows.append(f"  ok   {c['name']} ({c['points']}/{c['max_points']})")
+                continue
+            rows.append(f"  FAIL {c['name']} (0/{c['max_points']})")
+            rows.append(_indent(c["message"], "         "))
+            rows.append(_indent("hint: " + c["hint"], "         "))
+    rows += ["", f"{'total':<{width}}  {result['score']:>3}/{result['max_score']}"]
+    if result["score"] < result["max_score"]:
+        rows.append(f"(the same inputs again: --seed {result['seed']})")
+    return "\n".join(rows)
+
+
+def html_report(result: dict) -> str:
+    """The notebook summary: per exercise, each check passed or failed, what was seen, the hint, the score."""
+    esc = html.escape
+    parts = ['<div class="gpucourse-grade" style="font-family: sans-serif; line-height: 1.4">']
+    for ex in result["exercises"]:
+        full = ex["score"] == ex["max_score"]
+        parts.append(f'<h4 style="margin: 0.6em 0 0.3em">{esc(ex["module"])}: {esc(ex["title"])} — '
+                     f'<span style="color: {"#1a7f37" if full else "#b35900"}">{ex["score"]} / '
+                     f'{ex["max_score"]}</span></h4>')
+        if ex["error"]:
+            parts.append(f'<pre style="white-space: pre-wrap; color: #b31d28">{esc(ex["error"])}</pre>')
+            continue
+        parts.append('<table style="border-collapse: collapse">')
+        for c in ex["checks"]:
+            ok = c["status"] == "passed"
+            detail = "" if ok else (f'<div>{esc(c["message"])}</div>'
+                                    f'<div style="color: #555"><b>hint:</b> {esc(c["hint"])}</div>')
+            parts.append(
+                f'<tr style="vertical-align: top; border-top: 1px solid #ddd">'
+                f'<td style="padding: 2px 8px; color: {"#1a7f37" if ok else "#b31d28"}">{"✔" if ok else "✘"}</td>'
+                f'<td style="padding: 2px 8px; text-align: left"><b>{esc(c["name"])}</b>{detail}</td>'
+                f'<td style="padding: 2px 8px; white-space: nowrap">{c["points"]} / {c["max_points"]}</td></tr>')
+        parts.append("</table>")
+        if not full:
+            parts.append(f'<div style="color: #555; font-size: 90%">taught in {esc(ex["notebook"])}; '
+                         f'seed {ex["seed"]}</div>')
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def gradescope(result: dict) -> dict:
+    """The result in Gradescope's autograder format (results.json)."""
+    tests = []
+    for i, ex in enumerate(result["exercises"], 1):
+        for j, c in enumerate(ex["checks"], 1):
+            ok = c["status"] == "passed"
+            out = "" if ok else f"{ex['error'] or c['message']}\nHint: {c['hint']}\n(seed {ex['seed']})"
+            tests.append({"name": f"{ex['module']}: {c['name']}", "number": f"{i}.{j}", "score": c["points"],
+                          "max_score": c["max_points"], "status": "passed" if ok else "failed", "output": out,
+                          "visibility": "visible"})
+    return {"score": result["score"], "max_score": result["max_score"], "execution_time": result["time_s"],
+            "output": f"graded with seed {result['seed']}", "visibility": "visible",
+            "stdout_visibility": "hidden", "tests": tests}

@@ -1,0 +1,219 @@
+"""Grade a folder of exercises, or a whole class of them; this is what the CLI and ``check`` call.
+
+Nothing here runs learner code: :func:`grade` starts the grading process
+(``gpucourse.grading.host``) in a new session, with a clean environment (no
+torchrun variables, no GPU: checks run on gloo CPU ranks), a private temporary
+folder, and a deadline of its own on top of the per-exercise ones. However it
+ends, every process it started is killed and the temporary folder removed.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+from ..measure import write_atomic
+from . import core
+from .report import gradescope
+from .results import static_result
+
+DEFAULT_TIMEOUT_S = 60.0    # per exercise
+DEFAULT_MEMORY_GB = 4.0     # address space of an exercise process (torch alone maps about 1.5 GB)
+OUTPUT_LIMIT_BYTES = 32 << 20  # largest file an exercise process may write, its printed output included
+STARTUP_S = 180.0           # for the grading process to import torch, on a busy machine
+REPO = Path(__file__).resolve().parents[2]
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+_live: set[subprocess.Popen] = set()  # grading processes running now (for an interrupt to stop)
+_live_lock = threading.Lock()
+
+
+def find_folder(path: str | os.PathLike | None = None, name: str = "exercises") -> Path:
+    """The folder to grade: ``path`` if given; else ``exercises/`` in or above the current folder
+    (a notebook runs in ``notebooks/``, beside it), else the one in the repository."""
+    if path is not None:
+        return Path(path).resolve()
+    here = Path.cwd().resolve()
+    for folder in [here, *here.parents][:4]:
+        if folder.name == name and any(folder.glob("ex[0-9][0-9]_*.py")):
+            return folder
+        if (folder / name).is_dir():
+            return folder / name
+    return REPO / name
+
+
+def _environment(work: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
+    tmp = os.path.join(work, "tmp")
+    os.makedirs(tmp, exist_ok=True)
+    env.update(TMPDIR=tmp, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p))
+    return env
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop(proc: subprocess.Popen, work: str, clean_exit: bool) -> None:
+    _kill_group(proc.pid)
+    proc.wait()
+    if not clean_exit:
+        # The grading process was killed: the exercise processes die with it (PDEATHSIG), but make sure.
+        try:
+            with open(os.path.join(work, "pgids")) as f:
+                for line in f:
+                    _kill_group(int(line))
+        except (OSError, ValueError):
+            pass
+
+
+def grade(folder: str | os.PathLike | None = None, exercises: list[str] | None = None, *,
+          timeout: float = DEFAULT_TIMEOUT_S, seed: int | None = None, memory_gb: float = DEFAULT_MEMORY_GB,
+          files: dict[str, str] | None = None) -> dict:
+    """Grade ``exercises`` (ids like "ex03"; default all) in ``folder``; the folder's result as a dict.
+
+    ``files`` maps an exercise id to a file to grade instead of ``folder/<module>.py``.
+    The result holds ``folder``, ``seed``, ``score``, ``max_score``, ``time_s`` and
+    ``exercises``: one result per exercise (see :mod:`gpucourse.grading.results`).
+    """
+    start = time.monotonic()
+    folder = find_folder(folder)
+    chosen = [core.find_exercise(e) for e in exercises] if exercises else list(core.exercises().values())
+    paths = [(ex.id, os.path.abspath((files or {}).get(ex.id) or folder / f"{ex.module}.py")) for ex in chosen]
+    seed = secrets.randbelow(2**31) if seed is None else int(seed)
+    work = tempfile.mkdtemp(prefix="gpucourse-grade-")
+    results: list[dict] = []
+    try:
+        spec = {"files": paths, "seed": seed, "timeout": float(timeout), "work": work,
+                "memory_bytes": int(memory_gb * 2**30), "output_bytes": OUTPUT_LIMIT_BYTES,
+                "result": os.path.join(work, "result.json")}
+        with open(os.path.join(work, "spec.json"), "w") as f:
+            json.dump(spec, f)
+        os.makedirs(os.path.join(work, "cwd"))
+        with open(os.path.join(work, "host.log"), "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "gpucourse.grading.host", os.path.join(work, "spec.json")],
+                                    cwd=os.path.join(work, "cwd"), env=_environment(work), stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with _live_lock:
+            _live.add(proc)
+        clean = False
+        try:
+            proc.wait(timeout=STARTUP_S + len(paths) * (timeout + 30))
+            clean = proc.returncode == 0
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            _stop(proc, work, clean)
+            with _live_lock:
+                _live.discard(proc)
+        try:
+            with open(spec["result"]) as f:
+                results = json.load(f)
+        except (OSError, ValueError):
+            results = []
+        if len(results) < len(paths):
+            why = _host_failure(work, proc.returncode)
+            known = core.exercises()
+            results += [static_result(known[ex_id], why, seed, 0.0) for ex_id, _ in paths[len(results):]]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"folder": str(folder), "seed": seed, "score": sum(r["score"] for r in results),
+            "max_score": sum(r["max_score"] for r in results), "time_s": round(time.monotonic() - start, 3),
+            "exercises": results}
+
+
+def _host_failure(work: str, returncode) -> str:
+    try:
+        with open(os.path.join(work, "host.log"), errors="replace") as f:
+            tail = f.read()[-2000:].strip()
+    except OSError:
+        tail = ""
+    how = "was stopped after its deadline" if returncode in (None, -signal.SIGKILL) else \
+        f"ended with status {returncode}"
+    return f"the grader's own process {how} before grading this exercise" + (f":\n{tail}" if tail else "")
+
+
+def stop_all() -> None:
+    """Kill every grading process running now (a kernel interrupt, a Ctrl-C of a class run)."""
+    with _live_lock:
+        for proc in list(_live):
+            _kill_group(proc.pid)
+
+
+def learners(root: str | os.PathLike) -> list[str]:
+    """The learner folders of a class: the sub-folders of ``root``, sorted (hidden ones left out)."""
+    return sorted(d.name for d in Path(root).iterdir() if d.is_dir() and not d.name.startswith((".", "_")))
+
+
+def class_csv(results: dict[str, dict], exercise_ids: list[str]) -> str:
+    """One row per learner: their score in each exercise, then the total."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["learner", *exercise_ids, "total"])
+    for name in sorted(results):
+        scores = {e["exercise"]: e["score"] for e in results[name]["exercises"]}
+        writer.writerow([name, *(scores.get(i, 0) for i in exercise_ids), results[name]["score"]])
+    return out.getvalue()
+
+
+def results_folder(out_csv: str | os.PathLike) -> Path:
+    """Where class grading puts each learner's results JSON: ``grades.csv`` -> ``grades-results/``."""
+    out = Path(out_csv)
+    return out.with_name(out.stem + "-results")
+
+
+def grade_class(root: str | os.PathLike, out_csv: str | os.PathLike, *, jobs: int = 1,
+                timeout: float = DEFAULT_TIMEOUT_S, seed: int | None = None, memory_gb: float = DEFAULT_MEMORY_GB,
+                exercises: list[str] | None = None, on_learner=None) -> dict:
+    """Grade every learner folder in ``root``, ``jobs`` at a time; write the CSV and one JSON per learner.
+
+    The same ``seed`` (the same inputs) for everyone. ``on_learner(name, result)``
+    is called as each learner is done. Returns ``{"learners": {name: result},
+    "csv", "results_dir", "seed", "time_s"}``.
+    """
+    start = time.monotonic()
+    names = learners(root)
+    seed = secrets.randbelow(2**31) if seed is None else int(seed)
+    ids = [core.find_exercise(e).id for e in exercises] if exercises else list(core.exercises())
+    out_dir = results_folder(out_csv)
+    out_dir.mkdir(exist_ok=True)
+    results: dict[str, dict] = {}
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs))
+    futures: dict = {}
+    try:
+        futures = {pool.submit(grade, Path(root) / n, ids, timeout=timeout, seed=seed, memory_gb=memory_gb): n
+                   for n in names}
+        for future in as_completed(futures):
+            name = futures[future]
+            results[name] = future.result()
+            write_atomic(out_dir / f"{name}.json", json.dumps(gradescope(results[name]), indent=1))
+            if on_learner:
+                on_learner(name, results[name])
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        stop_all()
+        raise
+    finally:
+        pool.shutdown(wait=True)
+    write_atomic(out_csv, class_csv(results, ids))
+    return {"learners": results, "csv": str(out_csv), "results_dir": str(out_dir), "seed": seed,
+            "time_s": round(time.monotonic() - start, 3)}

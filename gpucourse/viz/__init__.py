@@ -1,0 +1,28 @@
+"""See it: plotly figures of runs, schedules and collectives, for the notebook and the tour report.
+
+    from gpucourse import TrainConfig, run, viz
+    r = run(TrainConfig(pp=4, microbatches=8), live=True)  # loss and per-rank activity while it trains
+    viz.timeline(r)                                        # per-rank Gantt chart, bubble shaded
+    viz.schedule(pp=4, microbatches=8, schedule="1f1b")    # simulated, no processes; slider over m
+    viz.compare([single, dp, tp])                          # loss curves and their largest difference
+    viz.memory(r, predicted=estimate)                      # stacked bytes per rank, measured beside predicted
+    viz.collective("all_reduce", world_size=4)             # the ring algorithm, step by step
+    viz.scaling(results)                                   # throughput and efficiency against world size
+    viz.bandwidth(rows)                                    # bus bandwidth against message size
+
+Every function returns a ``plotly.graph_objects.Figure`` and takes a RunResult
+or the path of its JSON file. Nothing needs WebGL or a network: the figures
+draw in JupyterLab, in an HTML file opened from disk, and offline. Colours come
+from one table, :data:`PALETTE`: a kind of span, a rank, a memory category
+keeps its colour in every figure. plotly is imported only when a figure is drawn.
+"""
+
+from .collectives import CollectiveSimulation, bandwidth, collective, simulate_collective
+from .gantt import rank_activity, schedule, timeline
+from .live import LiveView, final_figure, live_view_overhead
+from .runs import compare, memory, scaling
+from .style import PALETTE
+
+__all__ = ["PALETTE", "CollectiveSimulation", "LiveView", "bandwidth", "collective", "compare", "final_figure",
+           "live_view_overhead", "memory", "rank_activity", "scaling", "schedule", "simulate_collective",
+           "timeline"]

@@ -1,0 +1,273 @@
+"""Gantt charts: what each rank did when (a measured run), and what a pipeline schedule would do (simulated).
+
+One lane per rank (or stage), one horizontal bar per span, coloured by kind and
+labelled with its microbatch. Time inside a step in which a rank recorded
+nothing is *idle* and is shaded: in a pipeline that is the bubble.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from .style import PALETTE, kind_color, load_result, rank_label, run_label
+
+LANE = 0.7          # height of a span bar, in lanes
+STEP_LANE = 0.1     # the thin bar under each lane that marks a rank's whole step
+KIND_ORDER = ("forward", "backward", "comm", "optimizer", "idle", "step")
+OP_KIND = {"F": "forward", "B": "backward"}
+OP_WORDS = {"F": "forward", "B": "backward", "SEND_F": "send activation", "RECV_F": "receive activation",
+            "SEND_B": "send gradient", "RECV_B": "receive gradient"}
+
+
+def gaps(intervals, start: float, end: float) -> list[tuple[float, float]]:
+    """The parts of ``[start, end]`` that no interval ``(a, b)`` covers."""
+    out, cursor = [], start
+    for a, b in sorted(intervals):
+        if a > cursor:
+            out.append((cursor, min(a, end)))
+        cursor = max(cursor, b)
+        if cursor >= end:
+            break
+    if cursor < end:
+        out.append((cursor, end))
+    return [(a, b) for a, b in out if b > a]
+
+
+def step_windows(spans) -> list[tuple[float, float]]:
+    """When the steps ran: each step from its first rank in to its last rank out, overlapping steps merged."""
+    windows = []
+    for step in sorted({s["step"] for s in spans}):
+        in_step = [s for s in spans if s["step"] == step]
+        marks = [s for s in in_step if s["kind"] == "step"] or in_step
+        windows.append((min(s["start_s"] for s in marks), max(s["end_s"] for s in marks)))
+    merged: list[list[float]] = []
+    for a, b in sorted(windows):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def idle_intervals(spans) -> tuple[dict[int, list[tuple[float, float]]], float]:
+    """Per rank, the times inside the steps in which it recorded nothing; and the steps' total length.
+
+    A pipeline stage may start its next step while another still finishes the
+    last, so a rank counts as busy in any of its spans, whatever their step.
+    """
+    windows = step_windows(spans)
+    idle = {}
+    for rank in sorted({s["rank"] for s in spans}):
+        busy = [(s["start_s"], s["end_s"]) for s in spans if s["rank"] == rank and s["kind"] != "step"]
+        idle[rank] = [g for a, b in windows for g in gaps(busy, a, b)]
+    return idle, sum(b - a for a, b in windows)
+
+
+def rank_activity(result) -> dict[int, dict[str, float]]:
+    """Seconds each rank spent in each kind of span over the training steps, and idle inside them.
+
+    Spans that overlap (a bucket's all-reduce during backward) count in both
+    kinds, so a rank's kinds can add up to more than its step time.
+    """
+    r = load_result(result)
+    spans = [s for s in r.timeline if 0 <= s["step"] < len(r.losses)]
+    idle, _ = idle_intervals(spans)
+    out: dict[int, dict[str, float]] = {rank: {"idle": sum(b - a for a, b in gs)} for rank, gs in idle.items()}
+    for s in spans:
+        if s["kind"] != "step":
+            totals = out[s["rank"]]
+            totals[s["kind"]] = totals.get(s["kind"], 0.0) + s["end_s"] - s["start_s"]
+    return out
+
+
+def _idle_trace(rects, name: str, text: str):
+    """Shaded rectangles ``(lane, start, end)`` as one filled scatter trace (no WebGL, one legend entry)."""
+    import plotly.graph_objects as go
+
+    xs, ys = [], []
+    for lane, a, b in rects:
+        lo, hi = lane - LANE / 2, lane + LANE / 2
+        xs += [a, b, b, a, a, None]
+        ys += [lo, lo, hi, hi, lo, None]
+    color = PALETTE["kind"]["idle"]
+    return go.Scatter(x=xs, y=ys, mode="lines", fill="toself", name=name, legendrank=KIND_ORDER.index("idle"),
+                      line=dict(width=0.5, color=color), fillcolor=color, opacity=0.45,
+                      hoveron="fills", text=text, hoverinfo="name+text")
+
+
+def _lanes_layout(fig, labels: list[str], title: str, xtitle: str) -> None:
+    fig.update_layout(
+        title=title, barmode="overlay", bargap=0, template="plotly_white",
+        height=140 + 46 * len(labels), legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1),
+        uniformtext=dict(minsize=8, mode="hide"), hoverlabel=dict(namelength=-1),
+        xaxis=dict(title=xtitle, zeroline=False),
+        yaxis=dict(title="", tickvals=list(range(len(labels))), ticktext=labels, autorange="reversed",
+                   zeroline=False, showgrid=False),
+    )
+
+
+def timeline(result, steps=None, title: str | None = None):
+    """A per-rank Gantt chart of a run: forward, backward, communication, optimizer, and idle time shaded.
+
+    ``result`` is a RunResult or its JSON file path. ``steps`` picks which
+    optimizer steps to show (an int or a list; default: every span the run
+    recorded, set-up included). Each recorded span is one bar; the thin grey
+    bar under a lane is that rank's whole step, and shaded time is idle.
+    """
+    import plotly.graph_objects as go
+
+    r = load_result(result)
+    if not r.timeline:
+        raise ValueError("this run recorded no timeline (it ran with record=False); run it again with "
+                         "record=True to draw one.")
+    wanted = None if steps is None else {steps} if isinstance(steps, int) else set(steps)
+    spans = [s for s in r.timeline if wanted is None or s["step"] in wanted]
+    if not spans:
+        raise ValueError(f"the run has no spans in steps {sorted(wanted)}; it ran steps 0 to {len(r.losses) - 1}.")
+    t0 = min(s["start_s"] for s in spans)
+    ranks = sorted({s["rank"] for s in spans})
+    lane = {rank: i for i, rank in enumerate(ranks)}
+    stage_of = r.extras.get("stage_of_rank", {})
+    labels = [rank_label(rank) + (f" · stage {stage_of[str(rank)]}" if str(rank) in stage_of else "")
+              for rank in ranks]
+
+    fig = go.Figure()
+    kinds = sorted({s["kind"] for s in spans},
+                   key=lambda k: KIND_ORDER.index(k) if k in KIND_ORDER else len(KIND_ORDER))
+    for kind in kinds:
+        group = [s for s in spans if s["kind"] == kind]
+        step_bar = kind == "step"
+        fig.add_trace(go.Bar(
+            orientation="h", name=kind, legendrank=KIND_ORDER.index(kind) if kind in KIND_ORDER else 9,
+            y=[lane[s["rank"]] for s in group],
+            base=[(s["start_s"] - t0) * 1e3 for s in group],
+            x=[(s["end_s"] - s["start_s"]) * 1e3 for s in group],
+            width=STEP_LANE if step_bar else LANE, offset=LANE / 2 if step_bar else -LANE / 2,
+            marker=dict(color=kind_color(kind), line=dict(width=0)),
+            text=None if step_bar else ["" if s["microbatch"] is None else str(s["microbatch"]) for s in group],
+            textposition="inside", insidetextanchor="middle", textangle=0, textfont=dict(color="white"),
+            customdata=[[s["rank"], s["name"], "–" if s["microbatch"] is None else s["microbatch"], s["step"],
+                         (s["end_s"] - s["start_s"]) * 1e3] for s in group],
+            hovertemplate=("rank %{customdata[0]}<br>%{customdata[1]}<br>microbatch %{customdata[2]}"
+                           "<br>step %{customdata[3]}<br>%{customdata[4]:.3f} ms, from %{base:.3f} ms"
+                           f"<extra>{kind}</extra>"),
+        ))
+
+    # Idle: inside the steps (first rank in to last rank out), the times a rank recorded nothing.
+    idle, window_total = idle_intervals(spans)
+    rects = [(lane[rank], (a - t0) * 1e3, (b - t0) * 1e3) for rank, gs in idle.items() for a, b in gs]
+    idle_ms = sum(b - a for _, a, b in rects)
+    share = idle_ms / (len(ranks) * window_total * 1e3) if window_total else 0.0
+    if rects:
+        fig.add_trace(_idle_trace(rects, "idle", f"{share:.1%} of rank-time inside the steps shown"))
+
+    shown = "all steps" if wanted is None else f"step{'s' * (len(wanted) > 1)} {', '.join(map(str, sorted(wanted)))}"
+    _lanes_layout(fig, labels, title or f"Timeline of {run_label(r)} on {r.world_size} {r.device} rank"
+                  f"{'s' * (r.world_size > 1)} ({shown}): idle {share:.1%}",
+                  "time since the first span shown (ms)")
+    return fig
+
+
+def _measured_costs(r, pp: int):
+    """Each stage's median forward and backward span, in ms, from a pipeline run's timeline."""
+    stage_of = {int(k): v for k, v in r.extras.get("stage_of_rank", {}).items()} or {i: i for i in range(pp)}
+    costs = {}
+    for kind in ("forward", "backward"):
+        per_stage = []
+        for stage in range(pp):
+            times = [(s["end_s"] - s["start_s"]) * 1e3 for s in r.timeline
+                     if s["kind"] == kind and s["step"] >= 0 and stage_of.get(s["rank"]) == stage]
+            if not times:
+                raise ValueError(f"the run recorded no {kind} spans on stage {stage}; give cost_f and cost_b.")
+            per_stage.append(statistics.median(times))
+        costs[kind] = per_stage
+    return costs["forward"], costs["backward"]
+
+
+def _schedule_traces(sim, pp: int, unit: str):
+    """Four traces — forward, backward, transfers, idle — always in that order, so frames can swap them."""
+    import plotly.graph_objects as go
+
+    traces = []
+    for kind, ops in (("forward", ("F",)), ("backward", ("B",)),
+                      ("comm", ("SEND_F", "RECV_F", "SEND_B", "RECV_B"))):
+        rows = [(s, op, a, b) for s, row in enumerate(sim.timeline) for op, a, b in row
+                if op.kind in ops and b > a]
+        traces.append(go.Bar(
+            orientation="h", name=kind, legendrank=KIND_ORDER.index(kind),
+            y=[s for s, *_ in rows], base=[a for *_, a, _ in rows],
+            x=[b - a for *_, a, b in rows], width=LANE, offset=-LANE / 2,
+            marker=dict(color=kind_color(kind), line=dict(width=0.5, color="white")),
+            text=[str(op.microbatch) for _, op, _, _ in rows] if kind != "comm" else None,
+            textposition="inside", insidetextanchor="middle", textangle=0, textfont=dict(color="white"),
+            customdata=[[s, OP_WORDS[op.kind], op.microbatch, b - a] for s, op, a, b in rows],
+            hovertemplate=("stage %{customdata[0]}<br>%{customdata[1]} of microbatch %{customdata[2]}"
+                           "<br>%{customdata[3]:.3g} " + unit + ", from %{base:.3g}<extra>" + kind + "</extra>"),
+        ))
+    rects = [(s, a, b) for s, row in enumerate(sim.timeline)
+             for a, b in gaps([(x, y) for _, x, y in row], 0.0, sim.makespan)]
+    waiting = sum(sim.idle) / (pp * sim.makespan) if sim.makespan else 0.0
+    text = f"waiting: {waiting:.1%} of stage-time" + (
+        f"; with the transfers, the bubble is {sim.bubble_fraction:.1%}" if any(sim.comm) else "")
+    traces.append(_idle_trace(rects, "idle (bubble)", text))
+    return traces
+
+
+def schedule(result=None, *, pp: int = 4, microbatches: int = 8, schedule: str = "1f1b",
+             cost_f=None, cost_b=None, cost_comm: float = 0.0, slider: bool = True):
+    """A pipeline schedule laid out by the simulator (no processes), with a slider over the number of microbatches.
+
+    Give ``pp``, ``microbatches`` and ``schedule`` (naive, gpipe, 1f1b), or a
+    pipeline run's RunResult (or JSON path): then its layout is used and, unless
+    ``cost_f`` / ``cost_b`` are given, each stage's measured median forward and
+    backward time in ms. Default costs: forward 1, backward 2 time units. The
+    slider replays the same schedule with 1 … ``microbatches`` microbatches:
+    watch the shaded bubble shrink as (p-1)/(m+p-1).
+    """
+    import plotly.graph_objects as go
+
+    from ..parallel import schedules
+
+    unit = "time units"
+    if result is not None:
+        r = load_result(result)
+        pp, microbatches, schedule = r.config["pp"], r.config["microbatches"], r.config["schedule"]
+        if cost_f is None and cost_b is None:
+            cost_f, cost_b = _measured_costs(r, pp)
+            unit = "ms"
+    cost_f = 1.0 if cost_f is None else cost_f
+    cost_b = 2.0 if cost_b is None else cost_b
+    if schedule not in schedules.SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {', '.join(schedules.SCHEDULES)}.")
+    if pp < 1 or microbatches < 1:
+        raise ValueError(f"pp={pp} and microbatches={microbatches} must both be at least 1.")
+    if not slider or microbatches <= 16:
+        counts = list(range(1, microbatches + 1)) if slider else [microbatches]
+    else:  # at most 16 frames: a frame holds every op of every stage
+        counts = sorted({max(1, round(microbatches * i / 15)) for i in range(16)} | {1, microbatches})
+
+    frames, sims = [], {}
+    for m in counts:
+        sim = schedules.simulate(schedules.build(schedule, pp, m), pp, m, cost_f, cost_b, cost_comm)
+        sims[m] = sim
+        formula = schedules.formula_bubble(schedule, pp, m)
+        title = (f"{schedule} schedule, {pp} stage{'s' * (pp > 1)}, {m} microbatch{'es' * (m > 1)}: "
+                 f"bubble {sim.bubble_fraction:.1%} (equal-cost formula {formula:.1%}); "
+                 f"peak microbatches held per stage {' '.join(map(str, sim.peak_in_flight))}")
+        frames.append(go.Frame(name=str(m), data=_schedule_traces(sim, pp, unit), layout=dict(title_text=title)))
+    last = frames[-1]
+    fig = go.Figure(data=last.data, frames=frames if len(frames) > 1 else None)
+    costs = "" if unit == "ms" else f": forward {cost_f}, backward {cost_b}, transfer {cost_comm}"
+    _lanes_layout(fig, [rank_label(s, "stage") for s in range(pp)], last.layout.title.text,
+                  f"time ({unit}{costs})")
+    fig.update_xaxes(range=[0, max(s.makespan for s in sims.values()) * 1.02])
+    if len(frames) > 1:
+        fig.update_layout(sliders=[dict(
+            active=len(frames) - 1, currentvalue=dict(prefix="microbatches m = "), pad=dict(t=60),
+            steps=[dict(label=f.name, method="animate",
+                        args=[[f.name], dict(mode="immediate", frame=dict(duration=0, redraw=True),
+                                             transition=dict(duration=0))]) for f in frames])],
+            height=fig.layout.height + 90)
+    fig.layout.meta = {"bubble_fraction": sims[counts[-1]].bubble_fraction, "makespan": sims[counts[-1]].makespan}
+    return fig
+

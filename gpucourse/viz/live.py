@@ -1,0 +1,233 @@
+"""A live view of a training run in the notebook: the loss and what each rank is doing, while it trains.
+
+``run(config, live=True)`` builds a :class:`LiveView` and passes its
+:meth:`LiveView.on_step` as the run's step callback. The callback only appends
+to a list (it runs in the launcher's message thread, between steps); a drawing
+thread redraws at most every ``interval_s`` seconds and only when something
+new arrived, so fast steps are not slowed by drawing. Each redraw replaces
+one output in place through an IPython display handle (plotly's FigureWidget
+would need anywidget). When the run ends the live figure is replaced by a final
+static one built from the RunResult.
+
+Outside a Jupyter kernel (plain python, a terminal IPython) there is nothing to
+draw into: the view only collects, and :meth:`LiveView.finish` returns the
+final figure without displaying it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import threading
+
+from .style import PALETTE, PLOTLY_CONFIG, kind_color, rank_label, run_label, step_ticks
+
+MIME = "application/vnd.plotly.v1+json"
+ACTIVITY_KINDS = ("forward", "backward", "comm", "optimizer", "idle")
+
+
+def notebook_sink():
+    """A function that shows a plotly JSON bundle in one notebook output, replacing it each time; None outside a kernel."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython else None
+    if shell is None or getattr(shell, "kernel", None) is None:
+        return None
+    from IPython.display import display
+
+    handle = display({"text/plain": "gpucourse: waiting for the first step…"}, raw=True, display_id=True)
+    return lambda bundle: handle.update(bundle, raw=True)
+
+
+class LiveView:
+    """Collects step reports from a run and keeps one notebook figure up to date with them.
+
+    - ``config``: the TrainConfig (or its dict) being trained, for the axes and title.
+    - ``interval_s``: the least time between two redraws (at most ~2 per second).
+    - ``sink``: where bundles go; ``"auto"`` is the notebook (or nowhere outside one).
+    - ``on_step``: another step callback to call too (e.g. a progress bar).
+    """
+
+    def __init__(self, config, *, interval_s: float = 0.5, sink="auto", on_step=None):
+        self.config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        self.interval_s = interval_s
+        self.steps: list[dict] = []
+        self.activity: dict[int, dict] = {}   # rank -> its latest per-step report
+        self.redraws = 0
+        self._chain = on_step
+        self._lock = threading.Lock()
+        self._dirty = False
+        self._stop = threading.Event()
+        self._sink = notebook_sink() if sink == "auto" else sink
+        self._thread = None
+        if self._sink is not None:
+            self._thread = threading.Thread(target=self._loop, name="gpucourse-live-view", daemon=True)
+            self._thread.start()
+
+    def on_step(self, msg: dict) -> None:
+        """The run's step callback: ``{step, steps, loss, time_s}``."""
+        with self._lock:
+            self.steps.append(dict(msg))
+            self._dirty = True
+        if self._chain is not None:
+            self._chain(msg)
+
+    def on_activity(self, msg: dict) -> None:
+        """A rank's own report of one step: ``{rank, step, busy_s: {kind: seconds}, time_s}``."""
+        with self._lock:
+            self.activity[msg["rank"]] = dict(msg)
+            self._dirty = True
+
+    def messages(self, progress):
+        """A launcher message handler: per-rank activity reports to this view, the rest to ``progress``."""
+        def handle(msg: dict) -> None:
+            if msg.get("kind") == "activity":
+                self.on_activity(msg)
+            elif progress is not None:
+                progress(msg)
+        return handle
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._draw()
+
+    def _draw(self) -> None:
+        with self._lock:
+            if not self._dirty:
+                return
+            self._dirty = False
+            steps, activity = list(self.steps), {r: dict(a) for r, a in self.activity.items()}
+        last = steps[-1] if steps else None
+        note = f"step {last['step'] + 1}/{last['steps']}, loss {last['loss']:.4f}" if last else "starting"
+        self._sink({MIME: live_figure_dict(self.config, steps, activity), "text/plain": f"gpucourse live: {note}"})
+        self.redraws += 1
+
+    def _stop_drawing(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def close(self) -> None:
+        """Stop redrawing (the run failed or was interrupted), after drawing every step that arrived."""
+        self._stop_drawing()
+        if self._sink is not None:
+            self._draw()
+
+    def finish(self, result):
+        """Replace the live figure by the final one, built from the run's result; return that figure."""
+        self._stop_drawing()
+        fig = final_figure(result)
+        if self._sink is not None:
+            self._sink({MIME: json.loads(fig.to_json()) | {"config": PLOTLY_CONFIG},
+                        "text/plain": f"gpucourse: {run_label(result)}, final loss {result.losses[-1]:.4f}"})
+        return fig
+
+
+def live_figure_dict(config: dict, steps: list[dict], activity: dict) -> dict:
+    """The live figure as plain plotly JSON: built without plotly's validation, so a redraw costs little."""
+    total = config["steps"]
+    layout = {
+        "template": {"layout": {"font": {"family": "sans-serif"}}}, "height": 360, "showlegend": bool(activity),
+        "title": {"text": f"training {config.get('model', '')} on {config['dp'] * config['tp'] * config['pp']} ranks"
+                          + (f": step {steps[-1]['step'] + 1} of {total}, loss {steps[-1]['loss']:.4f}"
+                             if steps else ": starting")},
+        "xaxis": {"domain": [0, 0.45], "title": {"text": "optimizer step"}, "range": [-0.5, total - 0.5],
+                  **step_ticks(total)},
+        "yaxis": {"title": {"text": "loss (nats)"}},
+        "xaxis2": {"domain": [0.58, 1], "anchor": "y2"},
+        "yaxis2": {"anchor": "x2"},
+        "barmode": "stack", "margin": {"t": 60},
+    }
+    data = [{"type": "scatter", "mode": "lines+markers", "name": "loss", "showlegend": False,
+             "x": [s["step"] for s in steps], "y": [s["loss"] for s in steps],
+             "line": {"color": PALETTE["series"][0]},
+             "hovertemplate": "step %{x}<br>loss %{y:.5f} nats<extra></extra>"}]
+    if activity:
+        ranks = sorted(activity)
+        for kind in ACTIVITY_KINDS:
+            data.append({"type": "bar", "orientation": "h", "name": kind, "xaxis": "x2", "yaxis": "y2",
+                         "y": [rank_label(r) for r in ranks], "marker": {"color": kind_color(kind)},
+                         "x": [activity[r]["busy_s"].get(kind, 0.0) * 1e3 for r in ranks],
+                         "hovertemplate": f"%{{y}}<br>{kind} %{{x:.2f}} ms in its latest step<extra></extra>"})
+        layout["xaxis2"]["title"] = {"text": "time in the rank's latest step (ms)"}
+        layout["yaxis2"]["autorange"] = "reversed"
+    else:
+        data.append({"type": "scatter", "mode": "lines+markers", "name": "step time", "showlegend": False,
+                     "xaxis": "x2", "yaxis": "y2", "x": [s["step"] for s in steps],
+                     "y": [s["time_s"] * 1e3 for s in steps], "line": {"color": PALETTE["kind"]["step"]},
+                     "hovertemplate": "step %{x}<br>%{y:.1f} ms (slowest rank)<extra></extra>"})
+        layout["xaxis2"].update(title={"text": "optimizer step"}, range=[-0.5, total - 0.5], **step_ticks(total))
+        layout["yaxis2"]["title"] = {"text": "step time (ms)"}
+    return {"data": data, "layout": layout, "config": PLOTLY_CONFIG}
+
+
+def final_figure(result):
+    """A finished run at a glance: its loss curve, and each rank's time by kind of span (or its step times)."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    from .gantt import rank_activity
+    from .style import load_result
+
+    r = load_result(result)
+    activity = rank_activity(r) if r.timeline else {}
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.14,
+                        subplot_titles=("loss", "each rank's time, all steps" if activity else "step time"))
+    fig.add_trace(go.Scatter(x=list(range(len(r.losses))), y=r.losses, mode="lines+markers", name="loss",
+                             showlegend=False, line=dict(color=PALETTE["series"][0]),
+                             hovertemplate="step %{x}<br>loss %{y:.5f} nats<extra></extra>"), row=1, col=1)
+    if activity:
+        ranks = sorted(activity)
+        for kind in ACTIVITY_KINDS:
+            fig.add_trace(go.Bar(orientation="h", name=kind, y=[rank_label(k) for k in ranks],
+                                 x=[activity[k].get(kind, 0.0) * 1e3 for k in ranks],
+                                 marker=dict(color=kind_color(kind)),
+                                 hovertemplate=f"%{{y}}<br>{kind} %{{x:.1f}} ms over the run<extra></extra>"),
+                          row=1, col=2)
+        fig.update_xaxes(title_text="time (ms; overlapping spans count in each kind)", row=1, col=2)
+        fig.update_yaxes(autorange="reversed", row=1, col=2)
+    else:
+        fig.add_trace(go.Scatter(x=list(range(len(r.step_times_s))), y=[t * 1e3 for t in r.step_times_s],
+                                 mode="lines+markers", name="step time", showlegend=False,
+                                 line=dict(color=PALETTE["kind"]["step"]),
+                                 hovertemplate="step %{x}<br>%{y:.1f} ms<extra></extra>"), row=1, col=2)
+        fig.update_xaxes(title_text="optimizer step", **step_ticks(len(r.losses)), row=1, col=2)
+        fig.update_yaxes(title_text="step time (ms)", row=1, col=2)
+    fig.update_xaxes(title_text="optimizer step", **step_ticks(len(r.losses)), row=1, col=1)
+    fig.update_yaxes(title_text="loss (nats)", row=1, col=1)
+    fig.update_layout(template="plotly_white", height=380, barmode="stack",
+                      title=f"{run_label(r)} on {r.world_size} {r.device} rank{'s' * (r.world_size > 1)}: "
+                            f"final loss {r.losses[-1]:.4f}, {r.tokens_per_s:,.0f} tokens/s")
+    return fig
+
+
+def live_view_overhead(reps: int = 3, steps: int = 20, interval_s: float = 0.5):
+    """Step time with the live view on over off, for ``gpucourse bench`` (target <= 1.03); a ``bench.Reading``.
+
+    Both sides train the bench's layout (tiny GPT, 2 data-parallel ranks, 16
+    sequences a step), taking turns. The live side draws into a sink that
+    serialises every bundle to JSON, as the kernel would before sending it,
+    so the cost is measured in plain python too.
+    """
+    from ..bench import WARMUP_STEPS, Reading, interleave, ratio
+    from ..config import TrainConfig
+    from ..train import run
+
+    config = TrainConfig(model="tiny", dp=2, batch_size=16, steps=steps)
+    sent = []
+
+    def side(live: bool) -> list[float]:
+        view = LiveView(config, interval_s=interval_s, sink=lambda b: sent.append(len(json.dumps(b)))) if live else None
+        result = run(config, timeout=600, quiet=True, on_step=view.on_step if view else None)
+        if view:
+            view.finish(result)
+        return result.step_times_s[WARMUP_STEPS:]
+
+    times = interleave({"live": lambda: side(True), "off": lambda: side(False)}, reps)
+    med = {k: statistics.median(t for run_times in v for t in run_times) for k, v in times.items()}
+    detail = {"reps": reps, "steps": steps, "interval_s": interval_s, "warmup_steps": WARMUP_STEPS,
+              "median_step_s": med, "step_times_s": times, "bundles_sent": len(sent)}
+    return Reading(ratio(med["live"], med["off"]), detail,
+                   f"live {med['live'] * 1e3:.2f} ms, off {med['off'] * 1e3:.2f} ms per step, "
+                   f"{len(sent)} redraws")
