@@ -221,6 +221,58 @@ def cmd_tour(args) -> int:
     return tour.main(quick=args.quick, out=args.out, device=args.device)
 
 
+def cmd_grade(args) -> int:
+    from .grading import core, report, runner
+    from .measure import write_atomic
+
+    for flag, value in (("--timeout", args.timeout), ("--memory-gb", args.memory_gb)):
+        if value <= 0:
+            raise UsageError(f"{flag} {value:g} must be more than 0.")
+    if args.jobs < 1:
+        raise UsageError(f"--jobs {args.jobs} must be at least 1.")
+    for key in args.exercises:
+        try:
+            core.find_exercise(key)
+        except KeyError as e:
+            raise UsageError(f"{e.args[0]}.") from None
+    common = dict(timeout=args.timeout, seed=args.seed, memory_gb=args.memory_gb)
+    if args.class_dir:
+        if not args.out:
+            raise UsageError("--class needs --out FILE.csv, where the grades go.")
+        if args.json or args.path:
+            raise UsageError("--class grades the learner folders inside it; --json and --path are for one folder "
+                             "(each learner's results JSON goes next to the --out file).")
+        if not os.path.isdir(args.class_dir):
+            raise UsageError(f"--class {args.class_dir} is not a folder.")
+        names = runner.learners(args.class_dir)
+        if not names:
+            raise UsageError(f"--class {args.class_dir} holds no learner folders (one sub-folder per learner).")
+        _check_writable(args.out, "--out")
+        print(f"grading {len(names)} learner{'s' * (len(names) > 1)} in {args.class_dir}, {args.jobs} at a time")
+
+        def done(name, result):
+            print(f"  {name:<24} {result['score']:>4}/{result['max_score']}  ({result['time_s']:.1f} s)", flush=True)
+
+        out = runner.grade_class(args.class_dir, args.out, jobs=args.jobs, exercises=args.exercises or None,
+                                 on_learner=done, **common)
+        print(f"graded in {out['time_s']:.1f} s (seed {out['seed']}): grades in {out['csv']}, "
+              f"each learner's results in {out['results_dir']}/")
+        return 0
+    if args.out or args.jobs != 1:
+        raise UsageError("--out and --jobs are for grading a class (--class DIR).")
+    folder = runner.find_folder(args.path)
+    if not folder.is_dir():
+        raise UsageError(f"{folder} is not a folder of exercises; give one with --path.")
+    if args.json:
+        _check_writable(args.json, "--json")
+    result = runner.grade(folder, args.exercises or None, **common)
+    print(report.text_report(result))
+    if args.json:
+        write_atomic(args.json, json.dumps(report.gradescope(result), indent=1))
+        print(f"results written to {args.json}")
+    return 0 if result["score"] == result["max_score"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpucourse", description="Run, watch and check distributed training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -266,6 +318,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     p.set_defaults(func=cmd_bench)
+
+    from .grading.runner import DEFAULT_MEMORY_GB, DEFAULT_TIMEOUT_S
+
+    p = sub.add_parser("grade", help="grade the exercises: each check, its hint, the score",
+                       description="Grade exercises/ (or --path DIR), or a whole class (--class DIR). "
+                                   "Exit status: 0 when every check passed (or a class was graded), 1 otherwise.")
+    p.add_argument("exercises", nargs="*", metavar="EXERCISE", help="which ones (ex03, or 3); default all")
+    p.add_argument("--path", metavar="DIR",
+                   help="folder to grade (default: exercises/ here or above, else the repository's)")
+    p.add_argument("--json", metavar="FILE", help="also write the results in Gradescope's results.json format")
+    p.add_argument("--class", dest="class_dir", metavar="DIR",
+                   help="grade every learner folder in DIR (one sub-folder per learner)")
+    p.add_argument("--out", metavar="FILE.csv",
+                   help="with --class: one row per learner, one column per exercise, and the total; each "
+                        "learner's results JSON goes to FILE-results/")
+    p.add_argument("--jobs", type=int, default=1, help="with --class: learners graded at a time (default 1)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                   help=f"seconds each exercise may take (default {DEFAULT_TIMEOUT_S:g}); a check is stopped "
+                        f"after a third of that (at least 10 s)")
+    p.add_argument("--memory-gb", type=float, default=DEFAULT_MEMORY_GB, metavar="G",
+                   help=f"address space each exercise's processes may use (default {DEFAULT_MEMORY_GB:g} GiB)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the checks' random inputs (default: fresh each run; failures print it)")
+    p.set_defaults(func=cmd_grade)
     return parser
 
 

@@ -20,7 +20,7 @@ class ConfigError(ValueError):
 
 IMPLS = ("scratch", "torch", "accelerate")
 SCHEDULES = ("naive", "gpipe", "1f1b")
-PRECISIONS = ("fp32",)
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 # What this build runs: (layout, impl, what it is, an example). ``gpucourse train
 # --list`` prints it; validate() below is what enforces it.
@@ -68,6 +68,7 @@ class TrainConfig:
     microbatches: int = 1
     grad_accum: int = 1
     precision: str = "fp32"
+    master_weights: bool = False
     checkpoint_activations: bool = False
     impl: str = "scratch"
     bucket_mb: float | None = None
@@ -79,6 +80,12 @@ class TrainConfig:
     dropout: float = 0.0
     device: str = "auto"
     record: bool = True
+    # Run options that are not part of the optimisation: where to write a
+    # torch.profiler trace per rank, and where to save / resume checkpoints.
+    profile: str | None = None
+    save: str | None = None
+    save_every: int = 0
+    resume: str | None = None
     overrides: dict = field(default_factory=dict)
 
     @property
@@ -119,7 +126,7 @@ class TrainConfig:
         if self.impl not in IMPLS:
             raise ConfigError(f"impl={self.impl!r} is not one of {', '.join(IMPLS)}.")
         if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)} in this build.")
+            raise ConfigError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}.")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}.")
         if self.zero not in (0, 1, 2, 3):
@@ -156,6 +163,15 @@ class TrainConfig:
         elif self.microbatches != 1:
             raise ConfigError("microbatches=M splits the batch between pipeline stages and needs pp > 1; "
                               "on one stage use grad_accum to split it.")
+        if self.master_weights and self.precision == "fp32":
+            raise ConfigError("master_weights keeps an fp32 copy of half-precision weights; "
+                              "choose precision bf16 or fp16 with it.")
+        if self.precision != "fp32" and (self.tp > 1 or self.pp > 1 or self.impl == "accelerate"
+                                         or (self.zero and self.impl != "scratch")):
+            raise ConfigError(f"precision={self.precision} runs with single, data-parallel and scratch ZeRO "
+                              f"layouts in this build, not {self.kind()} with impl={self.impl!r}.")
+        if self.master_weights and self.impl == "torch" and self.zero:
+            raise ConfigError("master_weights with impl='torch' is offered for DDP only (zero=0).")
         if self.bucket_mb is not None:
             if not self.bucket_mb > 0:
                 raise ConfigError(f"bucket_mb={self.bucket_mb} must be a positive number of megabytes.")

@@ -29,6 +29,68 @@ import torch
 SPAN_KINDS = ("forward", "backward", "comm", "optimizer", "idle", "step")
 
 
+class ActivationMeter:
+    """Counts the bytes of the tensors autograd saves for backward (the "activations").
+
+    Inside :meth:`forward`, a saved-tensor hook sees every tensor autograd keeps
+    for backward; parameters (and views of them) are not activations and are
+    left out. A microbatch's bytes stay counted until :meth:`release` (after its
+    backward), so with several microbatches in flight — a pipeline — ``peak`` is
+    what the schedule really holds at once. Works on any device: it counts
+    tensors, not allocator statistics.
+    """
+
+    def __init__(self):
+        self.current = 0
+        self.peak = 0
+        self._by_microbatch: dict = {}
+        self._excluded: set = set()
+        self._active = None
+
+    def exclude(self, params) -> None:
+        """Do not count tensors sharing storage with ``params``."""
+        for p in params:
+            p = p.to_local() if hasattr(p, "to_local") else p
+            self._excluded.add(p.untyped_storage().data_ptr())
+
+    def add(self, t: torch.Tensor) -> None:
+        """Count ``t`` as saved by the microbatch whose forward is running."""
+        if self._active is None or t.untyped_storage().data_ptr() in self._excluded:
+            return
+        seen = self._by_microbatch.setdefault(self._active, {})
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        if key not in seen:
+            seen[key] = t.numel() * t.element_size()
+            self.current += seen[key]
+            self.peak = max(self.peak, self.current)
+
+    @contextlib.contextmanager
+    def forward(self, microbatch):
+        def pack(t):
+            self.add(t)
+            return t
+
+        self._active = microbatch
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield
+        finally:
+            self._active = None
+
+    def release(self, microbatch) -> None:
+        """Backward of ``microbatch`` is done: its saved tensors are gone."""
+        self.current -= sum(self._by_microbatch.pop(microbatch, {}).values())
+
+
+_METER: ActivationMeter | None = None
+
+
+def note_saved_input(t: torch.Tensor) -> None:
+    """An activation kept outside autograd's saved tensors (a checkpointed block's input)."""
+    if _METER is not None:
+        _METER.add(t)
+
+
 class Recorder:
     """Per-rank log of spans and collective bytes.
 
@@ -44,6 +106,9 @@ class Recorder:
         self.comm: dict[tuple[int, str], list[int]] = {}
         self._cuda = device.type == "cuda"
         self._pending: list[tuple[dict, Any, Any]] = []
+        self.activations = ActivationMeter()
+        global _METER
+        _METER = self.activations
         self._t0 = time.perf_counter()
         if self._cuda:
             self._ref = torch.cuda.Event(enable_timing=True)

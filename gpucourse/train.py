@@ -52,6 +52,7 @@ def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dic
     dp_rank = mesh["dp"].get_local_rank()
     model = build_model(cfg.model_config(), cfg.seed).to(ctx.device)
     trainer = parallelize(model, mesh, cfg, rec, ctx.device)
+    rec.activations.exclude(trainer.model.parameters())
     losses, step_times = [], []
     for step in range(cfg.steps):
         rec.step = step
@@ -72,7 +73,14 @@ def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dic
         torch.save(state, buf)
         write_atomic(export_path, buf.getvalue())
     return {"rank": ctx.rank, "losses": None if losses[0] is None else losses, "step_times_s": step_times,
-            "memory": trainer.memory, "extras": getattr(trainer, "extras", {}), **rec.export()}
+            "memory": trainer.memory, "extras": _extras(trainer), **rec.export()}
+
+
+def _extras(trainer) -> dict:
+    extras = dict(getattr(trainer, "extras", {}))
+    if getattr(trainer, "precision", None) is not None:
+        extras["precision"] = trainer.precision.extras()
+    return extras
 
 
 class _Progress:

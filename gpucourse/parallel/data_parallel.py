@@ -52,10 +52,10 @@ def allreduce_gradients(module: torch.nn.Module, group) -> None:
 class DataParallelScratch(Trainer):
     """Data parallel from scratch: one blocking all-reduce per gradient after backward."""
 
-    def __init__(self, model, lr, grad_accum, rec, group):
+    def __init__(self, model, lr, grad_accum, rec, group, precision=None):
         self.group = group
         broadcast_parameters(model, group, src=dist.get_global_rank(group, 0))
-        super().__init__(model, lr, grad_accum, rec)
+        super().__init__(model, lr, grad_accum, rec, precision=precision)
 
     def sync_gradients(self) -> None:
         allreduce_gradients(self.model, self.group)
@@ -64,13 +64,13 @@ class DataParallelScratch(Trainer):
 class TorchDDP(Trainer):
     """``DistributedDataParallel``: bucketed all-reduce overlapped with backward."""
 
-    def __init__(self, model, lr, grad_accum, rec, group, device, bucket_mb: float | None = None):
+    def __init__(self, model, lr, grad_accum, rec, group, device, bucket_mb: float | None = None, precision=None):
         self.group = group
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, process_group=group, device_ids=[device.index] if device.type == "cuda" else None,
             bucket_cap_mb=25 if bucket_mb is None else bucket_mb)
         ddp.register_comm_hook(state=(rec, group), hook=_recording_allreduce_hook)
-        super().__init__(ddp, lr, grad_accum, rec)
+        super().__init__(ddp, lr, grad_accum, rec, precision=precision)
 
     def accumulating(self, last: bool):
         # Only the last microbatch's backward communicates; the others accumulate locally.

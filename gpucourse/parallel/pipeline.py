@@ -125,7 +125,7 @@ class PipelineScratch(Trainer):
             if op.kind == RECV_F:
                 inputs[i] = self._recv(self.prev, f"recv activation {i}").requires_grad_()
             elif op.kind == F:
-                with self.rec.span("forward", microbatch=i):
+                with self.rec.span("forward", microbatch=i), self.rec.activations.forward(i):
                     out = self.model(xs[i] if self.prev is None else inputs[i])
                     if self.next is None:
                         # Each microbatch's mean loss / m: the gradients add up to those of the mean.
@@ -140,6 +140,7 @@ class PipelineScratch(Trainer):
                 with self.rec.span("backward", microbatch=i):
                     # pop: once backward has run, this microbatch's activations can be freed.
                     torch.autograd.backward(outputs.pop(i), grads.pop(i, None))
+                self.rec.activations.release(i)
             elif op.kind == SEND_B:
                 comm.send(inputs.pop(i).grad, self.prev, group=self.pp_group, name=f"send gradient {i}")
         self.sync_gradients()

@@ -25,6 +25,7 @@ import torch
 
 from ..measure import Recorder, optimizer_state_bytes, tensor_bytes
 from ..model import loss_fn
+from .precision import MasterWeightsAdamW, Precision
 
 
 ADAMW = {"betas": (0.9, 0.95), "eps": 1e-6, "weight_decay": 0.0}
@@ -46,19 +47,30 @@ class Trainer:
 
     ``grad_sync``, if given, is called after the last backward of a step; it is
     how a strategy composes with data parallelism (see ``data_parallel``).
+    ``precision`` (see ``precision.py``) chooses autocast or master weights and,
+    for fp16, the loss scaler.
     """
 
+    group = None  # the data-parallel group, where there is one: ranks agree on skipping a step over it
+
     def __init__(self, model: torch.nn.Module, lr: float, grad_accum: int, rec: Recorder,
-                 grad_sync: Callable[[], None] | None = None):
+                 grad_sync: Callable[[], None] | None = None, precision: Precision | None = None):
         self.model = model
         self.grad_accum = grad_accum
         self.rec = rec
         self.grad_sync = grad_sync
+        self.precision = precision or Precision()
         self.memory: dict = {}
         self.optimizer = self.make_optimizer(lr)
 
-    def make_optimizer(self, lr: float) -> torch.optim.Optimizer:
-        return make_optimizer([p for p in self.model.parameters() if p.requires_grad], lr)
+    def optimizer_for(self, params, lr: float):
+        """AdamW, on fp32 master copies when the parameters themselves are half precision."""
+        if self.precision.master_weights:
+            return MasterWeightsAdamW(params, lr)
+        return make_optimizer(params, lr)
+
+    def make_optimizer(self, lr: float):
+        return self.optimizer_for([p for p in self.model.parameters() if p.requires_grad], lr)
 
     def accumulating(self, last: bool):
         """Context for one microbatch's forward and backward (a no-op here)."""
@@ -82,17 +94,28 @@ class Trainer:
     def gradient_bytes(self) -> int:
         return tensor_bytes(p.grad for p in self.model.parameters() if p.grad is not None)
 
+    def optimizer_bytes(self) -> int:
+        if hasattr(self.optimizer, "state_bytes"):
+            return self.optimizer.state_bytes()
+        return optimizer_state_bytes(self.optimizer)
+
     def measure_memory(self) -> None:
         """Record weights, gradients and optimizer state (after the first step, when all exist)."""
         if not self.memory:
             self.memory = {"weights": self.weight_bytes(), "gradients": self.gradient_bytes(),
-                           "optimizer": optimizer_state_bytes(self.optimizer)}
+                           "optimizer": self.optimizer_bytes(), "activations": self.rec.activations.peak}
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradient tensors the optimizer will read (unscaled in place for fp16)."""
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, microbatch: int) -> torch.Tensor:
-        with self.rec.span("forward", microbatch=microbatch):
+        with self.rec.span("forward", microbatch=microbatch), self.precision.autocast(), \
+                self.rec.activations.forward(microbatch):
             loss = loss_fn(self.model(x), y) / self.grad_accum
         with self.rec.span("backward", microbatch=microbatch):
-            loss.backward()
+            self.precision.scale(loss).backward()
+        self.rec.activations.release(microbatch)
         return loss.detach()
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -103,7 +126,10 @@ class Trainer:
             with self.accumulating(last=i == len(micro) - 1):
                 total += self.forward_backward(mx, my, i)
         self.sync_gradients()
-        self.optimizer_step()
+        if self.precision.finish_gradients(self.gradients(), self.group):
+            self.optimizer_step()
+        else:  # fp16 overflow: skip this step, the scaler has backed off
+            self.optimizer.zero_grad(set_to_none=True)
         return total
 
     def full_state_dict(self) -> dict:

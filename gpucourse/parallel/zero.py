@@ -43,7 +43,7 @@ import torch.distributed as dist
 from .. import comm
 from ..measure import optimizer_state_bytes, tensor_bytes
 from .data_parallel import TorchDDP, broadcast_parameters
-from .single import ADAMW, Trainer, make_optimizer
+from .single import ADAMW, Trainer
 
 
 def memory_formula(num_params: int, dp: int, stage: int) -> dict:
@@ -58,7 +58,7 @@ def memory_formula(num_params: int, dp: int, stage: int) -> dict:
 class ZeroScratch(Trainer):
     """ZeRO stage 1 or 2 over the data-parallel ``group``, from scratch."""
 
-    def __init__(self, model, lr, grad_accum, rec, group, stage: int):
+    def __init__(self, model, lr, grad_accum, rec, group, stage: int, precision=None):
         self.group, self.stage = group, stage
         self.dp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         broadcast_parameters(model, group, src=dist.get_global_rank(group, 0))
@@ -79,11 +79,14 @@ class ZeroScratch(Trainer):
         # This rank's shard of the weights: a view, so Adam updates the buffer in place.
         self.local = torch.nn.Parameter(self.flat[lo:lo + self.shard_size])
         self._full_grad = None
-        super().__init__(model, lr, grad_accum, rec)
+        super().__init__(model, lr, grad_accum, rec, precision=precision)
         self.extras = {"zero": {"stage": stage, "num_params": numel, "shard_size": self.shard_size}}
 
     def make_optimizer(self, lr):
-        return make_optimizer([self.local], lr)
+        return self.optimizer_for([self.local], lr)
+
+    def gradients(self):
+        return [self.local.grad]
 
     def sync_gradients(self) -> None:
         flat_grad = torch.zeros_like(self.flat)
@@ -129,10 +132,8 @@ class TorchZero1(TorchDDP):
             [p for p in self.model.parameters() if p.requires_grad], optimizer_class=torch.optim.AdamW,
             process_group=self.group, lr=lr, **ADAMW)
 
-    def measure_memory(self) -> None:
-        if not self.memory:
-            self.memory = {"weights": self.weight_bytes(), "gradients": self.gradient_bytes(),
-                           "optimizer": optimizer_state_bytes(self.optimizer.optim)}
+    def optimizer_bytes(self) -> int:
+        return optimizer_state_bytes(self.optimizer.optim)
 
 
 class TorchFSDP(Trainer):
@@ -157,11 +158,11 @@ class TorchFSDP(Trainer):
                 for k, v in self.model.state_dict().items()}
 
 
-def make_zero_trainer(model, mesh, cfg, rec, device) -> Trainer:
+def make_zero_trainer(model, mesh, cfg, rec, device, precision=None) -> Trainer:
     """The ZeRO trainer for ``cfg.zero`` and ``cfg.impl``."""
     group = mesh["dp"].get_group()
     if cfg.impl == "scratch":
-        return ZeroScratch(model, cfg.lr, cfg.grad_accum, rec, group, cfg.zero)
+        return ZeroScratch(model, cfg.lr, cfg.grad_accum, rec, group, cfg.zero, precision=precision)
     if cfg.zero == 1:
         return TorchZero1(model, cfg.lr, cfg.grad_accum, rec, group, device)
     return TorchFSDP(model, cfg.lr, cfg.grad_accum, rec, mesh["dp"], cfg.zero)

@@ -14,7 +14,6 @@ from .style import PALETTE, kind_color, load_result, rank_label, run_label
 LANE = 0.7          # height of a span bar, in lanes
 STEP_LANE = 0.1     # the thin bar under each lane that marks a rank's whole step
 KIND_ORDER = ("forward", "backward", "comm", "optimizer", "idle", "step")
-OP_KIND = {"F": "forward", "B": "backward"}
 OP_WORDS = {"F": "forward", "B": "backward", "SEND_F": "send activation", "RECV_F": "receive activation",
             "SEND_B": "send gradient", "RECV_B": "receive gradient"}
 

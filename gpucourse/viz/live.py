@@ -21,7 +21,7 @@ import statistics
 import sys
 import threading
 
-from .style import PALETTE, PLOTLY_CONFIG, kind_color, rank_label, run_label, step_ticks
+from .style import PALETTE, PLOTLY_CONFIG, kind_color, layout_label, rank_label, run_label, step_ticks
 
 MIME = "application/vnd.plotly.v1+json"
 ACTIVITY_KINDS = ("forward", "backward", "comm", "optimizer", "idle")
@@ -127,17 +127,18 @@ class LiveView:
 def live_figure_dict(config: dict, steps: list[dict], activity: dict) -> dict:
     """The live figure as plain plotly JSON: built without plotly's validation, so a redraw costs little."""
     total = config["steps"]
+    grid = {"gridcolor": "#EBF0F8", "zeroline": False}
     layout = {
-        "template": {"layout": {"font": {"family": "sans-serif"}}}, "height": 360, "showlegend": bool(activity),
-        "title": {"text": f"training {config.get('model', '')} on {config['dp'] * config['tp'] * config['pp']} ranks"
+        "height": 360, "showlegend": bool(activity), "plot_bgcolor": "white", "barmode": "stack", "margin": {"t": 60},
+        "title": {"text": f"training {layout_label(config)} {config['impl']} ({config['model']}) on "
+                          f"{config['dp'] * config['tp'] * config['pp']} ranks"
                           + (f": step {steps[-1]['step'] + 1} of {total}, loss {steps[-1]['loss']:.4f}"
                              if steps else ": starting")},
         "xaxis": {"domain": [0, 0.45], "title": {"text": "optimizer step"}, "range": [-0.5, total - 0.5],
-                  **step_ticks(total)},
-        "yaxis": {"title": {"text": "loss (nats)"}},
-        "xaxis2": {"domain": [0.58, 1], "anchor": "y2"},
-        "yaxis2": {"anchor": "x2"},
-        "barmode": "stack", "margin": {"t": 60},
+                  **step_ticks(total), **grid},
+        "yaxis": {"title": {"text": "loss (nats)"}, **grid},
+        "xaxis2": {"domain": [0.58, 1], "anchor": "y2", **grid},
+        "yaxis2": {"anchor": "x2", **grid},
     }
     data = [{"type": "scatter", "mode": "lines+markers", "name": "loss", "showlegend": False,
              "x": [s["step"] for s in steps], "y": [s["loss"] for s in steps],
