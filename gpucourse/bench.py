@@ -96,13 +96,20 @@ def figure(key: str, target: str = "report", *, quick: dict, full: dict):
     return register
 
 
-_COMPARE = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt}
+_COMPARE = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt, "==": operator.eq}
+
+
+def _within(value: float, bounds: tuple[float, float]) -> bool:
+    return bounds[0] <= value <= bounds[1]
 
 
 def parse_target(target: str):
-    """``"<= 1.10"`` -> (operator.le, 1.10); ``"report"`` -> None."""
+    """``"<= 1.10"`` -> (operator.le, 1.10); ``"0.8..1.25"`` -> a closed range; ``"report"`` -> None."""
     if target == "report":
         return None
+    if ".." in target:
+        lo, _, hi = target.partition("..")
+        return _within, (float(lo), float(hi))
     op, _, limit = target.partition(" ")
     if op not in _COMPARE:
         raise ValueError(f"target {target!r} must be 'report' or '<op> <number>' with op one of {', '.join(_COMPARE)}.")
@@ -185,6 +192,133 @@ def recording_overhead(reps: int, steps: int) -> Reading:
     detail.update(reps=reps, warmup_steps=WARMUP_STEPS)
     return Reading(ratio(med["record"], med["no_record"]), detail,
                    f"on {med['record'] * 1e3:.2f} ms, off {med['no_record'] * 1e3:.2f} ms per step")
+
+
+@figure("dp_bucketed_vs_ddp", target="<= 1.10", quick=dict(reps=2, steps=15), full=dict(reps=4, steps=40))
+def dp_bucketed_vs_ddp(reps: int, steps: int) -> Reading:
+    """Step time of bucketed, overlapped data parallel from scratch over DDP, the same bucket size."""
+    detail, med = compare_runs({"bucketed": _bench_config(impl="scratch", bucket_mb=0.25, steps=steps),
+                                "ddp": _bench_config(bucket_mb=0.25, steps=steps)}, reps)
+    return Reading(ratio(med["bucketed"], med["ddp"]), detail,
+                   f"bucketed {med['bucketed'] * 1e3:.1f} ms, DDP {med['ddp'] * 1e3:.1f} ms per step")
+
+
+def _model_parallel_ratio(changes: dict, reps: int, steps: int, what: str) -> Reading:
+    base = dict(dp=1, batch_size=16, steps=steps, **changes)
+    detail, med = compare_runs({"scratch": _bench_config(impl="scratch", **base),
+                                "torch": _bench_config(impl="torch", **base)}, reps)
+    return Reading(ratio(med["scratch"], med["torch"]), detail,
+                   f"scratch {med['scratch'] * 1e3:.1f} ms, {what} {med['torch'] * 1e3:.1f} ms per step")
+
+
+@figure("pp_1f1b_scratch_vs_torch", target="<= 1.20", quick=dict(reps=2, steps=12), full=dict(reps=4, steps=30))
+def pp_1f1b_scratch_vs_torch(reps: int, steps: int) -> Reading:
+    """Step time of the 2-stage 1F1B pipeline from scratch over torch.distributed.pipelining's."""
+    return _model_parallel_ratio(dict(pp=2, schedule="1f1b", microbatches=4), reps, steps, "Schedule1F1B")
+
+
+@figure("tp_scratch_vs_torch", target="<= 1.20", quick=dict(reps=2, steps=12), full=dict(reps=4, steps=30))
+def tp_scratch_vs_torch(reps: int, steps: int) -> Reading:
+    """Step time of 2-way Megatron-style tensor parallel from scratch over DTensor's."""
+    return _model_parallel_ratio(dict(tp=2), reps, steps, "DTensor")
+
+
+def measured_bubble(result) -> tuple[float, dict]:
+    """Idle share of a pipeline run's steps, and the mean op costs measured in it.
+
+    Per step: from the first forward to the last backward on any stage, the
+    share of stage-time not spent in forward or backward (median over steps
+    after the warm-up).
+    """
+    pp = result.config["pp"]
+    stage_of = {r: r // (result.config["dp"] * result.config["tp"]) for r in range(result.world_size)}
+    fractions, costs = [], {"F": [[] for _ in range(pp)], "B": [[] for _ in range(pp)], "comm": []}
+    for step in range(WARMUP_STEPS, len(result.losses)):
+        spans = [s for s in result.timeline if s["step"] == step and stage_of[s["rank"]] < pp
+                 and s["kind"] in ("forward", "backward", "comm") and s["rank"] < pp]
+        work = [s for s in spans if s["kind"] != "comm"]
+        makespan = max(s["end_s"] for s in work) - min(s["start_s"] for s in work)
+        busy = sum(s["end_s"] - s["start_s"] for s in work)
+        fractions.append(1 - busy / (pp * makespan))
+        for s in spans:
+            if s["kind"] == "comm":
+                if s["name"].startswith("send"):
+                    costs["comm"].append(s["end_s"] - s["start_s"])
+            else:
+                costs["F" if s["kind"] == "forward" else "B"][stage_of[s["rank"]]].append(s["end_s"] - s["start_s"])
+    mean = {k: [statistics.mean(c) for c in v] for k, v in costs.items() if k != "comm"}
+    # A receive also waits for its sender to get there (idle time); a send is the transfer itself.
+    mean["comm"] = statistics.median(costs["comm"]) if costs["comm"] else 0.0
+    return statistics.median(fractions), mean
+
+
+@figure("pp_bubble_measured_vs_simulated", target="0.8..1.25", quick=dict(steps=10, microbatches=4),
+        full=dict(steps=30, microbatches=4))
+def pp_bubble_measured_vs_simulated(steps: int, microbatches: int) -> Reading:
+    """Measured idle share of a 2-stage 1F1B run over the simulator's, fed the run's own op costs."""
+    from .parallel.schedules import SCHEDULES, simulate
+
+    result = run(_bench_config(impl="scratch", dp=1, pp=RANKS, schedule="1f1b", microbatches=microbatches,
+                               batch_size=16, steps=steps), timeout=RUN_TIMEOUT_S, quiet=True)
+    measured, cost = measured_bubble(result)
+    sim = simulate(SCHEDULES["1f1b"](RANKS, microbatches), RANKS, microbatches, cost_f=cost["F"], cost_b=cost["B"],
+                   cost_comm=cost["comm"])
+    return Reading(ratio(measured, sim.bubble_fraction), {"measured": measured, "simulated": sim.bubble_fraction,
+                                                          "op_costs_s": cost},
+                   f"measured idle {measured:.3f}, simulated {sim.bubble_fraction:.3f}")
+
+
+def _memory_ratios(configs: list[TrainConfig], expected) -> dict:
+    ratios = {}
+    for cfg in configs:
+        measured = run(cfg, timeout=RUN_TIMEOUT_S, quiet=True).memory
+        for rank, mem in measured.items():
+            want = expected(cfg, int(rank))
+            for k in ("weights", "gradients", "optimizer"):
+                ratios[f"{cfg.layout()} zero{cfg.zero} rank{rank} {k}"] = mem[k] / want[k]
+    return ratios
+
+
+def _worst(ratios: dict) -> float:
+    return max(ratios.values(), key=lambda r: abs(r - 1.0))
+
+
+@figure("zero_memory_vs_formula", target="== 1.0", quick=dict(), full=dict())
+def zero_memory_vs_formula() -> Reading:
+    """Measured weights, gradients and optimizer bytes per rank of scratch ZeRO-1/2 over the ZeRO formula."""
+    from .memory import num_params
+    from .parallel.zero import memory_formula
+
+    n = num_params(_bench_config().model_config())
+    configs = [_bench_config(impl="scratch", dp=d, zero=z, batch_size=12, steps=1) for d in (2, 3) for z in (1, 2)]
+    ratios = _memory_ratios(configs, lambda cfg, rank: memory_formula(n, cfg.dp, cfg.zero))
+    worst = _worst(ratios)
+    return Reading(worst, {"ratios": ratios}, f"worst measured/formula ratio {worst:.6f} over {len(ratios)}")
+
+
+@figure("memory_estimate_vs_measured", target="== 1.0", quick=dict(), full=dict())
+def memory_estimate_vs_measured() -> Reading:
+    """Measured weights, gradients and optimizer bytes over ``gpucourse memory``'s estimate, several layouts."""
+    from .memory import estimate
+
+    configs = [_bench_config(impl="scratch", steps=1, **kw) for kw in
+               (dict(dp=1), dict(dp=2), dict(dp=2, zero=2), dict(dp=1, tp=2), dict(dp=1, pp=2, microbatches=2))]
+    ratios = _memory_ratios(configs, lambda cfg, rank: estimate(cfg)["per_rank"][rank])
+    worst = _worst(ratios)
+    return Reading(worst, {"ratios": ratios}, f"worst measured/estimated ratio {worst:.6f} over {len(ratios)}")
+
+
+@figure("checkpointing_activation_ratio", quick=dict(), full=dict())
+def checkpointing_activation_ratio() -> Reading:
+    """Saved activation bytes with activation checkpointing over without (tiny model)."""
+    sizes = {}
+    for ckpt in (False, True):
+        result = run(_bench_config(impl="scratch", dp=1, steps=1, checkpoint_activations=ckpt),
+                     timeout=RUN_TIMEOUT_S, quiet=True)
+        sizes[ckpt] = result.memory["0"]["activations"]
+    value = ratio(sizes[True], sizes[False])
+    return Reading(value, {"plain_bytes": sizes[False], "checkpointed_bytes": sizes[True]},
+                   f"{sizes[True] / 1e6:.2f} MB with checkpointing, {sizes[False] / 1e6:.2f} MB without")
 
 
 # --- launching ranks -------------------------------------------------------------------

@@ -7,6 +7,7 @@ sentence on stderr and exit status 2, and no file is half-written.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -40,7 +41,11 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default=d.schedule, help="pipeline schedule: naive, gpipe, 1f1b")
     p.add_argument("--microbatches", type=int, default=d.microbatches, help="pipeline microbatches per step")
     p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="gradient-accumulation microbatches")
-    p.add_argument("--precision", default=d.precision, help="fp32")
+    p.add_argument("--precision", default=d.precision, help="fp32, bf16 or fp16 (autocast unless --master-weights)")
+    p.add_argument("--master-weights", action="store_true",
+                   help="half-precision weights and gradients, fp32 master copy in the optimizer")
+    p.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute each block's activations in backward instead of keeping them")
     p.add_argument("--impl", default=d.impl,
                    help="scratch (gpucourse's own), torch (PyTorch's) or accelerate (Hugging Face Accelerate)")
     p.add_argument("--bucket-mb", type=float, default=d.bucket_mb,
@@ -55,11 +60,12 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
 
 
 def _config_from(args) -> TrainConfig:
-    return TrainConfig(model=args.model, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
-                       schedule=args.schedule, microbatches=args.microbatches, bucket_mb=args.bucket_mb, grad_accum=args.grad_accum,
-                       precision=args.precision, impl=args.impl, steps=args.steps, batch_size=args.batch_size,
-                       seq_len=args.seq_len, lr=args.lr, seed=args.seed, device=args.device,
-                       record=not args.no_record)
+    """The TrainConfig the flags describe (flags a subcommand lacks keep their defaults)."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    given = {k: v for k, v in vars(args).items() if k in names}
+    if "no_record" in vars(args):
+        given["record"] = not args.no_record
+    return TrainConfig(**given)
 
 
 class _ProgressBar:
@@ -104,7 +110,8 @@ def summary_table(result) -> str:
         ("global batch", f"{cfg['batch_size']} seq × {cfg['seq_len']} tokens "
                          f"(microbatch {cfg['batch_size'] // (cfg['dp'] * cfg['grad_accum'])} × "
                          f"grad_accum {cfg['grad_accum']} × dp {cfg['dp']})"),
-        ("steps", str(steps)),
+        ("steps", str(steps) + (f" (steps {result.start_step}–{result.start_step + steps - 1}, resumed)"
+                                if result.start_step else "")),
         ("loss", f"{result.losses[0]:.4f} → {result.losses[-1]:.4f}"),
         ("step time", f"{1e3 * sum(result.step_times_s) / steps:.1f} ms mean"),
         ("throughput", f"{result.tokens_per_s:,.0f} tokens/s"),
@@ -192,6 +199,88 @@ def cmd_schedule(args) -> int:
             "peak_in_flight": sim.peak_in_flight, "busy": sim.busy, "comm": sim.comm, "idle": sim.idle,
         }, indent=1))
         print(f"  written to {args.json}")
+    return 0
+
+
+def _write_json(path: str | None, data) -> None:
+    if path:
+        from .measure import write_atomic
+
+        write_atomic(path, json.dumps(data, indent=1, default=str))
+        print(f"  written to {path}")
+
+
+def cmd_memory(args) -> int:
+    from . import memory
+
+    if args.json:
+        _check_writable(args.json, "--json")
+    if args.params is not None:
+        if args.params < 1:
+            raise UsageError(f"--params {args.params:g} must be a positive number of parameters.")
+        est = memory.estimate_params(int(args.params), args.dp, args.zero, args.precision, args.master_weights)
+        print(f"{args.params:,.0f} parameters, dp={args.dp}, zero={args.zero}, {args.precision}"
+              f"{' with fp32 master weights' if args.master_weights else ''}: per rank")
+        for k, v in est.items():
+            print(f"  {k:<10} {v / 2**30:10.3f} GiB")
+        print(f"  {'total':<10} {sum(est.values()) / 2**30:10.3f} GiB (activations need the model's shape: "
+              f"use --model)")
+    else:
+        est = memory.estimate(_config_from(args))
+        print(memory.format_estimate(est))
+    _write_json(args.json, est)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from . import plan
+
+    if args.json:
+        _check_writable(args.json, "--json")
+    result = plan.plan(args.params, args.gpus, args.gpu, args.gpus_per_node, args.batch_size, args.seq_len,
+                       args.precision, args.efficiency)
+    print(plan.format_plan(result, top=args.top))
+    _write_json(args.json, result)
+    return 0
+
+
+def cmd_batch_size(args) -> int:
+    from . import memory
+    from .runtime.launcher import visible_gpus
+
+    if not args.budget_gb > 0:
+        raise UsageError(f"--budget-gb {args.budget_gb:g} must be positive.")
+    cfg = _config_from(args)
+    cfg.validate(runnable=False)
+    budget = args.budget_gb * 2**30
+    measured = visible_gpus() >= cfg.world_size and cfg.device != "cpu"
+    fits = None
+    if measured:
+        from .train import run
+
+        def fits(trial):
+            import dataclasses as dc
+            try:
+                result = run(dc.replace(trial, steps=1, device="cuda"), quiet=True)
+            except WorkerError as e:
+                if "OutOfMemory" in e.exc_type:
+                    return False
+                raise
+            return max(m.get("device_peak", 0) for m in result.memory.values()) <= budget
+    found = memory.largest_microbatch(cfg, budget, fits=fits)
+    how = "measured on CUDA (allocator peak of a one-step trial)" if measured else "estimated"
+    if not found["microbatch"]:
+        print(f"not even one sequence per microbatch fits in {args.budget_gb:g} GiB ({how}).")
+        return 1
+    m = found["microbatch"]
+    accum = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
+    print(f"largest microbatch: {m} sequences of {cfg.seq_len} tokens per forward on each rank ({how}, "
+          f"budget {args.budget_gb:g} GiB)")
+    print(f"  global batch = microbatch × {'microbatches' if cfg.pp > 1 else 'grad_accum'} × dp = "
+          f"{m} × {accum} × {cfg.dp} = {found['batch_size']} sequences per optimizer step")
+    print("  a bigger global batch at the same memory: raise grad_accum (more microbatches per step, same peak);"
+          " a bigger microbatch raises the peak (activations grow with it).")
+    print("  tried: " + ", ".join(f"{b}{'✓' if ok else '✗'}" for b, ok in sorted(found["tried"].items())))
     return 0
 
 
@@ -284,6 +373,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export-weights", metavar="FILE", help="save the trained model as one single-device state_dict")
     p.add_argument("--timeout", type=float, default=None, help="seconds before the run is stopped (default: none)")
     p.add_argument("--no-record", action="store_true", help="do not record timeline spans")
+    p.add_argument("--save", metavar="DIR", help="save distributed checkpoints into DIR (DIR/step-NNNNNN)")
+    p.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="with --save: a checkpoint every N steps, and one at the end (default 0: only at the end)")
+    p.add_argument("--resume", metavar="DIR",
+                   help="go on from the newest complete checkpoint in DIR (same layout; more --steps is fine); "
+                        "if DIR is also --save and holds none yet, start from step 0")
     p.add_argument("--quiet", action="store_true", help="no progress or device line")
     p.add_argument("--list", action="store_true", help="list the layouts and impls this build supports")
     p.set_defaults(func=cmd_train)
@@ -309,6 +404,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny runs: 3 steps of 32 tokens (a few minutes on 2 cores)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.set_defaults(func=cmd_tour)
+
+    p = sub.add_parser("memory", help="estimate memory per rank for a layout, before it runs",
+                       description="Takes the same flags as train; --params N sizes a model of N parameters.")
+    _add_layout_args(p)
+    p.add_argument("--params", type=float, default=None, help="a parameter count instead of --model (e.g. 70e9)")
+    p.add_argument("--json", metavar="FILE", help="write the estimate as JSON")
+    p.set_defaults(func=cmd_memory)
+
+    p = sub.add_parser("plan", help="rank the layouts of a large model on many GPUs, on paper")
+    p.add_argument("--params", type=float, required=True, help="parameters, e.g. 70e9")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    p.add_argument("--gpu", default="h100", help="GPU kind from the table (gpucourse.gpus), e.g. h100, a100")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per server (tensor parallelism stays inside)")
+    p.add_argument("--batch-size", type=int, default=1024, help="global batch in sequences")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--precision", default="bf16", help="bf16 (with fp32 master weights) or fp32")
+    p.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s reached (MFU)")
+    p.add_argument("--top", type=int, default=10, help="rows to print")
+    p.add_argument("--json", metavar="FILE", help="write every layout as JSON")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("batch-size", help="the largest microbatch that fits a memory budget",
+                       description="Bisection: measured on CUDA, estimated on CPU against the budget.")
+    _add_layout_args(p)
+    p.add_argument("--budget-gb", type=float, required=True, help="memory per rank, GiB")
+    p.set_defaults(func=cmd_batch_size)
 
     p = sub.add_parser("doctor", help="what this machine has for distributed training")
     p.add_argument("--json", action="store_true", help="print JSON")

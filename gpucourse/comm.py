@@ -161,6 +161,11 @@ def _run(op: str, name: str, fn, tensor: torch.Tensor, group, async_op: bool):
         return None
     with _RECORDER.span("comm", name):
         fn(async_op=False)
+    spans = _RECORDER.spans
+    if spans and spans[-1]["name"] == name:
+        # The caller waited in this call, so profiling counts its time as
+        # communication even inside a forward span (tensor parallel's all-reduces).
+        spans[-1]["blocking"] = True
     return None
 
 
@@ -170,9 +175,15 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, name="a
                 tensor, group, async_op)
 
 
-# Newer PyTorch renamed the flat-tensor collectives; accept both spellings.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Newer PyTorch renamed the flat-tensor collectives; accept both spellings. Looked
+# up at each call, not once at import, so a rank's collective status tracking
+# (runtime.collective_status wraps torch.distributed's functions) sees them.
+def _all_gather_flat(*args, **kwargs):
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter_flat(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
 def all_gather_into_tensor(output, input, group=None, async_op=False, name="all_gather"):

@@ -115,8 +115,12 @@ class TrainConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
-    def validate(self) -> "TrainConfig":
-        """Raise :class:`ConfigError` naming the first constraint this config breaks."""
+    def validate(self, runnable: bool = True) -> "TrainConfig":
+        """Raise :class:`ConfigError` naming the first constraint this config breaks.
+
+        ``runnable=False`` checks only that the layout makes sense (for estimates
+        on paper), not that this build can train it.
+        """
         for name in ("dp", "tp", "pp", "grad_accum", "microbatches", "steps", "batch_size", "seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -166,23 +170,24 @@ class TrainConfig:
         if self.master_weights and self.precision == "fp32":
             raise ConfigError("master_weights keeps an fp32 copy of half-precision weights; "
                               "choose precision bf16 or fp16 with it.")
-        if self.precision != "fp32" and (self.tp > 1 or self.pp > 1 or self.impl == "accelerate"
-                                         or (self.zero and self.impl != "scratch")):
-            raise ConfigError(f"precision={self.precision} runs with single, data-parallel and scratch ZeRO "
-                              f"layouts in this build, not {self.kind()} with impl={self.impl!r}.")
-        if self.master_weights and self.impl == "torch" and self.zero:
-            raise ConfigError("master_weights with impl='torch' is offered for DDP only (zero=0).")
         if self.bucket_mb is not None:
             if not self.bucket_mb > 0:
                 raise ConfigError(f"bucket_mb={self.bucket_mb} must be a positive number of megabytes.")
             if self.dp == 1 or self.zero or self.tp > 1 or self.pp > 1 or self.impl == "accelerate":
                 raise ConfigError("bucket_mb sets the gradient buckets of plain data parallelism "
                                   "(dp > 1, zero=0, tp=1, pp=1, impl scratch or torch).")
-        self._check_supported()
+        if runnable:
+            self._check_supported()
         return self
 
     def _check_supported(self) -> None:
         hybrid = sum(d > 1 for d in (self.dp, self.tp, self.pp)) > 1
+        if self.precision != "fp32" and (self.tp > 1 or self.pp > 1 or self.impl == "accelerate"
+                                         or (self.zero and self.impl != "scratch")):
+            raise ConfigError(f"precision={self.precision} runs with single, data-parallel and scratch ZeRO "
+                              f"layouts in this build, not {self.kind()} with impl={self.impl!r}.")
+        if self.master_weights and self.impl == "torch" and self.zero:
+            raise ConfigError("master_weights with impl='torch' is offered for DDP only (zero=0).")
         if self.zero and (self.tp > 1 or self.pp > 1):
             raise ConfigError(f"zero={self.zero} combines only with data parallelism (tp=1, pp=1) in this build.")
         if self.impl == "scratch" and self.zero == 3:

@@ -55,7 +55,10 @@ class ActivationMeter:
 
     def add(self, t: torch.Tensor) -> None:
         """Count ``t`` as saved by the microbatch whose forward is running."""
-        if self._active is None or t.untyped_storage().data_ptr() in self._excluded:
+        if self._active is None:
+            return
+        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: count this rank's shard
+        if t.untyped_storage().data_ptr() in self._excluded:
             return
         seen = self._by_microbatch.setdefault(self._active, {})
         key = (t.data_ptr(), t.numel(), t.dtype)
@@ -104,7 +107,7 @@ class Recorder:
         self.step = -1  # set-up, before the first step
         self.spans: list[dict] = []
         self.comm: dict[tuple[int, str], list[int]] = {}
-        self._cuda = device.type == "cuda"
+        self._cuda = self.on_cuda = device.type == "cuda"
         self._pending: list[tuple[dict, Any, Any]] = []
         self.activations = ActivationMeter()
         global _METER
@@ -195,6 +198,9 @@ class RunResult:
     """One run, merged over ranks. ``RunResult.load(path)`` reads a saved one.
 
     - ``losses``: global mean training loss of each optimizer step.
+    - ``start_step``: the training step of ``losses[0]`` — 0, or the step a run
+      resumed from a checkpoint at. Every per-step list here (and the ``step`` of
+      spans and counts) is indexed from it: index ``i`` is step ``start_step + i``.
     - ``step_times_s``: wall time of each step (the slowest rank's).
     - ``tokens_per_s``: global tokens per second over the steps after the first
       (the first pays for warm-up and is left out).
@@ -218,6 +224,7 @@ class RunResult:
     comm: list[dict] = field(default_factory=list)
     memory: dict = field(default_factory=dict)
     extras: dict = field(default_factory=dict)
+    start_step: int = 0
 
     @property
     def final_loss(self) -> float:
@@ -324,4 +331,5 @@ def merge(config: dict, rank_outputs: list[dict], device: str, backend: str) -> 
                     "bus_total": sum(c["bus_bytes"] for c in comm)},
         comm=comm, memory=memory,
         extras={k: v for o in rank_outputs for k, v in o.get("extras", {}).items()},
+        start_step=rank_outputs[0].get("start_step", 0),
     )

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from . import comm, data
+from . import checkpoint, comm, data, profiling
 from .config import TrainConfig
 from .measure import Recorder, RunResult, merge, write_atomic
 from .model import build_model
@@ -41,7 +41,8 @@ def train_worker(cfg_dict: dict, export_path: str | None = None) -> dict:
     # make their collectives inside torch, so there we count at the dispatcher.
     counting = comm.counting() if cfg.impl != "scratch" else contextlib.nullcontext()
     try:
-        with counting:
+        # --profile DIR: a torch.profiler trace of a few steps per rank (a no-op otherwise).
+        with counting, profiling.trace(cfg.profile, ctx.rank, cfg.steps):
             return _train(cfg, ctx, rec, export_path)
     finally:
         comm.set_recorder(None)
@@ -53,9 +54,11 @@ def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dic
     model = build_model(cfg.model_config(), cfg.seed).to(ctx.device)
     trainer = parallelize(model, mesh, cfg, rec, ctx.device)
     rec.activations.exclude(trainer.model.parameters())
+    start_step = checkpoint.resume(trainer, mesh, cfg, rec) if cfg.resume else 0
     losses, step_times = [], []
-    for step in range(cfg.steps):
-        rec.step = step
+    for step in range(start_step, cfg.steps):
+        checkpoint.inject_fault(ctx.rank, step)
+        rec.step = step - start_step  # what a RunResult counts from: its losses[0] is step start_step
         x, y = data.rank_batch(step, cfg.batch_size, cfg.seq_len, cfg.seed, dp_rank, cfg.dp)
         start = time.perf_counter()
         with rec.span("step"):
@@ -63,16 +66,20 @@ def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dic
         value = None if loss is None else loss.item()  # .item() waits for the step on CUDA
         step_times.append(time.perf_counter() - start)
         rec.flush()
+        profiling.step()
         losses.append(value)
         if value is not None:
             report({"kind": "step", "step": step, "steps": cfg.steps, "loss": value, "time_s": step_times[-1]})
+        if cfg.save and (step + 1 == cfg.steps or cfg.save_every and (step + 1) % cfg.save_every == 0):
+            checkpoint.save(trainer, mesh, cfg, step + 1, rec)
     comm.set_recorder(None)  # gathering the weights for export is not training traffic
     state = trainer.full_state_dict()
     if export_path and ctx.rank == 0:
         buf = io.BytesIO()
         torch.save(state, buf)
         write_atomic(export_path, buf.getvalue())
-    return {"rank": ctx.rank, "losses": None if losses[0] is None else losses, "step_times_s": step_times,
+    return {"rank": ctx.rank, "start_step": start_step, "losses": None if losses[0] is None else losses,
+            "step_times_s": step_times,
             "memory": trainer.memory, "extras": _extras(trainer), **rec.export()}
 
 
@@ -116,6 +123,7 @@ def run(config: TrainConfig, *, timeout: float | None = None, export_weights: st
     plan = plan_device(config.device, int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
                        if in_place() else config.world_size)
     config.validate_on(plan.device)
+    checkpoint.find_resume(config)  # a resume that cannot work is refused before any rank starts
     view = None
     if live:
         from .viz.live import LiveView

@@ -36,8 +36,8 @@ import traceback
 
 from ..measure import write_atomic
 from . import core, source
-from .results import (OUTPUT_KEEP_BYTES, compile_exercise, describe_exception, describe_launch_error, finalize,
-                      in_progress, read_events, static_result, who_finished)
+from .results import (OUTPUT_KEEP_BYTES, compile_exercise, crash, describe_exception, describe_launch_error,
+                      finalize, in_progress, read_events, static_result, who_finished)
 
 GRACE_S = 5.0  # after a deadline, for the launch's own timeout to report first
 
@@ -226,8 +226,11 @@ def grade_exercise(ex: core.Exercise, path: str, spec: dict) -> dict:
         if why or sum(c["status"] != "not run" for c in after["checks"]) == len(ex.checks) - len(todo):
             # It ended inside a check, or before deciding any: that check fails with the reason.
             name = in_progress(ex, read_events(events), todo) or todo[0]
-            reasons[name] = (why or "the exercise process ended before the check finished") + \
-                who_finished(ex.by_name(name), read_events(events))
+            broke = crash(read_events(events))
+            if broke:
+                why = f"the grader could not run this check ({broke}); is --memory-gb too small?"
+            reasons[name] = (why or "the exercise process ended in the middle of this check without an "
+                                    "error (os._exit(0)?)") + who_finished(ex.by_name(name), read_events(events))
     result = finalize(compile_exercise(ex, [read_events(a) for a in attempts], reasons,
                                        not_run=f"not run: the exercise had used up its {timeout:g} s"))
     result.update(seed=spec["seed"], time_s=round(time.monotonic() - start, 3), output=_head_and_tail(out_path))

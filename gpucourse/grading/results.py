@@ -35,29 +35,41 @@ def read_events(path: str) -> list[dict]:
 
 
 def _verdicts(ex: core.Exercise, events: list[dict]) -> dict[str, tuple[str, str]]:
-    """check name -> ("passed" | "failed", message), for the checks these events decide."""
+    """check name -> ("passed" | "failed", message), for the checks these events decide.
+
+    A check is decided by an error, or once every rank has passed or failed it:
+    a rank's failure while another rank is still inside the check leaves it open
+    (that rank may hang, and the hang is what to report).
+    """
     seen: dict[str, dict] = {}
     for e in events:
         if e.get("check") is None:
             continue
-        s = seen.setdefault(e["check"], {"pass": set(), "fail": [], "error": []})
+        s = seen.setdefault(e["check"], {"pass": set(), "fail": {}, "error": []})
         if e["event"] == "pass":
             s["pass"].add(e["rank"])
-        elif e["event"] in ("fail", "error"):
-            s[e["event"]].append(e)
+        elif e["event"] == "fail":
+            s["fail"].setdefault(e["rank"], e["message"])
+        elif e["event"] == "error":
+            s["error"].append(e["message"])
     out = {}
     for c in ex.checks:
         s = seen.get(c.name)
         if not s:
             continue
         if s["error"]:
-            out[c.name] = ("failed", s["error"][0]["message"])
-        elif s["fail"]:
-            first = min(s["fail"], key=lambda e: (e["rank"] is None, e["rank"] or 0))
-            out[c.name] = ("failed", first["message"])
-        elif len(s["pass"]) >= (c.world_size or 1):
-            out[c.name] = ("passed", "")
+            out[c.name] = ("failed", s["error"][0])
+        elif len(s["pass"] | set(s["fail"])) >= (c.world_size or 1):
+            out[c.name] = ("failed", s["fail"][min(s["fail"], key=lambda r: r or 0)]) if s["fail"] else ("passed", "")
     return out
+
+
+def crash(events: list[dict]) -> str | None:
+    """The last line of the grader's own error in an exercise process, if it had one."""
+    for e in events:
+        if e.get("event") == "crash":
+            return (e.get("message") or "").strip().splitlines()[-1:][0] if e.get("message") else "unknown error"
+    return None
 
 
 def in_progress(ex: core.Exercise, events: list[dict], names: list[str] | None = None) -> str | None:
@@ -75,7 +87,8 @@ def who_finished(check: core.Check, events: list[dict]) -> str:
     n = check.world_size or 1
     if n == 1:
         return ""
-    done = sorted({e["rank"] for e in events if e.get("check") == check.name and e["event"] in ("pass", "fail")})
+    done = sorted({e["rank"] for e in events if e.get("check") == check.name and e["event"] in ("pass", "fail")
+                   and e["rank"] is not None})
     stuck = [r for r in range(n) if r not in done]
     if not done:
         return f" (none of the {n} ranks finished it)"

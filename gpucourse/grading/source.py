@@ -60,13 +60,11 @@ def find_reference_use(tree: ast.AST) -> list[str]:
                     say(node, f"from {'.' * node.level}{base} import ...")
                 continue
             allowed = ALLOWED_NAMES.get(base)
-            for alias in node.names:
-                full = f"{base}.{alias.name}"
-                if allowed is not None:
-                    if alias.name not in allowed:
-                        say(node, f"from {base} import {alias.name}")
-                elif _reference(base) or (_reference(full) and full not in ALLOWED_NAMES):
-                    say(node, f"from {base} import {alias.name}")
+            bad = [a.name for a in node.names
+                   if (a.name not in allowed if allowed is not None else
+                       _reference(base) or (_reference(f"{base}.{a.name}") and f"{base}.{a.name}" not in ALLOWED_NAMES))]
+            if bad:
+                say(node, f"from {base} import {', '.join(bad)}")
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
             if _reference(f"{node.value.id}.{node.attr}"):
                 say(node, f"{node.value.id}.{node.attr}")

@@ -104,6 +104,8 @@ class Trainer:
         if not self.memory:
             self.memory = {"weights": self.weight_bytes(), "gradients": self.gradient_bytes(),
                            "optimizer": self.optimizer_bytes(), "activations": self.rec.activations.peak}
+            if self.rec.on_cuda:  # the allocator's own peak, beside the categories counted from tensors
+                self.memory["device_peak"] = torch.cuda.max_memory_allocated()
 
     def gradients(self) -> list[torch.Tensor]:
         """The gradient tensors the optimizer will read (unscaled in place for fp16)."""

@@ -169,14 +169,20 @@ def apply_tensor_parallel(module: nn.Module, tp_group) -> nn.Module:
     return module
 
 
+def shard_dims(module: nn.Module) -> dict[str, int]:
+    """``{state_dict name: dimension it is cut along}`` of every tensor-parallel shard in ``module``."""
+    return {f"{prefix}.{name}" if prefix else name: dim
+            for prefix, m in module.named_modules() for name, dim in getattr(m, "shard_dims", {}).items()
+            if getattr(m, name) is not None}  # a layer without bias has no bias shard
+
+
 def full_tensor_state(module: nn.Module, tp_group) -> dict:
     """The whole single-device ``state_dict``, on every rank (collective over ``tp_group``).
 
     Sharded parameters are all-gathered along the dimension they were cut.
     This uses ``torch.distributed`` directly: exporting is not training traffic.
     """
-    cut = {f"{prefix}.{name}" if prefix else name: dim
-           for prefix, m in module.named_modules() for name, dim in getattr(m, "shard_dims", {}).items()}
+    cut = shard_dims(module)
     n = dist.get_world_size(tp_group)
     state = {}
     for name, t in module.state_dict().items():

@@ -8,7 +8,8 @@ what a teaching runtime needs:
 
 - a device decision made without initialising CUDA in the caller;
 - one clear error: :class:`WorkerError` names the failing rank and carries its
-  traceback; :class:`LaunchTimeout` names the ranks that did not finish;
+  traceback; :class:`LaunchTimeout` names the ranks that did not finish and the
+  collective each rank was in;
 - a wall-clock timeout, and a Ctrl-C (or kernel interrupt) that stops the group;
 - a channel for ranks to send small messages back (progress, live metrics);
 - in place under ``torchrun`` / ``accelerate launch``: no second launch.
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import worker
+from . import collective_status, worker
 
 
 class LaunchError(RuntimeError):
@@ -52,7 +53,10 @@ class WorkerError(RuntimeError):
 
 
 class LaunchTimeout(TimeoutError):
-    """Some ranks had not finished after ``timeout`` seconds; ``pending`` lists them."""
+    """Some ranks had not finished after ``timeout`` seconds; ``pending`` lists them.
+
+    ``waiting`` says per rank which collective it was in and which it finished last.
+    """
 
     def __init__(self, timeout: float, pending: list[int], finished: list[int], waiting: dict | None = None):
         self.timeout, self.pending, self.finished, self.waiting = timeout, pending, finished, waiting or {}
@@ -279,7 +283,9 @@ def _worker_error(run_dir: str, failures: dict) -> WorkerError:
         what = f"exited with code {code} without raising an exception (os._exit, or a crash)"
     else:
         what = "ended without raising an exception (os._exit, or a crash)"
-    return WorkerError(rank, "ProcessExit", f"the process {what}")
+    # A rank killed inside a collective (gloo aborts on a size mismatch) was last seen there.
+    where = collective_status.read(collective_status.status_path(run_dir, rank)).get("waiting")
+    return WorkerError(rank, "ProcessExit", f"the process {what}" + (f" while in collective {where}" if where else ""))
 
 
 @contextlib.contextmanager
@@ -434,5 +440,7 @@ def launch(fn, *args, world_size: int, timeout: float | None = None, device: str
 def _timeout_error(timeout, run_dir: str, world_size: int) -> LaunchTimeout:
     done = sorted(_notes(run_dir, "done"))
     pending = [r for r in range(world_size) if r not in done]
-    waiting = {r: s.get("waiting", "") for r, s in _notes(run_dir, "status").items() if r in pending and s.get("waiting")}
+    # Every rank's collective status: a hang is two ranks disagreeing on the next call.
+    waiting = {r: ("finished; " if r in done else "") + collective_status.explain(collective_status.read(
+               collective_status.status_path(run_dir, r))) for r in range(world_size)}
     return LaunchTimeout(timeout, pending, done, waiting)

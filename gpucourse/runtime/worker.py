@@ -4,8 +4,9 @@
 It makes the process safe to use (one torch thread after a fork, default
 signal handling, death with its parent), joins the process group, runs
 the user's function, and leaves a note in the run folder: its pid when it starts,
-its error (type, message, traceback, time) if it raises, and a mark when it
-finishes. The launcher reads those notes to say which rank failed or hung.
+its error (type, message, traceback, time) if it raises, a mark when it
+finishes, and, while it runs, the collective it is in (see ``collective_status``).
+The launcher reads those notes to say which rank failed or hung, and where.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from . import collective_status
 
 
 @dataclass
@@ -117,6 +120,9 @@ def rank_main(fn, args: tuple, kwargs: dict, spec: dict):
         dist.init_process_group(spec["backend"], timeout=datetime.timedelta(seconds=spec["pg_timeout"]))
         _CONTEXT = RankContext(rank, dist.get_world_size(), int(os.environ["LOCAL_RANK"]), device,
                                spec["backend"], spec.get("channel"))
+        # Each collective writes what it is into status-{rank}.json (a memory map,
+        # no system call per call), so a hang can be reported as "waiting in #3 barrier()".
+        collective_status.install(collective_status.status_path(run_dir, rank))
         value = fn(*args, **kwargs)
         _note(run_dir, f"done-{rank}.json", {"time": time.time()})
         _wait_for_all_ranks()
@@ -126,6 +132,7 @@ def rank_main(fn, args: tuple, kwargs: dict, spec: dict):
             "traceback": traceback.format_exc(), "time": time.time(), "silent_exits": _silent_exits(run_dir)})
         raise
     finally:
+        collective_status.uninstall()
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.stdout.flush()

@@ -11,6 +11,7 @@ from ..core import Exercise, Fail, describe_mismatch
 EXERCISE = Exercise("ex02_data_parallel", "Data-parallel gradient averaging", "notebooks/02_data_parallel.ipynb")
 
 BATCH, LR = 6, 0.5  # 6 rows: 2 and 3 ranks both divide it
+STALE = 3.0         # the value of the gradients left over from "an earlier step"
 
 
 class Net(nn.Module):
@@ -97,7 +98,7 @@ def _step_dp(ctx):
     model = _model(ctx)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for n, p in _trainable(model):  # gradients left over from an earlier step
-        p.grad = torch.full_like(p, 3.0)
+        p.grad = torch.full_like(p, STALE)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     xs, ys = x.clone(), y.clone()
     ctx.load().data_parallel_step(model, opt, F.mse_loss, xs, ys)
@@ -133,6 +134,10 @@ def _equals_single_device(ctx):
         if problem:
             scale = _diagnose_scale(f"rank {ctx.rank}: the change of {n}", p.detach(), alone[n].detach(),
                                     ctx.world_size, base=before[n])
+            if not scale and p.requires_grad and torch.allclose(p.detach(), alone[n].detach() - LR * STALE,
+                                                                atol=1e-5, rtol=1e-4):
+                scale = (f"rank {ctx.rank}: {n} moved as if the gradient left over from an earlier step had "
+                         f"been added to this step's")
             raise Fail(scale or problem + " (compared with one device taking the step on the whole batch)")
 
 

@@ -100,6 +100,10 @@ def _name_buckets(params: dict, order: list[str], cap: int) -> list[list[str]]:
     return [[name_of[id(p)] for p in b] for b in reference_buckets([params[n] for n in order], cap)]
 
 
+def _close(got, want) -> bool:
+    return torch.is_tensor(got) and got.shape == want.shape and bool(torch.allclose(got, want, atol=1e-6))
+
+
 def _inputs(ctx, model, rank: int, step: int) -> torch.Tensor:
     return torch.randn(4, model[0].in_features, generator=ctx.generator("x", rank, step))
 
@@ -108,16 +112,19 @@ def _loss(model, x):
     return (model(x) ** 2).mean()
 
 
-def _expected_grads(ctx, model, step: int) -> dict[str, torch.Tensor]:
-    """The average over ranks of each rank's gradient, computed here from every rank's inputs."""
+def _gradients(ctx, model, step: int) -> tuple[dict, dict]:
+    """The average over ranks of each rank's gradient (computed here from every rank's inputs), and this rank's own."""
     total: dict[str, torch.Tensor] = {}
+    own: dict[str, torch.Tensor] = {}
     for r in range(ctx.world_size):
         m = copy.deepcopy(model)
         _loss(m, _inputs(ctx, m, r, step)).backward()
         for n, p in m.named_parameters():
             if p.grad is not None:
                 total[n] = total.get(n, 0) + p.grad / ctx.world_size
-    return total
+                if r == ctx.rank:
+                    own[n] = p.grad
+    return total, own
 
 
 def _train(ctx, steps: int, spy: list | None = None):
@@ -134,10 +141,10 @@ def _train(ctx, steps: int, spy: list | None = None):
         return original(tensor, *args, **kwargs)
 
     # Before the learner's hooks are on the parameters (a copy of the model would carry them).
-    wants = [_expected_grads(ctx, model, step) for step in range(steps)]
+    grads = [_gradients(ctx, model, step) for step in range(steps)]
     with replaced_dist({"all_reduce": all_reduce}):
         sync = ctx.load().BucketedGradientSync(model, cap)
-        for step, want in enumerate(wants):
+        for step, (want, own) in enumerate(grads):
             model.zero_grad(set_to_none=True)
             loss = _loss(model, _inputs(ctx, model, ctx.rank, step))
             state["backward"] = True
@@ -152,8 +159,11 @@ def _train(ctx, steps: int, spy: list | None = None):
                 problem = describe_mismatch(f"rank {ctx.rank}, step {step + 1}: {n}.grad after finish()",
                                             p.grad, want[n])
                 if problem:
-                    if step > 0 and p.grad is not None and torch.allclose(p.grad, wants[0][n]):
+                    if step > 0 and _close(p.grad, grads[0][0][n]):
                         problem += "; it is the first step's average"
+                    elif ctx.world_size > 1 and _close(p.grad, own[n] / ctx.world_size):
+                        problem += ("; it is this rank's own gradient divided by the world size: no all-reduce "
+                                    "of it ran in this step")
                     raise Fail(problem)
     return sync, model, cap
 
@@ -174,8 +184,10 @@ def async_during_backward(ctx):
     calls: list = []
     sync, model, cap = _train(ctx, 1, calls)
     params = dict(model.named_parameters())
-    buckets = _name_buckets(params, [n for n, p in reversed(list(model.named_parameters())) if p.requires_grad],
-                            cap)
+    # One per bucket of the learner's own buckets: a wrong order costs only the order check.
+    buckets = _as_names(getattr(sync, "buckets", None), "BucketedGradientSync.buckets")
+    if any(n not in params for b in buckets for n in b):
+        raise Fail("BucketedGradientSync.buckets names something that is not a parameter of the model")
     if not calls:
         raise Fail("dist.all_reduce was never called")
     late = [c for c in calls if not c["backward"]]

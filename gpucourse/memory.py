@@ -1,0 +1,205 @@
+"""How much memory a layout needs per rank, before it runs — by the same categories a run measures.
+
+Four categories (bytes per rank):
+
+- **weights**: the parameters this rank holds. Tensor parallelism splits the
+  blocks' q, k, v, attention projection and MLP matrices tp ways (biases of the
+  row-parallel projections, LayerNorms and embeddings stay whole); a pipeline
+  stage holds only its blocks (plus embeddings on the first stage, final norm
+  and head on the last); ZeRO-3 splits everything dp ways.
+- **gradients**: one per trainable weight, in the weights' precision; ZeRO-2
+  and 3 keep only 1/dp of them.
+- **optimizer**: Adam's two fp32 moments (8 bytes per parameter), plus the fp32
+  master copy (4 more) when the weights themselves are half precision;
+  ZeRO-1 and up keep 1/dp. ZeRO from scratch pads the flat buffer to a multiple
+  of dp: S = ceil(P / dp) and P' = S·dp, exactly as ``parallel/zero.py``.
+- **activations**: the tensors autograd saves for backward, for every
+  microbatch a rank holds at once (1 with gradient accumulation; on a pipeline
+  stage, the schedule's peak in flight). Per block, for b sequences of T tokens
+  of width C and h heads, in fp32: 16·bTC bytes replicated across tensor
+  parallelism (the two LayerNorms' inputs and outputs), 48·bTC/tp sharded
+  (q, k, v, attention output, MLP hidden layer before and after GELU),
+  16·bT for LayerNorm statistics and 4·b·(h/tp)·T for attention's
+  log-sum-exp. With checkpointing a block keeps only its input, 4·bTC. The
+  first stage adds the token ids; the last the final norm's and head's inputs,
+  the logits and the targets. These counts are what autograd saves in
+  ``gpucourse.model`` (the tests compare them with measured runs); half
+  precision roughly halves them.
+
+``estimate(config)`` takes the same TrainConfig as ``train`` — so any run can be
+sized before it starts, at any model size and layout — and
+``estimate_params(N, ...)`` the parameter-only part for a model of N parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from .config import TrainConfig
+from .model import GPTConfig
+from .parallel.pipeline import stage_blocks
+
+CATEGORIES = ("weights", "gradients", "optimizer", "activations")
+
+# Bytes saved per (token × channel) of one block: (replicated, sharded over tp).
+_BLOCK_BYTES = {"fp32": (16, 48), "autocast": (16, 30.5), "half": (8, 24)}
+
+
+@dataclass(frozen=True)
+class BlockParams:
+    """Parameters of one transformer block, split by how tensor parallelism treats them."""
+
+    sharded: int     # q, k, v, fc (weights and biases) and both projection weights
+    replicated: int  # LayerNorms and the two projection biases
+
+
+def block_params(mc: GPTConfig) -> BlockParams:
+    C = mc.n_embd
+    sharded = (C * C + C) + C * C + (C * C + C) + C * C + (4 * C * C + 4 * C) + 4 * C * C  # k has no bias
+    replicated = 4 * C + C + C
+    return BlockParams(sharded, replicated)
+
+
+def stage_params(mc: GPTConfig, pp: int, stage: int, tp: int) -> int:
+    """Parameters one rank holds: stage ``stage`` of ``pp``, its 1/tp share of the blocks."""
+    bp = block_params(mc)
+    n = len(stage_blocks(mc.n_layer, pp, stage)) * (bp.sharded // tp + bp.replicated)
+    if stage == 0:
+        n += mc.vocab_size * mc.n_embd + mc.block_size * mc.n_embd  # token and position embeddings
+    if stage == pp - 1:
+        n += 2 * mc.n_embd + mc.n_embd * mc.vocab_size             # final LayerNorm and head
+    return n
+
+
+def num_params(mc: GPTConfig) -> int:
+    """All parameters of the model (equals ``sum(p.numel())`` of ``gpucourse.model.GPT``)."""
+    return stage_params(mc, 1, 0, 1)
+
+
+def _regime(cfg: TrainConfig) -> str:
+    if cfg.precision == "fp32":
+        return "fp32"
+    return "half" if cfg.master_weights else "autocast"
+
+
+def estimate_params(num: int, dp: int = 1, zero: int = 0, precision: str = "fp32",
+                    master_weights: bool = False, scratch_padding: bool = True) -> dict:
+    """Weights, gradients and optimizer bytes per rank for ``num`` parameters on one rank's share."""
+    half = precision != "fp32" and master_weights
+    w = 2 if half else 4
+    opt_per_param = 8 + (4 if half else 0)
+    shard = math.ceil(num / dp)
+    padded = shard * dp if (zero in (1, 2) and scratch_padding) else num
+    return {
+        "weights": w * (shard if zero == 3 else padded),
+        "gradients": w * (shard if zero >= 2 else padded),
+        "optimizer": opt_per_param * (shard if zero >= 1 else num),
+    }
+
+
+def _activation_bytes(cfg: TrainConfig, mc: GPTConfig, stage: int, in_flight: int) -> int:
+    b = cfg.batch_size // (cfg.dp * cfg.grad_accum * (cfg.microbatches if cfg.pp > 1 else 1))
+    T, C, V, tp = cfg.seq_len, mc.n_embd, mc.vocab_size, cfg.tp
+    regime = _regime(cfg)
+    scale = 0.5 if regime == "half" else 1.0
+    blocks = len(stage_blocks(mc.n_layer, cfg.pp, stage))
+    if cfg.checkpoint_activations:
+        per_block = 4 * scale * b * T * C
+    else:
+        rep, shard = _BLOCK_BYTES[regime]
+        per_block = b * T * C * (rep + shard / tp) + scale * (16 * b * T + 4 * b * (mc.n_head // tp) * T)
+    total = blocks * per_block
+    if stage == 0:
+        total += 8 * b * T + 8 * T                               # token ids, positions
+    if stage == cfg.pp - 1:
+        total += scale * (8 * b * T * C + 4 * b * T * V) + 16 * b * T + 4   # norm/head inputs, logits, targets
+    return int(total * in_flight)
+
+
+def in_flight(schedule: str, pp: int, m: int) -> list[int]:
+    """Most microbatches each stage holds activations for at once (what ``schedules.simulate`` finds)."""
+    if pp == 1:
+        return [1]
+    if schedule == "naive":
+        return [1] * pp
+    if schedule == "gpipe":
+        return [m] * pp
+    return [min(pp - stage, m) for stage in range(pp)]  # 1F1B: warm-up depth of each stage
+
+
+def estimate(cfg: TrainConfig) -> dict:
+    """Memory per rank for ``cfg``: ``{"per_rank": {rank: {category: bytes}}, "max": {...}, ...}``.
+
+    Ranks follow the run's DeviceMesh (dims pp, dp, tp; tp innermost), so rank r
+    is on pipeline stage r // (dp·tp).
+    """
+    cfg.validate(runnable=False)
+    mc = cfg.model_config()
+    held = in_flight(cfg.schedule, cfg.pp, cfg.microbatches)
+    per_stage = []
+    for stage in range(cfg.pp):
+        n = stage_params(mc, cfg.pp, stage, cfg.tp)
+        mem = estimate_params(n, cfg.dp, cfg.zero, cfg.precision, cfg.master_weights,
+                              scratch_padding=cfg.impl == "scratch")
+        mem["activations"] = _activation_bytes(cfg, mc, stage, held[stage])
+        per_stage.append((n, mem))
+    per_rank = {r: dict(per_stage[r // (cfg.dp * cfg.tp)][1]) for r in range(cfg.world_size)}
+    worst = max(per_rank.values(), key=lambda m: sum(m.values()))
+    return {"config": cfg.to_dict(), "num_params": num_params(mc),
+            "params_per_rank": {r: per_stage[r // (cfg.dp * cfg.tp)][0] for r in range(cfg.world_size)},
+            "per_rank": per_rank, "max": worst, "max_total": sum(worst.values())}
+
+
+def with_microbatch(cfg: TrainConfig, micro: int) -> TrainConfig:
+    """``cfg`` with its global batch set so each forward sees ``micro`` sequences."""
+    per = cfg.dp * cfg.grad_accum * (cfg.microbatches if cfg.pp > 1 else 1)
+    return dataclasses.replace(cfg, batch_size=micro * per)
+
+
+def largest_microbatch(cfg: TrainConfig, budget_bytes: float, fits=None, limit: int = 1 << 16) -> dict:
+    """The largest microbatch (sequences per forward on one rank) whose memory stays within ``budget_bytes``.
+
+    ``fits(config) -> bool`` decides; by default the estimate's busiest rank
+    must stay within the budget (on CUDA the CLI passes a measuring trial run
+    instead). Doubling finds a bound, then bisection the edge.
+    """
+    fits = fits or (lambda c: estimate(c)["max_total"] <= budget_bytes)
+    tried = {}
+
+    def ok(micro: int) -> bool:
+        if micro not in tried:
+            tried[micro] = bool(fits(with_microbatch(cfg, micro)))
+        return tried[micro]
+
+    if not ok(1):
+        return {"microbatch": 0, "tried": tried}
+    lo, hi = 1, 2
+    while hi <= limit and ok(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return {"microbatch": lo, "batch_size": with_microbatch(cfg, lo).batch_size, "tried": tried}
+
+
+def format_estimate(est: dict) -> str:
+    """A readable per-stage breakdown (ranks of one stage hold the same)."""
+    cfg = TrainConfig.from_dict(est["config"])
+    lines = [f"model {cfg.model}: {est['num_params'] / 1e6:,.1f} M parameters; layout {cfg.layout()} "
+             f"(zero {cfg.zero}, {cfg.precision}{', master weights' if cfg.master_weights else ''}"
+             f"{', checkpointed' if cfg.checkpoint_activations else ''})"]
+    header = f"  {'ranks':<10}" + "".join(f"{c:>14}" for c in CATEGORIES) + f"{'total':>14}"
+    lines.append(header)
+    group = cfg.dp * cfg.tp
+    for stage in range(cfg.pp):
+        mem = est["per_rank"][stage * group]
+        label = f"{stage * group}-{stage * group + group - 1}" if group > 1 else str(stage)
+        lines.append(f"  {label:<10}" + "".join(f"{_gb(mem[c]):>14}" for c in CATEGORIES)
+                     + f"{_gb(sum(mem.values())):>14}")
+    return "\n".join(lines)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 2**30:.3f} GiB" if n >= 2**27 else f"{n / 2**20:.2f} MiB"

@@ -1,0 +1,155 @@
+"""Plan a layout on paper: which dp × tp × pp (and ZeRO stage) fits, and how fast it would be.
+
+For a model of N parameters on G GPUs of a stated kind, every layout with
+dp·tp·pp = G (tp within one server, pp no more than the blocks) and every ZeRO
+stage, with and without activation checkpointing, is sized with
+:func:`gpucourse.memory.estimate` — the same formulas the tests check against
+real runs here — and timed with a simple model:
+
+- **compute**: 6·N FLOPs per token (8·N with checkpointing: one more forward),
+  spread over the G GPUs at ``efficiency`` × the GPU's peak;
+- **bubble**: a pipeline of p stages and m microbatches idles (p−1)/m of its
+  compute time (1F1B and GPipe alike);
+- **tensor-parallel communication**: per block and microbatch, two all-reduces
+  forward and two backward of the microbatch's activations (b·T·C values),
+  ring cost 2(tp−1)/tp of the payload, at the intra-node bandwidth;
+- **pipeline communication**: each microbatch's activation crosses each stage
+  boundary forward and its gradient backward;
+- **data-parallel communication**: one all-reduce of the gradients per step
+  (ZeRO-1/2: reduce-scatter plus all-gather, the same volume; ZeRO-3 gathers
+  the weights once more for backward: 1.5×), at the intra-node bandwidth when
+  a data-parallel group fits in one server, else at the network's.
+
+Communication is assumed not to overlap compute, so step times are upper
+bounds; the ranking is what matters. A layout that does not fit in the GPU's
+memory is never ranked as fitting.
+
+With only a parameter count, the model's shape is taken from the common
+aspect ratio of large GPTs: width ≈ 100 × depth (Llama-2 70B has 80 blocks of
+8192), heads of 128, a 32000-token vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .config import ConfigError, TrainConfig
+from .gpus import get_gpu
+from .memory import estimate
+from .memory import num_params as num_params_of
+
+
+def shape_for_params(num_params: float) -> dict:
+    """A plausible GPT shape (n_layer, n_embd, n_head) with about ``num_params`` parameters."""
+    n_layer = max(2, round((num_params / (12 * 100**2)) ** (1 / 3)))
+    n_embd = max(128, round(math.sqrt(num_params / (12 * n_layer)) / 128) * 128)
+    return {"n_layer": n_layer, "n_embd": n_embd, "n_head": n_embd // 128, "vocab_size": 32000}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(shape: dict, gpus: int, gpus_per_node: int, batch_size: int, seq_len: int, precision: str):
+    """Every layout worth sizing, as TrainConfigs (not necessarily runnable in this build)."""
+    for tp in _divisors(gpus):
+        if tp > gpus_per_node or shape["n_head"] % tp:
+            continue
+        for pp in _divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            if pp > shape["n_layer"] or batch_size % dp:
+                continue
+            # One sequence per microbatch on a pipeline keeps its bubble small.
+            micro = batch_size // dp if pp > 1 else 1
+            grad_accum = 1 if pp > 1 else batch_size // dp
+            for zero in (0, 1, 2, 3):
+                if zero and dp == 1:
+                    continue
+                for ckpt in (False, True):
+                    yield TrainConfig(model="gpt2-small", overrides={**shape, "block_size": seq_len}, dp=dp, tp=tp,
+                                      pp=pp, zero=zero, microbatches=micro, grad_accum=grad_accum,
+                                      schedule="1f1b", batch_size=batch_size, seq_len=seq_len, precision=precision,
+                                      master_weights=precision != "fp32", checkpoint_activations=ckpt)
+
+
+def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, efficiency: float) -> dict:
+    """The timing model above for one layout: seconds per step, by part."""
+    mc = cfg.model_config()
+    tokens = cfg.batch_size * cfg.seq_len
+    elem = 2 if cfg.precision != "fp32" else 4
+    flops = (8 if cfg.checkpoint_activations else 6) * num_params * tokens
+    compute = flops / (cfg.world_size * gpu.peak_flops(cfg.precision) * efficiency)
+    m = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
+    bubble = compute * (cfg.pp - 1) / m if cfg.pp > 1 else 0.0
+    micro_tokens = tokens // (cfg.dp * m)
+    intra, inter = gpu.intra_node_GBps * 1e9, gpu.inter_node_GBps * 1e9
+    tp_comm = 0.0
+    if cfg.tp > 1:
+        per_allreduce = 2 * (cfg.tp - 1) / cfg.tp * micro_tokens * mc.n_embd * elem / intra
+        tp_comm = 4 * (mc.n_layer / cfg.pp) * m * per_allreduce
+    pp_comm = 0.0
+    if cfg.pp > 1:
+        link = intra if cfg.tp * cfg.dp * cfg.pp <= gpus_per_node else inter
+        pp_comm = 2 * m * micro_tokens * mc.n_embd * elem / link
+    dp_comm = 0.0
+    if cfg.dp > 1:
+        link = intra if cfg.tp * cfg.dp <= gpus_per_node else inter
+        grads = num_params / (cfg.tp * cfg.pp) * elem
+        dp_comm = (1.5 if cfg.zero == 3 else 1.0) * 2 * (cfg.dp - 1) / cfg.dp * grads / link
+    total = compute + bubble + tp_comm + pp_comm + dp_comm
+    return {"step_s": total, "compute_s": compute, "bubble_s": bubble,
+            "communication_s": tp_comm + pp_comm + dp_comm,
+            "tp_comm_s": tp_comm, "pp_comm_s": pp_comm, "dp_comm_s": dp_comm, "tokens_per_s": tokens / total}
+
+
+def plan(num_params: float, gpus: int, gpu: str = "h100", gpus_per_node: int = 8, batch_size: int = 1024,
+         seq_len: int = 4096, precision: str = "bf16", efficiency: float = 0.5) -> dict:
+    """Size and time every layout; return them ranked (fitting ones first, fastest first)."""
+    if gpus < 1 or gpus_per_node < 1:
+        raise ConfigError(f"gpus={gpus} and gpus_per_node={gpus_per_node} must be at least 1.")
+    if num_params < 1e5:
+        raise ConfigError(f"params={num_params:g} is too small to plan; give at least 1e5.")
+    spec = get_gpu(gpu)
+    shape = shape_for_params(num_params)
+    rows = []
+    for cfg in candidates(shape, gpus, gpus_per_node, batch_size, seq_len, precision):
+        try:
+            mem = estimate(cfg)
+        except ConfigError:
+            continue
+        n = mem["num_params"]
+        row = {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "zero": cfg.zero, "microbatches": cfg.microbatches,
+               "grad_accum": cfg.grad_accum, "checkpoint_activations": cfg.checkpoint_activations,
+               "memory": mem["max"], "memory_total": mem["max_total"],
+               "fits": mem["max_total"] <= spec.memory_gb * 1e9, "config": cfg.to_dict(),
+               **step_time(cfg, n, spec, gpus_per_node, efficiency)}
+        rows.append(row)
+    rows.sort(key=lambda r: (not r["fits"], r["step_s"]))
+    model = TrainConfig(model="gpt2-small", overrides={**shape, "block_size": seq_len}).model_config()
+    return {"params": num_params, "model_params": num_params_of(model), "shape": shape, "gpus": gpus, "gpu": dataclasses.asdict(spec), "gpus_per_node": gpus_per_node,
+            "batch_size": batch_size, "seq_len": seq_len, "precision": precision, "efficiency": efficiency,
+            "layouts": rows}
+
+
+def format_plan(result: dict, top: int = 10) -> str:
+    """The ranked table ``gpucourse plan`` prints."""
+    fitting = [r for r in result["layouts"] if r["fits"]]
+    gpu = result["gpu"]
+    lines = [f"{result['params'] / 1e9:.1f} B parameters (as {result['shape']['n_layer']} blocks of width "
+             f"{result['shape']['n_embd']}) on {result['gpus']} × {gpu['name']} ({gpu['memory_gb']:g} GB, "
+             f"{result['gpus_per_node']} per node), batch {result['batch_size']} × {result['seq_len']} tokens, "
+             f"{result['precision']} with fp32 master weights",
+             f"{len(fitting)} of {len(result['layouts'])} layouts fit; the fastest, by the timing model:",
+             f"  {'dp':>4} {'tp':>3} {'pp':>3} {'zero':>4} {'ckpt':>4} {'memory/GPU':>11} {'step':>8} "
+             f"{'compute':>8} {'comm':>8} {'bubble':>8} {'tokens/s':>10}"]
+    for r in fitting[:top]:
+        lines.append(f"  {r['dp']:>4} {r['tp']:>3} {r['pp']:>3} {r['zero']:>4} "
+                     f"{'yes' if r['checkpoint_activations'] else 'no':>4} {r['memory_total'] / 1e9:>8.1f} GB "
+                     f"{r['step_s']:>7.2f}s {r['compute_s']:>7.2f}s {r['communication_s']:>7.2f}s "
+                     f"{r['bubble_s']:>7.2f}s {r['tokens_per_s']:>10,.0f}")
+    if not fitting:
+        best = min(result["layouts"], key=lambda r: r["memory_total"]) if result["layouts"] else None
+        lines.append("  none fits" + (f": the smallest needs {best['memory_total'] / 1e9:.1f} GB per GPU"
+                                      if best else ""))
+    return "\n".join(lines)

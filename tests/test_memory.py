@@ -1,0 +1,124 @@
+"""Memory and batch: estimates equal measurements, precision tracks fp32, checkpointing saves memory."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from gpucourse import TrainConfig, run
+from gpucourse.measure import Recorder
+from gpucourse.memory import estimate, in_flight, largest_microbatch, num_params
+from gpucourse.model import MODELS, build_model
+from gpucourse.parallel.precision import DynamicLossScaler, Precision
+from gpucourse.parallel.schedules import SCHEDULES, simulate
+from gpucourse.parallel.single import Trainer
+from gpucourse.plan import plan
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_parameter_count_formula_matches_the_model(name):
+    model = build_model(MODELS[name], 0) if name in ("tiny", "small") else None
+    if model is not None:
+        assert num_params(MODELS[name]) == sum(p.numel() for p in model.parameters())
+    assert num_params(MODELS[name]) > 0
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(dp=2), dict(dp=2, zero=1), dict(dp=3, zero=2, batch_size=12),
+                                dict(tp=2), dict(pp=2, microbatches=4), dict(pp=4, microbatches=8, schedule="gpipe"),
+                                dict(dp=2, tp=2), dict(checkpoint_activations=True), dict(dp=2, grad_accum=2)],
+                         ids=str)
+def test_estimate_equals_measurement(kw):
+    cfg = TrainConfig(steps=1, seq_len=32, **kw)
+    measured = run(cfg, timeout=120, quiet=True).memory
+    est = estimate(cfg)["per_rank"]
+    assert len(measured) == cfg.world_size
+    for rank, m in measured.items():
+        e = est[int(rank)]
+        for k in ("weights", "gradients", "optimizer"):
+            assert m[k] == e[k], f"rank {rank} {k}: measured {m[k]}, estimated {e[k]}"
+        assert abs(m["activations"] - e["activations"]) <= 0.10 * m["activations"], f"rank {rank} activations"
+
+
+def test_checkpointing_saves_activation_memory_and_changes_nothing_else():
+    plain = run(TrainConfig(steps=5, seq_len=32), timeout=120, quiet=True)
+    ckpt = run(TrainConfig(steps=5, seq_len=32, checkpoint_activations=True), timeout=120, quiet=True)
+    ratio = ckpt.memory["0"]["activations"] / plain.memory["0"]["activations"]
+    assert ratio < 0.5
+    assert ckpt.losses == pytest.approx(plain.losses, rel=1e-6)
+
+
+@pytest.mark.parametrize("kw", [dict(precision="bf16"), dict(precision="fp16"),
+                                dict(precision="bf16", master_weights=True), dict(precision="fp16", master_weights=True),
+                                dict(dp=2, precision="bf16"), dict(dp=2, zero=2, precision="bf16", master_weights=True),
+                                dict(dp=2, zero=1, precision="fp16")], ids=str)
+def test_half_precision_tracks_fp32(kw):
+    ref = run(TrainConfig(steps=20, seq_len=32), timeout=120, quiet=True)
+    half = run(TrainConfig(steps=20, seq_len=32, **kw), timeout=120, quiet=True)
+    for a, b in zip(half.losses, ref.losses):
+        assert abs(a - b) <= 0.02 * abs(b)
+    assert half.extras["precision"]["precision"] == kw["precision"]
+    if kw.get("master_weights"):
+        m, n = half.memory["0"], num_params(MODELS["tiny"])
+        dp = kw.get("dp", 1)
+        assert m["weights"] == 2 * n and m["optimizer"] == 12 * (n // dp), "2 + 2 + 12 bytes per parameter"
+
+
+def test_loss_scaler_backs_off_and_grows():
+    s = DynamicLossScaler(init_scale=1024, growth_interval=2)
+    s.update(found_inf=True)
+    assert (s.scale, s.skipped) == (512, 1)
+    s.update(False)
+    s.update(False)
+    assert s.scale == 1024
+
+
+def test_fp16_step_with_an_injected_inf_is_skipped():
+    torch.manual_seed(0)
+    model = build_model(MODELS["tiny"], 0)
+    trainer = Trainer(model, 1e-3, 1, Recorder(0, torch.device("cpu")), precision=Precision("fp16"))
+    x = torch.randint(0, 40, (2, 16))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    handle = model.head.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+    trainer.step(x, x)
+    handle.remove()
+    assert trainer.precision.scaler.skipped == 1 and trainer.precision.scaler.scale == 2.0**15
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "a skipped step changed weights"
+    trainer.step(x, x)
+    assert trainer.precision.scaler.skipped == 1
+    assert not torch.equal(before["head.weight"], model.head.weight)
+
+
+def test_in_flight_formula_matches_the_simulator():
+    for name, schedule in SCHEDULES.items():
+        for pp in range(2, 7):
+            for m in range(1, 12):
+                assert in_flight(name, pp, m) == simulate(schedule(pp, m), pp, m).peak_in_flight, (name, pp, m)
+
+
+def test_largest_microbatch_bisects_to_the_edge():
+    cfg = TrainConfig(dp=2, grad_accum=2)
+    found = largest_microbatch(cfg, 0, fits=lambda c: c.microbatch_size <= 37)
+    assert found["microbatch"] == 37 and found["batch_size"] == 37 * 4
+    budget = estimate(dataclasses.replace(cfg, batch_size=37 * 4))["max_total"]
+    assert largest_microbatch(cfg, budget)["microbatch"] == 37
+
+
+def test_plan_agrees_with_memory_and_never_ranks_a_misfit_as_fitting():
+    result = plan(70e9, 64, "h100", gpus_per_node=8)
+    rows = result["layouts"]
+    assert rows and any(r["fits"] for r in rows) and not all(r["fits"] for r in rows)
+    limit = result["gpu"]["memory_gb"] * 1e9
+    seen_misfit = False
+    for r in rows:
+        assert r["fits"] == (r["memory_total"] <= limit)
+        seen_misfit |= not r["fits"]
+        assert not (seen_misfit and r["fits"]), "a fitting layout ranked after one that does not fit"
+        assert r["tp"] <= 8 and r["dp"] * r["tp"] * r["pp"] == 64
+    for r in rows[:5]:
+        assert estimate(TrainConfig.from_dict(r["config"]))["max"] == r["memory"]
+    fitting = [r for r in rows if r["fits"]]
+    assert fitting == sorted(fitting, key=lambda r: r["step_s"])
