@@ -28,6 +28,7 @@ ZeroRedundancyOptimizer, pipelining) are.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import mmap
@@ -37,13 +38,14 @@ import re
 import torch
 import torch.distributed as dist
 
-# The entry points wrapped, as named in torch.distributed. Object collectives
+# The entry points wrapped, as named in torch.distributed. isend and irecv stay
+# unwrapped: dist.P2POp checks that its op *is* torch's own isend or irecv. Object collectives
 # (all_gather_object...) are one entry each: the calls they make inside
 # distributed_c10d do not go through this namespace, so they are not counted twice.
 OPS = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_single",
        "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "reduce",
        "broadcast", "barrier", "monitored_barrier", "gather", "scatter", "all_to_all", "all_to_all_single",
-       "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_gather_object", "broadcast_object_list",
+       "send", "recv", "batch_isend_irecv", "all_gather_object", "broadcast_object_list",
        "gather_object", "scatter_object_list", "send_object_list", "recv_object_list")
 # The peer rank is their second argument: shown as "to rank 1" / "from rank 0".
 _PEER = {"send": ("dst", "to"), "isend": ("dst", "to"), "recv": ("src", "from"), "irecv": ("src", "from"),
@@ -201,6 +203,24 @@ def uninstall() -> None:
     if _mm is not _SINK:
         mm, _mm = _mm, _SINK  # a handle still waited on later writes to the sink
         mm.close()
+
+
+def calls() -> int:
+    """Collectives this rank has called since :func:`install`."""
+    return _seq
+
+
+@contextlib.contextmanager
+def paused():
+    """Inside this block torch.distributed's own, unwrapped functions run (to measure what tracking costs)."""
+    wrapped = {op: getattr(dist, op) for op in _originals}
+    for op, fn in _originals.items():
+        setattr(dist, op, fn)
+    try:
+        yield
+    finally:
+        for op, fn in wrapped.items():
+            setattr(dist, op, fn)
 
 
 def read(path: str) -> dict:
