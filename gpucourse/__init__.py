@@ -9,8 +9,9 @@ from .config import ConfigError, TrainConfig
 from .measure import RunResult
 from .runtime import LaunchError, LaunchTimeout, WorkerError, current, launch, report
 from .train import run
+from . import progress, quiz  # noqa: E402  (quiz's widgets import ipywidgets only when drawn)
 
 __version__ = "0.1.0"
 
 __all__ = ["ConfigError", "LaunchError", "LaunchTimeout", "RunResult", "TrainConfig", "WorkerError", "current",
-           "launch", "report", "run"]
+           "launch", "progress", "quiz", "report", "run"]

@@ -321,6 +321,29 @@ def checkpointing_activation_ratio() -> Reading:
                    f"{sizes[True] / 1e6:.2f} MB with checkpointing, {sizes[False] / 1e6:.2f} MB without")
 
 
+@figure("live_view_overhead", target="<= 1.03", quick=dict(reps=3, steps=20), full=dict(reps=8, steps=60))
+def live_view_overhead(reps: int, steps: int) -> Reading:
+    """Step time with the notebook's live view on over off."""
+    from .viz.live import live_view_overhead as measure_live
+
+    return measure_live(reps=reps, steps=steps)
+
+
+@figure("tour_quick_s", quick=dict(), full=dict())
+def tour_quick_s() -> Reading:
+    """Wall time of ``gpucourse tour --quick`` (every layout, checked against one device) on this machine."""
+    from . import tour
+
+    out = tempfile.mkdtemp(prefix="gpucourse-tour-")
+    try:
+        start = time.perf_counter()
+        code = tour.main(quick=True, out=os.path.join(out, "report.html"))
+        wall = time.perf_counter() - start
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    return Reading(wall, {"exit_code": code}, f"{wall:.1f} s, exit code {code}")
+
+
 # --- launching ranks -------------------------------------------------------------------
 
 

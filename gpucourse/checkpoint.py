@@ -55,6 +55,7 @@ only, so a job restarted by ``torchrun --max-restarts`` (which sets
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -114,9 +115,10 @@ def _differences(saved: dict, cfg: TrainConfig) -> list[str]:
 
 
 def find_resume(cfg: TrainConfig) -> str | None:
-    """The checkpoint ``cfg`` resumes from, or None to start at step 0; raise ConfigError if it cannot.
+    """Check ``cfg``'s save and resume options; return the checkpoint it resumes from (None: step 0).
 
-    Called before any rank starts, so a bad resume is one sentence, not a traceback.
+    Raises :class:`ConfigError` with one sentence. :func:`gpucourse.train.run`
+    calls it before any rank starts, so a resume that cannot work never starts one.
     """
     for name in ("save", "resume"):
         path = getattr(cfg, name)
@@ -152,17 +154,14 @@ def find_resume(cfg: TrainConfig) -> str | None:
 
 # --- What each rank holds -----------------------------------------------------------------------
 
-_OPTIONS = None
-
-
 def _options():
-    # Optimizer state under parameter names, one key per parameter ("state.blocks.0.ln1.weight.exp_avg"),
-    # rather than torch's list of parameter groups: a pipeline stage or a ZeRO-1 rank then saves just its own.
-    global _OPTIONS
-    if _OPTIONS is None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-        _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-    return _OPTIONS
+    """Optimizer state under parameter names, one key per parameter ("state.blocks.0.ln1.weight.exp_avg").
+
+    Rather than torch's list of parameter groups: a pipeline stage or a ZeRO-1
+    rank then saves just the entries of its own parameters.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _torch_optimizer(trainer, cfg: TrainConfig):
@@ -238,7 +237,8 @@ def trainer_state(trainer, mesh, cfg: TrainConfig) -> dict:
         optim = {"flat_shard": _zero_shard(trainer, mesh)}
     elif trainer.precision.master_weights:  # AdamW on fp32 copies of the (half-precision) weights
         names, opt = _master_names(trainer), trainer.optimizer
-        optim = {"master": dict(zip(names, opt.masters)), "state": dict(zip(names, _adam_state(opt.inner, opt.masters)))}
+        optim = {"master": dict(zip(names, opt.masters)),
+                 "state": dict(zip(names, _adam_state(opt.inner, opt.masters)))}
     else:
         # A fresh optimizer has no state yet; this creates it (a step with lr 0) so DCP has tensors to fill.
         optim = get_optimizer_state_dict(trainer.model, _torch_optimizer(trainer, cfg), options=_options())
@@ -287,17 +287,14 @@ def load_trainer_state(trainer, cfg: TrainConfig, state: dict) -> None:
 
 # --- Saving and resuming, called by train._train on every rank ------------------------------------
 
-class _Uncounted:
-    """Checkpoint traffic is not training traffic: pause the recorder's byte counts."""
-
-    def __init__(self, rec):
-        self.rec = rec
-
-    def __enter__(self):
-        comm.set_recorder(None)
-
-    def __exit__(self, *exc):
-        comm.set_recorder(self.rec)
+@contextlib.contextmanager
+def _uncounted(rec):
+    """Checkpoint traffic is not training traffic: the recorder counts none of it."""
+    comm.set_recorder(None)
+    try:
+        yield
+    finally:
+        comm.set_recorder(rec)
 
 
 def save(trainer, mesh, cfg: TrainConfig, step: int, rec=None) -> str:
@@ -307,7 +304,7 @@ def save(trainer, mesh, cfg: TrainConfig, step: int, rec=None) -> str:
     final = os.path.join(cfg.save, checkpoint_name(step))
     tmp = final + ".tmp"
     start = time.perf_counter()
-    with _Uncounted(rec):
+    with _uncounted(rec):
         if dist.get_rank() == 0:
             os.makedirs(cfg.save, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
@@ -334,7 +331,7 @@ def resume(trainer, mesh, cfg: TrainConfig, rec=None) -> int:
     """
     import torch.distributed.checkpoint as dcp
 
-    with _Uncounted(rec):
+    with _uncounted(rec):
         chosen = [find_resume(cfg) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(chosen, src=0)
         path = chosen[0]

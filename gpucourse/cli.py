@@ -144,6 +144,7 @@ def cmd_train(args) -> int:
                              f"make them equal.")
     else:
         cfg.validate_on(plan_device(cfg.device, cfg.world_size).device)
+    analysis = _profile_options(args, cfg)
 
     from .train import run
 
@@ -157,7 +158,95 @@ def cmd_train(args) -> int:
         for path, what in ((args.json, "result"), (args.export_weights, "weights")):
             if path:
                 print(f"  {what} written to {path}")
+        if analysis is not None:
+            _print_profile(result, cfg, *analysis)
     return 0
+
+
+def _profile_options(args, cfg: TrainConfig):
+    """(peak FLOP/s, where it came from, baseline RunResult) for the analysis, or None; bad values refused first."""
+    if not (args.profile or args.peak_tflops or args.gpu or args.baseline):
+        return None
+    if args.profile:
+        if os.path.exists(args.profile) and not os.path.isdir(args.profile):
+            raise UsageError(f"--profile {args.profile} is a file; give a folder for the traces.")
+        parent = os.path.dirname(os.path.abspath(args.profile))
+        if not os.path.isdir(args.profile) and not os.path.isdir(parent):
+            raise UsageError(f"--profile {args.profile} cannot be created: the folder {parent} does not exist.")
+    if args.peak_tflops is not None and args.gpu:
+        raise UsageError("give --peak-tflops or --gpu, not both.")
+    peak = name = None
+    if args.peak_tflops is not None:
+        if not args.peak_tflops > 0:
+            raise UsageError(f"--peak-tflops {args.peak_tflops:g} must be positive.")
+        peak, name = args.peak_tflops * 1e12, "--peak-tflops"
+    elif args.gpu:
+        from .gpus import get_gpu
+
+        try:
+            spec = get_gpu(args.gpu)
+        except (KeyError, ValueError) as e:
+            raise UsageError(str(e).strip("'\"")) from None
+        peak, name = spec.peak_flops(cfg.precision), f"{spec.name} {'fp32' if cfg.precision == 'fp32' else 'bf16'} peak"
+    baseline = None
+    if args.baseline:
+        from .measure import RunResult
+
+        try:
+            baseline = RunResult.load(args.baseline)
+        except (OSError, ValueError, TypeError) as e:
+            raise UsageError(f"--baseline {args.baseline} is not a RunResult JSON file (from train --json): {e}.") from None
+    return peak, name, baseline
+
+
+def _print_profile(result, cfg: TrainConfig, peak, name, baseline) -> None:
+    from . import profiling
+
+    print()
+    print(profiling.format_summary(profiling.summarize(result, peak_flops=peak, baseline=baseline), name))
+    if cfg.profile:
+        print(f"traces: {', '.join(profiling.trace_path(cfg.profile, r) for r in range(result.world_size))} "
+              f"(open in https://ui.perfetto.dev or chrome://tracing)")
+
+
+def cmd_bandwidth(args) -> int:
+    from . import bandwidth
+
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops is not None else list(bandwidth.OPS)
+    bad = [o for o in ops if o not in bandwidth.OPS]
+    if bad or not ops:
+        raise UsageError(f"--ops {args.ops!r}: each must be one of {', '.join(bandwidth.OPS)}.")
+    try:
+        sizes = [bandwidth.parse_size(x) for x in args.sizes.split(",")] if args.sizes else None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.world_size < 2:
+        raise UsageError(f"--world-size {args.world_size} must be at least 2: a collective needs ranks to talk to.")
+    if args.json:
+        _check_writable(args.json, "--json")
+    plan_device(args.device, args.world_size)  # refused before anything runs
+    sizes = sizes or list(bandwidth.QUICK_SIZES if args.quick else bandwidth.SIZES)
+    measured = bandwidth.measure(args.world_size, ops, sizes, quick=args.quick, device=args.device,
+                                 copy_bytes=max(sizes), quiet=False)
+    print(bandwidth.format_table(measured))
+    _write_json(args.json, measured)
+    return 0
+
+
+def cmd_troubleshoot(args) -> int:
+    from . import troubleshoot
+
+    if args.list or not args.name:
+        width = max(len(n) for n in troubleshoot.SCENARIOS)
+        for name, scenario in troubleshoot.SCENARIOS.items():
+            print(f"{name:<{width}}  {scenario.title}")
+        if not args.list:
+            print("\nrun one with: gpucourse troubleshoot NAME")
+        return 0
+    if args.name not in troubleshoot.SCENARIOS:
+        raise UsageError(f"no scenario {args.name!r}; the scenarios are {', '.join(troubleshoot.SCENARIOS)}.")
+    found = troubleshoot.run(args.name)
+    return 1 if found["left_behind"] else 0
 
 
 def cmd_schedule(args) -> int:
@@ -302,6 +391,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_tour(args) -> int:
+    if in_place():
+        raise UsageError("gpucourse tour starts its own ranks for every layout; run it without torchrun.")
     if args.out:
         _check_writable(args.out, "--out")
     plan_device(args.device, 1)  # a bad --device is refused before anything runs
@@ -362,6 +453,47 @@ def cmd_grade(args) -> int:
     return 0 if result["score"] == result["max_score"] else 1
 
 
+def cmd_quiz(args) -> int:
+    from . import quiz
+
+    if args.topic is not None and args.topic not in quiz.TOPICS:
+        raise UsageError(f"--topic {args.topic!r} is not one of {', '.join(quiz.TOPICS)}.")
+    if args.count is not None and args.count < 1:
+        raise UsageError(f"--count {args.count} must be at least 1.")
+    if args.export:
+        _check_writable(args.export, "--export")
+        n = quiz.export_bank(args.export, args.topic)
+        print(f"{n} questions written to {args.export}")
+        return 0
+    from .quiz import terminal
+
+    if args.exam:
+        if args.topic:
+            raise UsageError("--exam spans every topic; leave out --topic.")
+        size = len(quiz.load_bank())
+        if args.count is not None and args.count > size:
+            raise UsageError(f"--count {args.count} is more than the {size} questions in the bank.")
+        terminal.run_exam(quiz.mock_exam(args.count or 40, args.seed))
+    else:
+        terminal.run_quiz(quiz.ask(args.topic, args.count or 10, args.seed), args.topic or "mixed")
+    return 0
+
+
+def cmd_progress(args) -> int:
+    from . import progress
+
+    try:
+        if args.reset:
+            had = progress.reset()
+            print(f"progress reset: {progress.progress_path()} {'removed' if had else 'held nothing yet'}.")
+            return 0
+        summary = progress.summary()
+    except progress.ProgressError as e:
+        raise UsageError(str(e)) from None
+    print(json.dumps(summary, indent=1) if args.json else progress.format_summary(summary))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpucourse", description="Run, watch and check distributed training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -381,6 +513,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "if DIR is also --save and holds none yet, start from step 0")
     p.add_argument("--quiet", action="store_true", help="no progress or device line")
     p.add_argument("--list", action="store_true", help="list the layouts and impls this build supports")
+    p.add_argument("--profile", metavar="DIR",
+                   help="write a torch.profiler Chrome trace per rank (DIR/rankN.trace.json) and print where "
+                        "each rank's time went: compute, communication, idle")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="one device's peak TFLOP/s, for MFU (model FLOPs utilisation)")
+    p.add_argument("--gpu", default=None, help="take the peak for MFU from the GPU table (h100, a100, h200, l4...)")
+    p.add_argument("--baseline", metavar="FILE",
+                   help="a RunResult JSON of the same model on one rank (train --json): print scaling efficiency")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("schedule", help="lay out a pipeline schedule on a clock, without starting any rank",
@@ -431,6 +571,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-gb", type=float, required=True, help="memory per rank, GiB")
     p.set_defaults(func=cmd_batch_size)
 
+    p = sub.add_parser("bandwidth", help="time collectives over message sizes: algorithm and bus bandwidth",
+                       description="Times each collective at each size the way nccl-tests does (busbw = algbw x "
+                                   "2(n-1)/n for all_reduce, (n-1)/n for all_gather and reduce_scatter, 1 for "
+                                   "broadcast) and a memory copy of the largest size on one rank.")
+    p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--ops", default=None,
+                   help="comma-separated, of all_reduce, all_gather, reduce_scatter, broadcast (default: all)")
+    p.add_argument("--sizes", default=None, help="comma-separated message sizes, e.g. 1K,64K,1M,64M "
+                                                 "(default 1 KB to 64 MB, x4 each step)")
+    p.add_argument("--quick", action="store_true", help="four sizes and short timings")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    p.set_defaults(func=cmd_bandwidth)
+
+    p = sub.add_parser("troubleshoot", help="planted faults: see a hang, a crash, a NaN, an OOM, then the fix",
+                       description="Runs a small training with one fault planted and prints the symptom, the "
+                                   "diagnosis and the fix.")
+    p.add_argument("name", nargs="?", help="the scenario to run (see --list)")
+    p.add_argument("--list", action="store_true", help="list the scenarios")
+    p.set_defaults(func=cmd_troubleshoot)
+
     p = sub.add_parser("doctor", help="what this machine has for distributed training")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_doctor)
@@ -463,6 +624,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the checks' random inputs (default: fresh each run; failures print it)")
     p.set_defaults(func=cmd_grade)
+
+    p = sub.add_parser("quiz", help="exam-style questions with explanations; a timed mock exam",
+                       description="Ask questions in the terminal, say at once whether each answer is right and "
+                                   "why, and record the score (see 'gpucourse progress'). Topics: "
+                                   "distributed-setups, parallelism, memory-batch, profiling-troubleshooting.")
+    p.add_argument("--topic", default=None, help="one topic (default: all)")
+    p.add_argument("--count", type=int, default=None, help="questions to ask (default 10; 40 with --exam)")
+    p.add_argument("--seed", type=int, default=None, help="draw the same questions again")
+    p.add_argument("--exam", action="store_true",
+                   help="a mock exam across all topics, timed (90 s a question), marked at the end")
+    p.add_argument("--export", metavar="FILE",
+                   help="write the whole bank (or --topic's questions) as JSON, with answers and explanations")
+    p.set_defaults(func=cmd_quiz)
+
+    p = sub.add_parser("progress", help="exercises passed and quiz scores so far",
+                       description="Read the progress file (~/.gpucourse/progress.json, or $GPUCOURSE_PROGRESS) "
+                                   "that 'gpucourse grade' and the quizzes write.")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--reset", action="store_true", help="forget all progress (removes the file)")
+    p.set_defaults(func=cmd_progress)
     return parser
 
 

@@ -166,6 +166,14 @@ class Recorder:
             rec["start_s"], rec["end_s"] = start, end
         self.spans.append(rec)
 
+    def totals(self, since: int = 0) -> dict[str, float]:
+        """Seconds per span kind over the spans recorded since index ``since`` (whole steps left out)."""
+        out: dict[str, float] = {}
+        for s in self.spans[since:]:
+            if s["kind"] != "step" and "end_s" in s:
+                out[s["kind"]] = out.get(s["kind"], 0.0) + s["end_s"] - s["start_s"]
+        return out
+
     def count_comm(self, op: str, nbytes: int, bus_bytes: int) -> None:
         """Count one collective call of ``op``: its payload and the bytes this rank sends for it."""
         totals = self.comm.setdefault((self.step, op), [0, 0, 0])

@@ -194,6 +194,10 @@ def summarize(result, peak_flops: float | None = None, baseline=None, n_params: 
     notes = []
     if not shares:
         notes.append("no timeline was recorded (record=False / --no-record), so no time shares.")
+    if cfg.get("profile"):
+        wait, warmup, active = _schedule(steps)
+        notes.append(f"steps {wait}-{wait + warmup + active - 1} ran under torch.profiler, which slows them "
+                     f"a little; compare throughput with a run without --profile.")
     achieved = 6 * n * result.tokens_per_s
     mfu = None
     if peak_flops:
@@ -232,8 +236,11 @@ def format_summary(summary: dict, peak_name: str | None = None) -> str:
 
     ``peak_name`` says where the peak came from (e.g. ``"h100 bf16"``).
     """
-    lines = [f"time per step, steps {summary['steps_analysed'][0]}-{summary['steps_analysed'][-1]} "
-             f"(compute = forward+backward+optimizer; communication = collectives not hidden behind compute):"]
+    lines = []
+    if summary["ranks"]:
+        lines.append(f"time per step, steps {summary['steps_analysed'][0]}-{summary['steps_analysed'][-1]} "
+                     f"(compute = forward+backward+optimizer; communication = collectives not hidden behind "
+                     f"compute):")
     for rank, s in sorted(summary["ranks"].items(), key=lambda kv: int(kv[0])):
         lines.append(f"  rank {rank}: compute {s['compute']:6.1%}  communication {s['comm']:6.1%}  "
                      f"idle {s['idle']:6.1%}   of {1e3 * s['wall_s'] / len(summary['steps_analysed']):.1f} ms")
@@ -243,7 +250,7 @@ def format_summary(summary: dict, peak_name: str | None = None) -> str:
                  f"{_si(summary['achieved_flops'], 'FLOP/s')} achieved")
     if summary["mfu"] is not None:
         source = f" ({peak_name})" if peak_name else ""
-        lines.append(f"MFU             {summary['mfu']:.2%} of {summary['world_size']} x "
+        lines.append(f"MFU             {100 * summary['mfu']:.3g}% of {summary['world_size']} x "
                      f"{_si(summary['peak_flops'], 'FLOP/s')}{source}")
     if summary["scaling_efficiency"] is not None:
         lines.append(f"scaling         {summary['scaling_efficiency']:.1%} efficiency: "

@@ -60,6 +60,7 @@ def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dic
         checkpoint.inject_fault(ctx.rank, step)
         rec.step = step - start_step  # what a RunResult counts from: its losses[0] is step start_step
         x, y = data.rank_batch(step, cfg.batch_size, cfg.seq_len, cfg.seed, dp_rank, cfg.dp)
+        first_span = len(rec.spans)
         start = time.perf_counter()
         with rec.span("step"):
             loss = trainer.step(x.to(ctx.device), y.to(ctx.device))
@@ -70,6 +71,8 @@ def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dic
         losses.append(value)
         if value is not None:
             report({"kind": "step", "step": step, "steps": cfg.steps, "loss": value, "time_s": step_times[-1]})
+        if cfg.record:  # what this rank did during the step, for a live view
+            report({"kind": "activity", "step": step, "time_s": step_times[-1], "busy_s": rec.totals(first_span)})
         if cfg.save and (step + 1 == cfg.steps or cfg.save_every and (step + 1) % cfg.save_every == 0):
             checkpoint.save(trainer, mesh, cfg, step + 1, rec)
     comm.set_recorder(None)  # gathering the weights for export is not training traffic
@@ -116,8 +119,9 @@ def run(config: TrainConfig, *, timeout: float | None = None, export_weights: st
     ``on_step`` is called in this process with ``{step, steps, loss, time_s}``
     after each step (the global mean loss). ``export_weights`` saves the trained
     model as one single-device ``state_dict`` file, whatever the layout.
-    ``live=True`` draws the loss and each rank's activity in the notebook while
-    it trains, then the finished run (see :class:`gpucourse.viz.LiveView`).
+    ``live=True`` draws the loss and step time in the notebook while it trains
+    (each rank's activity too, from ranks that report it), then the finished
+    run with each rank's time by kind of span (see :class:`gpucourse.viz.LiveView`).
     """
     config.validate()
     plan = plan_device(config.device, int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))

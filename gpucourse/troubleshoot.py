@@ -44,7 +44,7 @@ from .runtime.collective_status import waiting_in
 from .runtime.launcher import plan_device, visible_gpus
 
 WORLD = 2
-HANG_TIMEOUT_S = 5      # the desync scenario's launch timeout: short, so the hang is over quickly
+HANG_TIMEOUT_S = 6      # the desync scenario's launch timeout: short, so the hang is over quickly
 RUN_TIMEOUT_S = 60      # any other scenario (they end by themselves in seconds)
 FAULT_STEP = 2          # the step at which a fault is planted
 CPU_BUDGET_MB = 16      # the oom scenario's memory per rank, on CPU ranks
@@ -128,8 +128,8 @@ def _plant(fault: str, step: int, rank: int, model: torch.nn.Module, local_batch
             dict(model.named_parameters())["ln_f.weight"][0] = float("inf")
 
 
-def scenario_rank(fault: str, cfg_dict: dict, budget_bytes: int | None = None) -> dict:
-    """Train ``cfg_dict`` on this rank with ``fault`` planted; return the final loss and memory."""
+def _trainer(cfg: TrainConfig, budget_bytes: int | None = None):
+    """This rank's model and trainer for ``cfg``, as ``train`` builds them; and a batch function."""
     from . import data
     from .measure import Recorder
     from .model import build_model
@@ -137,24 +137,34 @@ def scenario_rank(fault: str, cfg_dict: dict, budget_bytes: int | None = None) -
     from .train import build_mesh
 
     ctx = current()
-    report({"kind": "pid", "pid": os.getpid()})
-    cfg = TrainConfig.from_dict(cfg_dict)
     if budget_bytes and ctx.device.type == "cuda":
         # A real limit: the caching allocator refuses to go past this share of the GPU.
         total = torch.cuda.get_device_properties(ctx.device).total_memory
         torch.cuda.set_per_process_memory_fraction(budget_bytes / total, ctx.device)
-    rec = Recorder(ctx.rank, ctx.device)
+    rec = Recorder(ctx.rank, ctx.device, enabled=cfg.record)
     mesh = build_mesh(cfg, ctx.device)
     dp_rank = mesh["dp"].get_local_rank()
     model = build_model(cfg.model_config(), cfg.seed).to(ctx.device)
     trainer = parallelize(model, mesh, cfg, rec, ctx.device)
     rec.activations.exclude(trainer.model.parameters())
+
+    def batch(step):
+        x, y = data.rank_batch(step, cfg.batch_size, cfg.seq_len, cfg.seed, dp_rank, cfg.dp)
+        return x.to(ctx.device), y.to(ctx.device)
+    return model, trainer, batch
+
+
+def scenario_rank(fault: str, cfg_dict: dict, budget_bytes: int | None = None) -> dict:
+    """Train ``cfg_dict`` on this rank with ``fault`` planted; return the final loss and memory."""
+    ctx = current()
+    report({"kind": "pid", "pid": os.getpid()})
+    cfg = TrainConfig.from_dict(cfg_dict)
+    model, trainer, batch = _trainer(cfg, budget_bytes)
     loss = None
     for step in range(cfg.steps):
-        rec.step = step
-        x, y = data.rank_batch(step, cfg.batch_size, cfg.seq_len, cfg.seed, dp_rank, cfg.dp)
+        x, y = batch(step)
         _plant(fault, step, ctx.rank, model, x.shape[0])
-        loss = trainer.step(x.to(ctx.device), y.to(ctx.device)).item()
+        loss = trainer.step(x, y).item()
         check_finite(loss, step, ctx.rank, model)
         if budget_bytes and ctx.device.type == "cpu":
             check_budget(trainer.memory, budget_bytes, step, ctx.rank)
@@ -237,7 +247,7 @@ def _symptom(error: BaseException | None) -> str:
 
 
 def _desync() -> dict:
-    _, error, pids = _launch("desync", _config(), timeout=HANG_TIMEOUT_S)
+    _, error, pids = _launch("desync", _config(), timeout=HANG_TIMEOUT_S, device="cpu")
     lines = []
     if isinstance(error, LaunchTimeout):
         lines.append(diagnose_hang(error.waiting))
@@ -245,13 +255,19 @@ def _desync() -> dict:
         "The launcher killed both ranks when its timeout passed; without one they would wait for the process "
         "group's timeout (10 minutes by default) and then fail with an unhelpful 'timed out' from gloo or NCCL.",
         f"Here rank 0 entered a barrier at step {FAULT_STEP} that rank 1 never calls: rank 1 went on to the "
-        "next step's gradient all-reduce. Every rank must make the same collectives, in the same order."],
+        "next step's gradient all-reduce. Every rank must make the same collectives, in the same order.",
+        "(This scenario runs on gloo CPU ranks everywhere, where it always hangs. On NCCL a barrier is itself an "
+        "all-reduce of one value, so the same bug can also pair the wrong calls and corrupt data silently.)"],
         "fix": [
             "Make the collective unconditional: every rank calls it, whatever its rank or data. Here the barrier "
             "belongs outside `if rank == 0:` (rank 0 saves, then all ranks wait).",
             "Look for collectives inside `if rank == ...`, inside loops whose length differs between ranks "
             "(uneven data), and after an early `return` or `continue` on some ranks."],
-        "see_also": [_doctor_hint("TORCH_DISTRIBUTED_DEBUG"), _doctor_hint("The timeout=")]}
+        "see_also": [_doctor_hint("TORCH_DISTRIBUTED_DEBUG"), _doctor_hint("The timeout="),
+                     _doctor_hint("NCCL_DEBUG"),
+                     "On NCCL, TORCH_NCCL_DESYNC_DEBUG=1 makes the watchdog say, when a collective times out, "
+                     "which rank never joined it (and TORCH_NCCL_TRACE_BUFFER_SIZE=2000 keeps a record of each "
+                     "rank's last collectives, the 'flight recorder')."]}
 
 
 def diagnose_hang(waiting: dict) -> str:
@@ -294,18 +310,26 @@ _FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPr
 
 
 def _shape_mismatch() -> dict:
-    _, error, pids = _launch("shape-mismatch", _config())
+    # gloo may abort or hang on this bug: the short timeout bounds the hang.
+    _, error, pids = _launch("shape-mismatch", _config(), timeout=HANG_TIMEOUT_S, device="cpu")
     with _environment(TORCH_DISTRIBUTED_DEBUG="DETAIL"):
-        _, checked, more = _launch("shape-mismatch", _config())
+        _, checked, more = _launch("shape-mismatch", _config(), timeout=RUN_TIMEOUT_S, device="cpu")
     pids += more
     diagnosis = []
-    if isinstance(error, WorkerError) and error.exc_type == "ProcessExit":
+    if isinstance(error, LaunchTimeout):
+        diagnosis.append("A hang: gloo let the rank with the smaller tensor finish its all-reduce (it received "
+                         "the bytes it expected) and go on, while the other still waits for the rest of its "
+                         "bytes.")
+        diagnosis.append("Compare the ranks' lines above: one collective number appears with a different shape "
+                         "on each rank (one rank still waits in it, the other finished it). NCCL does not check "
+                         "sizes either: there the same bug hangs, or silently reduces the wrong bytes.")
+    elif isinstance(error, WorkerError) and error.exc_type == "ProcessExit":
         diagnosis.append(f"gloo noticed the sizes differ and aborted the process of rank {error.rank} "
                          "(\"Received data size doesn't match expected size\" in the rank's output above); the "
                          "launcher names the collective it was in. NCCL does not check sizes at all: there the "
                          "same bug hangs, or silently reduces the wrong bytes.")
-    elif error is not None:
-        diagnosis.append(f"The collective failed on rank {error.rank if isinstance(error, WorkerError) else '?'}.")
+    elif isinstance(error, WorkerError):
+        diagnosis.append(f"The collective failed on rank {error.rank}: {error.exc_type}.")
     else:
         diagnosis.append("This time gloo did not notice: the ranks reduced buffers of different sizes.")
     symptom2 = _symptom(checked)
@@ -457,7 +481,7 @@ def format_report(found: dict) -> str:
     lines = block("symptom (what you see):", [found["symptom"]])
     lines += block("diagnosis:", found["diagnosis"]) + block("fix:", found["fix"])
     if found["see_also"]:
-        lines += block("debugging switches that help here (gpucourse doctor):", found["see_also"])
+        lines += block("debugging switches that help here (see also gpucourse doctor):", found["see_also"])
     gone = len(found["pids"]) - len(found["left_behind"])
     lines.append(f"(finished in {found['elapsed_s']:.1f} s; {gone} of {len(found['pids'])} rank processes gone"
                  + (f"; STILL RUNNING: {found['left_behind']}" if found["left_behind"] else "") + ")")
@@ -467,21 +491,41 @@ def format_report(found: dict) -> str:
 # --- what the collective status tracking costs -----------------------------------------
 
 
-def _untracked_train(cfg_dict: dict) -> dict:
+def _overhead_rank(cfg_dict: dict, rounds: int, block: int) -> dict:
+    """Step times of one training, switching tracking off and on every ``block`` steps."""
     from .runtime import collective_status
-    from .train import train_worker
 
-    collective_status.uninstall()
-    return train_worker(cfg_dict)
+    cfg = TrainConfig.from_dict(cfg_dict)
+    _, trainer, batch = _trainer(cfg)
+    times = {"tracked": [], "untracked": []}
+    step = 0
+    for _ in range(3):  # warm-up steps, in neither list
+        trainer.step(*batch(step)).item()
+        step += 1
+    for r in range(rounds):
+        for mode in (("tracked", "untracked") if r % 2 == 0 else ("untracked", "tracked")):
+            before = collective_status.calls()
+            with collective_status.paused() if mode == "untracked" else contextlib.nullcontext():
+                for _ in range(block):
+                    x, y = batch(step)
+                    start = time.perf_counter()
+                    trainer.step(x, y).item()
+                    times[mode].append(time.perf_counter() - start)
+                    step += 1
+            if mode == "tracked":
+                calls = (collective_status.calls() - before) / block
+    return {"times": times, "calls_per_step": calls, "per_call_s": _per_call_cost()}
 
 
 def _per_call_cost(calls: int = 20000) -> float:
-    """Seconds the tracking adds to one collective call (a wrapped no-op, timed in this rank)."""
+    """Seconds the tracking adds to one collective call (a wrapped no-op against a bare one)."""
     from .runtime import collective_status
 
+    def bare(*args, **kwargs):
+        return None
+
     tensor = torch.ones(64, 64)
-    wrapped = collective_status._wrap("all_reduce", lambda *a, **k: None)
-    bare = lambda *a, **k: None  # noqa: E731
+    wrapped = collective_status._wrap("all_reduce", bare)
     best = []
     for fn in (wrapped, bare):
         runs = []
@@ -494,32 +538,26 @@ def _per_call_cost(calls: int = 20000) -> float:
     return best[0] - best[1]
 
 
-def tracking_overhead(reps: int = 3, steps: int = 30):
+def tracking_overhead(rounds: int = 10, block: int = 5):
     """Benchmark figure: step time of dp=2 from-scratch training with collective status tracking over without.
 
-    The scratch strategy makes one all-reduce per parameter tensor (dozens of
-    small ones per step), the worst case for a per-call cost. Runs alternate
-    (tracked, untracked, untracked, tracked...) and each side's median step time
-    after warm-up is used. Returns a :class:`gpucourse.bench.Reading`; its
-    detail also gives the per-call cost and the estimate cost x calls / step time.
+    The scratch strategy makes one all-reduce per parameter tensor (65 small
+    ones per step for the tiny model), the worst case for a per-call cost. One
+    run switches the tracking off and on every ``block`` steps (on, off, off,
+    on...), so a machine that gets busier slows both sides alike; each side's
+    median step time is used. Returns a :class:`gpucourse.bench.Reading` whose
+    detail also has the per-call cost and the estimate cost x calls / step time.
     """
-    from .bench import Reading, interleave
-    from .measure import merge
-    from .train import train_worker
+    from .bench import Reading
 
-    cfg = TrainConfig(dp=2, steps=steps, record=False)
-
-    def side(fn):
-        def go():
-            outputs = launch(fn, cfg.to_dict(), world_size=2, timeout=600, quiet=True)
-            return merge(cfg.to_dict(), outputs, "cpu", "gloo")
-        return go
-
-    runs = interleave({"tracked": side(train_worker), "untracked": side(_untracked_train)}, reps)
-    med = {k: statistics.median(t for r in v for t in r.step_times_s[3:]) for k, v in runs.items()}
-    result = runs["tracked"][0]
-    calls = sum(c["calls"] for c in result.comm if c["step"] >= 0 and c["rank"] == 0) / steps
-    per_call = launch(_per_call_cost, world_size=1, timeout=120, quiet=True)[0]
+    cfg = TrainConfig(dp=2, record=False)
+    outputs = launch(_overhead_rank, cfg.to_dict(), rounds, block, world_size=2, timeout=600, quiet=True)
+    # A step ends when the slower rank's does: compare the slower rank's times.
+    med = {mode: statistics.median(max(o["times"][mode][i] for o in outputs)
+                                   for i in range(len(outputs[0]["times"][mode])))
+           for mode in ("tracked", "untracked")}
+    calls = outputs[0]["calls_per_step"]
+    per_call = max(o["per_call_s"] for o in outputs)
     estimate = per_call * calls / med["untracked"]
     value = med["tracked"] / med["untracked"]
     return Reading(value, {"step_s": med, "calls_per_step": calls, "per_call_s": per_call,

@@ -229,8 +229,12 @@ def grade_exercise(ex: core.Exercise, path: str, spec: dict) -> dict:
             broke = crash(read_events(events))
             if broke:
                 why = f"the grader could not run this check ({broke}); is --memory-gb too small?"
+            check = ex.by_name(name)
             reasons[name] = (why or "the exercise process ended in the middle of this check without an "
-                                    "error (os._exit(0)?)") + who_finished(ex.by_name(name), read_events(events))
+                                    "error (os._exit(0)?)") + who_finished(check, read_events(events))
+            if why and why.startswith("this check did not finish") and (check.world_size or 1) > 1:
+                reasons[name] += (" — a hang: a blocking send or receive whose partner never comes, a collective "
+                                  "that not every rank reached, or an endless loop")
     result = finalize(compile_exercise(ex, [read_events(a) for a in attempts], reasons,
                                        not_run=f"not run: the exercise had used up its {timeout:g} s"))
     result.update(seed=spec["seed"], time_s=round(time.monotonic() - start, 3), output=_head_and_tail(out_path))

@@ -156,7 +156,7 @@ def describe_exception(exc_type: str, message: str, traceback_text: str, path: s
     if exc_type == "SystemExit":
         return f"the code called sys.exit({message}){where}; a function under test must return instead"
     if exc_type == "MemoryError" or "can't allocate memory" in message or "Cannot allocate memory" in message:
-        return f"ran out of memory: the grader lets an exercise use a few GiB at most{where}"
+        return f"ran out of memory under the grader's limit (gpucourse grade --memory-gb){where}"
     if "File too large" in message:
         return f"printed more output than the grader keeps{where}"
     return f"{exc_type}: {message.strip()}{where}"

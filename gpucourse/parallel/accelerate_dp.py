@@ -26,6 +26,7 @@ import torch.distributed as dist
 from ..config import ConfigError
 from ..measure import optimizer_state_bytes, tensor_bytes
 from ..model import loss_fn
+from .precision import Precision
 from .single import Trainer, make_optimizer
 
 
@@ -52,6 +53,7 @@ class AccelerateTrainer(Trainer):
         optimizer = make_optimizer(model.parameters(), cfg.lr)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.grad_sync = None
+        self.precision = Precision()  # fp32: Accelerate's own mixed precision is not used here
         self.memory = {}
         self.extras = {"accelerate": {"distributed_type": str(self.accelerator.distributed_type),
                                       "num_processes": self.accelerator.num_processes}}

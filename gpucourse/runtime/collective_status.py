@@ -100,7 +100,7 @@ def _group(group) -> str:
     if key not in _group_names:
         try:
             _group_names[key] = f"group {dist.get_process_group_ranks(group)}"
-        except Exception:  # a group this rank is not part of
+        except (ValueError, RuntimeError):  # a group this rank is not part of
             _group_names[key] = "a subgroup"
     return _group_names[key]
 

@@ -18,6 +18,7 @@ what a teaching runtime needs:
 from __future__ import annotations
 
 import contextlib
+import gc
 import glob
 import json
 import logging
@@ -165,6 +166,12 @@ def _after_fork_in_child() -> None:
     if _forking_ranks:
         _forking_ranks = False
         worker.plain_std_streams()
+        # Garbage the parent had not collected yet (the store and agent of an
+        # earlier launch, kept in a cycle by its exception) must not be collected
+        # here: their C++ destructors join threads that do not exist in the child,
+        # and the rank aborts ("std::system_error: Invalid argument"). Freezing keeps
+        # the copies alive; they cost nothing, and the rank's own garbage is still collected.
+        gc.freeze()
 
 
 if hasattr(os, "register_at_fork"):

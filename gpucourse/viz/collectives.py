@@ -112,7 +112,7 @@ def simulate_collective(op: str, world_size: int, algorithm: str = "ring", data=
     states, contributors, transfers, phases = [_copy(state)], [_copy(who)], [], []
     for phase, sends, add in plan:
         moved = [(src, dst, c, state[src][c], set(who[src][c])) for src, dst, c in sends]
-        for src, dst, c, value, origin in moved:  # every rank sends before any receives
+        for _, dst, c, value, origin in moved:  # every rank sends before any receives
             if add:
                 state[dst][c] += value
                 who[dst][c] |= origin

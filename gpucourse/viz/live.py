@@ -5,7 +5,7 @@
 to a list (it runs in the launcher's message thread, between steps); a drawing
 thread redraws at most every ``interval_s`` seconds and only when something
 new arrived, so fast steps are not slowed by drawing. Each redraw replaces
-one output in place through an IPython display handle (plotly's FigureWidget
+one notebook output in place (:class:`NotebookSink`; plotly's FigureWidget
 would need anywidget). When the run ends the live figure is replaced by a final
 static one built from the RunResult.
 
@@ -27,28 +27,55 @@ MIME = "application/vnd.plotly.v1+json"
 ACTIVITY_KINDS = ("forward", "backward", "comm", "optimizer", "idle")
 
 
+class NotebookSink:
+    """One notebook output that each bundle replaces: an ipywidgets Output while training, the final figure after.
+
+    Why not a display handle alone: JupyterLab hands an updated output to its
+    existing renderer when the mimetype is unchanged, and plotly's renderer
+    ignores a second figure. Replacing the Output widget's outputs makes a new
+    renderer each time; the final figure then replaces the widget itself, so
+    the notebook keeps one plain plotly output (also where no widget manager runs).
+    """
+
+    def __init__(self):
+        from IPython.display import display
+        from ipywidgets import Output
+
+        self._out = Output()
+        self._out.outputs = ({"output_type": "stream", "name": "stdout",
+                              "text": "gpucourse: waiting for the first step…\n"},)
+        self._handle = display(self._out, display_id=True)
+
+    def __call__(self, bundle: dict) -> None:
+        self._out.outputs = ({"output_type": "display_data", "data": bundle, "metadata": {}},)
+
+    def finish(self, bundle: dict) -> None:
+        self._handle.update(bundle, raw=True)
+        self._out.close()
+
+
 def notebook_sink():
-    """A function that shows a plotly JSON bundle in one notebook output, replacing it each time; None outside a kernel."""
+    """Where a live view draws: a :class:`NotebookSink` inside a Jupyter kernel, None anywhere else."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython else None
     if shell is None or getattr(shell, "kernel", None) is None:
         return None
-    from IPython.display import display
-
-    handle = display({"text/plain": "gpucourse: waiting for the first step…"}, raw=True, display_id=True)
-    return lambda bundle: handle.update(bundle, raw=True)
+    return NotebookSink()
 
 
 class LiveView:
     """Collects step reports from a run and keeps one notebook figure up to date with them.
 
     - ``config``: the TrainConfig (or its dict) being trained, for the axes and title.
-    - ``interval_s``: the least time between two redraws (at most ~2 per second).
-    - ``sink``: where bundles go; ``"auto"`` is the notebook (or nowhere outside one).
+    - ``interval_s``: the time between two redraws, when something new arrived. The
+      default, 0.75 s, keeps the figure under a second old and the browser's work
+      small: each redraw is a new plot there (about 1.3 per second).
+    - ``sink``: a function each MIME bundle is given to (its ``finish`` method, if
+      it has one, gets the final figure); ``"auto"`` is the notebook, or nowhere outside one.
     - ``on_step``: another step callback to call too (e.g. a progress bar).
     """
 
-    def __init__(self, config, *, interval_s: float = 0.5, sink="auto", on_step=None):
+    def __init__(self, config, *, interval_s: float = 0.75, sink="auto", on_step=None):
         self.config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         self.interval_s = interval_s
         self.steps: list[dict] = []
@@ -119,8 +146,9 @@ class LiveView:
         self._stop_drawing()
         fig = final_figure(result)
         if self._sink is not None:
-            self._sink({MIME: json.loads(fig.to_json()) | {"config": PLOTLY_CONFIG},
-                        "text/plain": f"gpucourse: {run_label(result)}, final loss {result.losses[-1]:.4f}"})
+            show = getattr(self._sink, "finish", self._sink)
+            show({MIME: json.loads(fig.to_json()) | {"config": PLOTLY_CONFIG},
+                  "text/plain": f"gpucourse: {run_label(result)}, final loss {result.losses[-1]:.4f}"})
         return fig
 
 
@@ -203,7 +231,7 @@ def final_figure(result):
     return fig
 
 
-def live_view_overhead(reps: int = 3, steps: int = 20, interval_s: float = 0.5):
+def live_view_overhead(reps: int = 3, steps: int = 20, interval_s: float = 0.75):
     """Step time with the live view on over off, for ``gpucourse bench`` (target <= 1.03); a ``bench.Reading``.
 
     Both sides train the bench's layout (tiny GPT, 2 data-parallel ranks, 16

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 from .style import (PALETTE, byte_unit, human_bytes, load_json, load_result, rank_label, run_label, series_color,
                     step_ticks)
 
@@ -70,11 +68,8 @@ def compare(results, labels=None, title: str | None = None):
 
 
 def _is_estimate(value) -> bool:
-    if value is None or hasattr(value, "losses"):
-        return False
-    if isinstance(value, dict):
-        return "losses" not in value
-    return False
+    """A plain ``{category: bytes}`` or ``{rank: {...}}``, not a RunResult's dict."""
+    return isinstance(value, dict) and "losses" not in value
 
 
 def _per_rank(memory: dict, ranks=None) -> dict[str, dict]:
@@ -89,14 +84,16 @@ def memory(measured=None, predicted=None, title: str | None = None):
 
     ``measured``: a RunResult or JSON path (its ``memory``). ``predicted``: an
     estimate, ``{category: bytes}`` (the same on every rank) or
-    ``{rank: {category: bytes}}``; drawn beside the measured bar of each rank.
+    ``{rank: {category: bytes}}`` (or a JSON file of one); drawn hatched beside
+    the measured bar of each rank.
     Either alone works: ``memory(estimate)`` draws the estimate. A category whose
     name contains ``peak`` (the device's own peak) is a marker, not a block.
     """
     import plotly.graph_objects as go
 
+    measured, predicted = load_json(measured), load_json(predicted)  # a path holds a RunResult or an estimate
     if predicted is None and _is_estimate(measured):
-        measured, predicted = None, load_json(measured) if isinstance(measured, (str, os.PathLike)) else measured
+        measured, predicted = None, measured
     if measured is None and predicted is None:
         raise ValueError("give a run's result, an estimate, or both.")
     columns: dict[str, dict] = {}
@@ -109,7 +106,7 @@ def memory(measured=None, predicted=None, title: str | None = None):
         name = run_label(r)
     if predicted is not None:
         columns["predicted"] = _per_rank(predicted, list(columns["measured"]) if columns else None)
-    ranks = sorted({k for c in columns.values() for k in c}, key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0, k))
+    ranks = sorted({k for c in columns.values() for k in c}, key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0))
     cats = sorted({c for col in columns.values() for rank in col.values() for c in rank if "peak" not in c},
                   key=lambda c: (MEMORY_ORDER.index(c) if c in MEMORY_ORDER else len(MEMORY_ORDER), c))
     largest = max(sum(v for c, v in rank.items() if "peak" not in c) for col in columns.values()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..core import Exercise, Fail, ForbiddenCall, describe_mismatch, replaced_dist
 
@@ -67,7 +68,9 @@ def _check_sum(ctx, shape, dtype=torch.float32, key="") -> None:
     "A ring all-reduce is two phases of n-1 steps: a reduce-scatter, after which each rank holds the "
     "complete sum of one chunk, then an all-gather, in which the finished chunks travel round the ring "
     "until every rank has them all. At each step a rank sends to rank+1 and receives from rank-1; work "
-    "out on paper which chunk each rank sends at step k of each phase."))
+    "out on paper which chunk each rank sends at step k of each phase. A send blocks until its receiver "
+    "receives, so if every rank sends first, nobody receives: start the send with dist.isend, receive, then "
+    "wait for the send."))
 def sums_two_ranks(ctx):
     _check_sum(ctx, (24,), key="flat")
     _check_sum(ctx, (4, 6), key="2d")
@@ -100,6 +103,29 @@ def three_ranks_odd(ctx):
         _check_sum(ctx, shape, key=shape)
 
 
+@EXERCISE.check("each rank sends 2(n-1)/n of the tensor (3 ranks)", points=1, world_size=3, hint=(
+    "The ring is bandwidth-optimal: each of its 2(n-1) steps sends one chunk, 1/n of the tensor, so a rank "
+    "sends 2(n-1)/n of it in all, whatever n is. Sending the whole tensor to every other rank, or gathering "
+    "everything on one rank and sending it back out, gets the sum too but moves far more bytes."))
+def bytes_sent(ctx):
+    sent = []
+    originals = {name: getattr(dist, name) for name in ("send", "isend")}
+
+    def counting(name):
+        def call(tensor, *args, **kwargs):
+            sent.append(tensor.numel() * tensor.element_size())
+            return originals[name](tensor, *args, **kwargs)
+        return call
+
+    with replaced_dist({name: counting(name) for name in originals}):
+        _check_sum(ctx, (3000,), key="bytes")
+    n, size = ctx.world_size, 3000 * 4
+    ring = 2 * (n - 1) * size // n
+    if sum(sent) > ring:
+        raise Fail(f"rank {ctx.rank} sent {sum(sent)} bytes in {len(sent)} messages for a tensor of {size} bytes "
+                   f"on {n} ranks; the ring sends {ring}")
+
+
 @EXERCISE.check("one rank", points=1, world_size=1, hint=(
     "With one rank there is nobody to talk to: both phases have zero steps, and the sum is a copy of "
     "the tensor. Check that your loops and your rank+1 / rank-1 arithmetic (modulo n) allow that."))
@@ -107,9 +133,3 @@ def one_rank(ctx):
     _check_sum(ctx, (5,), key="one")
 
 
-@EXERCISE.check("large tensors do not deadlock", points=1, world_size=2, hint=(
-    "A blocking send of a large tensor waits until its receiver is receiving. If every rank first sends "
-    "to its right and only then receives from its left, all of them wait in send forever. Start the send "
-    "without waiting (dist.isend), receive, then wait for the send."))
-def large(ctx):
-    _check_sum(ctx, (1 << 18,), key="large")

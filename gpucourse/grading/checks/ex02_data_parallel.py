@@ -162,7 +162,7 @@ def skips_none(ctx):
         if getattr(model, name).grad is not None:
             raise Fail(f"rank {ctx.rank}: {name} had no gradient, but has one after average_gradients")
     for n, p in _trainable(model):
-        problem = describe_mismatch(f"rank {ctx.rank}: {n}.grad", p.grad, sum(g[n] for g in grads) / 3)
+        problem = describe_mismatch(f"rank {ctx.rank}: {n}.grad", p.grad, sum(g[n] for g in grads) / ctx.world_size)
         if problem:
             raise Fail(problem)
 

@@ -1,0 +1,203 @@
+"""Your progress through the course: exercises passed and quiz scores, kept in one local file.
+
+The file is ``~/.gpucourse/progress.json``, or the path in the environment
+variable ``GPUCOURSE_PROGRESS``. The grader calls :func:`record_exercise`
+after each exercise; the quizzes call :func:`record_quiz`; ``gpucourse
+progress`` prints :func:`format_summary`.
+
+Two notebooks may record at the same moment. Each change is therefore a
+read-modify-write done while holding an exclusive lock (``fcntl.flock`` on
+``progress.json.lock`` next to the file), and the new content replaces the old
+in one rename (:func:`gpucourse.measure.write_atomic`): no record is lost, and
+a crash mid-write leaves the previous file whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from datetime import datetime
+from pathlib import Path
+
+ENV_VAR = "GPUCOURSE_PROGRESS"
+FORMAT = 1
+
+
+class ProgressError(ValueError):
+    """The progress file cannot be read; the message says which file and how to start afresh."""
+
+
+def progress_path() -> Path:
+    """Where progress is kept: ``$GPUCOURSE_PROGRESS``, else ``~/.gpucourse/progress.json``."""
+    return Path(os.environ.get(ENV_VAR) or Path.home() / ".gpucourse" / "progress.json").expanduser()
+
+
+def _empty() -> dict:
+    return {"format": FORMAT, "exercises": {}, "quizzes": []}
+
+
+def _read(path: Path) -> dict:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return _empty()
+    try:
+        data = json.loads(text)
+        if not (isinstance(data, dict) and isinstance(data.get("exercises"), dict)
+                and isinstance(data.get("quizzes"), list)):
+            raise ValueError("not a progress record")
+    except ValueError as e:
+        raise ProgressError(f"the progress file {path} is not valid ({e}); fix it, or start afresh with "
+                            f"'gpucourse progress --reset'.") from None
+    return data
+
+
+@contextlib.contextmanager
+def _locked():
+    """Hold the progress lock; yield the path (the file itself is read and written by the caller)."""
+    path = progress_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield path
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+@contextlib.contextmanager
+def _update():
+    """Read the record under the lock, let the caller change it, write it back atomically."""
+    from .measure import write_atomic
+
+    with _locked() as path:
+        data = _read(path)
+        yield data
+        write_atomic(path, json.dumps(data, indent=1) + "\n")
+
+
+def _now() -> str:
+    return datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def load() -> dict:
+    """The raw record: ``{"format", "exercises": {name: {...}}, "quizzes": [{...}, ...]}``."""
+    return _read(progress_path())
+
+
+def record_exercise(name: str, score: float, max_score: float) -> dict:
+    """Record one graded attempt at exercise ``name``; return its entry.
+
+    The entry keeps the latest score, the best, the number of attempts, and
+    when it was first passed (score equal to ``max_score``).
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError("an exercise needs a name.")
+    if not 0 <= score <= max_score:
+        raise ValueError(f"score {score} must be from 0 to max_score {max_score}.")
+    with _update() as data:
+        e = data["exercises"].setdefault(name, {"attempts": 0, "best": 0, "first_passed": None})
+        e.update(score=score, max_score=max_score, last=_now(), attempts=e["attempts"] + 1,
+                 best=max(e["best"], score) if e.get("max_score", max_score) == max_score else score)
+        e["passed"] = e["best"] >= max_score
+        if e["passed"] and not e["first_passed"]:
+            e["first_passed"] = e["last"]
+        return dict(e)
+
+
+def record_quiz(topic: str, correct: int, total: int, by_topic: dict | None = None) -> dict:
+    """Record one finished quiz: ``correct`` of ``total``; return its entry.
+
+    ``topic`` is a quiz topic, ``"mixed"`` or ``"mock-exam"``. A quiz across
+    topics passes ``by_topic={topic: [correct, total], ...}`` so that the summary
+    can tell which topic needs work.
+    """
+    if not isinstance(topic, str) or not topic:
+        raise ValueError("a quiz needs a topic (a quiz topic, 'mixed' or 'mock-exam').")
+    if not (isinstance(total, int) and total >= 1 and isinstance(correct, int) and 0 <= correct <= total):
+        raise ValueError(f"correct={correct} of total={total}: total must be at least 1 and correct from 0 to it.")
+    parts = {topic: [correct, total]} if by_topic is None else {t: list(ct) for t, ct in by_topic.items()}
+    if sum(c for c, _ in parts.values()) != correct or sum(n for _, n in parts.values()) != total:
+        raise ValueError(f"by_topic {by_topic} does not add up to {correct} of {total}.")
+    entry = {"topic": topic, "correct": correct, "total": total, "time": _now(), "by_topic": parts}
+    with _update() as data:
+        data["quizzes"].append(entry)
+    return entry
+
+
+def reset() -> bool:
+    """Forget all progress (remove the file); True if there was any."""
+    with _locked() as path:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+
+def summary() -> dict:
+    """Progress in a few numbers (JSON-ready).
+
+    ``{"file", "exercises": {name: {score, max_score, best, attempts, passed,
+    first_passed, last}}, "exercises_passed", "exercises_tried", "quizzes":
+    {topic label: {attempts, correct, total, score, best, last}}, "topics":
+    {quiz topic: {correct, total, score}} over every question answered,
+    "questions_answered", "questions_correct"}``.
+    """
+    data = load()
+    quizzes, topics = {}, {}
+    for q in data["quizzes"]:
+        s = quizzes.setdefault(q["topic"], {"attempts": 0, "correct": 0, "total": 0, "best": 0.0})
+        s["attempts"] += 1
+        s["correct"] += q["correct"]
+        s["total"] += q["total"]
+        s["best"] = max(s["best"], q["correct"] / q["total"])
+        s["last"] = q["correct"] / q["total"]
+        for t, (c, n) in q.get("by_topic", {q["topic"]: [q["correct"], q["total"]]}).items():
+            tt = topics.setdefault(t, {"correct": 0, "total": 0})
+            tt["correct"] += c
+            tt["total"] += n
+    for s in list(quizzes.values()) + list(topics.values()):
+        s["score"] = s["correct"] / s["total"]
+    return {"file": str(progress_path()), "exercises": data["exercises"],
+            "exercises_passed": sum(bool(e.get("passed")) for e in data["exercises"].values()),
+            "exercises_tried": len(data["exercises"]), "quizzes": quizzes, "topics": topics,
+            "questions_answered": sum(t["total"] for t in topics.values()),
+            "questions_correct": sum(t["correct"] for t in topics.values())}
+
+
+def format_summary(s: dict | None = None) -> str:
+    """:func:`summary` as a few readable lines."""
+    from .quiz.bank import TOPICS
+
+    s = summary() if s is None else s
+    lines = [f"progress ({s['file']})"]
+    if not s["exercises"] and not s["quizzes"]:
+        return "\n".join(lines + ["  nothing recorded yet: run 'gpucourse grade' or 'gpucourse quiz'."])
+    lines.append(f"exercises: {s['exercises_passed']} of {s['exercises_tried']} tried passed" if s["exercises"]
+                 else "exercises: none graded yet ('gpucourse grade')")
+    width = max((len(n) for n in s["exercises"]), default=0)
+    for name, e in sorted(s["exercises"].items()):
+        mark = "passed" if e["passed"] else f"best {e['best']:g}/{e['max_score']:g}"
+        lines.append(f"  {name:<{width}}  {e['score']:g}/{e['max_score']:g}  {mark}, "
+                     f"{e['attempts']} attempt{'s' * (e['attempts'] != 1)}")
+    if s["quizzes"]:
+        taken = sum(q["attempts"] for q in s["quizzes"].values())
+        lines.append(f"quizzes: {taken} taken, {s['questions_correct']}/{s['questions_answered']} questions right")
+        width = max(len(t) for t in list(s["quizzes"]) + list(s["topics"]))
+        for label, q in sorted(s["quizzes"].items()):
+            lines.append(f"  {label:<{width}}  {q['attempts']:>3}×  last {100 * q['last']:5.1f}%  "
+                         f"best {100 * q['best']:5.1f}%")
+        lines.append("by topic, over every question answered:")
+        for t in [t for t in TOPICS if t in s["topics"]] + sorted(set(s["topics"]) - set(TOPICS)):
+            v = s["topics"][t]
+            lines.append(f"  {t:<{width}}  {v['correct']:>3}/{v['total']:<3}  {100 * v['score']:5.1f}%")
+        weakest = min((t for t in s["topics"] if t in TOPICS), key=lambda t: s["topics"][t]["score"], default=None)
+        untried = [t for t in TOPICS if t not in s["topics"]]
+        if untried:
+            lines.append("not tried yet: " + ", ".join(untried))
+        elif weakest is not None and s["topics"][weakest]["score"] < 1:
+            lines.append(f"weakest: {weakest} — 'gpucourse quiz --topic {weakest}'")
+    return "\n".join(lines)

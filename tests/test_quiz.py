@@ -1,0 +1,376 @@
+"""The question bank is well formed and right: every numeric answer is recomputed here, with the course's
+own functions where it has them; grading, the mock exam's marking, the export and the terminal quiz work."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+
+from gpucourse import cli, progress, quiz
+from gpucourse.bandwidth import bus_factor
+from gpucourse.comm import RING_FACTOR
+from gpucourse.config import TrainConfig
+from gpucourse.gpus import get_gpu
+from gpucourse.memory import estimate_params, with_microbatch
+from gpucourse.parallel import schedules
+from gpucourse.parallel.precision import DynamicLossScaler
+from gpucourse.profiling import time_shares
+from gpucourse.quiz import bank as bank_module
+from procs import clean_env
+
+BANK = quiz.load_bank()
+BY_ID = {q["id"]: q for q in BANK}
+
+
+@pytest.fixture(autouse=True)
+def progress_file(tmp_path, monkeypatch):
+    """Every test records into its own progress file, never the learner's."""
+    path = tmp_path / "progress.json"
+    monkeypatch.setenv(progress.ENV_VAR, str(path))
+    return path
+
+
+# --- the numeric answers, recomputed ------------------------------------------------------------------
+
+def model_state_gb(n: float, dp: int = 1, zero: int = 0) -> float:
+    """Weights + gradients + optimizer, mixed precision with fp32 master weights, in 10^9 bytes."""
+    return sum(estimate_params(int(n), dp, zero, "bf16", True, scratch_padding=False).values()) / 1e9
+
+
+def bubble(schedule: str, pp: int, m: int) -> float:
+    """The simulated bubble (forward 1, backward 2), which must equal the textbook formula."""
+    sim = schedules.simulate(schedules.build(schedule, pp, m), pp, m)
+    assert sim.bubble_fraction == pytest.approx(schedules.formula_bubble(schedule, pp, m))
+    return sim.bubble_fraction
+
+
+def scale_after(scale: float, overflow: bool, steps: int = 1) -> float:
+    scaler = DynamicLossScaler(init_scale=scale)
+    for _ in range(steps):
+        scaler.update(overflow)
+    return scaler.scale
+
+
+def exposed_comm_ms() -> float:
+    """The profiling question's step laid out as spans: compute 0-150 ms, communication 90-170 ms."""
+    spans = [{"rank": 0, "step": 0, "kind": "step", "start_s": 0.0, "end_s": 0.2},
+             {"rank": 0, "step": 0, "kind": "forward", "start_s": 0.0, "end_s": 0.15},
+             {"rank": 0, "step": 0, "kind": "comm", "start_s": 0.09, "end_s": 0.17}]
+    return time_shares(spans)[0]["comm_s"] * 1e3
+
+
+def accum_steps(global_batch: int, micro: int, dp: int) -> int:
+    steps = global_batch // (micro * dp)
+    assert with_microbatch(TrainConfig(dp=dp, grad_accum=steps), micro).batch_size == global_batch
+    return steps
+
+
+def dp_degree(gpus: int, tp: int, pp: int) -> int:
+    dp = gpus // (tp * pp)
+    assert TrainConfig(dp=dp, tp=tp, pp=pp).world_size == gpus
+    return dp
+
+
+MEGATRON_SUBLAYERS = 2            # attention and MLP, each one column → row region
+ALLREDUCES_PER_REGION = 1 + 1     # g in forward, f in backward
+
+NUMERIC = {
+    "setup-ring-allreduce-bytes": lambda: RING_FACTOR["all_reduce"](8) * 1.0,
+    "setup-allgather-bytes": lambda: RING_FACTOR["all_gather"](4) * 400,
+    "setup-busbw": lambda: 100 * bus_factor("all_reduce", 8),
+    "setup-world-size": lambda: 4 * 8,
+    "setup-global-rank": lambda: 2 * 8 + 3,
+    "par-dp-comm-bytes": lambda: RING_FACTOR["all_reduce"](8) * 1e9 * 4 / 1e9,
+    "par-zero-mem-1": lambda: model_state_gb(10e9, 32, 1),
+    "par-zero-mem-2": lambda: model_state_gb(10e9, 32, 2),
+    "par-zero-mem-3": lambda: model_state_gb(10e9, 32, 3),
+    "par-bubble-gpipe": lambda: bubble("gpipe", 4, 12),
+    "par-bubble-1f1b": lambda: bubble("1f1b", 8, 8),
+    "par-bubble-naive": lambda: bubble("naive", 4, 1),
+    "par-1f1b-inflight": lambda: schedules.simulate(schedules.build("1f1b", 4, 16), 4, 16).peak_in_flight[0],
+    "par-tp-allreduces": lambda: MEGATRON_SUBLAYERS * ALLREDUCES_PER_REGION,
+    "par-tp-payload": lambda: 8 * 2048 * 4096 * torch.empty(0, dtype=torch.bfloat16).element_size() / 2**20,
+    "par-3d-dp": lambda: dp_degree(64, 8, 2),
+    "mem-bytes-mixed": lambda: sum(estimate_params(1, 1, 0, "bf16", True).values()),
+    "mem-bytes-fp32": lambda: sum(estimate_params(1).values()),
+    "mem-model-states-7b": lambda: model_state_gb(7e9),
+    "mem-adam-states": lambda: estimate_params(1)["optimizer"],
+    "mem-scaler-backoff": lambda: scale_after(65536, overflow=True),
+    "mem-scaler-growth": lambda: scale_after(32768, overflow=False, steps=200),
+    "mem-ckpt-flops": lambda: (2 + 4 + 2) / (2 + 4),
+    "mem-ckpt-input": lambda: 8 * 1024 * 4096 * torch.empty(0, dtype=torch.bfloat16).element_size() / 2**20,
+    "mem-accum-steps": lambda: accum_steps(512, 4, 16),
+    "mem-tokens-per-step": lambda: 2 * 16 * 32 * 4096,
+    "prof-mfu": lambda: 6 * 7e9 * 1e5 / (8 * get_gpu("h100").peak_flops("bf16")),
+    "prof-tflops-per-gpu": lambda: 6 * 13e9 * 2.5e5 / 64 / 1e12,
+    "prof-scaling-efficiency": lambda: (68_000 / 8) / (10_000 / 1),
+    "prof-profile-shares": exposed_comm_ms,
+}
+
+
+def test_every_numeric_question_has_a_recomputation():
+    numeric = {q["id"] for q in BANK if q["kind"] == "numeric"}
+    assert numeric == set(NUMERIC), "add a recomputation to NUMERIC for each numeric question (and only those)"
+
+
+@pytest.mark.parametrize("qid", sorted(NUMERIC))
+def test_numeric_answer_is_recomputed(qid):
+    q = BY_ID[qid]
+    value = NUMERIC[qid]()
+    assert abs(value - q["answer"]) <= q["tolerance"] + 1e-9 * abs(value), (qid, value, q["answer"])
+    assert quiz.grade(q, value)[0], "the exact value must be graded right"
+    # The tolerance forgives rounding, not a different answer.
+    assert q["tolerance"] <= 0.01 * abs(q["answer"])
+
+
+def test_choice_facts_hold():
+    fp16 = BY_ID["mem-fp16-overflow"]
+    assert fp16["choices"][fp16["answer"]] == str(torch.tensor(70000.0).half().item())
+    heads = BY_ID["par-tp-heads"]
+    assert [c for c in heads["choices"] if 12 % int(c)] == [heads["choices"][heads["answer"]]]
+
+
+# --- the bank is well formed --------------------------------------------------------------------------
+
+def test_bank_size_and_topics():
+    assert len(BANK) >= 80
+    per_topic = Counter(q["topic"] for q in BANK)
+    assert set(per_topic) == set(quiz.TOPICS)
+    assert min(per_topic.values()) >= 15, per_topic
+    assert set(Counter(q["kind"] for q in BANK)) == {"single", "multiple", "numeric"}
+
+
+def test_ids_are_unique():
+    ids = [q["id"] for q in BANK]
+    assert len(ids) == len(set(ids))
+
+
+@pytest.mark.parametrize("q", BANK, ids=lambda q: q["id"])
+def test_question_is_well_formed(q):
+    assert q["topic"] in quiz.TOPICS and q["notebook"] in quiz.NOTEBOOKS
+    assert q["question"].strip() and len(q["explanation"]) >= 60 and "answer" in q
+    if q["kind"] == "numeric":
+        assert "choices" not in q and q["tolerance"] >= 0
+        return
+    n = len(q["choices"])
+    assert n >= 2 and len(set(q["choices"])) == n
+    right = [q["answer"]] if q["kind"] == "single" else q["answer"]
+    assert right and all(isinstance(i, int) and 0 <= i < n for i in right)
+    assert quiz.grade(q, q["answer"])[0]
+    wrong = next(i for i in range(n) if i not in right)
+    assert not quiz.grade(q, wrong if q["kind"] == "single" else [wrong])[0]
+
+
+def test_right_answers_are_spread_over_positions():
+    """A learner must not be able to score by always picking the same letter."""
+    positions = Counter(q["answer"] for q in BANK if q["kind"] == "single")
+    assert max(positions.values()) <= 0.4 * sum(positions.values()), positions
+
+
+def test_a_malformed_question_is_refused():
+    good = dict(BY_ID["setup-nvlink"])
+    for change, words in [({"answer": 9}, "does not index"), ({"notebook": "99_x"}, "notebook"),
+                          ({"topic": "cooking"}, "topic"), ({"explanation": ""}, "explanation")]:
+        with pytest.raises(quiz.BankError, match=words):
+            bank_module._check({**good, **change})
+
+
+# --- drawing and grading ------------------------------------------------------------------------------
+
+def test_ask_is_reproducible_and_filters_by_topic():
+    assert [q["id"] for q in quiz.ask(count=5, seed=3)] == [q["id"] for q in quiz.ask(count=5, seed=3)]
+    qs = quiz.ask("memory-batch", count=1000, seed=0)
+    assert len(qs) == sum(q["topic"] == "memory-batch" for q in BANK)
+    assert {q["topic"] for q in qs} == {"memory-batch"}
+    qs[0]["answer"] = "changed"
+    assert all(q["answer"] != "changed" for q in quiz.load_bank())  # callers get copies
+    with pytest.raises(ValueError, match="no topic"):
+        quiz.ask("cooking")
+    with pytest.raises(ValueError, match="at least 1"):
+        quiz.ask(count=0)
+
+
+def test_grade_reads_typed_answers():
+    single, multiple, numeric = BY_ID["setup-nvlink"], BY_ID["par-fsdp-true"], BY_ID["par-bubble-gpipe"]
+    assert quiz.grade(single, "abcd"[single["answer"]].upper())[0]
+    assert quiz.grade(multiple, "a, b c")[0] and quiz.grade(multiple, "cba")[0]
+    assert not quiz.grade(multiple, "ab")[0]  # one right answer missing
+    for text in ("0.2", "20%", "3/15", " 0.2 "):
+        assert quiz.grade(numeric, text)[0], text
+    ok, why = quiz.grade(numeric, 0.25)
+    assert not ok and why.startswith("Not quite: the answer is 0.2") and "(p−1)/(m+p−1)" in why
+    assert quiz.grade(numeric, None)[1].startswith("No answer")
+    assert quiz.grade(single, "z")[1].startswith("Could not read")
+    assert not quiz.grade(single, True)[0]  # a bool is not a choice index
+    with pytest.raises(ValueError, match="single letter"):
+        quiz.parse_response(single, "ab")
+
+
+# --- the mock exam ------------------------------------------------------------------------------------
+
+def test_mock_exam_spans_topics_in_proportion():
+    exam = quiz.mock_exam(40, seed=5)
+    assert len(exam) == 40 and len({q["id"] for q in exam}) == 40
+    assert exam.time_limit_s == 40 * quiz.SECONDS_PER_QUESTION == 3600
+    sizes = Counter(q["topic"] for q in BANK)
+    for topic, n in Counter(q["topic"] for q in exam).items():
+        assert abs(n - 40 * sizes[topic] / len(BANK)) < 1
+    assert {q["topic"] for q in quiz.mock_exam(4, seed=0)} == set(quiz.TOPICS)
+    assert [q["id"] for q in exam] == [q["id"] for q in quiz.mock_exam(40, seed=5)]
+    with pytest.raises(ValueError):
+        quiz.mock_exam(len(BANK) + 1)
+
+
+def test_score_exam_all_right():
+    exam = quiz.mock_exam(40, seed=1)
+    result = quiz.score_exam(exam, [q["answer"] for q in exam])
+    assert (result["correct"], result["total"], result["percent"], result["wrong"]) == (40, 40, 100.0, [])
+    assert all(t["score"] == 1 for t in result["by_topic"].values())
+    assert result["timing"]["over_time"] is False and "under the 60 min limit" in result["timing"]["verdict"]
+
+
+def test_score_exam_lists_the_wrong_ones():
+    exam = quiz.mock_exam(40, seed=2)
+    answers = [q["answer"] for q in exam]
+    wrong_at = [0, 7, 19]
+    for i in wrong_at:
+        q = exam[i]
+        answers[i] = None if q["kind"] == "numeric" else ([] if q["kind"] == "multiple" else
+                                                          (q["answer"] + 1) % len(q["choices"]))
+    result = quiz.score_exam(exam.questions, answers, started=1000.0, finished=1000.0 + 3700,
+                             time_limit_s=3600)
+    assert (result["correct"], result["score"], result["percent"]) == (37, 37 / 40, 92.5)
+    assert [w["id"] for w in result["wrong"]] == [exam[i]["id"] for i in wrong_at]
+    assert all(w["explanation"] == BY_ID[w["id"]]["explanation"] and w["notebook"] == BY_ID[w["id"]]["notebook"]
+               for w in result["wrong"])
+    assert result["revisit"] == sorted({exam[i]["notebook"] for i in wrong_at})
+    missed = Counter(exam[i]["topic"] for i in wrong_at)
+    for topic, t in result["by_topic"].items():
+        assert t["total"] - t["correct"] == missed.get(topic, 0)
+    assert result["timing"]["over_time"] is True
+    assert result["timing"]["verdict"] == "took 61 min 40 s: over the 60 min limit by 1 min 40 s"
+    by_id = quiz.score_exam(exam.questions, {q["id"]: a for q, a in zip(exam, answers)})
+    assert by_id["correct"] == 37 and by_id["timing"] is None
+    report = quiz.format_report(result)
+    assert "score: 37/40 (92.5%)" in report and exam[7]["explanation"] in report
+
+
+# --- export and the terminal ----------------------------------------------------------------------------
+
+def test_export_writes_the_bank_atomically(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "bank.json"
+    assert cli.main(["quiz", "--export", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["questions"] == BANK
+    assert all({"question", "answer", "explanation", "topic", "notebook"} <= set(q) for q in data["questions"])
+    assert f"{len(BANK)} questions written" in capsys.readouterr().out
+
+    def fail(*a):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError):
+        quiz.export_bank(out, "parallelism")
+    assert json.loads(out.read_text()) == data  # the old file is whole
+    assert os.listdir(tmp_path) == ["bank.json"]  # no temporary file left behind
+
+
+def test_bad_topic_is_one_sentence_and_status_2(capsys):
+    assert cli.main(["quiz", "--topic", "cooking"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--topic 'cooking' is not one of" in err[0] and "parallelism" in err[0]
+    assert cli.main(["quiz", "--count", "0"]) == 2
+
+
+def typed_answer(q: dict) -> str:
+    """What a learner who knows the answer types."""
+    if q["kind"] == "numeric":
+        return repr(q["answer"])
+    right = [q["answer"]] if q["kind"] == "single" else q["answer"]
+    return ",".join("abcdefgh"[i] for i in right)
+
+
+def test_terminal_quiz_with_piped_answers(tmp_path, progress_file):
+    qs = quiz.ask(count=2, seed=0)
+    typed = ["zzz"] + [typed_answer(q) for q in qs]  # unreadable first: asked again
+    run = subprocess.run([sys.executable, "-m", "gpucourse", "quiz", "--count", "2", "--seed", "0"],
+                         check=False, input="\n".join(typed) + "\n", capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                         env=clean_env(GPUCOURSE_PROGRESS=str(progress_file)))
+    assert run.returncode == 0, run.stderr
+    assert "score: 2/2 (100%)" in run.stdout and run.stdout.count("✓ Correct.") == 2
+    assert "answer with" in run.stdout  # the unreadable answer was refused
+    assert qs[0]["question"][:40] in run.stdout
+    saved = progress.load()["quizzes"]
+    assert [(e["topic"], e["correct"], e["total"]) for e in saved] == [("mixed", 2, 2)]
+
+
+def test_terminal_exam_hands_in_early(monkeypatch, capsys, progress_file):
+    answers = iter(["a"])
+
+    def fake_input(prompt=""):
+        try:
+            return next(answers)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    assert cli.main(["quiz", "--exam", "--count", "4", "--seed", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "handed in early" in out and "/4 (" in out and "time: took" in out
+    entry = progress.load()["quizzes"][0]
+    assert entry["topic"] == "mock-exam" and entry["total"] == 4 and set(entry["by_topic"]) == set(quiz.TOPICS)
+
+
+# --- the notebook widgets -------------------------------------------------------------------------------
+
+def _answer_widget(card):
+    return card.children[1]
+
+
+def test_quiz_widget_checks_and_records():
+    pytest.importorskip("ipywidgets")
+    box = quiz.quiz("parallelism", count=3, seed=4)
+    cards, score = box.children[:-1], box.children[-1]
+    qs = quiz.ask("parallelism", 3, 4)
+    for i, (card, q) in enumerate(zip(cards, qs)):
+        widget, button, feedback = card.children[1], card.children[2], card.children[3]
+        button.click()
+        assert "answer first" in feedback.value and not button.disabled
+        right = i < 2  # the last one is answered wrongly
+        if q["kind"] == "single":
+            widget.value = q["answer"] if right else (q["answer"] + 1) % len(q["choices"])
+        elif q["kind"] == "multiple":
+            for j, b in enumerate(widget.children):
+                b.value = (j in q["answer"]) == right
+        else:
+            widget.value = str(q["answer"] if right else q["answer"] * 2 + 1)
+        button.click()
+        assert button.disabled and ("✓" in feedback.value) == right
+    assert "score: 2/3" in score.value
+    [entry] = progress.load()["quizzes"]
+    assert (entry["topic"], entry["correct"], entry["total"]) == ("parallelism", 2, 3)
+
+
+def test_exam_widget_marks_on_hand_in():
+    pytest.importorskip("ipywidgets")
+    box = quiz.exam(count=4, seed=9)
+    hand_in, report = box.children[-2], box.children[-1]
+    sheet = quiz.mock_exam(4, seed=9)
+    for card, q in zip(box.children[1:-2], sheet):
+        widget = _answer_widget(card)
+        if q["kind"] == "single":
+            widget.value = q["answer"]
+        elif q["kind"] == "multiple":
+            for j, b in enumerate(widget.children):
+                b.value = j in q["answer"]
+        else:
+            widget.value = str(q["answer"])
+    hand_in.click()
+    assert "score: 4/4 (100%)" in report.value and hand_in.disabled
+    assert progress.load()["quizzes"][0]["topic"] == "mock-exam"
