@@ -321,6 +321,14 @@ def checkpointing_activation_ratio() -> Reading:
                    f"{sizes[True] / 1e6:.2f} MB with checkpointing, {sizes[False] / 1e6:.2f} MB without")
 
 
+@figure("allreduce_busbw_vs_copy", quick=dict(reps=2), full=dict(reps=5))
+def allreduce_busbw_vs_copy(reps: int) -> Reading:
+    """All-reduce bus bandwidth at 64 MB on 2 ranks over a same-size memory copy: the ceiling on one host."""
+    from .bandwidth import allreduce_busbw_vs_copy as measure_busbw
+
+    return measure_busbw(reps=reps)
+
+
 @figure("live_view_overhead", target="<= 1.03", quick=dict(reps=3, steps=20), full=dict(reps=8, steps=60))
 def live_view_overhead(reps: int, steps: int) -> Reading:
     """Step time with the notebook's live view on over off."""

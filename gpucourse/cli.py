@@ -660,6 +660,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except LaunchTimeout as e:
         print(f"gpucourse: timeout: {e}", file=sys.stderr)
+        if e.waiting:
+            from .troubleshoot import diagnose_hang
+
+            print(f"gpucourse: diagnosis: {diagnose_hang(e.waiting)}", file=sys.stderr)
         return 124
     except KeyboardInterrupt:
         print("gpucourse: interrupted; every rank was stopped.", file=sys.stderr)

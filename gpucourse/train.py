@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from . import checkpoint, comm, data, profiling
+from . import checkpoint, comm, data, profiling, troubleshoot
 from .config import TrainConfig
 from .measure import Recorder, RunResult, merge, write_atomic
 from .model import build_model
@@ -65,6 +65,8 @@ def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dic
         with rec.span("step"):
             loss = trainer.step(x.to(ctx.device), y.to(ctx.device))
         value = None if loss is None else loss.item()  # .item() waits for the step on CUDA
+        if value is not None:
+            troubleshoot.check_finite(value, step, ctx.rank)  # stop at the first NaN, where it started
         step_times.append(time.perf_counter() - start)
         rec.flush()
         profiling.step()

@@ -127,12 +127,13 @@ def test_train_writes_the_result_and_the_weights(tmp_path):
 
 
 def test_a_failed_run_leaves_no_result_file(tmp_path):
-    # A run far too long for its --timeout: stopped, one line saying so, nothing written.
+    # A run far too long for its --timeout: stopped, one line saying so (then what each rank was in), nothing written.
     proc = gpucourse_cmd("train", "--dp", "2", "--steps", "100000", "--timeout", "1", "--json", "r.json",
                          "--export-weights", "w.pt", cwd=tmp_path, timeout=60)
     assert proc.returncode == 124
-    [line] = [line for line in proc.stderr.splitlines() if line.startswith("gpucourse:")]
+    line, *diagnosis = [line for line in proc.stderr.splitlines() if line.startswith("gpucourse:")]
     assert line.startswith("gpucourse: timeout: ") and "did not finish within 1 s" in line, proc.stderr
+    assert all(d.startswith("gpucourse: diagnosis: ") for d in diagnosis), proc.stderr
     assert list(tmp_path.iterdir()) == []
 
 

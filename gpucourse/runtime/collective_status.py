@@ -48,8 +48,7 @@ OPS = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tens
        "send", "recv", "batch_isend_irecv", "all_gather_object", "broadcast_object_list",
        "gather_object", "scatter_object_list", "send_object_list", "recv_object_list")
 # The peer rank is their second argument: shown as "to rank 1" / "from rank 0".
-_PEER = {"send": ("dst", "to"), "isend": ("dst", "to"), "recv": ("src", "from"), "irecv": ("src", "from"),
-         "broadcast": ("src", "from")}
+_PEER = {"send": ("dst", "to"), "recv": ("src", "from"), "broadcast": ("src", "from")}
 
 SLOT = 200  # bytes of text per slot; longer descriptions are cut
 FIELDS = ("waiting", "finished", "launched")

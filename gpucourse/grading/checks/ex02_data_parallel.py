@@ -97,7 +97,7 @@ def _step_dp(ctx):
     x, y = _batch(ctx)
     model = _model(ctx)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for n, p in _trainable(model):  # gradients left over from an earlier step
+    for _, p in _trainable(model):  # gradients left over from an earlier step
         p.grad = torch.full_like(p, STALE)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     xs, ys = x.clone(), y.clone()
