@@ -1,6 +1,6 @@
 """Exercise 2: data-parallel gradient averaging.
 
-Taught in notebooks/02_data_parallel.ipynb; check your work with
+Taught in notebooks/02_data_parallelism.ipynb; check your work with
 ``from gpucourse import check; check("ex02")`` or ``gpucourse grade ex02``.
 Compare with the reference, gpucourse/parallel/data_parallel.py, once yours passes.
 

@@ -1,6 +1,6 @@
 """Exercise 3: gradient buckets, all-reduced during backward.
 
-Taught in notebooks/03_gradient_buckets.ipynb; check your work with
+Taught in notebooks/02_data_parallelism.ipynb; check your work with
 ``from gpucourse import check; check("ex03")`` or ``gpucourse grade ex03``.
 Compare with the reference, gpucourse/parallel/data_parallel_buckets.py, once yours passes.
 

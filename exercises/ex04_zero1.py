@@ -1,6 +1,6 @@
 """Exercise 4: a ZeRO stage-1 optimizer step.
 
-Taught in notebooks/04_zero.ipynb; check your work with
+Taught in notebooks/03_zero_fsdp.ipynb; check your work with
 ``from gpucourse import check; check("ex04")`` or ``gpucourse grade ex04``.
 Compare with the reference, gpucourse/parallel/zero.py, once yours passes.
 

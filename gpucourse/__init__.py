@@ -9,9 +9,10 @@ from .config import ConfigError, TrainConfig
 from .measure import RunResult
 from .runtime import LaunchError, LaunchTimeout, WorkerError, current, launch, report
 from .train import run
-from . import progress, quiz  # noqa: E402  (quiz's widgets import ipywidgets only when drawn)
+from .grading import check  # noqa: E402  (runs the grader in a subprocess)
+from . import progress, quiz, viz  # noqa: E402  (plotly and ipywidgets load only when something is drawn)
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "LaunchError", "LaunchTimeout", "RunResult", "TrainConfig", "WorkerError", "current",
-           "launch", "progress", "quiz", "report", "run"]
+__all__ = ["check", "ConfigError", "LaunchError", "LaunchTimeout", "RunResult", "TrainConfig", "WorkerError", "current",
+           "launch", "progress", "quiz", "report", "run", "viz"]

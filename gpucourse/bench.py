@@ -329,6 +329,26 @@ def allreduce_busbw_vs_copy(reps: int) -> Reading:
     return measure_busbw(reps=reps)
 
 
+@figure("grade_one_exercise_s", target="< 10", quick=dict(), full=dict())
+def grade_one_exercise_s() -> Reading:
+    """Wall time to grade one distributed exercise (ex01, ring all-reduce, 1–3 CPU ranks)."""
+    from .grading import time_grade_one_exercise
+
+    wall = time_grade_one_exercise(exercise="ex01")
+    return Reading(wall, {"exercise": "ex01"}, f"{wall:.1f} s for ex01")
+
+
+@figure("grade_class_20_s", quick=dict(learners=4), full=dict(learners=20))
+def grade_class_20_s(learners: int) -> Reading:
+    """Wall time to grade a class of 20 copies of solutions/ with --jobs 2 (quick: 4 learners, scaled to 20)."""
+    from .grading import time_grade_class
+
+    wall = time_grade_class(learners=learners, jobs=2)
+    value = wall * 20 / learners
+    return Reading(value, {"learners_graded": learners, "wall_s": wall},
+                   f"{value:.0f} s for 20" + (f" (scaled from {learners} in {wall:.0f} s)" if learners != 20 else ""))
+
+
 @figure("live_view_overhead", target="<= 1.03", quick=dict(reps=3, steps=20), full=dict(reps=8, steps=60))
 def live_view_overhead(reps: int, steps: int) -> Reading:
     """Step time with the notebook's live view on over off."""

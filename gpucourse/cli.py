@@ -428,6 +428,9 @@ def cmd_grade(args) -> int:
         if not names:
             raise UsageError(f"--class {args.class_dir} holds no learner folders (one sub-folder per learner).")
         _check_writable(args.out, "--out")
+        if runner.results_folder(args.out).exists() and not runner.results_folder(args.out).is_dir():
+            raise UsageError(f"{runner.results_folder(args.out)} is a file; the learners' results go in a folder "
+                             f"of that name.")
         print(f"grading {len(names)} learner{'s' * (len(names) > 1)} in {args.class_dir}, {args.jobs} at a time")
 
         def done(name, result):

@@ -1,6 +1,6 @@
 """Exercise 2: data-parallel gradient averaging — solved.
 
-Taught in notebooks/02_data_parallel.ipynb. Every rank holds the same model
+Taught in notebooks/02_data_parallelism.ipynb. Every rank holds the same model
 and the same global batch; each trains on its own contiguous share of the
 batch, and the gradients are averaged so that every rank takes the step the
 single device would take on the whole batch.

@@ -1,6 +1,6 @@
 """Exercise 3: gradient buckets, all-reduced during backward — solved.
 
-Taught in notebooks/03_gradient_buckets.ipynb. Parameters are packed into
+Taught in notebooks/02_data_parallelism.ipynb. Parameters are packed into
 buckets in the order their gradients become ready in backward; each bucket's
 all-reduce starts, asynchronously, the moment its last gradient arrives, while
 autograd goes on with the earlier layers.

@@ -1,6 +1,6 @@
 """Exercise 4: a ZeRO stage-1 optimizer step — solved.
 
-Taught in notebooks/04_zero.ipynb. Each rank keeps Adam's two moments for its
+Taught in notebooks/03_zero_fsdp.ipynb. Each rank keeps Adam's two moments for its
 own shard of the parameters only (1/n of them), updates that shard, and an
 all-gather hands everyone the updated weights.
 """

@@ -56,8 +56,9 @@ def test_checkpointing_saves_activation_memory_and_changes_nothing_else():
                                 dict(dp=2, precision="bf16"), dict(dp=2, zero=2, precision="bf16", master_weights=True),
                                 dict(dp=2, zero=1, precision="fp16")], ids=str)
 def test_half_precision_tracks_fp32(kw):
-    ref = run(TrainConfig(steps=20, seq_len=32), timeout=120, quiet=True)
-    half = run(TrainConfig(steps=20, seq_len=32, **kw), timeout=120, quiet=True)
+    # seq_len 64: at 32 the fp32 run itself spikes at step 6, and fp16 rightly skips overflowing steps there.
+    ref = run(TrainConfig(steps=20), timeout=120, quiet=True)
+    half = run(TrainConfig(steps=20, **kw), timeout=120, quiet=True)
     for a, b in zip(half.losses, ref.losses):
         assert abs(a - b) <= 0.02 * abs(b)
     assert half.extras["precision"]["precision"] == kw["precision"]

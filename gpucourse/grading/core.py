@@ -4,7 +4,7 @@ An exercise is one learner module (``exercises/ex03_gradient_buckets.py``) and
 a checks module of the same name in ``gpucourse/grading/checks/``, which makes
 one ``EXERCISE`` and registers its checks with a decorator::
 
-    EXERCISE = Exercise("ex03_gradient_buckets", "Gradient buckets", "notebooks/03_gradient_buckets.ipynb")
+    EXERCISE = Exercise("ex03_gradient_buckets", "Gradient buckets", "notebooks/02_data_parallelism.ipynb")
 
     @EXERCISE.check("buckets follow gradient-ready order", points=2, hint="...")
     def ready_order(ctx):

@@ -14,11 +14,14 @@ state):
   through ``gpucourse.launch``, and appends one JSON line per event (a check
   started, passed, failed, raised) to the exercise's event file; ranks append
   their own lines, which survive any way a process can end;
-- this process watches the event file: a check that runs longer than the
-  check timeout, or an exercise past its timeout, has its process group
-  killed. If the exercise process ended early (a timeout, os._exit, a crash,
-  the memory limit), the check it was in fails with the reason and a fresh
-  process grades the checks that are left, as long as time is left.
+- this process watches the event file: an exercise process that makes no
+  progress (no check starts or ends on any rank) for the check timeout, a
+  third of the exercise's (at least 10 s), or that runs past the exercise's
+  timeout, has its process group killed. If the exercise process ended early
+  (a hang, os._exit, a crash, the memory limit), the check it was in fails
+  with the reason and a fresh process grades the checks that are left, as long
+  as time is left. Ranks that never got as far as the first check (not the
+  learner's doing: a busy machine) are given one more try.
 
 Results go to the spec's ``result`` file after every exercise (written atomically).
 """
@@ -172,27 +175,33 @@ def _kill_group(pgid: int) -> None:
 
 
 def _watch(pid: int, ex, events: str, deadline: float, check_timeout: float, timeout: float) -> str | None:
-    """Wait for the exercise process; kill its group at a deadline. None if it ended by itself, else why."""
-    current, since = None, time.monotonic()
+    """Wait for the exercise process; kill its group at a deadline. None if it ended by itself, else why.
+
+    Besides the exercise's own deadline, the process must make progress: a new
+    event (a check started or finished on some rank) at least every ``check_timeout``.
+    """
+    seen, since = 0, time.monotonic()
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             _kill_group(pid)  # anything it left behind in its group
             return None if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 else _describe_status(status)
-        now = time.monotonic()
-        running = in_progress(ex, read_events(events))
-        if running != current:
-            current, since = running, now
+        now, log = time.monotonic(), read_events(events)
+        if len(log) != seen:
+            seen, since = len(log), now
         why = None
         if time.time() > deadline + GRACE_S:
             why = f"the exercise ran past its {timeout:g} s"
-        elif current is not None and now - since > check_timeout + GRACE_S:
-            why = f"this check did not finish within {check_timeout:g} s"
+        elif now - since > check_timeout + GRACE_S:
+            why = f"this check did not finish within {check_timeout:g} s" if in_progress(ex, log) else STALLED
         if why:
             _kill_group(pid)
             os.waitpid(pid, 0)
             return why
         time.sleep(0.1)
+
+
+STALLED = "the grader's ranks did not start"
 
 
 def grade_exercise(ex: core.Exercise, path: str, spec: dict) -> dict:
@@ -207,6 +216,7 @@ def grade_exercise(ex: core.Exercise, path: str, spec: dict) -> dict:
     deadline = time.time() + timeout
     attempts: list[str] = []    # one event file per exercise process
     reasons: dict[str, str] = {}  # check -> why the process ended while it ran
+    stalled: set[str] = set()     # checks whose ranks once failed to start
     while True:
         before = compile_exercise(ex, [read_events(a) for a in attempts], reasons)
         todo = [c["name"] for c in before["checks"] if c["status"] == "not run"]
@@ -223,16 +233,22 @@ def grade_exercise(ex: core.Exercise, path: str, spec: dict) -> dict:
             f.write(f"{pid}\n")
         why = _watch(pid, ex, events, deadline, check_timeout, timeout)
         after = compile_exercise(ex, [read_events(a) for a in attempts], reasons)
-        if why or sum(c["status"] != "not run" for c in after["checks"]) == len(ex.checks) - len(todo):
+        still = [c["name"] for c in after["checks"] if c["status"] == "not run"]
+        if why == STALLED and still[0] not in stalled:
+            stalled.add(still[0])  # not the learner's doing (a busy machine?): once more
+            continue
+        if why or len(still) == len(todo):
             # It ended inside a check, or before deciding any: that check fails with the reason.
-            name = in_progress(ex, read_events(events), todo) or todo[0]
+            name = in_progress(ex, read_events(events), still) or still[0]
             broke = crash(read_events(events))
             if broke:
                 why = f"the grader could not run this check ({broke}); is --memory-gb too small?"
             check = ex.by_name(name)
             reasons[name] = (why or "the exercise process ended in the middle of this check without an "
                                     "error (os._exit(0)?)") + who_finished(check, read_events(events))
-            if why and why.startswith("this check did not finish") and (check.world_size or 1) > 1:
+            if why == STALLED:
+                reasons[name] += f" within {check_timeout:g} s, twice (a busy machine? try a longer --timeout)"
+            elif why and why.startswith("this check did not finish") and (check.world_size or 1) > 1:
                 reasons[name] += (" — a hang: a blocking send or receive whose partner never comes, a collective "
                                   "that not every rank reached, or an endless loop")
     result = finalize(compile_exercise(ex, [read_events(a) for a in attempts], reasons,

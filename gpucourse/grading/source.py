@@ -60,9 +60,14 @@ def find_reference_use(tree: ast.AST) -> list[str]:
                     say(node, f"from {'.' * node.level}{base} import ...")
                 continue
             allowed = ALLOWED_NAMES.get(base)
-            bad = [a.name for a in node.names
-                   if (a.name not in allowed if allowed is not None else
-                       _reference(base) or (_reference(f"{base}.{a.name}") and f"{base}.{a.name}" not in ALLOWED_NAMES))]
+
+            def refused(name: str) -> bool:
+                if allowed is not None:
+                    return name not in allowed
+                full = f"{base}.{name}"
+                return bool(_reference(base) or (_reference(full) and full not in ALLOWED_NAMES))
+
+            bad = [a.name for a in node.names if refused(a.name)]
             if bad:
                 say(node, f"from {base} import {', '.join(bad)}")
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..core import Exercise, Fail, describe_mismatch
 
-EXERCISE = Exercise("ex02_data_parallel", "Data-parallel gradient averaging", "notebooks/02_data_parallel.ipynb")
+EXERCISE = Exercise("ex02_data_parallel", "Data-parallel gradient averaging", "notebooks/02_data_parallelism.ipynb")
 
 BATCH, LR = 6, 0.5  # 6 rows: 2 and 3 ranks both divide it
 STALE = 3.0         # the value of the gradients left over from "an earlier step"

@@ -12,7 +12,7 @@ from ...parallel.data_parallel_buckets import assign_buckets as reference_bucket
 from ..core import Exercise, Fail, describe_mismatch, replaced_dist
 
 EXERCISE = Exercise("ex03_gradient_buckets", "Gradient buckets overlapped with backward",
-                    "notebooks/03_gradient_buckets.ipynb")
+                    "notebooks/02_data_parallelism.ipynb")
 
 
 def _model(ctx) -> nn.Sequential:

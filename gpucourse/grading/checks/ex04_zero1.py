@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from ..core import Exercise, Fail, describe_mismatch
 
-EXERCISE = Exercise("ex04_zero1", "ZeRO-1 optimizer step", "notebooks/04_zero.ipynb")
+EXERCISE = Exercise("ex04_zero1", "ZeRO-1 optimizer step", "notebooks/03_zero_fsdp.ipynb")
 
 LR, STEPS = 1e-2, 2
 

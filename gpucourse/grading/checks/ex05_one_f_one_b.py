@@ -8,7 +8,7 @@ from ...parallel import schedules
 from ...parallel.schedules import B, F, Op, ScheduleError
 from ..core import Exercise, Fail
 
-EXERCISE = Exercise("ex05_one_f_one_b", "The 1F1B pipeline schedule", "notebooks/05_pipeline.ipynb")
+EXERCISE = Exercise("ex05_one_f_one_b", "The 1F1B pipeline schedule", "notebooks/04_pipeline_parallelism.ipynb")
 
 
 def _cases(ctx) -> list[tuple[int, int]]:

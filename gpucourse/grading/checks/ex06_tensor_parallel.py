@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..core import Exercise, Fail, describe_mismatch
 
-EXERCISE = Exercise("ex06_tensor_parallel", "Tensor-parallel linear layers", "notebooks/06_tensor_parallel.ipynb")
+EXERCISE = Exercise("ex06_tensor_parallel", "Tensor-parallel linear layers", "notebooks/05_tensor_parallelism.ipynb")
 
 BATCH = 3
 

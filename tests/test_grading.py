@@ -1,0 +1,347 @@
+"""The grader: stubs score 0, solutions full marks, every wrong answer in tests/mutants/ loses the points
+it should (with the check's hint), hostile code becomes failed checks without a hang or a leftover
+process, reference code is refused, and the CLI, the notebook ``check`` and class grading write what
+they say. Distributed checks run on 2-3 gloo ranks; timeouts are generous (the machine may be busy) and
+the assertions are about behaviour, not speed."""
+
+from __future__ import annotations
+
+import ast
+import csv
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from gpucourse import cli, grading
+from gpucourse.grading import report, source
+
+pytestmark = pytest.mark.timeout(600)
+
+REPO = Path(__file__).resolve().parents[1]
+MUTANTS = REPO / "tests" / "mutants"
+EXERCISES = list(grading.exercises().values())
+
+# mutant (folder/file stem) -> (the checks it must fail, exactly; words the intended check's message holds).
+# The intended check is the first one listed.
+WRONG_ANSWERS = {
+    "ex01_ring_allreduce/no_allgather": (["sums over 2 ranks", "keeps bf16 as bf16",
+                                          "3 ranks, lengths not divisible by 3",
+                                          "each rank sends 2(n-1)/n of the tensor (3 ranks)"],
+                                         "differ"),
+    "ex01_ring_allreduce/floor_chunks": (["3 ranks, lengths not divisible by 3"], "only the last"),
+    "ex01_ring_allreduce/in_place": (["leaves its input unchanged"], "was changed"),
+    "ex01_ring_allreduce/uses_all_reduce": ([c.name for c in grading.find_exercise("ex01").checks], "switches off"),
+    "ex02_data_parallel/no_divide": (["average_gradients averages over 2 ranks",
+                                      "one step on 2 ranks equals the single-device step",
+                                      "average_gradients skips parameters without a gradient",
+                                      "one step on 3 ranks equals the single-device step"], "not divided"),
+    "ex02_data_parallel/averages_twice": (["one step on 2 ranks equals the single-device step",
+                                           "one step on 3 ranks equals the single-device step"], "twice"),
+    "ex02_data_parallel/whole_batch": (["each rank trains on its own share of the batch"], "whole global batch"),
+    "ex02_data_parallel/no_zero_grad": (["one step on 2 ranks equals the single-device step",
+                                         "one step on 3 ranks equals the single-device step"], "left over"),
+    "ex03_gradient_buckets/forward_order": (["buckets follow gradient-ready order"], "forward order"),
+    "ex03_gradient_buckets/cap_off_by_one": (["buckets respect the size cap"], "as far as the cap allows"),
+    "ex03_gradient_buckets/sync_in_finish": (["one async all-reduce per bucket, during backward"],
+                                             "after backward"),
+    "ex03_gradient_buckets/no_reset": (["a second step works too"], "no all-reduce"),
+    "ex04_zero1/no_allgather": (["a ZeRO-1 step equals Adam on one device (2 ranks)",
+                                 "Adam's state lives only on this rank's shard", "3 ranks, sizes not divisible by 3"],
+                                "never arrived"),
+    "ex04_zero1/floor_shard": (["shard_bounds cuts a buffer into padded shards",
+                                "a ZeRO-1 step equals Adam on one device (2 ranks)",
+                                "3 ranks, sizes not divisible by 3"], "they cover"),
+    "ex04_zero1/unsharded_state": (["Adam's state lives only on this rank's shard"], "numbers of state"),
+    "ex05_one_f_one_b/warmup_off_by_one": (["stage s warms up with min(pp - s - 1, m) forwards",
+                                            "then one forward, one backward, in turn",
+                                            "stage s holds at most pp - s microbatches"], "warm-up of"),
+    "ex05_one_f_one_b/send_before_recv": (["the schedule is valid and does not deadlock",
+                                           "stage s holds at most pp - s microbatches"], "deadlock"),
+    "ex05_one_f_one_b/naive_bubble": (["bubble_fraction"], "naive"),
+    "ex06_tensor_parallel/row_no_allreduce": (["row-parallel forward", "column then row is the whole MLP (3 ranks)"],
+                                              "never summed"),
+    "ex06_tensor_parallel/column_no_grad_sum": (["column-parallel backward",
+                                                 "column then row is the whole MLP (3 ranks)"], "own part"),
+    "ex06_tensor_parallel/bias_before_sum": (["row-parallel forward", "column then row is the whole MLP (3 ranks)"],
+                                             "before the sum"),
+    "ex06_tensor_parallel/grad_sum_twice": (["row-parallel backward", "column then row is the whole MLP (3 ranks)"],
+                                            "summed over ranks in backward"),
+}
+
+
+def _by_id(result: dict) -> dict[str, dict]:
+    return {e["exercise"]: e for e in result["exercises"]}
+
+
+def _failed(ex_result: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in ex_result["checks"] if c["status"] != "passed"}
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Pids of processes (other than this one) whose environment holds ``marker``."""
+    needle = marker.encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read():
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture
+def marked(monkeypatch):
+    """Tag every process the test starts (through its environment); after it, none may still run."""
+    marker = f"GPUCOURSE_GRADING_TEST={uuid.uuid4().hex}"
+    monkeypatch.setenv(*marker.split("="))
+    yield
+    deadline = time.monotonic() + 10
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_with(marker) == [], "the grader left processes behind"
+
+
+def test_every_exercise_has_a_stub_a_solution_and_ten_points():
+    for ex in EXERCISES:
+        assert (REPO / "exercises" / f"{ex.module}.py").is_file()
+        assert (REPO / "solutions" / f"{ex.module}.py").is_file()
+        assert ex.max_score == 10 and all(c.hint and c.points > 0 for c in ex.checks)
+        doc = ast.get_docstring(ast.parse((REPO / "exercises" / f"{ex.module}.py").read_text()))
+        assert ex.notebook in doc
+
+
+def test_untouched_exercises_score_zero(marked):
+    result = grading.grade(REPO / "exercises")
+    assert [e["exercise"] for e in result["exercises"]] == [ex.id for ex in EXERCISES]
+    for e in result["exercises"]:
+        assert e["score"] == 0, e
+        assert all("not written yet" in c["message"] for c in e["checks"]), e
+    assert "not written yet" in report.text_report(result)
+
+
+def test_solutions_score_full_marks(marked):
+    result = grading.grade(REPO / "solutions")
+    for e in result["exercises"]:
+        assert e["score"] == e["max_score"] == 10, _failed(e)
+    assert result["score"] == result["max_score"] == 10 * len(EXERCISES)
+
+
+@pytest.fixture(scope="module")
+def mutant_results() -> dict[str, dict]:
+    """Every mutant graded, one per exercise in each grading run (so a run covers several at once)."""
+    by_ex = defaultdict(list)
+    for name in WRONG_ANSWERS:
+        by_ex[name[:4]].append(name)
+    results = {}
+    for k in range(max(map(len, by_ex.values()))):
+        files = {ex: str(MUTANTS / f"{names[k]}.py") for ex, names in by_ex.items() if k < len(names)}
+        graded = _by_id(grading.grade(REPO / "solutions", list(files), files=files))
+        for ex, path in files.items():
+            results[f"{Path(path).parent.name}/{Path(path).stem}"] = graded[ex]
+    return results
+
+
+def test_each_exercise_has_at_least_two_wrong_answers():
+    counts = defaultdict(int)
+    for name in WRONG_ANSWERS:
+        counts[name[:4]] += 1
+    assert all(counts[ex.id] >= 2 for ex in EXERCISES), counts
+    assert sorted(str(p.relative_to(MUTANTS))[:-3] for p in MUTANTS.glob("ex*/*.py")) == sorted(WRONG_ANSWERS)
+
+
+@pytest.mark.parametrize("mutant", sorted(WRONG_ANSWERS))
+def test_wrong_answer_loses_points_with_the_intended_hint(mutant_results, mutant):
+    must_fail, words = WRONG_ANSWERS[mutant]
+    result = mutant_results[mutant]
+    failed = _failed(result)
+    assert result["score"] < result["max_score"]
+    assert sorted(failed) == sorted(must_fail), {n: c["message"] for n, c in failed.items()}
+    intended = failed[must_fail[0]]
+    check = next(c for c in grading.find_exercise(mutant[:4]).checks if c.name == must_fail[0])
+    assert intended["hint"] == check.hint
+    assert words in intended["message"], intended["message"]
+    assert check.hint in report.text_report({"folder": "x", "seed": 1, "score": 0, "max_score": 10,
+                                             "exercises": [result]}).replace("\n         ", " ")
+
+
+def test_hostile_code_becomes_failed_checks(marked):
+    """sys.exit, an exception on one rank, os._exit (in a rank and in the exercise process), a hang in a
+    receive, an endless loop, megabytes of output and too much memory: each a failed check with its
+    reason, the other checks and exercises still graded, every exercise within its timeout."""
+    timeout = 30.0
+    files = {"ex01": MUTANTS / "hostile" / "ex01_misbehaves.py", "ex04": MUTANTS / "hostile" / "ex04_memory_hog.py",
+             "ex05": MUTANTS / "hostile" / "ex05_exits_and_loops.py"}
+    result = grading.grade(REPO / "solutions", ["ex01", "ex02", "ex04", "ex05"], timeout=timeout,
+                           files={k: str(v) for k, v in files.items()})
+    by_id = _by_id(result)
+    for e in result["exercises"]:
+        assert e["time_s"] < timeout + 20, (e["exercise"], e["time_s"])
+
+    ring = {c["name"]: c for c in by_id["ex01"]["checks"]}
+    assert "sys.exit(3)" in ring["sums over 2 ranks"]["message"]
+    assert ring["keeps bf16 as bf16"]["message"].startswith("rank 1: ValueError: only rank 1 fails")
+    assert "rank 1: the process" in ring["leaves its input unchanged"]["message"]
+    hang = ring["3 ranks, lengths not divisible by 3"]["message"]
+    assert "did not finish within" in hang and "rank 0 did not" in hang
+    assert ring["one rank"]["status"] == "passed"  # it printed 5 MB first
+    output = by_id["ex01"]["output"]
+    assert len(output) < 20_000 and "bytes of output left out" in output
+
+    assert by_id["ex02"]["score"] == 10  # an exercise between hostile ones is graded as usual
+    assert "ran out of memory" in by_id["ex04"]["checks"][0]["message"]
+    schedule = {c["name"]: c for c in by_id["ex05"]["checks"]}
+    assert "os._exit(0)" in schedule["the schedule is valid and does not deadlock"]["message"]
+    assert "did not finish within" in schedule["bubble_fraction"]["message"]
+
+
+def test_reference_code_is_refused(marked):
+    files = {"ex02": "cheats/ex02_attribute_access", "ex03": "cheats/ex03_imports_reference",
+             "ex05": "cheats/ex05_imports_solution"}
+    result = grading.grade(REPO / "solutions", list(files),
+                           files={k: str(MUTANTS / f"{v}.py") for k, v in files.items()})
+    for e in result["exercises"]:
+        assert e["score"] == 0 and "reference code" in e["error"], e
+        assert all(c["status"] == "failed" for c in e["checks"])
+    refused = _by_id(result)["ex03"]["error"]
+    assert "line 3: from gpucourse.parallel.data_parallel_buckets import assign_buckets" in refused
+    assert "solutions.ex05_one_f_one_b" in _by_id(result)["ex05"]["error"]
+
+
+@pytest.mark.parametrize("code, refused", [
+    ("import torch.distributed as dist", False),
+    ("from gpucourse import comm\nfrom gpucourse.runtime import current", False),
+    ("from gpucourse.parallel.schedules import Op, F, B, validate, simulate", False),
+    ('"""Compare with gpucourse/parallel/zero.py and solutions/."""', False),
+    ("from gpucourse.parallel.schedules import one_f_one_b", True),
+    ("import gpucourse.parallel.schedules", True),
+    ("from gpucourse.parallel import zero", True),
+    ("from gpucourse import parallel", True),
+    ("import gpucourse.grading.checks.ex01_ring_allreduce", True),
+    ("import solutions.ex01_ring_allreduce", True),
+    ("from solutions import ex01_ring_allreduce", True),
+    ("import importlib\nimportlib.import_module('gpucourse.parallel.zero')", True),
+    ("import sys\nsys.path.insert(0, '../solutions')", True),
+    ("import gpucourse\ngpucourse.parallel.zero.ZeroScratch", True),
+])
+def test_source_inspection(code, refused):
+    assert bool(source.find_reference_use(ast.parse(code))) == refused
+
+
+def _make_class(root: Path) -> None:
+    shutil.copytree(REPO / "solutions", root / "alice")
+    shutil.copytree(REPO / "exercises", root / "bob")
+    carol = root / "carol"
+    shutil.copytree(REPO / "solutions", carol)
+    (carol / "ex01_ring_allreduce.py").write_text("def ring_all_reduce(t)\n    return t\n")   # a syntax error
+    (carol / "ex02_data_parallel.py").unlink()                                              # missing
+    shutil.copy(MUTANTS / "cheats" / "ex03_imports_reference.py", carol / "ex03_gradient_buckets.py")
+    shutil.copy(MUTANTS / "ex04_zero1" / "unsharded_state.py", carol / "ex04_zero1.py")     # 8 of 10
+    (carol / "ex06_tensor_parallel.py").rename(carol / "ex06_tp.py")                        # misnamed
+
+
+def test_class_grading_writes_the_csv_and_each_learners_results(tmp_path, marked, capsys):
+    _make_class(tmp_path / "submissions")
+    out = tmp_path / "grades.csv"
+    code = cli.main(["grade", "--class", str(tmp_path / "submissions"), "--out", str(out), "--jobs", "2",
+                     "--timeout", "120"])
+    assert code == 0
+    rows = list(csv.DictReader(out.open()))
+    ids = [ex.id for ex in EXERCISES]
+    assert [r["learner"] for r in rows] == ["alice", "bob", "carol"]
+    assert list(rows[0]) == ["learner", *ids, "total"]
+    scores = {r["learner"]: {k: int(v) for k, v in r.items() if k != "learner"} for r in rows}
+    assert scores["alice"] == {**{i: 10 for i in ids}, "total": 10 * len(ids)}
+    assert scores["bob"] == {**{i: 0 for i in ids}, "total": 0}
+    assert scores["carol"] == {**{i: 0 for i in ids}, "ex04": 8, "ex05": 10, "total": 18}
+
+    results_dir = tmp_path / "grades-results"
+    assert sorted(p.name for p in results_dir.iterdir()) == ["alice.json", "bob.json", "carol.json"]
+    carol = json.loads((results_dir / "carol.json").read_text())
+    assert {"score", "max_score", "execution_time", "tests"} <= set(carol) and carol["score"] == 18
+    outputs = {t["name"]: t["output"] for t in carol["tests"]}
+    assert all({"name", "score", "max_score", "output", "visibility"} <= set(t) for t in carol["tests"])
+    assert "SyntaxError at line 1" in outputs["ex01_ring_allreduce: sums over 2 ranks"]
+    assert "is missing" in outputs["ex02_data_parallel: each rank trains on its own share of the batch"]
+    assert "reference code" in outputs["ex03_gradient_buckets: 3 ranks"]
+    assert "found ex06_tp.py" in outputs["ex06_tensor_parallel: one rank"]
+    assert "carol" in capsys.readouterr().out
+    assert not list(tmp_path.glob("**/.tmp-*")) and not list(tmp_path.glob("submissions/*/__pycache__"))
+
+
+def test_cli_grades_one_exercise_and_writes_gradescope_json(tmp_path, marked, capsys):
+    out = tmp_path / "results.json"
+    assert cli.main(["grade", "ex05", "--path", str(REPO / "solutions"), "--json", str(out), "--seed", "7"]) == 0
+    data = json.loads(out.read_text())
+    assert data["score"] == data["max_score"] == 10 and data["execution_time"] > 0
+    assert [t["name"].split(": ")[0] for t in data["tests"]] == ["ex05_one_f_one_b"] * 5
+    assert all(t["visibility"] == "visible" and t["score"] == t["max_score"] for t in data["tests"])
+    assert "seed 7" in capsys.readouterr().out
+
+
+def test_cli_finds_exercises_here_and_says_what_fails(tmp_path, monkeypatch, marked, capsys):
+    (tmp_path / "exercises").mkdir()
+    shutil.copy(REPO / "exercises" / "ex05_one_f_one_b.py", tmp_path / "exercises")
+    shutil.copy(MUTANTS / "ex05_one_f_one_b" / "naive_bubble.py", tmp_path / "exercises" / "ex05_one_f_one_b.py")
+    (tmp_path / "notebooks").mkdir()
+    monkeypatch.chdir(tmp_path / "notebooks")  # where a notebook runs: exercises/ is beside it
+    assert cli.main(["grade", "5"]) == 1
+    text = capsys.readouterr().out
+    assert str(tmp_path / "exercises") in text and "8/10" in text
+    assert "FAIL bubble_fraction" in text and "hint:" in text
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["grade", "ex99"], "no exercise called 'ex99'"),
+    (["grade", "--class", "."], "--class needs --out"),
+    (["grade", "--out", "g.csv"], "--out and --jobs are for grading a class"),
+    (["grade", "--timeout", "0"], "--timeout 0 must be more than 0"),
+    (["grade", "--class", "/nonexistent", "--out", "g.csv"], "is not a folder"),
+    (["grade", "--path", "/nonexistent"], "is not a folder of exercises"),
+])
+def test_cli_refuses_bad_input(argv, words, capsys):
+    assert cli.main(argv) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_notebook_check_rereads_the_file_and_leaves_the_kernel_alone(tmp_path, monkeypatch, marked, capsys):
+    import torch
+
+    folder = tmp_path / "exercises"
+    folder.mkdir()
+    target = folder / "ex05_one_f_one_b.py"
+    shutil.copy(REPO / "exercises" / target.name, target)
+    monkeypatch.chdir(tmp_path)
+    grading.check("ex05")
+    assert "0/10" in capsys.readouterr().out
+    shutil.copy(REPO / "solutions" / target.name, target)  # the learner edits and saves
+    grading.check("ex05")
+    text = capsys.readouterr().out
+    assert "10/10" in text and "ok   bubble_fraction" in text
+    assert "ex05_one_f_one_b" not in sys.modules and not torch.cuda.is_initialized()
+
+
+def test_notebook_check_shows_html_in_a_kernel(monkeypatch, marked):
+    shown = []
+    import IPython
+    import IPython.display
+
+    monkeypatch.setattr(IPython, "get_ipython", lambda: object())
+    monkeypatch.setattr(IPython.display, "display", shown.append)
+    grading.check("ex05", REPO / "exercises")
+    html = shown[0].data
+    assert "ex05_one_f_one_b" in html and "0 / 10" in html and "hint:" in html and "✘" in html
+
+
+def test_timing_helpers_for_the_benchmarks(marked):
+    assert grading.time_grade_one_exercise("ex05") > 0
