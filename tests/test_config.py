@@ -1,0 +1,69 @@
+"""Bad layouts are refused before any rank starts, in one sentence naming the constraint."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpucourse import ConfigError, TrainConfig
+from gpucourse import cli
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(tp=3), "tp=3 must divide n_head=4"),
+    (dict(pp=5), "pp=5 is more than the 4 blocks"),
+    (dict(pp=2, microbatches=3), "microbatches=3 must divide the batch of each data-parallel rank"),
+    (dict(microbatches=2), "needs pp > 1"),
+    (dict(pp=2, grad_accum=2, microbatches=2), "set grad_accum=1"),
+    (dict(dp=2, zero=3), "zero=3 is not written from scratch"),
+    (dict(dp=2, zero=2, impl="accelerate"), "offers DDP (zero=0) and FSDP (zero=3)"),
+    (dict(tp=2, zero=1, dp=2), "combines only with data parallelism"),
+    (dict(dp=2, tp=2, impl="torch"), "runs with impl='scratch' only"),
+    (dict(pp=2, schedule="naive", microbatches=2, impl="torch"), "no 'naive' schedule"),
+    (dict(pp=4, microbatches=2, impl="torch"), "Schedule1F1B needs microbatches >= pp"),
+    (dict(tp=2, impl="accelerate"), "data parallelism only"),
+    (dict(tp=2, precision="bf16"), "precision=bf16 runs with single, data-parallel and scratch ZeRO"),
+    (dict(master_weights=True), "choose precision bf16 or fp16"),
+    (dict(bucket_mb=1.0), "bucket_mb sets the gradient buckets of plain data parallelism"),
+    (dict(zero=4), "must be a ZeRO stage"),
+    (dict(schedule="zigzag"), "is not one of naive, gpipe, 1f1b"),
+    (dict(seq_len=4096), "is longer than model 'tiny'"),
+], ids=lambda v: str(v) if isinstance(v, dict) else "")
+def test_refused_with_one_sentence(kw, says):
+    with pytest.raises(ConfigError) as info:
+        TrainConfig(**kw).validate()
+    message = str(info.value)
+    assert says in message
+    assert "\n" not in message and message.endswith(".")
+
+
+def test_every_listed_example_is_valid():
+    import shlex
+
+    from gpucourse.config import supported_table
+
+    for row in supported_table():
+        args = cli.build_parser().parse_args(shlex.split(row["example"])[1:])
+        cli._config_from(args).validate()
+
+
+def test_estimates_accept_layouts_this_build_does_not_train():
+    TrainConfig(tp=2, pp=2, dp=2, zero=1, microbatches=2, precision="bf16").validate(runnable=False)
+    with pytest.raises(ConfigError):
+        TrainConfig(tp=2, pp=2, dp=2, zero=1, microbatches=2, precision="bf16").validate()
+
+
+@pytest.mark.parametrize("argv", [["memory", "--tp", "3"], ["plan", "--params", "7e9", "--gpus", "0"],
+                                  ["batch-size", "--budget-gb", "0"], ["memory", "--params", "-5"]])
+def test_memory_commands_refuse_bad_input(argv, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gpucourse: error:")
+
+
+def test_memory_plan_and_batch_size_commands_run(capsys, tmp_path):
+    assert cli.main(["memory", "--dp", "2", "--zero", "2", "--json", str(tmp_path / "m.json")]) == 0
+    assert cli.main(["plan", "--params", "7e9", "--gpus", "8", "--gpu", "a100", "--top", "3"]) == 0
+    assert cli.main(["batch-size", "--dp", "2", "--budget-gb", "0.05"]) == 0
+    out = capsys.readouterr().out
+    assert "largest microbatch" in out and "global batch = microbatch" in out and "layouts fit" in out
+    assert (tmp_path / "m.json").exists()
