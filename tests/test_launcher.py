@@ -320,3 +320,26 @@ def test_launch_from_a_notebook_cell(tmp_path):
     refusal = text.split("REFUSAL ", 1)[1]
     assert "in_a_cell" in refusal and "import it" in refusal and ".py file" in refusal
     assert "[rank" not in text and "Traceback" not in text, "the refusal started ranks"
+
+
+def test_ranks_that_never_finish_starting_are_started_again(tmp_path, monkeypatch, capsys):
+    # Simulate the rare stall of a rank in its first connection: on the first
+    # attempt rank 1 never reports that it joined its group.
+    from gpucourse.runtime import launcher as launcher_module
+    from gpucourse.runtime import worker as worker_module
+
+    marker = tmp_path / "stalled-once"
+    real_note = worker_module._note
+
+    def note(run_dir, name, payload):
+        if name == "ready-1.json" and not marker.exists():
+            marker.write_text("x")
+            time.sleep(600)  # stuck, as a stalled rank is; the launcher kills it
+        real_note(run_dir, name, payload)
+
+    monkeypatch.setattr(worker_module, "_note", note)
+    monkeypatch.setattr(launcher_module, "_startup_s", lambda method, world_size: 3.0)
+    start = time.monotonic()
+    assert [r[0] for r in launch(rankfns.whoami, world_size=2, timeout=60, quiet=True)] == [0, 1]
+    assert time.monotonic() - start < 30
+    assert "starting them again" in capsys.readouterr().out

@@ -30,6 +30,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -138,7 +139,8 @@ def _register_local_rendezvous() -> None:
 
         def next_rendezvous(self) -> RendezvousInfo:
             if not self._store:
-                self._store = TCPStore(self.master_addr, 0, 1, True, self.timeout)
+                # As torch's own c10d rendezvous makes its store: no fixed number of clients.
+                self._store = TCPStore(self.master_addr, 0, is_master=True, timeout=self.timeout, multi_tenant=True)
             return RendezvousInfo(PrefixStore(self.run_id, self._store), 0, 1,
                                   RendezvousStoreInfo(self.master_addr, self._store.port))
 
@@ -219,20 +221,39 @@ def _check_spawnable(fn, args, kwargs) -> None:
                           f"pass plain data such as numbers, strings, lists, dicts or tensors.") from None
 
 
-class _Watchdog:
-    """Kills the group's processes if the launch outlives its timeout."""
+class _StartupStalled(Exception):
+    """The ranks did not all join their process group in time."""
 
-    def __init__(self, timeout: float | None, before: set):
-        self.fired = False
-        self._before = before
+
+class _Watchdog:
+    """Kills the group's processes if the launch outlives its timeout, or its ranks never finish starting.
+
+    Starting means joining the process group. On a loaded machine that very
+    rarely stalls for good (a rank stays in its first connection to the agent's
+    store); rather than wait out the whole timeout, the launch is started again.
+    """
+
+    def __init__(self, timeout: float | None, before: set, run_dir: str, world_size: int, startup_s: float):
+        self.fired = self.stalled = False
+        self._before, self._run_dir, self._world_size = before, run_dir, world_size
         self._done = threading.Event()
-        self._timer = threading.Timer(timeout, self._fire) if timeout else None
-        if self._timer:
-            self._timer.daemon = True
-            self._timer.start()
+        self._timers = [threading.Timer(startup_s, self._check_started)]
+        if timeout:
+            self._timers.append(threading.Timer(timeout, self._fire))
+        for t in self._timers:
+            t.daemon = True
+            t.start()
+
+    def _check_started(self) -> None:
+        if not self._done.is_set() and len(_notes(self._run_dir, "ready")) < self._world_size:
+            self.stalled = True
+            self._keep_killing()
 
     def _fire(self) -> None:
         self.fired = True
+        self._keep_killing()
+
+    def _keep_killing(self) -> None:
         # The agent may still be starting ranks (in its rendezvous, or spawning):
         # keep killing the new ones until the launch has given up, or they would
         # run on after the timeout.
@@ -250,8 +271,8 @@ class _Watchdog:
 
     def cancel(self) -> None:
         self._done.set()
-        if self._timer:
-            self._timer.cancel()
+        for t in self._timers:
+            t.cancel()
 
 
 def _read_json(path: str) -> dict:
@@ -387,16 +408,35 @@ def launch(fn, *args, world_size: int, timeout: float | None = None, device: str
         print(f"gpucourse: {world_size} rank{'s' * (world_size > 1)} on {plan.device} ({plan.backend}): "
               f"{plan.reason}.", flush=True)
 
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     _register_local_rendezvous()
     if method == "fork":
         # Building an optimizer imports torch._dynamo (about a second of CPU);
         # importing it once here means forked ranks inherit it instead of each paying.
         import torch._dynamo  # noqa: F401
+    started = time.monotonic()
+    for attempt in (1, 2):
+        left = None if timeout is None else max(0.1, timeout - (time.monotonic() - started))
+        try:
+            return _launch_once(fn, args, kwargs, world_size, left, plan, method, pg_timeout, on_message)
+        except _StartupStalled:
+            if attempt == 2:
+                raise LaunchError(f"the {world_size} ranks did not finish joining their process group within "
+                                  f"{_startup_s(method, world_size):g} s, twice; the machine may be overloaded.") from None
+            print(f"gpucourse: the ranks did not finish starting within {_startup_s(method, world_size):g} s; "
+                  f"starting them again.", flush=True)
+
+
+def _startup_s(method: str, world_size: int) -> float:
+    # Joining the group takes well under a second after a fork; a spawned rank first imports torch.
+    return 30.0 if method == "fork" else 30.0 + 5.0 * world_size
+
+
+def _launch_once(fn, args, kwargs, world_size, timeout, plan, method, pg_timeout, on_message) -> list:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     run_dir = tempfile.mkdtemp(prefix="gpucourse-run-")
     ctx = multiprocessing.get_context(method)
     channel = ctx.Queue()
@@ -414,7 +454,8 @@ def launch(fn, *args, world_size: int, timeout: float | None = None, device: str
         )
     drainer = threading.Thread(target=_drain, args=(channel, on_message), daemon=True)
     drainer.start()
-    watchdog = _Watchdog(timeout, {p.pid for p in multiprocessing.active_children()})
+    watchdog = _Watchdog(timeout, {p.pid for p in multiprocessing.active_children()}, run_dir, world_size,
+                         _startup_s(method, world_size))
     global _forking_ranks
     _forking_ranks = method == "fork"
     try:
@@ -422,6 +463,8 @@ def launch(fn, *args, world_size: int, timeout: float | None = None, device: str
             try:
                 values = elastic_launch(config, worker.rank_main)(fn, args, kwargs, spec)
             except ChildFailedError as e:
+                if watchdog.stalled:
+                    raise _StartupStalled() from None
                 if watchdog.fired:
                     raise _timeout_error(timeout, run_dir, world_size) from None
                 raise _worker_error(run_dir, e.failures) from None

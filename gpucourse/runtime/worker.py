@@ -118,6 +118,7 @@ def rank_main(fn, args: tuple, kwargs: dict, spec: dict):
     try:
         device = pick_device(spec["device_type"], int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(spec["backend"], timeout=datetime.timedelta(seconds=spec["pg_timeout"]))
+        _note(run_dir, f"ready-{rank}.json", {"time": time.time()})
         _CONTEXT = RankContext(rank, dist.get_world_size(), int(os.environ["LOCAL_RANK"]), device,
                                spec["backend"], spec.get("channel"))
         # Each collective writes what it is into status-{rank}.json (a memory map,
