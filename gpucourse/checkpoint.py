@@ -19,10 +19,12 @@ would need that rank to fit the whole model. ``torch.distributed.checkpoint``
 - a tensor cut between ranks is handed to DCP as a ``DTensor`` (its shard, plus
   where the shard sits in the whole), so the checkpoint stores the *whole*
   tensor under its single-device name and each rank writes its own piece;
-- PyTorch's wrappers (DDP, FSDP2, DTensor tensor parallel, pipelining stages)
-  describe their state through ``torch.distributed.checkpoint.state_dict``'s
-  ``get_state_dict`` / ``set_state_dict``; the from-scratch trainers get a few
-  lines each below (:func:`trainer_state`).
+- ``torch.distributed.checkpoint.state_dict``'s ``get_model_state_dict`` and
+  ``get_optimizer_state_dict`` (and their ``set_`` twins) name what a module and
+  its optimizer hold, plain or wrapped: DDP's replica, FSDP2's and DTensor tensor
+  parallel's shards. The from-scratch shards are made DTensors here, a few lines
+  each (:func:`trainer_state`): tensor-parallel slices of weights and moments, and
+  ZeRO's shard of Adam's moments in its flat buffer (:func:`_zero_shard`).
 
 Loading is the mirror image: each rank builds the same dictionary from its
 freshly built trainer and DCP fills it in place, reading only the pieces that
@@ -44,7 +46,10 @@ Rules for ``resume=DIR`` (checked before any rank starts):
 - a folder with no complete checkpoint is refused — unless it is also the
   ``save`` folder: then the run starts from step 0. That is what a job that is
   restarted after a failure needs (``torchrun --max-restarts``): the same command
-  line starts fresh the first time and resumes every time after.
+  line starts fresh the first time and resumes every time after. (Give torchrun
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with the store it shares by default, a
+  restarted attempt can read the addresses the failed one left there and fail to
+  connect, pytorch/pytorch#135712.)
 
 Fault injection, a teaching and test hook: with ``GPUCOURSE_FAULT="rank=1,step=6"``
 in the environment, rank 1 ends its process (``os._exit(1)``, no exception, as a
