@@ -417,7 +417,7 @@ def launch(fn, *args, world_size: int, timeout: float | None = None, device: str
     for attempt in (1, 2):
         left = None if timeout is None else max(0.1, timeout - (time.monotonic() - started))
         try:
-            return _launch_once(fn, args, kwargs, world_size, left, plan, method, pg_timeout, on_message)
+            return _launch_once(fn, args, kwargs, world_size, left, timeout, plan, method, pg_timeout, on_message)
         except _StartupStalled:
             if attempt == 2:
                 raise LaunchError(f"the {world_size} ranks did not finish joining their process group within "
@@ -431,7 +431,8 @@ def _startup_s(method: str, world_size: int) -> float:
     return 30.0 if method == "fork" else 30.0 + 5.0 * world_size
 
 
-def _launch_once(fn, args, kwargs, world_size, timeout, plan, method, pg_timeout, on_message) -> list:
+def _launch_once(fn, args, kwargs, world_size, left, timeout, plan, method, pg_timeout, on_message) -> list:
+    """One attempt: ``left`` seconds remain of the caller's ``timeout`` (which error messages quote)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -454,7 +455,7 @@ def _launch_once(fn, args, kwargs, world_size, timeout, plan, method, pg_timeout
         )
     drainer = threading.Thread(target=_drain, args=(channel, on_message), daemon=True)
     drainer.start()
-    watchdog = _Watchdog(timeout, {p.pid for p in multiprocessing.active_children()}, run_dir, world_size,
+    watchdog = _Watchdog(left, {p.pid for p in multiprocessing.active_children()}, run_dir, world_size,
                          _startup_s(method, world_size))
     global _forking_ranks
     _forking_ranks = method == "fork"
