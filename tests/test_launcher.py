@@ -308,7 +308,11 @@ def test_launch_from_a_notebook_cell(tmp_path):
     nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                            "language": "python"}})
     nb.cells = [nbformat.v4.new_code_cell(src) for src in NOTEBOOK_CELLS]
-    NotebookClient(nb, km=km, timeout=180, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    try:
+        NotebookClient(nb, km=km, timeout=180, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    finally:  # nbclient shuts down only kernels it started itself
+        if km.has_kernel:
+            km.shutdown_kernel(now=True)
 
     setup, _, launched, trained, spawn = nb.cells
     assert f"EXE {sys.executable}" in cell_text(setup)

@@ -47,8 +47,12 @@ def kernel(tmp_path):
 
     def execute(nb, path: Path) -> None:
         km = KernelManager(kernel_name=KERNEL, kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec.parent)]))
-        NotebookClient(nb, km=km, timeout=CELL_TIMEOUT, allow_errors=False,
-                       resources={"metadata": {"path": str(path.parent)}}).execute(env=env)
+        try:
+            NotebookClient(nb, km=km, timeout=CELL_TIMEOUT, allow_errors=False,
+                           resources={"metadata": {"path": str(path.parent)}}).execute(env=env)
+        finally:  # nbclient shuts down only kernels it started itself
+            if km.has_kernel:
+                km.shutdown_kernel(now=True)
 
     return execute
 

@@ -400,7 +400,11 @@ def test_live_mode_in_a_notebook_leaves_one_figure(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
     env["JUPYTER_PATH"] = str(tmp_path)
     km = KernelManager(kernel_name=KERNEL, kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec.parent)]))
-    NotebookClient(nb, km=km, timeout=180, allow_errors=False).execute(env=env)
+    try:
+        NotebookClient(nb, km=km, timeout=180, allow_errors=False).execute(env=env)
+    finally:  # nbclient shuts down only kernels it started itself
+        if km.has_kernel:
+            km.shutdown_kernel(now=True)
 
     live, direct = nb.cells
     figures = [o for o in live.outputs if o.output_type == "display_data" and MIME in o.data]

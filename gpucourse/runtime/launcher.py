@@ -25,6 +25,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import queue
 import shutil
 import signal
 import sys
@@ -349,18 +350,24 @@ def _saved_signal_handlers():
                 signal.signal(s, h)
 
 
-_END = "gpucourse: end of messages"
-
-
-def _drain(channel, on_message) -> None:
-    # Block on the queue (no polling: the ranks need the cores); launch() puts
-    # _END once every rank has stopped.
-    while True:
+def _drain(channel, on_message, stop: threading.Event) -> None:
+    # Wake five times a second at most (the ranks need the cores). Nothing is
+    # ever put into the channel from this side: a queue this process wrote to
+    # would make the interpreter wait for its feeder thread at exit, forever if
+    # a rank was killed half-way through writing a message.
+    while not stop.is_set():
         try:
-            msg = channel.get()
-        except (EOFError, OSError):
+            msg = channel.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        except (EOFError, OSError, ValueError):
             return
-        if msg == _END:
+        if on_message is not None:
+            on_message(msg)
+    while True:  # what the ranks sent before they stopped
+        try:
+            msg = channel.get_nowait()
+        except (queue.Empty, EOFError, OSError, ValueError):
             return
         if on_message is not None:
             on_message(msg)
@@ -453,7 +460,8 @@ def _launch_once(fn, args, kwargs, world_size, left, timeout, plan, method, pg_t
             logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "logs"), redirects=Std.ALL, tee=Std.ALL),
             log_line_prefix_template="[rank ${rank}] ", shutdown_timeout=5,
         )
-    drainer = threading.Thread(target=_drain, args=(channel, on_message), daemon=True)
+    stop = threading.Event()
+    drainer = threading.Thread(target=_drain, args=(channel, on_message, stop), daemon=True)
     drainer.start()
     watchdog = _Watchdog(left, {p.pid for p in multiprocessing.active_children()}, run_dir, world_size,
                          _startup_s(method, world_size))
@@ -482,7 +490,7 @@ def _launch_once(fn, args, kwargs, world_size, left, timeout, plan, method, pg_t
         _forking_ranks = False
         watchdog.cancel()
         watchdog.kill()
-        channel.put(_END)
+        stop.set()
         drainer.join(timeout=5)
         channel.close()
         shutil.rmtree(run_dir, ignore_errors=True)
