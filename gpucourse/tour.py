@@ -19,10 +19,9 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed
 
 from .config import SUPPORTED, ConfigError, TrainConfig
-from .runtime import LaunchError, LaunchTimeout, WorkerError, current, launch, plan_device, visible_gpus
+from .runtime import LaunchError, LaunchTimeout, WorkerError, plan_device, visible_gpus
 
 TOLERANCE = 1e-5                        # relative, per step, fp32
 QUICK = dict(steps=3, seq_len=32)       # the tiny model's global batch of 8 sequences stays
@@ -139,55 +138,6 @@ def format_table(rows: list[TourRow]) -> str:
         if row.note:
             lines.append(f"{row.status}: {row.name}: {row.note}")
     return "\n".join(lines)
-
-
-# --- bandwidth -------------------------------------------------------------------------
-
-
-def _collective(op: str, full: torch.Tensor, part: torch.Tensor) -> None:
-    from . import comm
-
-    if op == "all_reduce":
-        comm.all_reduce(full)
-    elif op == "reduce_scatter":
-        comm.reduce_scatter_tensor(part, full)
-    elif op == "all_gather":
-        comm.all_gather_into_tensor(full, part)
-    else:
-        comm.broadcast(full, 0)
-
-
-def bandwidth_worker(sizes, reps: int) -> list[dict]:
-    """Time each collective at each message size on this group; rank 0's rows ``{op, bytes, algbw_GBps, busbw_GBps}``."""
-    from . import comm
-
-    ctx = current()
-    n, rows = ctx.world_size, []
-    for op in BANDWIDTH_OPS:
-        for size in sizes:
-            numel = max(n, size // 4) // n * n   # float32 elements, a whole number of chunks
-            full = torch.ones(numel, device=ctx.device)
-            part = torch.empty(numel // n, device=ctx.device)
-            _collective(op, full, part)  # warm-up: connections, buffers
-            torch.distributed.barrier()
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(reps):
-                _collective(op, full, part)
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize()
-            seconds = (time.perf_counter() - start) / reps
-            algbw = numel * 4 / seconds / 1e9
-            rows.append({"op": op, "bytes": numel * 4, "time_s": seconds, "algbw_GBps": algbw,
-                         "busbw_GBps": algbw * comm.RING_FACTOR[op](n)})
-    return rows
-
-
-def measure_bandwidth(world_size: int = 2, sizes=BANDWIDTH_SIZES, reps: int = 5, device: str = "auto") -> list[dict]:
-    """Bus and algorithm bandwidth of each collective at each size, on ``world_size`` ranks (nccl-tests' way)."""
-    return launch(bandwidth_worker, list(sizes), reps, world_size=world_size, device=device,
-                  timeout=RUN_TIMEOUT_S[False], quiet=True)[0]
 
 
 # --- the tour --------------------------------------------------------------------------
@@ -319,7 +269,10 @@ def main(quick: bool = False, out: str | None = "gpucourse-tour.html", device: s
         if bandwidth is None:
             sys.stderr.write("tour: measuring collective bandwidth on 2 ranks …\n")
             try:
-                bandwidth = measure_bandwidth(2, reps=3 if quick else 10, device=device)
+                from .bandwidth import measure
+
+                bandwidth = measure(2, sizes=BANDWIDTH_SIZES, quick=quick, device=device,
+                                    timeout=RUN_TIMEOUT_S[False])["rows"]
             except (LaunchError, WorkerError, LaunchTimeout) as e:
                 print(f"tour: bandwidth not measured, the report goes without it: {str(e).splitlines()[0]}")
         write_atomic(out, report_html(rows, bandwidth, quick, time.perf_counter() - start))
