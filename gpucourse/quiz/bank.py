@@ -94,21 +94,25 @@ def _bank() -> tuple:
     return tuple(questions)
 
 
-def load_bank(topic: str | None = None) -> list[dict]:
-    """Every question of the bank (or of one ``topic``), as fresh dicts you may change freely."""
+def load_bank(topic: str | None = None, notebook: str | None = None) -> list[dict]:
+    """Every question of the bank (or of one ``topic``, or one ``notebook``), as fresh dicts you may change freely."""
     if topic is not None and topic not in TOPICS:
         raise ValueError(f"no topic {topic!r}; the topics are {', '.join(TOPICS)}.")
-    return [copy.deepcopy(q) for q in _bank() if topic is None or q["topic"] == topic]
+    if notebook is not None and notebook not in NOTEBOOKS:
+        raise ValueError(f"no notebook {notebook!r} has questions; those that do are {', '.join(NOTEBOOKS)}.")
+    return [copy.deepcopy(q) for q in _bank()
+            if (topic is None or q["topic"] == topic) and (notebook is None or q["notebook"] == notebook)]
 
 
-def ask(topic: str | None = None, count: int = 10, seed: int | None = None) -> list[dict]:
+def ask(topic: str | None = None, count: int = 10, seed: int | None = None, notebook: str | None = None) -> list[dict]:
     """``count`` questions drawn at random (all of them if the bank has fewer), from one topic or all.
 
+    ``notebook`` ("03_zero_fsdp") keeps only the questions that notebook teaches.
     The same ``seed`` draws the same questions in the same order, on any machine.
     """
     if count < 1:
         raise ValueError(f"count={count} must be at least 1.")
-    pool = load_bank(topic)
+    pool = load_bank(topic, notebook)
     return random.Random(seed).sample(pool, min(count, len(pool)))
 
 

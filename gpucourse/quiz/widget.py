@@ -57,8 +57,8 @@ def _record(label: str, by_topic: dict) -> str:
         return f" <i>(not recorded: {html.escape(str(e))})</i>"
 
 
-def quiz(topic: str | None = None, count: int = 5, seed: int | None = None):
-    """A quiz of ``count`` questions (one ``topic``, or all): check each one, read why, get a score.
+def quiz(topic: str | None = None, count: int = 5, seed: int | None = None, notebook: str | None = None):
+    """A quiz of ``count`` questions (one ``topic``, one ``notebook``'s, or all): check each one, read why, get a score.
 
     Each Check marks the question at once and explains the answer; when every
     question is checked the score is shown and recorded in your progress file
@@ -67,8 +67,8 @@ def quiz(topic: str | None = None, count: int = 5, seed: int | None = None):
     """
     import ipywidgets as w
 
-    questions = ask(topic, count, seed)
-    label = topic or "mixed"
+    questions = ask(topic, count, seed, notebook)
+    label = topic or notebook or "mixed"
     by_topic: dict[str, list[int]] = {}
     score = w.HTML()
     cards = []
