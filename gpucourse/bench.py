@@ -372,6 +372,35 @@ def tour_quick_s() -> Reading:
     return Reading(wall, {"exit_code": code}, f"{wall:.1f} s, exit code {code}")
 
 
+@figure("course_smoke_s", target="< 600", quick=dict(), full=dict())
+def course_smoke_s() -> Reading:
+    """Wall time to execute every notebook in smoke mode (GPUCOURSE_SMOKE=1), one fresh kernel each."""
+    from . import lab
+
+    start = time.perf_counter()
+    seconds = lab.run_course(smoke=True, stream=sys.stdout)
+    wall = time.perf_counter() - start
+    slowest = max(seconds, key=seconds.get)
+    return Reading(wall, {"notebooks_s": seconds},
+                   f"{wall:.0f} s for {len(seconds)} notebooks; slowest {slowest} {seconds[slowest]:.0f} s")
+
+
+@figure("first_check_s", quick=dict(), full=dict())
+def first_check_s() -> Reading:
+    """From the course's JupyterLab being up to ``check("ex01")`` answering in notebook 01, in headless Chromium."""
+    from . import lab
+
+    with tempfile.TemporaryDirectory(prefix="gpucourse-lab-") as tmp:
+        root = lab.course_copy(tmp)
+        env = {"GPUCOURSE_SMOKE": "1", "GPUCOURSE_PROGRESS": os.path.join(tmp, "progress.json")}
+        with lab.LabServer(root, env=env) as server, lab.Browser() as browser:
+            found = lab.first_check(server, browser)
+    if "/ 10" not in found["text"]:
+        raise RuntimeError(f"check('ex01') showed no score: {found['text'][:300]!r}")
+    return Reading(found["seconds"], {"cell_s": found["cell_s"]},
+                   f"{found['seconds']:.1f} s, of which the check cell {found['cell_s']:.1f} s")
+
+
 # --- launching ranks -------------------------------------------------------------------
 
 

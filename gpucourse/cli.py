@@ -381,6 +381,24 @@ def cmd_doctor(args) -> int:
     return 0
 
 
+def cmd_lab(args) -> int:
+    from . import lab
+
+    if not lab.NOTEBOOKS.is_dir():
+        raise UsageError(f"the course's notebooks are not at {lab.NOTEBOOKS}: run this from a checkout "
+                         f"of the repository (pip install -e .).")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port} is not a port number (0 to 65535; 0 picks a free one).")
+    try:
+        import jupyterlab  # noqa: F401
+    except ImportError:
+        raise UsageError("JupyterLab is not installed in this Python: run 'make lab' (or pip install -e .).")
+    argv = lab.server_argv(lab.NOTEBOOKS, port=args.port)
+    print("gpucourse: serving the course on 127.0.0.1 with a token; open the URL Jupyter prints below.",
+          file=sys.stderr, flush=True)
+    os.execv(argv[0], argv)
+
+
 def cmd_bench(args) -> int:
     if args.json:
         _check_writable(args.json, "--json")
@@ -598,6 +616,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="what this machine has for distributed training")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("lab", help="open the course in JupyterLab (what 'make lab' runs)",
+                       description="Serve notebooks/ with JupyterLab on 127.0.0.1, behind a token.")
+    p.add_argument("--port", type=int, default=8888, help="port (default 8888; Jupyter takes the next free one "
+                                                          "if it is busy; 0 picks any free port)")
+    p.set_defaults(func=cmd_lab)
 
     p = sub.add_parser("bench", help="benchmarks: ratios against the PyTorch counterparts, measured side by side")
     p.add_argument("--quick", action="store_true", help="fewer repetitions")

@@ -1,29 +1,21 @@
 """Every notebook runs top to bottom in a real kernel, and is committed clean.
 
 The kernel is this test's own interpreter (the venv's), started from a
-kernelspec written to a temporary folder, so the notebooks import the gpucourse
-being tested and not whatever another Jupyter on the machine has.
-GPUCOURSE_SMOKE=1 asks each notebook for its short version.
-
-The kernel does not inherit PYTEST_CURRENT_TEST: with it, ipykernel stops
-capturing file descriptors 1 and 2, and the kernel is no longer the kind
-JupyterLab starts (ranks forked from it would see a different stdout).
+kernelspec written to a temporary folder (:func:`gpucourse.lab.execute`), so
+the notebooks import the gpucourse being tested and not whatever another
+Jupyter on the machine has. GPUCOURSE_SMOKE=1 asks each notebook for its short
+version.
 """
 
-import json
-import os
 import re
-import sys
 from pathlib import Path
 
 import nbformat
 import pytest
-from jupyter_client.kernelspec import KernelSpecManager
-from jupyter_client.manager import KernelManager
-from nbclient import NotebookClient
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
-KERNEL = "gpucourse-test"
+from gpucourse import lab
+
+NOTEBOOKS = lab.course_notebooks()
 CELL_TIMEOUT = 240  # seconds for one cell; a hung rank must fail the cell, not the suite
 
 # A cell that calls launch(...) or run(...) directly (not obj.run(...)) starts ranks.
@@ -34,25 +26,15 @@ RANKS_STARTED = re.compile(r"gpucourse: \d+ ranks? on (cpu|cuda) \((gloo|nccl)\)
 
 @pytest.fixture
 def kernel(tmp_path):
-    """Runs a notebook in a fresh kernel of this interpreter, in smoke mode, in the notebook's folder."""
-    spec = tmp_path / "kernels" / KERNEL
-    spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "gpucourse test kernel",
-        "language": "python",
-    }))
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
-    env["GPUCOURSE_SMOKE"] = "1"
+    """Runs a notebook in a fresh kernel of this interpreter, in smoke mode, in the notebook's folder.
+
+    Grades and quiz scores go to a progress file of the test's own, not the learner's.
+    """
+    kernels = lab.kernelspec_dir(tmp_path)
+    env = {"GPUCOURSE_PROGRESS": str(tmp_path / "progress.json")}
 
     def execute(nb, path: Path) -> None:
-        km = KernelManager(kernel_name=KERNEL, kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec.parent)]))
-        try:
-            NotebookClient(nb, km=km, timeout=CELL_TIMEOUT, allow_errors=False,
-                           resources={"metadata": {"path": str(path.parent)}}).execute(env=env)
-        finally:  # nbclient shuts down only kernels it started itself
-            if km.has_kernel:
-                km.shutdown_kernel(now=True)
+        lab.execute(nb, path, kernels, cell_timeout=CELL_TIMEOUT, env=env)
 
     return execute
 
