@@ -12,9 +12,10 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .model import MODELS, GPTConfig
+from .readable import Readable
 
 
-class ConfigError(ValueError):
+class ConfigError(Readable, ValueError):
     """A config that cannot run; the message is one sentence saying why."""
 
 

@@ -147,3 +147,24 @@ def test_doctor_json_parses(capsys):
     assert cli.main(["doctor", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["torch_version"] == torch.__version__
+
+
+def test_lab_refuses_a_bad_port_in_one_line(capsys, monkeypatch):
+    monkeypatch.setattr("os.execv", lambda *a: (_ for _ in ()).throw(AssertionError("the server was started")))
+    assert cli.main(["lab", "--port", "70000"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("gpucourse: error: --port 70000 is not a port number"), line
+
+
+def test_lab_serves_the_notebooks_on_localhost_behind_a_token(monkeypatch, capsys):
+    """What make lab runs: this interpreter's JupyterLab on notebooks/, 127.0.0.1 only, no token switched off."""
+    from gpucourse import lab
+
+    started = []
+    monkeypatch.setattr("os.execv", lambda path, argv: started.append(argv))
+    cli.main(["lab", "--port", "0"])
+    [argv] = started
+    assert argv[:3] == [sys.executable, "-m", "jupyterlab"]
+    assert f"--ServerApp.root_dir={lab.NOTEBOOKS}" in argv and "--ServerApp.ip=127.0.0.1" in argv
+    assert "--ServerApp.port=0" in argv
+    assert not any("token=" in a.lower() and a.rstrip().endswith("=") for a in argv), argv

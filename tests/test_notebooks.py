@@ -94,3 +94,24 @@ def test_notebook_is_committed_clean(path):
 
 def test_there_are_notebooks():
     assert any(p.name == "00_setup.ipynb" for p in NOTEBOOKS)
+
+
+def test_a_learners_mistake_reads_as_one_sentence(kernel, tmp_path):
+    """A layout that cannot run, and a rank whose code raised, show their sentence, not a traceback wall."""
+    from nbclient.exceptions import CellExecutionError
+
+    cells = {
+        "config": ("from gpucourse import TrainConfig, run\nrun(TrainConfig(dp=3, batch_size=8, steps=2))",
+                   "ConfigError", "batch_size=8 must be divisible by grad_accum × dp"),
+        "rank": ("from gpucourse import launch\n\ndef boom():\n    raise ValueError('my bug')\n\n"
+                 "launch(boom, world_size=2, timeout=60)", "WorkerError", "failed: ValueError: my bug"),
+    }
+    for name, (source, ename, words) in cells.items():
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
+        with pytest.raises(CellExecutionError):
+            kernel(nb, tmp_path / f"{name}.ipynb")
+        [error] = [o for o in nb.cells[0].outputs if o.output_type == "error"]
+        shown = "\n".join(error.traceback)
+        assert error.ename == ename and words in shown, shown
+        assert "site-packages" not in shown and "gpucourse/train.py" not in shown, shown
+        assert len(error.traceback) <= 25, shown

@@ -44,6 +44,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ..readable import Readable
+
 F, B = "F", "B"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 KINDS = (F, B, SEND_F, RECV_F, SEND_B, RECV_B)
@@ -65,7 +67,7 @@ class Op(NamedTuple):
         return f"{self.kind}{self.microbatch}"
 
 
-class ScheduleError(ValueError):
+class ScheduleError(Readable, ValueError):
     """A schedule that cannot run; the message says which stage and op, and why."""
 
 

@@ -37,14 +37,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ..readable import Readable
 from . import collective_status, worker
 
 
-class LaunchError(RuntimeError):
+class LaunchError(Readable, RuntimeError):
     """The group could not be started as asked (one sentence says why)."""
 
 
-class WorkerError(RuntimeError):
+class WorkerError(Readable, RuntimeError):
     """A rank raised. ``rank``, ``exc_type``, ``message`` and ``remote_traceback`` say what."""
 
     def __init__(self, rank: int, exc_type: str, message: str, remote_traceback: str = ""):
@@ -55,7 +56,7 @@ class WorkerError(RuntimeError):
         super().__init__(text)
 
 
-class LaunchTimeout(TimeoutError):
+class LaunchTimeout(Readable, TimeoutError):
     """Some ranks had not finished after ``timeout`` seconds; ``pending`` lists them.
 
     ``waiting`` says per rank which collective it was in and which it finished last.
