@@ -73,6 +73,30 @@ WRONG_ANSWERS = {
                                              "before the sum"),
     "ex06_tensor_parallel/grad_sum_twice": (["row-parallel backward", "column then row is the whole MLP (3 ranks)"],
                                             "summed over ranks in backward"),
+    "ex07_memory_estimate/adam_one_moment": (["fp32 with Adam: 16 bytes per parameter",
+                                              "half precision: master weights, or autocast",
+                                              "ZeRO stages 1 to 3 shard over dp",
+                                              "shards round up, and stages 1 and 2 pad the buffer",
+                                              "matches the bytes of a real Adam step"], "expected 4, 4, 8"),
+    "ex07_memory_estimate/no_master_copy": (["half precision: master weights, or autocast",
+                                             "ZeRO stages 1 to 3 shard over dp",
+                                             "shards round up, and stages 1 and 2 pad the buffer",
+                                             "matches the bytes of a real Adam step"], "expected 2, 2, 12"),
+    "ex07_memory_estimate/grads_sharded_at_zero1": (["ZeRO stages 1 to 3 shard over dp",
+                                                     "shards round up, and stages 1 and 2 pad the buffer"],
+                                                    "does not shard the gradients"),
+    "ex07_memory_estimate/floor_shard": (["shards round up, and stages 1 and 2 pad the buffer"], "ceil("),
+    "ex07_memory_estimate/negative_microbatch": (["largest_microbatch fits the budget"], "negative count"),
+    "ex08_loss_scaler/unscale_multiplies": (["scale multiplies the loss, unscale_ divides in place",
+                                             "a skipped step changes no weight and no optimizer state",
+                                             "training with overflows follows torch.amp.GradScaler",
+                                             "small fp16 gradients survive with scaling"], "multiplied by the scale"),
+    "ex08_loss_scaler/misses_nan": (["scale multiplies the loss, unscale_ divides in place"], "NaN"),
+    "ex08_loss_scaler/steps_on_overflow": (["a skipped step changes no weight and no optimizer state",
+                                            "training with overflows follows torch.amp.GradScaler",
+                                            "ranks agree on skipping a step (2 ranks)"], "the optimizer stepped"),
+    "ex08_loss_scaler/no_reset_on_overflow": (["an overflow backs off and restarts the count"], "after the overflow"),
+    "ex08_loss_scaler/no_allreduce": (["ranks agree on skipping a step (2 ranks)"], "stepped anyway"),
 }
 
 
@@ -263,12 +287,14 @@ def test_class_grading_writes_the_csv_and_each_learners_results(tmp_path, marked
     scores = {r["learner"]: {k: int(v) for k, v in r.items() if k != "learner"} for r in rows}
     assert scores["alice"] == {**{i: 10 for i in ids}, "total": 10 * len(ids)}
     assert scores["bob"] == {**{i: 0 for i in ids}, "total": 0}
-    assert scores["carol"] == {**{i: 0 for i in ids}, "ex04": 8, "ex05": 10, "total": 18}
+    # carol's first six are broken in six ways (see _make_class); from ex07 on hers are the solutions.
+    later = {i: 10 for i in ids[6:]}
+    assert scores["carol"] == {**{i: 0 for i in ids}, "ex04": 8, "ex05": 10, **later, "total": 18 + 10 * len(later)}
 
     results_dir = tmp_path / "grades-results"
     assert sorted(p.name for p in results_dir.iterdir()) == ["alice.json", "bob.json", "carol.json"]
     carol = json.loads((results_dir / "carol.json").read_text())
-    assert {"score", "max_score", "execution_time", "tests"} <= set(carol) and carol["score"] == 18
+    assert {"score", "max_score", "execution_time", "tests"} <= set(carol) and carol["score"] == 18 + 10 * len(later)
     outputs = {t["name"]: t["output"] for t in carol["tests"]}
     assert all({"name", "score", "max_score", "output", "visibility"} <= set(t) for t in carol["tests"])
     assert "SyntaxError at line 1" in outputs["ex01_ring_allreduce: sums over 2 ranks"]
