@@ -97,6 +97,17 @@ WRONG_ANSWERS = {
                                             "ranks agree on skipping a step (2 ranks)"], "the optimizer stepped"),
     "ex08_loss_scaler/no_reset_on_overflow": (["an overflow backs off and restarts the count"], "after the overflow"),
     "ex08_loss_scaler/no_allreduce": (["ranks agree on skipping a step (2 ranks)"], "stepped anyway"),
+    "ex09_profile_analysis/overlap_twice": (["overlapping spans count once, blocking ones as communication",
+                                             "the shares of a recorded run"], "counted twice"),
+    "ex09_profile_analysis/blocking_hidden": (["overlapping spans count once, blocking ones as communication"],
+                                              "blocking all-reduce inside the forward as compute"),
+    "ex09_profile_analysis/mfu_two_n": (["mfu"], "the forward pass alone"),
+    "ex09_profile_analysis/speedup_not_efficiency": (["scaling_efficiency"], "the speed-up"),
+    "ex10_fix_deadlock/barrier_after_loop": ([c.name for c in grading.find_exercise("ex10").checks], "barrier()"),
+    "ex10_fix_deadlock/any_rank_stops": (["every rank logs the same mean loss (2 ranks)",
+                                          "2 ranks train as one device does", "3 ranks train as one device does"],
+                                         "its own shard"),
+    "ex10_fix_deadlock/divides_by_two": (["3 ranks train as one device does"], "divided by 2"),
 }
 
 
