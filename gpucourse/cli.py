@@ -468,6 +468,10 @@ def cmd_grade(args) -> int:
         _check_writable(args.json, "--json")
     result = runner.grade(folder, args.exercises or None, **common)
     print(report.text_report(result))
+    if args.path is None:  # your own exercises/: the scores go to your progress file
+        note = runner.record_progress(result)
+        if note:
+            print(note)
     if args.json:
         write_atomic(args.json, json.dumps(report.gradescope(result), indent=1))
         print(f"results written to {args.json}")
@@ -635,7 +639,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Exit status: 0 when every check passed (or a class was graded), 1 otherwise.")
     p.add_argument("exercises", nargs="*", metavar="EXERCISE", help="which ones (ex03, or 3); default all")
     p.add_argument("--path", metavar="DIR",
-                   help="folder to grade (default: exercises/ here or above, else the repository's)")
+                   help="folder to grade (default: exercises/ here or above, else the repository's; only that "
+                        "default records the scores in your progress file)")
     p.add_argument("--json", metavar="FILE", help="also write the results in Gradescope's results.json format")
     p.add_argument("--class", dest="class_dir", metavar="DIR",
                    help="grade every learner folder in DIR (one sub-folder per learner)")

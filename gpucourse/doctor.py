@@ -39,6 +39,20 @@ ENV_VARS = (
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "CUDA_VISIBLE_DEVICES",
 )
+# Shown only when set: each changes how NCCL or CUDA behaves, and a forgotten one explains a slow or odd run.
+ENV_VARS_WHEN_SET = (
+    "NCCL_DEBUG_SUBSYS",
+    "TORCH_NCCL_BLOCKING_WAIT",
+    "TORCH_NCCL_DESYNC_DEBUG",
+    "NCCL_P2P_DISABLE",
+    "NCCL_IB_DISABLE",
+    "NCCL_SHM_DISABLE",
+    "NCCL_SOCKET_IFNAME",
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+    "CUDA_LAUNCH_BLOCKING",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+)
 
 # Always worth knowing when a run hangs or fails; one sentence each.
 TROUBLESHOOTING = (
@@ -99,7 +113,8 @@ def collect() -> dict:
         "start_method": multiprocessing.get_start_method(allow_none=True)
         or multiprocessing.get_all_start_methods()[0],
         "versions": {name: _version(name) for name in PACKAGES},
-        "env": {name: os.environ.get(name) for name in ENV_VARS},
+        "env": {**{name: os.environ.get(name) for name in ENV_VARS},
+                **{name: os.environ[name] for name in ENV_VARS_WHEN_SET if name in os.environ}},
     }
     info["advice"] = _advice(info, machine_gpus=len(smi_rows))
     return info

@@ -26,7 +26,8 @@ memory is never ranked as fitting.
 
 With only a parameter count, the model's shape is taken from the common
 aspect ratio of large GPTs: width ≈ 100 × depth (Llama-2 70B has 80 blocks of
-8192), heads of 128, a 32000-token vocabulary.
+8192), heads of 128, a 32000-token vocabulary; from 1024 on, the width is a
+multiple of 8 heads, so that tensor parallelism of 2, 4 or 8 divides the heads.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ from .memory import num_params as num_params_of
 def shape_for_params(num_params: float) -> dict:
     """A plausible GPT shape (n_layer, n_embd, n_head) with about ``num_params`` parameters."""
     n_layer = max(2, round((num_params / (12 * 100**2)) ** (1 / 3)))
-    n_embd = max(128, round(math.sqrt(num_params / (12 * n_layer)) / 128) * 128)
+    width = math.sqrt(num_params / (12 * n_layer))
+    step = 1024 if width >= 1024 else 128  # 8 heads of 128 at a time: tp = 2, 4, 8 can split the heads
+    n_embd = max(128, round(width / step) * step)
     return {"n_layer": n_layer, "n_embd": n_embd, "n_head": n_embd // 128, "vocab_size": 32000}
 
 
@@ -103,15 +106,27 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
             "tp_comm_s": tp_comm, "pp_comm_s": pp_comm, "dp_comm_s": dp_comm, "tokens_per_s": tokens / total}
 
 
-def plan(num_params: float, gpus: int, gpu: str = "h100", gpus_per_node: int = 8, batch_size: int = 1024,
-         seq_len: int = 4096, precision: str = "bf16", efficiency: float = 0.5) -> dict:
-    """Size and time every layout; return them ranked (fitting ones first, fastest first)."""
+def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: int = 8, batch_size: int = 1024,
+         seq_len: int = 4096, precision: str = "bf16", efficiency: float = 0.5, shape: dict | None = None) -> dict:
+    """Size and time every layout; return them ranked (fitting ones first, fastest first).
+
+    ``shape`` (``{"n_layer", "n_embd", "n_head", "vocab_size"}``) plans a real
+    model's shape instead of the one :func:`shape_for_params` picks for ``num_params``.
+    """
     if gpus < 1 or gpus_per_node < 1:
         raise ConfigError(f"gpus={gpus} and gpus_per_node={gpus_per_node} must be at least 1.")
-    if num_params < 1e5:
-        raise ConfigError(f"params={num_params:g} is too small to plan; give at least 1e5.")
+    if shape is None:
+        if num_params is None or num_params < 1e5:
+            raise ConfigError(f"params={num_params} is too small to plan; give at least 1e5 (or a shape).")
+        shape = shape_for_params(num_params)
+    else:
+        missing = {"n_layer", "n_embd", "n_head"} - set(shape)
+        if missing:
+            raise ConfigError(f"shape needs n_layer, n_embd and n_head; {', '.join(sorted(missing))} missing.")
+        if shape["n_embd"] % shape["n_head"]:
+            raise ConfigError(f"n_embd={shape['n_embd']} must be divisible by n_head={shape['n_head']}.")
+        shape = {"vocab_size": 32000, **shape}
     spec = get_gpu(gpu)
-    shape = shape_for_params(num_params)
     rows = []
     for cfg in candidates(shape, gpus, gpus_per_node, batch_size, seq_len, precision):
         try:
@@ -127,6 +142,8 @@ def plan(num_params: float, gpus: int, gpu: str = "h100", gpus_per_node: int = 8
         rows.append(row)
     rows.sort(key=lambda r: (not r["fits"], r["step_s"]))
     model = TrainConfig(model="gpt2-small", overrides={**shape, "block_size": seq_len}).model_config()
+    if num_params is None:
+        num_params = num_params_of(model)
     return {"params": num_params, "model_params": num_params_of(model), "shape": shape, "gpus": gpus, "gpu": dataclasses.asdict(spec), "gpus_per_node": gpus_per_node,
             "batch_size": batch_size, "seq_len": seq_len, "precision": precision, "efficiency": efficiency,
             "layouts": rows}

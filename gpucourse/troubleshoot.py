@@ -289,6 +289,13 @@ def diagnose_hang(waiting: dict) -> str:
             parts.append(f"The ranks disagree about collective #{seq}: "
                          + "; ".join(f"rank {r} called {op}" for r, op in sorted(ops.items()))
                          + ". Each waits for partners that are in a different call, so none can finish.")
+        elif idle:
+            waiters = sorted(inside)
+            return (f"Rank{'s' * (len(waiters) > 1)} {', '.join(map(str, waiters))} "
+                    f"wait{'s' * (len(waiters) == 1)} in collective #{seq} ({next(iter(ops.values()))}) for "
+                    f"rank{'s' * (len(idle) > 1)} {', '.join(map(str, idle))}, which never made that call: "
+                    "they finished, returned or took another branch first. Look for a break, return or if "
+                    "that came out differently on some ranks (a decision taken on a rank's own data).")
         else:
             parts.append(f"Every rank waits in the same collective #{seq} ({next(iter(ops.values()))}): "
                          "the partners it needs are all there, so suspect the network or a rank outside this "

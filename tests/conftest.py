@@ -7,6 +7,14 @@ import pytest
 from procs import wait_for
 
 
+@pytest.fixture(autouse=True)
+def own_progress_file(tmp_path, monkeypatch):
+    """Grades and quiz scores of a test go to a file of its own, never to the learner's ~/.gpucourse."""
+    path = tmp_path / "progress.json"
+    monkeypatch.setenv("GPUCOURSE_PROGRESS", str(path))
+    return path
+
+
 @pytest.fixture
 def no_leftover_children():
     """Fail the test if a process it started is still a child of this one afterwards."""

@@ -44,9 +44,7 @@ def test_collect_has_the_keys_and_types():
     assert info["gpu_count"] == len(info["gpus"])
     assert info["default_device"] == ("cuda" if info["gpu_count"] else "cpu")
     assert set(info["versions"]) == {"jupyterlab", "ipywidgets", "plotly", "accelerate", "nbclient"}
-    assert set(info["env"]) == {
-        "NCCL_DEBUG", "TORCH_DISTRIBUTED_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUDA_VISIBLE_DEVICES",
-    }
+    assert set(doctor.ENV_VARS) <= set(info["env"]) <= set(doctor.ENV_VARS) | set(doctor.ENV_VARS_WHEN_SET)
     assert info["advice"] and all(isinstance(sentence, str) for sentence in info["advice"])
 
 
@@ -57,10 +55,14 @@ def test_collect_is_json_serialisable():
 
 def test_collect_reads_env_and_versions(monkeypatch):
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")   # shown only when set
+    monkeypatch.delenv("NCCL_IB_DISABLE", raising=False)
     monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
     info = doctor.collect()
     assert info["env"]["NCCL_DEBUG"] == "INFO"
     assert info["env"]["TORCH_DISTRIBUTED_DEBUG"] is None
+    assert info["env"]["NCCL_P2P_DISABLE"] == "1" and "NCCL_IB_DISABLE" not in info["env"]
+    assert "NCCL_P2P_DISABLE" in doctor.format_text(info)
     assert info["versions"]["jupyterlab"]  # installed by the package's dependencies
 
 

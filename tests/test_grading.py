@@ -336,6 +336,11 @@ def test_cli_finds_exercises_here_and_says_what_fails(tmp_path, monkeypatch, mar
     text = capsys.readouterr().out
     assert str(tmp_path / "exercises") in text and "8/10" in text
     assert "FAIL bubble_fraction" in text and "hint:" in text
+    from gpucourse import progress
+
+    assert progress.load()["exercises"]["ex05_one_f_one_b"]["score"] == 8  # your own exercises: recorded
+    assert cli.main(["grade", "5", "--path", str(REPO / "solutions")]) == 0
+    assert progress.load()["exercises"]["ex05_one_f_one_b"]["attempts"] == 1  # another folder: not recorded
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -366,6 +371,11 @@ def test_notebook_check_rereads_the_file_and_leaves_the_kernel_alone(tmp_path, m
     text = capsys.readouterr().out
     assert "10/10" in text and "ok   bubble_fraction" in text
     assert "ex05_one_f_one_b" not in sys.modules and not torch.cuda.is_initialized()
+    from gpucourse import progress
+
+    entry = progress.load()["exercises"]["ex05_one_f_one_b"]
+    assert (entry["attempts"], entry["score"], entry["passed"]) == (2, 10, True)
+    assert "1 of" in progress.format_summary() or "ex05" in progress.format_summary()
 
 
 def test_notebook_check_shows_html_in_a_kernel(monkeypatch, marked):

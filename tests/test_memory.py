@@ -123,3 +123,25 @@ def test_plan_agrees_with_memory_and_never_ranks_a_misfit_as_fitting():
         assert estimate(TrainConfig.from_dict(r["config"]))["max"] == r["memory"]
     fitting = [r for r in rows if r["fits"]]
     assert fitting == sorted(fitting, key=lambda r: r["step_s"])
+
+
+@pytest.mark.parametrize("params", [1.3e9, 7e9, 13e9, 70e9, 175e9, 405e9])
+def test_the_planners_shapes_let_tensor_parallelism_split_the_heads(params):
+    """From 1 B on, the assumed width is a whole number of 8 heads, so tp = 2, 4 and 8 are all tried."""
+    from gpucourse.plan import shape_for_params
+
+    shape = shape_for_params(params)
+    assert shape["n_head"] % 8 == 0 and shape["n_embd"] == 128 * shape["n_head"], shape
+    if params == 70e9:
+        assert {r["tp"] for r in plan(params, gpus=64)["layouts"]} == {1, 2, 4, 8}
+
+
+def test_plan_takes_a_real_models_shape():
+    llama = {"n_layer": 80, "n_embd": 8192, "n_head": 64}
+    result = plan(None, gpus=64, shape=llama)
+    assert result["shape"] == {"vocab_size": 32000, **llama}
+    assert result["model_params"] == num_params(TrainConfig(model="gpt2-small", overrides={
+        **result["shape"], "block_size": 4096}).model_config())
+    assert any(r["fits"] and r["tp"] > 1 for r in result["layouts"])
+    with pytest.raises(ValueError, match="divisible by n_head"):
+        plan(None, gpus=8, shape={"n_layer": 4, "n_embd": 1000, "n_head": 64})

@@ -146,6 +146,18 @@ def test_explain_and_waiting_in_read_each_other():
     assert "disagree about collective #3" in text
 
 
+def test_diagnose_hang_names_the_ranks_that_left():
+    """One rank left the loop early (a break on its own data); the others wait in the next step's all-reduce."""
+    waiting = {0: "not in a collective — last finished #12 all_reduce(float32[1])",
+               1: "waiting in #13 all_reduce(float32[1,3]) — last finished #12 all_reduce(float32[1])",
+               2: "waiting in #13 all_reduce(float32[1,3]) — last finished #12 all_reduce(float32[1])"}
+    text = troubleshoot.diagnose_hang(waiting)
+    assert text.startswith("Ranks 1, 2 wait in collective #13 (all_reduce(float32[1,3])) for rank 0, which never")
+    assert "suspect the network" not in text
+    alone = troubleshoot.diagnose_hang({0: waiting[1], 1: waiting[2]})
+    assert "Every rank waits in the same collective #13" in alone
+
+
 def test_tracking_costs_a_few_microseconds_per_call():
     # 65 all-reduces per step of dp=2 tiny scratch training; a step takes tens of ms, so
     # anything under 10 us a call keeps the tracking well under 1 % of it.

@@ -9,7 +9,7 @@ save, check again.
 from __future__ import annotations
 
 from .report import html_report, text_report
-from .runner import DEFAULT_TIMEOUT_S, grade, stop_all
+from .runner import DEFAULT_TIMEOUT_S, grade, record_progress, stop_all
 
 
 def check(exercise: str, path=None, *, timeout: float = DEFAULT_TIMEOUT_S, seed: int | None = None) -> None:
@@ -17,19 +17,21 @@ def check(exercise: str, path=None, *, timeout: float = DEFAULT_TIMEOUT_S, seed:
 
     ``exercises/`` is looked for in and above the current folder, then in the
     repository; ``path`` names another folder. In a notebook the summary is
-    HTML; elsewhere it is printed as text.
+    HTML; elsewhere it is printed as text. Grading your own ``exercises/``
+    (no ``path``) records the score in your progress file (``gpucourse progress``).
     """
     try:
         result = grade(path, [exercise], timeout=timeout, seed=seed)
     except KeyboardInterrupt:
         stop_all()
         raise
+    note = record_progress(result) if path is None else ""
     try:
         from IPython import get_ipython
         from IPython.display import HTML, display
     except ImportError:
         get_ipython = None
     if get_ipython is not None and get_ipython() is not None:
-        display(HTML(html_report(result)))
+        display(HTML(html_report(result) + (f"<p><i>{note}</i></p>" if note else "")))
     else:
-        print(text_report(result, show_passed=True))
+        print(text_report(result, show_passed=True) + (f"\n{note}" if note else ""))

@@ -151,6 +151,22 @@ def _host_failure(work: str, returncode) -> str:
     return f"the grader's own process {how} before grading this exercise" + (f":\n{tail}" if tail else "")
 
 
+def record_progress(result: dict) -> str:
+    """Record each graded exercise's score in the learner's progress file; a note if that failed, else ``""``.
+
+    A grade is never lost to the progress file: a file that cannot be written
+    (or a broken one) is reported in one sentence and the grade stands.
+    """
+    from .. import progress
+
+    try:
+        for e in result["exercises"]:
+            progress.record_exercise(e["module"], e["score"], e["max_score"])
+    except (OSError, ValueError) as err:
+        return f"(progress not recorded: {err})"
+    return ""
+
+
 def stop_all() -> None:
     """Kill every grading process running now (a kernel interrupt, a Ctrl-C of a class run)."""
     with _live_lock:
