@@ -180,13 +180,13 @@ class NotebookPage:
         self.page.wait_for_function(_NOTHING_RUNNING, timeout=timeout * 1000)
         self.page.wait_for_function(_KERNEL_IDLE, timeout=timeout * 1000)
 
-    def run_all(self, timeout: float = 600.0) -> dict:
+    def run_all(self, timeout: float = 600.0, draw_timeout: float = 30.0) -> dict:
         """Run → Run All Cells, wait for the last cell, save, and report what the page and the file show."""
         start = time.monotonic()
         self._menu("Run", "Run All Cells")
         self.wait_idle(timeout)
         seconds = time.monotonic() - start
-        return {**self.report(), "seconds": seconds}
+        return {**self.report(draw_timeout), "seconds": seconds}
 
     def run_cell(self, containing: str, timeout: float = 300.0) -> tuple[float, str]:
         """Run the first code cell whose source holds ``containing``: the seconds until it finished, and its output's text."""
