@@ -306,7 +306,8 @@ def kernelspec_dir(into: str | os.PathLike, name: str = "gpucourse-course") -> P
     spec = Path(into) / "kernels" / name
     spec.mkdir(parents=True, exist_ok=True)
     (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        # Warnings only to the kernel's own log: its start-up notes would mix into the caller's output.
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}", "--IPKernelApp.log_level=ERROR"],
         "display_name": "gpucourse", "language": "python"}))
     return spec.parent
 
