@@ -266,9 +266,13 @@ class Browser:
         self._browser = self._playwright.chromium.launch(executable_path=self.executable, args=CHROMIUM_FLAGS)
         return self
 
+    def new_page(self):
+        """A blank Playwright page of this browser."""
+        return self._browser.new_page(viewport={"width": 1400, "height": 900})
+
     def open(self, server: LabServer, notebook: str, timeout: float = 120.0) -> NotebookPage:
         """Open ``notebook`` in a new page and wait until its kernel is idle."""
-        page = self._browser.new_page(viewport={"width": 1400, "height": 900})
+        page = self.new_page()
         page.set_default_timeout(timeout * 1000)
         page.goto(server.url(notebook))
         page.wait_for_selector(".jp-Notebook .jp-Cell")

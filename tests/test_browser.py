@@ -45,7 +45,7 @@ def course(tmp_path_factory, chromium):
 def test_the_server_asks_for_its_token(course):
     """Token on: the same page without the token is sent to the login form, not to the notebook."""
     server, browser = course
-    page = browser._browser.new_page()
+    page = browser.new_page()
     try:
         page.goto(server.url("00_setup.ipynb").split("&token=")[0])
         page.wait_for_selector("input[type=password], input[name=password]", timeout=60_000)
