@@ -67,7 +67,7 @@ def server_argv(root: str | os.PathLike = NOTEBOOKS, port: int = 8888, token: st
 
 
 def find_chromium() -> str | None:
-    """Chromium's executable: ``$GPUCOURSE_CHROMIUM``, else the first of chromium / chromium-browser on PATH."""
+    """Chromium's executable: ``$GPUCOURSE_CHROMIUM``, else the first of chromium, chromium-browser, google-chrome on PATH."""
     named = os.environ.get("GPUCOURSE_CHROMIUM")
     if named:
         return named if os.access(named, os.X_OK) else None
@@ -208,42 +208,35 @@ class NotebookPage:
 
     def report(self, draw_timeout: float = 30.0) -> dict:
         """Cells, errors, rank output, plotly figures and widgets, from the saved file and the drawn page."""
+        from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
         nb = self.saved()
         code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+        outputs = [o for c in code for o in c.get("outputs", [])]
         errors = [f"code cell {i}: {o.get('ename')}: {o.get('evalue')}" for i, c in enumerate(code)
                   for o in c.get("outputs", []) if o["output_type"] == "error"]
-        texts = []
-        for c in code:
-            for o in c.get("outputs", []):
-                if o["output_type"] == "stream":
-                    texts.append(o["text"] if isinstance(o["text"], str) else "".join(o["text"]))
-                elif "data" in o and "text/plain" in o["data"]:
-                    plain = o["data"]["text/plain"]
-                    texts.append(plain if isinstance(plain, str) else "".join(plain))
-        def outputs_of(mime):
-            return sum(mime in o.get("data", {}) for c in code for o in c.get("outputs", []))
-
+        texts = [o["text"] if o["output_type"] == "stream" else o.get("data", {}).get("text/plain", "")
+                 for o in outputs]
+        want = {"plots": sum(PLOTLY_MIME in o.get("data", {}) for o in outputs),
+                "widgets": sum(WIDGET_MIME in o.get("data", {}) for o in outputs)}
         # Each figure or widget the kernel sent must be drawn: a plotly plot with its SVG, a widget's own view.
-        # Drawing follows the output by a moment (plotly.js loads on first use), so wait for it, within reason.
-        want = {"plots": outputs_of(PLOTLY_MIME), "widgets": outputs_of(WIDGET_MIME)}
+        # Drawing follows the output by a moment (plotly.js loads on first use), so wait for it, within reason;
+        # what is still missing then shows in the counts.
         try:
             self.page.wait_for_function(_ALL_DRAWN, arg=want, timeout=draw_timeout * 1000)
-        except Exception as e:  # what is missing is reported below, in counts
-            if type(e).__name__ != "TimeoutError":
-                raise
-        plots = self.page.locator(_PLOTLY_DRAWN)
-        widgets = self.page.locator(_WIDGET_DRAWN)
+        except PlaywrightTimeout:
+            pass
+        shown = " ".join(self.page.locator(".jp-OutputArea-output").all_inner_texts())
         return {
             "code_cells": len(code),
             "executed": sum(c.get("execution_count") is not None for c in code),
             "errors": errors,
-            "text": "\n".join(texts),
-            "plotly_outputs": outputs_of(PLOTLY_MIME),
-            "plotly_drawn": plots.filter(has=self.page.locator(".main-svg")).count(),
-            "widget_outputs": outputs_of(WIDGET_MIME),
-            "widgets_drawn": widgets.count(),
-            "widget_trouble": sorted(set(_WIDGET_TROUBLE.findall(" ".join(
-                self.page.locator(".jp-OutputArea-output").all_inner_texts())))),
+            "text": "\n".join(t if isinstance(t, str) else "".join(t) for t in texts),  # the file splits lines
+            "plotly_outputs": want["plots"],
+            "plotly_drawn": self.page.locator(_PLOTLY_DRAWN).filter(has=self.page.locator(".main-svg")).count(),
+            "widget_outputs": want["widgets"],
+            "widgets_drawn": self.page.locator(_WIDGET_DRAWN).count(),
+            "widget_trouble": sorted(set(_WIDGET_TROUBLE.findall(shown))),
         }
 
 
