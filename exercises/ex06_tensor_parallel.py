@@ -23,6 +23,10 @@ with W of shape (out, in):
     y, the same on every rank, the bias counted once. Gradients must come out
     right for its weight, its bias and its input slice.
 
+Both must work for a ``full`` made with ``bias=False`` (``full.bias`` is None):
+then the layer has no bias either (``self.bias = None``). The slices are copies
+(``.clone()``), not views of ``full``'s tensors, so the whole weight can be freed.
+
 The communication belongs in two small ``torch.autograd.Function``s (each a
 ``forward`` and a ``backward``) that you apply inside the layers' forwards.
 Do not change the input tensors.

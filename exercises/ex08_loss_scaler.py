@@ -41,9 +41,10 @@ and halves S; after ``growth_interval`` good steps in a row it doubles S.
 
 ``step(optimizer, group=None) -> bool``
     Unscale the gradients of every parameter of ``optimizer.param_groups``
-    that has one, call ``optimizer.step()`` only if none overflowed, then
-    ``update``. Return whether the optimizer stepped. (Zeroing the gradients
-    stays the training loop's job.)
+    that has one (``unscale_`` over the same ``group``), call
+    ``optimizer.step()`` only if none overflowed, then ``update``. Return
+    whether the optimizer stepped. (Zeroing the gradients stays the training
+    loop's job.)
 """
 
 import torch

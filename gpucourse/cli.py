@@ -649,8 +649,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "learner's results JSON goes to FILE-results/")
     p.add_argument("--jobs", type=int, default=1, help="with --class: learners graded at a time (default 1)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
-                   help=f"seconds each exercise may take (default {DEFAULT_TIMEOUT_S:g}); a check is stopped "
-                        f"after a third of that (at least 10 s)")
+                   help=f"seconds each check's code may take on a quiet machine (default {DEFAULT_TIMEOUT_S:g}); "
+                        f"scaled up by how loaded the machine is, and starting ranks is not counted")
     p.add_argument("--memory-gb", type=float, default=DEFAULT_MEMORY_GB, metavar="G",
                    help=f"address space each exercise's processes may use (default {DEFAULT_MEMORY_GB:g} GiB)")
     p.add_argument("--seed", type=int, default=None,

@@ -32,12 +32,16 @@ EXERCISES = list(grading.exercises().values())
 # The intended check is the first one listed.
 WRONG_ANSWERS = {
     "ex01_ring_allreduce/no_allgather": (["sums over 2 ranks", "keeps bf16 as bf16",
+                                          "returns a new tensor, leaves its input unchanged",
                                           "3 ranks, lengths not divisible by 3",
-                                          "each rank sends 2(n-1)/n of the tensor (3 ranks)"],
+                                          "each rank sends 2(n-1)/n of the tensor, to rank+1 (3 ranks)"],
                                          "differ"),
     "ex01_ring_allreduce/floor_chunks": (["3 ranks, lengths not divisible by 3"], "only the last"),
-    "ex01_ring_allreduce/in_place": (["leaves its input unchanged"], "was changed"),
+    "ex01_ring_allreduce/in_place": (["returns a new tensor, leaves its input unchanged", "one rank"], "was changed"),
     "ex01_ring_allreduce/uses_all_reduce": ([c.name for c in grading.find_exercise("ex01").checks], "switches off"),
+    "ex01_ring_allreduce/returns_input_alone": (["one rank"], "shares its memory"),
+    "ex01_ring_allreduce/direct_exchange": (["each rank sends 2(n-1)/n of the tensor, to rank+1 (3 ranks)"],
+                                            "only to the next one"),
     "ex02_data_parallel/no_divide": (["average_gradients averages over 2 ranks",
                                       "one step on 2 ranks equals the single-device step",
                                       "average_gradients skips parameters without a gradient",
@@ -47,24 +51,37 @@ WRONG_ANSWERS = {
     "ex02_data_parallel/whole_batch": (["each rank trains on its own share of the batch"], "whole global batch"),
     "ex02_data_parallel/no_zero_grad": (["one step on 2 ranks equals the single-device step",
                                          "one step on 3 ranks equals the single-device step"], "left over"),
+    "ex02_data_parallel/averages_weights": (["one step on 2 ranks equals the single-device step",
+                                             "one step on 3 ranks equals the single-device step"], "not averaged"),
     "ex03_gradient_buckets/forward_order": (["buckets follow gradient-ready order"], "forward order"),
     "ex03_gradient_buckets/cap_off_by_one": (["buckets respect the size cap"], "as far as the cap allows"),
     "ex03_gradient_buckets/sync_in_finish": (["one async all-reduce per bucket, during backward"],
                                              "after backward"),
     "ex03_gradient_buckets/no_reset": (["a second step works too"], "no all-reduce"),
+    "ex03_gradient_buckets/launch_at_end": (["one async all-reduce per bucket, during backward"],
+                                            "after the last gradient"),
+    "ex03_gradient_buckets/wait_in_hook": (["one async all-reduce per bucket, during backward"],
+                                           "waited for the all-reduce"),
     "ex04_zero1/no_allgather": (["a ZeRO-1 step equals Adam on one device (2 ranks)",
-                                 "Adam's state lives only on this rank's shard", "3 ranks, sizes not divisible by 3"],
-                                "never arrived"),
+                                 "3 ranks, sizes not divisible by 3"], "never arrived"),
     "ex04_zero1/floor_shard": (["shard_bounds cuts a buffer into padded shards",
                                 "a ZeRO-1 step equals Adam on one device (2 ranks)",
                                 "3 ranks, sizes not divisible by 3"], "they cover"),
     "ex04_zero1/unsharded_state": (["Adam's state lives only on this rank's shard"], "numbers of state"),
+    "ex04_zero1/steps_every_shard": (["Adam's state lives only on this rank's shard"], "state of every shard"),
+    "ex04_zero1/sums_grads": (["a ZeRO-1 step equals Adam on one device (2 ranks)",
+                               "3 ranks, sizes not divisible by 3"], "summed over the ranks"),
+    "ex04_zero1/uses_zero_redundancy": ([c.name for c in grading.find_exercise("ex04").checks][1:], "switched off"),
     "ex05_one_f_one_b/warmup_off_by_one": (["stage s warms up with min(pp - s - 1, m) forwards",
                                             "then one forward, one backward, in turn",
                                             "stage s holds at most pp - s microbatches"], "warm-up of"),
     "ex05_one_f_one_b/send_before_recv": (["the schedule is valid and does not deadlock",
                                            "stage s holds at most pp - s microbatches"], "deadlock"),
     "ex05_one_f_one_b/naive_bubble": (["bubble_fraction"], "naive"),
+    "ex05_one_f_one_b/bubble_over_compute": (["bubble_fraction"], "the compute time alone"),
+    "ex05_one_f_one_b/gpipe_order": (["stage s warms up with min(pp - s - 1, m) forwards",
+                                      "then one forward, one backward, in turn",
+                                      "stage s holds at most pp - s microbatches"], "that is GPipe"),
     "ex06_tensor_parallel/row_no_allreduce": (["row-parallel forward", "column then row is the whole MLP (3 ranks)"],
                                               "never summed"),
     "ex06_tensor_parallel/column_no_grad_sum": (["column-parallel backward",
@@ -73,6 +90,11 @@ WRONG_ANSWERS = {
                                              "before the sum"),
     "ex06_tensor_parallel/grad_sum_twice": (["row-parallel backward", "column then row is the whole MLP (3 ranks)"],
                                             "summed over ranks in backward"),
+    "ex06_tensor_parallel/assumes_bias": (["column-parallel forward", "column-parallel backward",
+                                          "row-parallel forward", "column then row is the whole MLP (3 ranks)",
+                                          "one rank"], "'NoneType' object has no attribute"),
+    "ex06_tensor_parallel/column_grad_hook": (["column-parallel backward"], "once per layer"),
+    "ex06_tensor_parallel/weight_view": (["column-parallel forward"], "view into a storage"),
     "ex07_memory_estimate/adam_one_moment": (["fp32 with Adam: 16 bytes per parameter",
                                               "half precision: master weights, or autocast",
                                               "ZeRO stages 1 to 3 shard over dp",
@@ -87,6 +109,9 @@ WRONG_ANSWERS = {
                                                     "does not shard the gradients"),
     "ex07_memory_estimate/floor_shard": (["shards round up, and stages 1 and 2 pad the buffer"], "ceil("),
     "ex07_memory_estimate/negative_microbatch": (["largest_microbatch fits the budget"], "negative count"),
+    "ex07_memory_estimate/pads_stage_zero": (["shards round up, and stages 1 and 2 pad the buffer"],
+                                             "only stages 1 and 2 keep that buffer"),
+    "ex07_memory_estimate/float_microbatch": (["largest_microbatch fits the budget"], "a float"),
     "ex08_loss_scaler/unscale_multiplies": (["scale multiplies the loss, unscale_ divides in place",
                                              "a skipped step changes no weight and no optimizer state",
                                              "training with overflows follows torch.amp.GradScaler",
@@ -94,15 +119,26 @@ WRONG_ANSWERS = {
     "ex08_loss_scaler/misses_nan": (["scale multiplies the loss, unscale_ divides in place"], "NaN"),
     "ex08_loss_scaler/steps_on_overflow": (["a skipped step changes no weight and no optimizer state",
                                             "training with overflows follows torch.amp.GradScaler",
-                                            "ranks agree on skipping a step (2 ranks)"], "the optimizer stepped"),
+                                            "ranks agree on skipping a step (2 ranks)",
+                                            "collectives use the group passed in (3 ranks)"], "the optimizer stepped"),
     "ex08_loss_scaler/no_reset_on_overflow": (["an overflow backs off and restarts the count"], "after the overflow"),
-    "ex08_loss_scaler/no_allreduce": (["ranks agree on skipping a step (2 ranks)"], "stepped anyway"),
+    "ex08_loss_scaler/no_allreduce": (["ranks agree on skipping a step (2 ranks)",
+                                       "collectives use the group passed in (3 ranks)"], "stepped anyway"),
+    "ex08_loss_scaler/step_drops_group": (["collectives use the group passed in (3 ranks)"], "on the default group"),
+    "ex08_loss_scaler/fused_unscale": (["scale multiplies the loss, unscale_ divides in place",
+                                        "a skipped step changes no weight and no optimizer state",
+                                        "training with overflows follows torch.amp.GradScaler",
+                                        "small fp16 gradients survive with scaling",
+                                        "ranks agree on skipping a step (2 ranks)",
+                                        "collectives use the group passed in (3 ranks)"], "switches off"),
     "ex09_profile_analysis/overlap_twice": (["overlapping spans count once, blocking ones as communication",
                                              "the shares of a recorded run"], "counted twice"),
     "ex09_profile_analysis/blocking_hidden": (["overlapping spans count once, blocking ones as communication"],
                                               "blocking all-reduce inside the forward as compute"),
     "ex09_profile_analysis/mfu_two_n": (["mfu"], "the forward pass alone"),
     "ex09_profile_analysis/speedup_not_efficiency": (["scaling_efficiency"], "the speed-up"),
+    "ex09_profile_analysis/ignores_step": (["every rank in its own window, spans cut to it"], "spans of other steps"),
+    "ex09_profile_analysis/start_not_cut": (["every rank in its own window, spans cut to it"], "counts only from"),
     "ex10_fix_deadlock/barrier_after_loop": ([c.name for c in grading.find_exercise("ex10").checks], "barrier()"),
     "ex10_fix_deadlock/any_rank_stops": (["every rank logs the same mean loss (2 ranks)",
                                           "2 ranks train as one device does", "3 ranks train as one device does"],
@@ -211,22 +247,23 @@ def test_wrong_answer_loses_points_with_the_intended_hint(mutant_results, mutant
 
 
 def test_hostile_code_becomes_failed_checks(marked):
-    """sys.exit, an exception on one rank, os._exit (in a rank and in the exercise process), a hang in a
+    """sys.exit, an exception on one rank, os._exit (on a rank of two and on a rank alone), a hang in a
     receive, an endless loop, megabytes of output and too much memory: each a failed check with its
-    reason, the other checks and exercises still graded, every exercise within its timeout."""
-    timeout = 30.0
+    reason, the other checks and exercises still graded, a hang costing its own check's budget only."""
+    timeout = 10.0
     files = {"ex01": MUTANTS / "hostile" / "ex01_misbehaves.py", "ex04": MUTANTS / "hostile" / "ex04_memory_hog.py",
              "ex05": MUTANTS / "hostile" / "ex05_exits_and_loops.py"}
     result = grading.grade(REPO / "solutions", ["ex01", "ex02", "ex04", "ex05"], timeout=timeout,
                            files={k: str(v) for k, v in files.items()})
     by_id = _by_id(result)
     for e in result["exercises"]:
-        assert e["time_s"] < timeout + 20, (e["exercise"], e["time_s"])
+        for c in e["checks"]:  # a check's budget is scaled by the load, at most 10 times; starting ranks is extra
+            assert c["time_s"] < timeout * 10 * 4 + 60, (e["exercise"], c["name"], c["time_s"])
 
     ring = {c["name"]: c for c in by_id["ex01"]["checks"]}
     assert "sys.exit(3)" in ring["sums over 2 ranks"]["message"]
     assert ring["keeps bf16 as bf16"]["message"].startswith("rank 1: ValueError: only rank 1 fails")
-    assert "rank 1: the process" in ring["leaves its input unchanged"]["message"]
+    assert "rank 1's process ended" in ring["returns a new tensor, leaves its input unchanged"]["message"]
     hang = ring["3 ranks, lengths not divisible by 3"]["message"]
     assert "did not finish within" in hang and "rank 0 did not" in hang
     assert ring["one rank"]["status"] == "passed"  # it printed 5 MB first
@@ -236,7 +273,7 @@ def test_hostile_code_becomes_failed_checks(marked):
     assert by_id["ex02"]["score"] == 10  # an exercise between hostile ones is graded as usual
     assert "ran out of memory" in by_id["ex04"]["checks"][0]["message"]
     schedule = {c["name"]: c for c in by_id["ex05"]["checks"]}
-    assert "os._exit(0)" in schedule["the schedule is valid and does not deadlock"]["message"]
+    assert "os._exit" in schedule["the schedule is valid and does not deadlock"]["message"]
     assert "did not finish within" in schedule["bubble_fraction"]["message"]
 
 
@@ -374,7 +411,7 @@ def test_notebook_check_rereads_the_file_and_leaves_the_kernel_alone(tmp_path, m
     from gpucourse import progress
 
     entry = progress.load()["exercises"]["ex05_one_f_one_b"]
-    assert (entry["attempts"], entry["score"], entry["passed"]) == (2, 10, True)
+    assert (entry["attempts"], entry["score"], entry["passed"]) == (1, 10, True)  # the untouched stub was no attempt
     assert "1 of" in progress.format_summary() or "ex05" in progress.format_summary()
 
 

@@ -6,15 +6,35 @@
     grade_class("submissions", "grades.csv", jobs=2)
 
 Each exercise is a module in ``exercises/`` (stubs), solved in ``solutions/``,
-with its checks in ``gpucourse/grading/checks/``. Learner code always runs in
-separate processes with a timeout and a memory limit (see ``host``).
+with its checks in ``gpucourse/grading/checks/`` and the code that drives the
+learner's functions in ``gpucourse/grading/probes/``. The checks run in a
+trusted process; learner code runs only in sandboxed worker processes that
+get inputs and send back outputs (see ``host`` and ``sandbox``).
+
+Names are imported when first used, so the sandbox, which imports
+``gpucourse.grading.sandbox``, never loads the checks.
 """
 
-from .core import Exercise, Fail, exercises, find_exercise
-from .notebook import check
-from .report import gradescope, html_report, text_report
-from .runner import DEFAULT_TIMEOUT_S, grade, grade_class
-from .timing import time_grade_class, time_grade_one_exercise
+from __future__ import annotations
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Exercise", "Fail", "check", "exercises", "find_exercise", "grade", "grade_class",
-           "gradescope", "html_report", "text_report", "time_grade_class", "time_grade_one_exercise"]
+import importlib
+
+_EXPORTS = {
+    "Exercise": "core", "Fail": "core", "exercises": "core", "find_exercise": "core", "check": "notebook",
+    "gradescope": "report", "html_report": "report", "text_report": "report", "DEFAULT_TIMEOUT_S": "runner",
+    "grade": "runner", "grade_class": "runner", "time_grade_class": "timing", "time_grade_one_exercise": "timing",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'gpucourse.grading' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

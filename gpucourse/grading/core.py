@@ -8,14 +8,17 @@ one ``EXERCISE`` and registers its checks with a decorator::
 
     @EXERCISE.check("buckets follow gradient-ready order", points=2, hint="...")
     def ready_order(ctx):
-        buckets = ctx.load().assign_buckets(model, cap)
-        if buckets != expected:
+        got = ctx.call("assign_buckets", model, cap).value   # run in the sandbox; a copy comes back
+        if got != expected:
             raise Fail("the first bucket holds ...")
 
-A check with ``world_size=n`` runs on n gloo ranks (every rank calls it; it
-passes when it passes on all of them); without one it runs once, in the
-exercise's own process. A check says what it saw by raising :class:`Fail`; any
-other exception comes from the learner's code and is reported as such.
+The check itself runs in the grader's trusted process and holds the inputs
+and the expected values; the learner's code runs only in the sandbox
+(:mod:`gpucourse.grading.sandbox`). A check with ``world_size=n`` gets n gloo
+ranks and hands each its own inputs (``ctx.call_all``, ``ctx.probe_all``);
+without one it gets a single sandboxed process. A check says what it saw by
+raising :class:`Fail`; an exception in the learner's code fails it with that
+exception's sentence.
 Adding an exercise is dropping in those two modules (and the solved one in
 ``solutions/``): :func:`exercises` finds every ``exNN_*`` checks module.
 """
@@ -25,8 +28,6 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import re
-import sys
-import types
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable
@@ -38,13 +39,6 @@ class Fail(Exception):
     """A wrong answer: the message says what the check saw (not how to fix it: that is the hint)."""
 
 
-class ForbiddenCall(BaseException):
-    """The learner called something the exercise forbids.
-
-    A BaseException, so that ``except Exception`` in learner code does not hide it.
-    """
-
-
 @dataclass(frozen=True)
 class Check:
     """One graded property: ``name``, ``points``, a ``hint`` that teaches, and the function that checks it."""
@@ -53,7 +47,8 @@ class Check:
     points: int
     hint: str
     fn: Callable[["CheckContext"], None]
-    world_size: int | None = None  # None: once, in the exercise's process; n: on n gloo ranks
+    world_size: int | None = None  # None: on one sandboxed process; n: on n gloo ranks
+    budget_s: float = 20.0         # seconds the learner's code may take in this check, on a quiet machine
 
 
 @dataclass
@@ -64,6 +59,13 @@ class Exercise:
     title: str
     notebook: str        # the notebook that teaches it
     checks: list[Check] = field(default_factory=list)
+    # What the sandbox refuses while this exercise's code runs: collectives (by
+    # torch.distributed's name, however they are issued), dotted names of
+    # library classes and functions, and modules (on top of the course's own).
+    forbidden_collectives: tuple[str, ...] = ()
+    forbidden_names: tuple[str, ...] = ()
+    hidden_modules: tuple[str, ...] = ()
+    refusal: str = "this exercise switches off {op}: write it yourself"
 
     @property
     def id(self) -> str:
@@ -73,12 +75,12 @@ class Exercise:
     def max_score(self) -> int:
         return sum(c.points for c in self.checks)
 
-    def check(self, name: str, *, points: int, hint: str, world_size: int | None = None):
+    def check(self, name: str, *, points: int, hint: str, world_size: int | None = None, budget_s: float = 20.0):
         """Register the decorated function as a check of this exercise (in the order written)."""
         def register(fn):
             if any(c.name == name for c in self.checks):
                 raise ValueError(f"{self.module} has two checks called {name!r}")
-            self.checks.append(Check(name, points, hint, fn, world_size))
+            self.checks.append(Check(name, points, hint, fn, world_size, budget_s))
             return fn
         return register
 
@@ -88,33 +90,63 @@ class Exercise:
 
 @dataclass
 class CheckContext:
-    """What a check function gets: the learner's file, the run's seed, and who this rank is."""
+    """What a check function gets: the run's seed, how many ranks, and a way to run the learner's code.
+
+    The check runs here, in the grader's own process; the learner's code runs
+    only on the sandbox's ranks. :meth:`call_all` hands rank r its own
+    arguments (tensors and plain data) and returns what each rank's call gave
+    back; :meth:`probe_all` runs a function of the exercise's probe module
+    (``gpucourse/grading/probes/<module>.py``), which drives the learner's code
+    through a longer scenario and reports what it observed. A check never sees
+    the learner's objects, only copies of what they returned.
+    """
 
     exercise: Exercise
     check: Check
     path: str
     seed: int
-    rank: int = 0
     world_size: int = 1
-
-    def load(self) -> types.ModuleType:
-        """Import the learner's file afresh (so a check sees no state another check left).
-
-        Compiled from source, so no ``__pycache__`` appears in the learner's folder.
-        """
-        with open(self.path, encoding="utf-8") as f:
-            source = f.read()
-        module = types.ModuleType(self.exercise.module)
-        module.__file__ = self.path
-        sys.modules[self.exercise.module] = module  # dataclasses and pickling look modules up here
-        exec(compile(source, self.path, "exec"), module.__dict__)
-        return module
+    batch: object = None   # the ranks (gpucourse.grading.host.Batch)
+    budget_s: float = 20.0
 
     def generator(self, *key) -> torch.Generator:
-        """A torch RNG seeded from the run's seed, this check and ``key``: every rank can rebuild any rank's inputs."""
+        """A torch RNG seeded from the run's seed, this check and ``key``."""
         g = torch.Generator()
         g.manual_seed(derive_seed(self.seed, self.check.name, *key))
         return g
+
+    def load(self) -> None:
+        """Load the learner's file afresh on every rank (so a check sees no state another check left)."""
+        self.batch.request([{"op": "load"}] * self.world_size, self.budget_s, self.path)
+
+    def _run(self, op: str, name: str, args_per_rank, kwargs_per_rank) -> list:
+        from .host import Outcome
+
+        n = self.world_size
+        args_per_rank = list(args_per_rank) if args_per_rank is not None else [()] * n
+        kwargs_per_rank = list(kwargs_per_rank) if kwargs_per_rank is not None else [{}] * n
+        if len(args_per_rank) != n or len(kwargs_per_rank) != n:
+            raise ValueError(f"{self.check.name}: {n} ranks need {n} sets of arguments")
+        replies = self.batch.request([{"op": op, "name": name, "args": tuple(a), "kwargs": k}
+                                      for a, k in zip(args_per_rank, kwargs_per_rank)], self.budget_s, self.path)
+        return [Outcome(r, rep.get("value"), tuple(rep.get("args") or ()), rep.get("aliases"), rep.get("comm") or [],
+                        float(rep.get("time_s") or 0.0)) for r, rep in enumerate(replies)]
+
+    def call_all(self, name: str, args_per_rank=None, kwargs_per_rank=None) -> list:
+        """``learner.name(*args_per_rank[r], **kwargs_per_rank[r])`` on every rank r at once; their Outcomes."""
+        return self._run("call", name, args_per_rank, kwargs_per_rank)
+
+    def call(self, name: str, *args, **kwargs):
+        """``learner.name(*args, **kwargs)`` on the one rank of a local check; its Outcome."""
+        return self._run("call", name, [args], [kwargs])[0]
+
+    def probe_all(self, name: str, args_per_rank=None, kwargs_per_rank=None) -> list:
+        """``probes.<module>.name(learner, *args_per_rank[r], ...)`` on every rank r at once; their Outcomes."""
+        return self._run("probe", name, args_per_rank, kwargs_per_rank)
+
+    def probe(self, name: str, *args, **kwargs):
+        """The probe ``name`` on the one rank of a local check; its Outcome."""
+        return self._run("probe", name, [args], [kwargs])[0]
 
 
 def derive_seed(seed: int, *key) -> int:
@@ -168,32 +200,3 @@ def find_exercise(key: str) -> Exercise:
         if k in (ex.id, ex.module):
             return ex
     raise KeyError(f"no exercise called {key!r}; there are {', '.join(known)}")
-
-
-_DIST_HOMES = ("torch.distributed", "torch.distributed.distributed_c10d")
-
-
-class replaced_dist:
-    """Within this ``with`` block, ``torch.distributed.<name>`` is ``fn`` (for each name, fn in ``replacements``).
-
-    Load the learner's module inside the block, so that ``from torch.distributed
-    import all_reduce`` binds the replacement too.
-    """
-
-    def __init__(self, replacements: dict[str, Callable]):
-        self.replacements = replacements
-        self.saved: list = []
-
-    def __enter__(self):
-        for home in _DIST_HOMES:
-            module = sys.modules[home] if home in sys.modules else importlib.import_module(home)
-            for name, fn in self.replacements.items():
-                if hasattr(module, name):
-                    self.saved.append((module, name, getattr(module, name)))
-                    setattr(module, name, fn)
-        return self
-
-    def __exit__(self, *exc):
-        for module, name, original in reversed(self.saved):
-            setattr(module, name, original)
-        self.saved.clear()

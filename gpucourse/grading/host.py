@@ -1,29 +1,22 @@
-"""The grading process: ``python -m gpucourse.grading.host SPEC.json``.
+"""The grading process: ``python -m gpucourse.grading.host SPEC.json``. It is trusted; learner code never runs in it.
 
 :func:`gpucourse.grading.runner.grade` starts it in a new session. It imports
-torch once, then grades each exercise in a process of its own, forked from
-it (so no exercise pays for importing torch again, and none sees another's
-state):
+the checks and starts one sandbox process (:mod:`gpucourse.grading.sandbox`),
+as an unprivileged user when it is root, over a private folder that holds a
+copy of each learner file and nothing else. For each exercise it runs the
+checks here, one after another; a check sends inputs to the sandbox's ranks
+and judges what comes back (see :class:`~gpucourse.grading.core.CheckContext`).
+Consecutive checks with the same number of ranks share one batch of ranks;
+after a hang or a crash the next check gets fresh ranks, so a hang in one
+check leaves the others to run.
 
-- the exercise process starts a new session (its process group is killed as a
-  whole), dies with this one (PR_SET_PDEATHSIG), and runs under limits set
-  with ``resource.setrlimit``: address space (``memory_bytes``), size of any
-  file it writes (``output_bytes``, which caps what it and its ranks print),
-  no core dumps. Its output goes to a file, of which we keep the head and tail;
-- it runs the checks, local ones in itself and distributed ones on gloo ranks
-  through ``gpucourse.launch``, and appends one JSON line per event (a check
-  started, passed, failed, raised) to the exercise's event file; ranks append
-  their own lines, which survive any way a process can end;
-- this process watches the event file: an exercise process that makes no
-  progress (no check starts or ends on any rank) for the check timeout, a
-  third of the exercise's (at least 10 s), or that runs past the exercise's
-  timeout, has its process group killed. If the exercise process ended early
-  (a hang, os._exit, a crash, the memory limit), the check it was in fails
-  with the reason and a fresh process grades the checks that are left, as long
-  as time is left. Ranks that never got as far as the first check (not the
-  learner's doing: a busy machine) are given one more try.
+Time limits judge the learner's code, not the machine: starting ranks is not
+counted; each check has a budget of its own, scaled by how loaded the machine
+is right now (:func:`load_factor`), and a rank that is still moving from
+collective to collective is given more time rather than called hung.
 
-Results go to the spec's ``result`` file after every exercise (written atomically).
+This process is a child subreaper: whatever the learner's code started, however
+it detached, ends up its child and is killed before the result file is written.
 """
 
 from __future__ import annotations
@@ -31,260 +24,536 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import resource
+import select
+import shutil
 import signal
+import socket
+import subprocess
 import sys
 import time
-import traceback
+import uuid
+from dataclasses import dataclass
 
 from ..measure import write_atomic
-from . import core, source
-from .results import (OUTPUT_KEEP_BYTES, compile_exercise, crash, describe_exception, describe_launch_error,
-                      finalize, in_progress, read_events, static_result, who_finished)
+from ..runtime import collective_status
+from . import core, source, wire
+from .results import describe_exception, static_result
 
-GRACE_S = 5.0  # after a deadline, for the launch's own timeout to report first
-
-
-def _log(events_path: str, **event) -> None:
-    # One write() of one line to a file opened for appending: lines from several
-    # processes never interleave, and a line written is kept however the writer ends.
-    line = json.dumps({"t": time.time(), **event}) + "\n"
-    fd = os.open(events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
+STARTUP_S = 90.0         # for a batch's ranks to start and connect (not counted against any check)
+PROGRESS_GRACE_S = 3.0   # after a check's budget, how long a rank may take to show it is still moving
+MAX_EXTENSION = 4.0      # a progressing check gets at most this many budgets
+NOBODY = 65534
 
 
-def rank_checks(module: str, names: list[str], path: str, seed: int, events: str) -> None:
-    """Run the checks ``names`` of exercise ``module`` on this rank (started by ``launch``).
+class Stuck(Exception):
+    """Some ranks did not answer within the check's budget and showed no progress."""
 
-    A wrong answer (:class:`~gpucourse.grading.core.Fail`) is noted and the next
-    check runs; any other exception leaves the rank, so that the launcher stops
-    the group at once and names the rank that raised.
+    def __init__(self, budget: float, done: list[int], pending: list[int], waiting: dict[int, str]):
+        self.budget, self.done, self.pending, self.waiting = budget, done, pending, waiting
+        super().__init__(self.describe())
+
+    def describe(self) -> str:
+        n = len(self.done) + len(self.pending)
+        if n == 1:
+            return f"this check did not finish within {self.budget:.0f} s (an endless loop, or a wait for nothing)"
+        who = (f"rank{'s' * (len(self.done) > 1)} {', '.join(map(str, self.done))} finished it, "
+               f"rank{'s' * (len(self.pending) > 1)} {', '.join(map(str, self.pending))} did not"
+               if self.done else f"none of the {n} ranks finished it")
+        status = "; ".join(f"rank {r}: {self.waiting[r]}" for r in self.pending if self.waiting.get(r))
+        return (f"this check did not finish within {self.budget:.0f} s ({who}) — a hang: a blocking send or receive "
+                f"whose partner never comes, a collective that not every rank reached, or an endless loop"
+                + (f" [{status}]" if status else ""))
+
+
+class RankDied(Exception):
+    """A rank's process ended in the middle of a request."""
+
+
+class LearnerError(Exception):
+    """Learner code raised; ``describe`` is the one sentence a learner reads."""
+
+    def __init__(self, rank: int | None, exc_type: str, message: str, traceback_text: str, path: str, private: str):
+        self.rank, self.exc_type = rank, exc_type
+        text = describe_exception(exc_type, message.replace(private, path), traceback_text.replace(private, path),
+                                  path)
+        self.sentence = text if rank is None or exc_type == "NotImplementedError" else f"rank {rank}: {text}"
+        super().__init__(self.sentence)
+
+
+def load_factor() -> float:
+    """How much slower than a quiet core this machine runs torch right now (at least 1).
+
+    40 matrix products of 256 x 256 take about 14 ms on one quiet core of the
+    machines the course is tested on; the best of three tries, divided by that.
     """
-    import torch.distributed as dist
+    import torch
 
-    ex = core.exercises()[module[:4]]
-    rank, world = dist.get_rank(), dist.get_world_size()
-    for name in names:
-        _log(events, check=name, rank=rank, event="start")
-        ctx = core.CheckContext(ex, ex.by_name(name), path, seed, rank, world)
-        try:
-            ex.by_name(name).fn(ctx)
-        except core.Fail as e:
-            _log(events, check=name, rank=rank, event="fail", message=str(e))
-        else:
-            _log(events, check=name, rank=rank, event="pass")
+    a = torch.randn(256, 256)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(40):
+            a @ a
+        best = min(best, time.perf_counter() - start)
+    return max(1.0, min(10.0, best / 0.014))
 
 
-def _batches(checks: list[core.Check]) -> list[tuple[int | None, list[core.Check]]]:
-    """Consecutive checks with the same world size share one launch."""
-    out: list = []
-    for c in checks:
-        if out and out[-1][0] == c.world_size:
-            out[-1][1].append(c)
-        else:
-            out.append((c.world_size, [c]))
-    return out
+@dataclass
+class Outcome:
+    """What one rank's call returned: ``value``, the ``args`` as they were after it, and what it sent."""
+
+    rank: int
+    value: object
+    args: tuple
+    aliases: int | None   # the argument whose memory the value shares (an in-place answer)
+    comm: list            # each collective: {"op", "bytes", "group", "async", "t", "peer"?}
+    time_s: float
 
 
-def _run_exercise(ex: core.Exercise, path: str, todo: list[str], seed: int, events: str, deadline: float) -> None:
-    """Inside the exercise process: run the checks ``todo``; return at the first one that raised."""
-    from ..runtime.launcher import LaunchError, LaunchTimeout, WorkerError, launch
+class Batch:
+    """The ranks of one batch, each at the end of a socket."""
 
-    for world_size, checks in _batches([c for c in ex.checks if c.name in todo]):
-        if world_size is None:
-            for c in checks:
-                _log(events, check=c.name, rank=None, event="start")
-                try:
-                    c.fn(core.CheckContext(ex, c, path, seed))
-                except core.Fail as e:
-                    _log(events, check=c.name, rank=None, event="fail", message=str(e))
-                except BaseException as e:  # SystemExit and KeyboardInterrupt from learner code are failures too
-                    _log(events, check=c.name, rank=None, event="error",
-                         message=describe_exception(type(e).__name__, str(e), traceback.format_exc(), path))
-                    return
+    def __init__(self, sandbox: "Sandbox", number: int, world_size: int, socks: dict[int, socket.socket],
+                 pids: dict[int, int], status: dict[int, str]):
+        self.sandbox, self.number, self.world_size = sandbox, number, world_size
+        self.socks, self.pids, self.status = socks, pids, status
+        self.alive = True
+
+    def request(self, requests: list[dict], budget: float, path: str) -> list[dict]:
+        """Send rank r ``requests[r]``; every rank's reply, or Stuck / RankDied / LearnerError."""
+        for rank, req in enumerate(requests):
+            try:
+                wire.send_bytes(self.socks[rank], wire.encode_request(req))
+            except OSError:
+                raise RankDied(f"rank {rank}'s process had already ended") from None
+        replies: dict[int, dict] = {}
+        start = time.monotonic()
+        deadline, hard = start + budget, start + budget * MAX_EXTENSION
+        seen = {r: self._progress(r) for r in range(self.world_size)}
+        first_error = None
+        while len(replies) < self.world_size:
+            pending = {self.socks[r].fileno(): r for r in range(self.world_size) if r not in replies}
+            now = time.monotonic()
+            if first_error is not None and now > first_error + 1.0:
+                break  # a rank raised; the others are most likely waiting for it
+            if now > deadline:
+                moved = {r: self._progress(r) for r in pending.values()}
+                if now < hard and any(moved[r] != seen[r] for r in moved):
+                    seen.update(moved)  # still moving from collective to collective: slow, not hung
+                    deadline = now + PROGRESS_GRACE_S
                 else:
-                    _log(events, check=c.name, rank=None, event="pass")
-            continue
-        names = [c.name for c in checks]
+                    self.alive = False
+                    raise Stuck(budget, sorted(replies), sorted(pending.values()),
+                                {r: collective_status.explain(collective_status.read(self.status[r]))
+                                 for r in pending.values()})
+            ready, _, _ = select.select(list(pending), [], [], 0.2)
+            for fd in ready:
+                rank = pending[fd]
+                try:
+                    replies[rank] = wire.decode_reply(wire.recv_bytes(self.socks[rank], wire.MAX_REPLY_BYTES))
+                except (wire.ChannelClosed, OSError, wire.BadReply) as e:
+                    self.alive = False
+                    raise RankDied(self.sandbox.why_rank_ended(rank, e)) from None
+                if not replies[rank].get("ok") and first_error is None:
+                    first_error = time.monotonic()
+        errors = [r for r in sorted(replies) if not replies[r].get("ok")]
+        if errors:
+            if len(replies) < self.world_size:
+                self.alive = False
+            r = errors[0]
+            e = replies[r]
+            raise LearnerError(r if self.world_size > 1 else None, str(e.get("type")), str(e.get("message")),
+                               str(e.get("traceback", "")), path, self.sandbox.private)
+        return [replies[r] for r in range(self.world_size)]
+
+    def _progress(self, rank: int) -> str:
+        note = collective_status.read(self.status[rank])
+        return f"{note.get('waiting')}|{note.get('finished')}|{note.get('launched')}"
+
+    def close(self) -> None:
+        for s in self.socks.values():
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+class Sandbox:
+    """The sandbox process, seen from here: it starts batches of ranks on request."""
+
+    def __init__(self, spec: dict, private: str, output: str):
+        self.spec, self.private, self.output = spec, private, output
+        self.user = sandbox_user()
+        self.batches = 0
+        self.proc: subprocess.Popen | None = None
+        self.control: socket.socket | None = None
+        self.last_outcome = ""
+
+    def start(self) -> None:
+        ours, theirs = socket.socketpair()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUCOURSE_GRADE", "TORCHELASTIC_"))}
+        env.update(TMPDIR=os.path.join(self.private, "tmp"), HOME=self.private)
+        with open(self.output, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gpucourse.grading.wall", str(theirs.fileno()),
+                 json.dumps({"hidden_paths": self.spec["hidden_paths"], "private": self.private})],
+                pass_fds=[theirs.fileno()], cwd=self.private, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True,
+                user=self.user, group=self.user, extra_groups=[] if self.user is not None else None)
+        theirs.close()
+        self.control = ours
+        with open(os.path.join(self.spec["work"], "pgids"), "a") as f:
+            f.write(f"{self.proc.pid}\n")
+
+    def start_batch(self, ex: core.Exercise, world_size: int, file: str, limit_s: float) -> Batch:
+        """Ranks for a batch of ``ex``'s checks, connected; RankDied if they could not start."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        self.batches += 1
+        token = uuid.uuid4().hex
+        address = os.path.join(self.private, f"b{self.batches}.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(address)
+        if self.user is not None:
+            os.chown(address, self.user, self.user)
+        listener.listen(world_size)
+        request = {"batch": self.batches, "world_size": world_size, "module": ex.module, "file": file,
+                   "probes": f"{__package__}.probes.{ex.module}" if ex.module in _probe_names() else None,
+                   "address": address, "token": token, "private": self.private, "limit_s": limit_s,
+                   "memory_bytes": self.spec["memory_bytes"], "output_bytes": self.spec["output_bytes"],
+                   "forbidden_collectives": sorted(ex.forbidden_collectives), "forbidden_names": list(ex.forbidden_names),
+                   "refusal": ex.refusal, "hidden_paths": self.spec["hidden_paths"],
+                   "hidden_modules": list(HIDDEN_MODULES + ex.hidden_modules)}
+        self.control.sendall((json.dumps(request) + "\n").encode())
+        socks, pids, status = {}, {}, {}
+        deadline = time.monotonic() + STARTUP_S * self.spec["load"]
         try:
-            launch(rank_checks, ex.module, names, path, seed, events, world_size=world_size, device="cpu",
-                   timeout=max(1.0, deadline - time.time()), quiet=True)
-        except (WorkerError, LaunchTimeout, LaunchError) as e:
-            current = in_progress(ex, read_events(events), names)
-            _log(events, check=current or names[0], rank=None, event="error",
-                 message=describe_launch_error(e, path))
+            while len(socks) < world_size:
+                left = deadline - time.monotonic()
+                ready, _, _ = select.select([listener, self.control], [], [], max(0.0, min(left, 1.0)))
+                if self.control in ready or left <= 0:
+                    raise RankDied("the grader's ranks did not start" + (f" within {STARTUP_S:.0f} s" if left <= 0
+                                                                            else f": {self._outcome(0.5)}"))
+                if listener in ready:
+                    conn, _ = listener.accept()
+                    conn.settimeout(10)
+                    try:
+                        hello = json.loads(wire.recv_bytes(conn, 4096))
+                        rank = int(hello["rank"])
+                        ok = hello.get("token") == token and 0 <= rank < world_size and rank not in socks
+                    except (ValueError, KeyError, TypeError, OSError, wire.ChannelClosed):
+                        ok = False
+                    if not ok:
+                        conn.close()
+                        continue
+                    conn.settimeout(None)
+                    socks[rank], pids[rank], status[rank] = conn, int(hello["pid"]), str(hello["status"])
+        except BaseException:
+            for s in socks.values():
+                s.close()
+            self.restart()
+            raise
+        finally:
+            listener.close()
+            os.unlink(address)
+        return Batch(self, self.batches, world_size, socks, pids, status)
+
+    def _outcome(self, wait: float) -> str:
+        """The sandbox's word on how its last batch ended ("" if it ended well, or nothing came in ``wait`` s)."""
+        ready, _, _ = select.select([self.control], [], [], wait)
+        if not ready:
+            return ""
+        try:
+            line = self.control.recv(65536).decode(errors="replace").splitlines()[0]
+            outcome = json.loads(line).get("outcome", "")
+            self.last_outcome = outcome
+            if not outcome:
+                return ""
+            e = json.loads(outcome)
+            return f"{e.get('type')}: {e.get('message')}"
+        except (OSError, ValueError, IndexError, AttributeError):
+            return ""
+
+    def why_rank_ended(self, rank: int, error: Exception) -> str:
+        told = self._outcome(2.0)
+        if isinstance(error, wire.BadReply):
+            return f"rank {rank} sent the grader something that is not a reply ({error})"
+        if "ProcessExit" in told or "exit" in told.lower() or "signal" in told.lower():
+            return (f"rank {rank}'s process ended in the middle of this check ({told.split(': ', 1)[-1]}); "
+                    f"a function under test must return, not end its process")
+        if "memory" in told.lower():
+            return f"rank {rank} ran out of memory under the grader's limit (gpucourse grade --memory-gb)"
+        return (f"rank {rank}'s process ended in the middle of this check without an error (os._exit? a crash?)"
+                + (f": {told}" if told else ""))
+
+    def finish_batch(self, batch: Batch) -> None:
+        """End a batch: close its channels (the ranks return); kill them if they do not."""
+        batch.close()
+        if batch.alive and self._wait_outcome(10.0):
+            return
+        self.kill_ranks(batch)
+
+    def _wait_outcome(self, wait: float) -> bool:
+        ready, _, _ = select.select([self.control], [], [], wait)
+        if ready:
+            self._outcome(0)
+            return True
+        return False
+
+    def kill_ranks(self, batch: Batch) -> None:
+        for pid in batch.pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if not self._wait_outcome(3.0):
+            self.restart()  # the launcher has no word for how they ended (os._exit(0)): start afresh
+
+    def restart(self) -> None:
+        """Kill the sandbox and everything under it; the next batch starts a fresh one."""
+        if self.proc is not None:
+            kill_descendants()
+            self.proc = None
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+
+    def close(self) -> None:
+        if self.control is not None:
+            self.control.close()  # the sandbox's loop ends
+            self.control = None
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        kill_descendants()
+
+
+# Never importable by learner code, whatever the exercise.
+HIDDEN_MODULES = ("solutions", "tests", "gpucourse.grading.checks", "gpucourse.grading.host",
+                  "gpucourse.grading.runner", "gpucourse.grading.core", "gpucourse.grading.results",
+                  "gpucourse.grading.timing", "gpucourse.parallel", "gpucourse.train", "gpucourse.memory",
+                  "gpucourse.plan", "gpucourse.profiling", "gpucourse.measure", "gpucourse.comm",
+                  "gpucourse.troubleshoot", "gpucourse.bench", "gpucourse.tour")
+
+
+def sandbox_user() -> int | None:
+    """The unprivileged user the sandbox runs as when this process is root, or None (run as ourselves).
+
+    Only when that user can run this Python and read torch: an interpreter in
+    a private home folder (``/root/.pyenv``) cannot be run by anyone else, and
+    the sandbox then runs as this user, its audit hook the only wall.
+    """
+    if os.geteuid() != 0:
+        return None
+    import torch
+
+    for path in (os.path.realpath(sys.executable), os.path.realpath(torch.__file__), os.path.realpath(os.__file__)):
+        parts = path.split(os.sep)
+        for i in range(2, len(parts)):
+            folder = os.sep.join(parts[:i]) or os.sep
+            if not os.stat(folder).st_mode & 0o001:
+                return None
+        if not os.stat(path).st_mode & 0o004:
+            return None
+    return NOBODY
+
+
+def _probe_names() -> set[str]:
+    from . import probes
+    return set(probes.NAMES)
+
+
+def kill_descendants() -> None:
+    """Kill every process below this one (a subreaper: detached ones are children too), until none is left."""
+    me = os.getpid()
+    for _ in range(200):
+        children = _descendants(me)
+        if not children:
+            break
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        _reap()
+        time.sleep(0.02)
+    _reap()
+
+
+def _descendants(root: int) -> list[int]:
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    stat = f.read().decode(errors="replace")
+                parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, frontier = [], [root]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        found += kids
+        frontier += kids
+    return found
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
             return
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def _batches(checks: list[core.Check]) -> list[tuple[int, list[core.Check]]]:
+    """Consecutive checks with the same number of ranks share one batch (a local check runs on one)."""
+    out: list = []
+    for c in checks:
+        n = c.world_size or 1
+        if out and out[-1][0] == n:
+            out[-1][1].append(c)
+        else:
+            out.append((n, [c]))
+    return out
 
 
-def _exercise_process(ex, path, todo, seed, events, out_path, deadline, spec) -> None:
-    """The forked exercise process: limits, output, checks; it never returns."""
-    code = 0
-    try:
-        os.setsid()
-        _die_with_parent()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
-        # Past the file-size limit a write fails (EFBIG) instead of killing the writer.
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_AS, (spec["memory_bytes"], spec["memory_bytes"]))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (spec["output_bytes"], spec["output_bytes"]))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        fd = os.open(out_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-        _run_exercise(ex, path, todo, seed, events, deadline)
-    except BaseException:
-        code = 3
-        try:
-            _log(events, check=None, rank=None, event="crash", message=traceback.format_exc())
-        except BaseException:
-            pass
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except BaseException:
-                pass
-        os._exit(code)
-
-
-def _describe_status(status: int) -> str:
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        return f"the exercise process was killed by {signal.Signals(sig).name}" + \
-            (" (out of memory?)" if sig == signal.SIGKILL else "")
-    return f"the exercise process exited with code {os.WEXITSTATUS(status)} (os._exit, or a crash)"
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _watch(pid: int, ex, events: str, deadline: float, check_timeout: float, timeout: float) -> str | None:
-    """Wait for the exercise process; kill its group at a deadline. None if it ended by itself, else why.
-
-    Besides the exercise's own deadline, the process must make progress: a new
-    event (a check started or finished on some rank) at least every ``check_timeout``.
-    """
-    seen, since = 0, time.monotonic()
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            _kill_group(pid)  # anything it left behind in its group
-            return None if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 else _describe_status(status)
-        now, log = time.monotonic(), read_events(events)
-        if len(log) != seen:
-            seen, since = len(log), now
-        why = None
-        if time.time() > deadline + GRACE_S:
-            why = f"the exercise ran past its {timeout:g} s"
-        elif now - since > check_timeout + GRACE_S:
-            why = f"this check did not finish within {check_timeout:g} s" if in_progress(ex, log) else STALLED
-        if why:
-            _kill_group(pid)
-            os.waitpid(pid, 0)
-            return why
-        time.sleep(0.1)
-
-
-STALLED = "the grader's ranks did not start"
-
-
-def grade_exercise(ex: core.Exercise, path: str, spec: dict) -> dict:
-    """Grade one exercise file in fresh exercise processes; its result as a dict."""
+def grade_exercise(ex: core.Exercise, path: str, spec: dict, sandbox: Sandbox) -> dict:
+    """Grade one exercise file; its result as a dict (see :mod:`gpucourse.grading.results`)."""
     start = time.monotonic()
     problem = source.inspect(path, ex.module)
     if problem:
         return static_result(ex, problem, spec["seed"], time.monotonic() - start)
-    work, timeout = spec["work"], spec["timeout"]
-    check_timeout = max(10.0, timeout / 3)
-    out_path = os.path.join(work, f"{ex.id}-output.txt")
-    deadline = time.time() + timeout
-    attempts: list[str] = []    # one event file per exercise process
-    reasons: dict[str, str] = {}  # check -> why the process ended while it ran
-    stalled: set[str] = set()     # checks whose ranks once failed to start
-    while True:
-        before = compile_exercise(ex, [read_events(a) for a in attempts], reasons)
-        todo = [c["name"] for c in before["checks"] if c["status"] == "not run"]
-        if not todo or time.time() >= deadline:
-            break
-        events = os.path.join(work, f"{ex.id}-events-{len(attempts)}.jsonl")
-        attempts.append(events)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            _exercise_process(ex, path, todo, spec["seed"], events, out_path, deadline, spec)
-        with open(os.path.join(work, "pgids"), "a") as f:
-            f.write(f"{pid}\n")
-        why = _watch(pid, ex, events, deadline, check_timeout, timeout)
-        after = compile_exercise(ex, [read_events(a) for a in attempts], reasons)
-        still = [c["name"] for c in after["checks"] if c["status"] == "not run"]
-        if why == STALLED and still[0] not in stalled:
-            stalled.add(still[0])  # not the learner's doing (a busy machine?): once more
-            continue
-        if why or len(still) == len(todo):
-            # It ended inside a check, or before deciding any: that check fails with the reason.
-            name = in_progress(ex, read_events(events), still) or still[0]
-            broke = crash(read_events(events))
-            if broke:
-                why = f"the grader could not run this check ({broke}); is --memory-gb too small?"
-            check = ex.by_name(name)
-            reasons[name] = (why or "the exercise process ended in the middle of this check without an "
-                                    "error (os._exit(0)?)") + who_finished(check, read_events(events))
-            if why == STALLED:
-                reasons[name] += f" within {check_timeout:g} s, twice (a busy machine? try a longer --timeout)"
-            elif why and why.startswith("this check did not finish") and (check.world_size or 1) > 1:
-                reasons[name] += (" — a hang: a blocking send or receive whose partner never comes, a collective "
-                                  "that not every rank reached, or an endless loop")
-    result = finalize(compile_exercise(ex, [read_events(a) for a in attempts], reasons,
-                                       not_run=f"not run: the exercise had used up its {timeout:g} s"))
-    result.update(seed=spec["seed"], time_s=round(time.monotonic() - start, 3), output=_head_and_tail(out_path))
+    folder = os.path.join(sandbox.private, ex.id)
+    os.makedirs(folder, exist_ok=True)
+    private_file = os.path.join(folder, f"{ex.module}.py")
+    shutil.copyfile(path, private_file)
+    if sandbox.user is not None:
+        os.chown(folder, 0, sandbox.user)
+        os.chmod(folder, 0o750)
+        os.chmod(private_file, 0o640)
+        os.chown(private_file, 0, sandbox.user)
+    output_start = _size(sandbox.output)
+    factor = load_factor()
+    verdicts: dict[str, tuple[str, str]] = {}
+    spent: dict[str, float] = {}  # seconds each check took, starting its ranks included
+    for world_size, checks in _batches(ex.checks):
+        batch = None
+        for check in checks:
+            budget = check.budget_s * factor * spec["timeout_scale"]
+            began = time.monotonic()
+            try:
+                if batch is None:
+                    batch = _start(sandbox, ex, world_size, private_file, budget)
+                ctx = core.CheckContext(ex, check, path, spec["seed"], world_size=world_size, batch=batch,
+                                        budget_s=budget)
+                ctx.load()
+                check.fn(ctx)
+                verdicts[check.name] = ("passed", "")
+            except core.Fail as e:
+                verdicts[check.name] = ("failed", str(e))
+            except LearnerError as e:
+                verdicts[check.name] = ("failed", e.sentence)
+            except (Stuck, RankDied) as e:
+                verdicts[check.name] = ("failed", str(e))
+            except Exception as e:  # noqa: BLE001 -- a reply shaped so that the check itself tripped on it
+                verdicts[check.name] = ("failed", f"the check could not read what the code returned "
+                                                  f"({type(e).__name__}: {e})")
+            spent[check.name] = round(time.monotonic() - began, 3)
+            if batch is not None and not batch.alive:
+                batch.close()
+                sandbox.kill_ranks(batch)
+                batch = None
+        if batch is not None:
+            sandbox.finish_batch(batch)
+    result = static_result(ex, "", spec["seed"], time.monotonic() - start)
+    result["error"] = None
+    for c in result["checks"]:
+        status, message = verdicts.get(c["name"], ("failed", "not run"))
+        c.update(status=status, message=message, points=c["max_points"] if status == "passed" else 0,
+                 time_s=spent.get(c["name"], 0.0))
+    result["score"] = sum(c["points"] for c in result["checks"])
+    result["output"] = _output_since(sandbox.output, output_start)
     return result
 
 
-def _head_and_tail(path: str) -> str:
+def _start(sandbox: Sandbox, ex, world_size: int, file: str, budget: float) -> Batch:
     try:
-        size = os.path.getsize(path)
+        return sandbox.start_batch(ex, world_size, file, limit_s=budget * MAX_EXTENSION * 20)
+    except RankDied:
+        return sandbox.start_batch(ex, world_size, file, limit_s=budget * MAX_EXTENSION * 20)  # a busy machine: once more
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _output_since(path: str, offset: int) -> str:
+    from .results import OUTPUT_KEEP_BYTES
+
+    try:
+        size = os.path.getsize(path) - offset
         with open(path, "rb") as f:
+            f.seek(offset)
             if size <= OUTPUT_KEEP_BYTES:
                 return f.read().decode(errors="replace")
             head = f.read(OUTPUT_KEEP_BYTES // 4).decode(errors="replace")
-            f.seek(size - 3 * OUTPUT_KEEP_BYTES // 4)
-            tail = f.read().decode(errors="replace")
+            f.seek(offset + size - 3 * OUTPUT_KEEP_BYTES // 4)
+            tail = f.read(3 * OUTPUT_KEEP_BYTES // 4).decode(errors="replace")
         return f"{head}\n… [{size - OUTPUT_KEEP_BYTES} bytes of output left out] …\n{tail}"
     except OSError:
         return ""
 
 
+def _become_subreaper() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans below us are re-parented to us
+        libc.prctl(4, 0, 0, 0, 0)   # PR_SET_DUMPABLE 0: our /proc files are not readable by the learner's user
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the process that started us
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: list[str]) -> int:
     with open(argv[0]) as f:
         spec = json.load(f)
+    _become_subreaper()
+    private = os.path.join(spec["work"], "sandbox")
+    os.makedirs(os.path.join(private, "tmp"), exist_ok=True)
+    user = sandbox_user()
+    if user is not None:
+        os.chmod(spec["work"], 0o711)  # the sandbox user may pass through to its own folder, nothing else
+        for folder in (private, os.path.join(private, "tmp")):
+            os.chown(folder, user, user)
+    sandbox = Sandbox(spec, private, os.path.join(spec["work"], "output.txt"))
+    sandbox.start()  # it imports torch while this process imports the checks
     import torch
-    import torch._dynamo  # noqa: F401  -- building an optimizer imports it: once here, not in every rank
 
     torch.set_num_threads(1)
     known = core.exercises()
+    spec["load"] = load_factor()
     results = []
-    for ex_id, path in spec["files"]:
-        results.append(grade_exercise(known[ex_id], path, spec))
-        write_atomic(spec["result"], json.dumps(results))
+    try:
+        for ex_id, path in spec["files"]:
+            results.append(grade_exercise(known[ex_id], path, spec, sandbox))
+    finally:
+        sandbox.close()
+        kill_descendants()
+    write_atomic(spec["result"], json.dumps(results))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    # Run the package's copy of this module, the one the checks import (so `except host.Stuck` matches).
+    from gpucourse.grading.host import main as _main
+
+    sys.exit(_main(sys.argv[1:]))

@@ -1,9 +1,10 @@
 """Grade a folder of exercises, or a whole class of them; this is what the CLI and ``check`` call.
 
 Nothing here runs learner code: :func:`grade` starts the grading process
-(``gpucourse.grading.host``) in a new session, with a clean environment (no
+(``gpucourse.grading.host``, which holds the checks and starts the sandbox
+that runs learner code) in a new session, with a clean environment (no
 torchrun variables, no GPU: checks run on gloo CPU ranks), a private temporary
-folder, and a deadline of its own on top of the per-exercise ones. However it
+folder, and a deadline of its own on top of the per-check ones. However it
 ends, every process it started is killed and the temporary folder removed.
 """
 
@@ -29,7 +30,7 @@ from . import core
 from .report import gradescope
 from .results import static_result
 
-DEFAULT_TIMEOUT_S = 60.0    # per exercise
+DEFAULT_TIMEOUT_S = 20.0    # per check, for the learner's code on a quiet machine (scaled by the load)
 DEFAULT_MEMORY_GB = 4.0     # address space of an exercise process (torch alone maps about 1.5 GB)
 OUTPUT_LIMIT_BYTES = 32 << 20  # largest file an exercise process may write, its printed output included
 STARTUP_S = 180.0           # for the grading process to import torch, on a busy machine
@@ -87,10 +88,13 @@ def _stop(proc: subprocess.Popen, work: str, clean_exit: bool) -> None:
 
 def grade(folder: str | os.PathLike | None = None, exercises: list[str] | None = None, *,
           timeout: float = DEFAULT_TIMEOUT_S, seed: int | None = None, memory_gb: float = DEFAULT_MEMORY_GB,
-          files: dict[str, str] | None = None) -> dict:
+          files: dict[str, str] | None = None, hidden_paths: tuple[str, ...] = ()) -> dict:
     """Grade ``exercises`` (ids like "ex03"; default all) in ``folder``; the folder's result as a dict.
 
-    ``files`` maps an exercise id to a file to grade instead of ``folder/<module>.py``.
+    ``files`` maps an exercise id to a file to grade instead of ``folder/<module>.py``;
+    ``timeout`` is each check's budget in seconds on a quiet machine (scaled up
+    when the machine is loaded); ``hidden_paths`` are more folders the learner's
+    code may not read (a class's other submissions).
     The result holds ``folder``, ``seed``, ``score``, ``max_score``, ``time_s`` and
     ``exercises``: one result per exercise (see :mod:`gpucourse.grading.results`).
     """
@@ -102,9 +106,12 @@ def grade(folder: str | os.PathLike | None = None, exercises: list[str] | None =
     work = tempfile.mkdtemp(prefix="gpucourse-grade-")
     results: list[dict] = []
     try:
-        spec = {"files": paths, "seed": seed, "timeout": float(timeout), "work": work,
+        # Learner code may read none of these: the repository (solutions/, the checks, the reference
+        # strategies), the grader's folder, and the folders being graded (the sandbox has its own copy).
+        hidden = [str(REPO), work, str(folder)] + sorted({os.path.dirname(p) for _, p in paths})
+        spec = {"files": paths, "seed": seed, "timeout_scale": float(timeout) / DEFAULT_TIMEOUT_S, "work": work,
                 "memory_bytes": int(memory_gb * 2**30), "output_bytes": OUTPUT_LIMIT_BYTES,
-                "result": os.path.join(work, "result.json")}
+                "result": os.path.join(work, "result.json"), "hidden_paths": hidden + list(hidden_paths)}
         with open(os.path.join(work, "spec.json"), "w") as f:
             json.dump(spec, f)
         os.makedirs(os.path.join(work, "cwd"))
@@ -116,7 +123,8 @@ def grade(folder: str | os.PathLike | None = None, exercises: list[str] | None =
             _live.add(proc)
         clean = False
         try:
-            proc.wait(timeout=STARTUP_S + len(paths) * (timeout + 30))
+            checks = sum(len(core.exercises()[ex_id].checks) for ex_id, _ in paths)
+            proc.wait(timeout=STARTUP_S + checks * (timeout * 4 + 30))
             clean = proc.returncode == 0
         except subprocess.TimeoutExpired:
             pass
@@ -154,17 +162,25 @@ def _host_failure(work: str, returncode) -> str:
 def record_progress(result: dict) -> str:
     """Record each graded exercise's score in the learner's progress file; a note if that failed, else ``""``.
 
-    A grade is never lost to the progress file: a file that cannot be written
-    (or a broken one) is reported in one sentence and the grade stands.
+    An untouched stub (every check "not written yet", as a notebook's Run All
+    grades it) is not an attempt and is not recorded. A grade is never lost to
+    the progress file: a file that cannot be written (or a broken one) is
+    reported in one sentence and the grade stands.
     """
     from .. import progress
 
     try:
         for e in result["exercises"]:
-            progress.record_exercise(e["module"], e["score"], e["max_score"])
+            if not untouched(e):
+                progress.record_exercise(e["module"], e["score"], e["max_score"])
     except (OSError, ValueError) as err:
         return f"(progress not recorded: {err})"
     return ""
+
+
+def untouched(exercise_result: dict) -> bool:
+    """Whether every check of this exercise found the stub's NotImplementedError (nothing was attempted)."""
+    return all(c["message"].startswith("not written yet") for c in exercise_result["checks"])
 
 
 def stop_all() -> None:
@@ -201,26 +217,37 @@ def grade_class(root: str | os.PathLike, out_csv: str | os.PathLike, *, jobs: in
                 exercises: list[str] | None = None, on_learner=None) -> dict:
     """Grade every learner folder in ``root``, ``jobs`` at a time; write the CSV and one JSON per learner.
 
-    The same ``seed`` (the same inputs) for everyone. ``on_learner(name, result)``
-    is called as each learner is done. Returns ``{"learners": {name: result},
-    "csv", "results_dir", "seed", "time_s"}``.
+    The same ``seed`` (the same inputs) for everyone. Each learner's files are
+    copied before any learner code runs, and every learner is graded from the
+    copy, with the class folder and the other copies hidden from their code; the
+    results are written once everyone is graded, so nothing a learner's code
+    does can touch another learner's files or grade. ``on_learner(name,
+    result)`` is called as each learner is done. Returns ``{"learners": {name:
+    result}, "csv", "results_dir", "seed", "time_s"}``.
     """
     start = time.monotonic()
     names = learners(root)
     seed = secrets.randbelow(2**31) if seed is None else int(seed)
     ids = [core.find_exercise(e).id for e in exercises] if exercises else list(core.exercises())
     out_dir = results_folder(out_csv)
-    out_dir.mkdir(exist_ok=True)
     results: dict[str, dict] = {}
     pool = ThreadPoolExecutor(max_workers=max(1, jobs))
     futures: dict = {}
+    copies = Path(tempfile.mkdtemp(prefix="gpucourse-class-"))
     try:
-        futures = {pool.submit(grade, Path(root) / n, ids, timeout=timeout, seed=seed, memory_gb=memory_gb): n
-                   for n in names}
+        for n in names:
+            (copies / n).mkdir()
+            for f in (Path(root) / n).glob("*.py"):
+                if f.is_file():
+                    shutil.copyfile(f, copies / n / f.name)
+        hidden = (str(Path(root).resolve()), str(copies), str(out_dir.resolve()), str(Path(out_csv).resolve()))
+        futures = {pool.submit(grade, copies / n, ids, timeout=timeout, seed=seed, memory_gb=memory_gb,
+                               hidden_paths=hidden): n for n in names}
         for future in as_completed(futures):
             name = futures[future]
-            results[name] = future.result()
-            write_atomic(out_dir / f"{name}.json", json.dumps(gradescope(results[name]), indent=1))
+            # Messages name the learner's own folder, not the copy graded.
+            text = json.dumps(future.result()).replace(json.dumps(str(copies))[1:-1], json.dumps(str(root))[1:-1])
+            results[name] = json.loads(text)
             if on_learner:
                 on_learner(name, results[name])
     except BaseException:
@@ -230,6 +257,10 @@ def grade_class(root: str | os.PathLike, out_csv: str | os.PathLike, *, jobs: in
         raise
     finally:
         pool.shutdown(wait=True)
+        shutil.rmtree(copies, ignore_errors=True)
+    out_dir.mkdir(exist_ok=True)
+    for name, result in results.items():
+        write_atomic(out_dir / f"{name}.json", json.dumps(gradescope(result), indent=1))
     write_atomic(out_csv, class_csv(results, ids))
     return {"learners": results, "csv": str(out_csv), "results_dir": str(out_dir), "seed": seed,
             "time_s": round(time.monotonic() - start, 3)}

@@ -8,8 +8,9 @@ running it. ``import torch.distributed`` is, of course, fine; so are the few
 names of ``gpucourse.parallel.schedules`` that describe the op format and
 check a schedule (``Op``, the op kinds, ``validate``, ``simulate``, ``gantt``).
 
-This is a guard against handing in the reference, not a sandbox: code that
-builds an import out of strings at run time is not caught.
+This is the early, readable refusal (it names the line); the wall is the
+sandbox (:mod:`gpucourse.grading.sandbox`), whose audit hook refuses at run
+time whatever this misses: an import built out of strings, a file read by path.
 """
 
 from __future__ import annotations

@@ -3,50 +3,44 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ..core import Exercise, Fail, ForbiddenCall, describe_mismatch, replaced_dist
+from ..core import Exercise, Fail, describe_mismatch
 
-EXERCISE = Exercise("ex01_ring_allreduce", "Ring all-reduce from send/recv", "notebooks/01_collectives.ipynb")
-
-COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_single",
-               "all_gather_object", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
-               "broadcast", "broadcast_object_list", "reduce", "gather", "scatter", "all_to_all",
-               "all_to_all_single")
-
-
-def _forbidden(name):
-    def refuse(*args, **kwargs):
-        raise ForbiddenCall(f"ring_all_reduce called torch.distributed.{name}, which this exercise switches "
-                            f"off: build the sum from point-to-point messages (send/recv, isend/irecv) only")
-    return refuse
+EXERCISE = Exercise("ex01_ring_allreduce", "Ring all-reduce from send/recv", "notebooks/01_collectives.ipynb",
+                    forbidden_collectives=("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
+                                           "gather", "scatter", "all_to_all"),
+                    refusal=("ring_all_reduce called {op}, which this exercise switches off: build the sum from "
+                             "point-to-point messages (send/recv, isend/irecv) only"))
 
 
 def _inputs(ctx, shape, dtype, key) -> list[torch.Tensor]:
-    """Every rank's input, rebuilt from the seed on each rank. bf16 inputs are small whole numbers,
-    whose sum is exact in any order, so bf16 results can be compared exactly."""
+    """Every rank's input. bf16 inputs are small whole numbers, whose sum is exact in any order, so bf16
+    results can be compared exactly. Each input ends in a large value at a place no other rank has, so a
+    result that holds any rank's own number where the sum belongs is caught on every seed."""
     xs = []
     for r in range(ctx.world_size):
         g = ctx.generator(key, r)
         if dtype == torch.bfloat16:
             xs.append(torch.randint(-8, 9, shape, generator=g).to(dtype))
         else:
-            xs.append(torch.randn(shape, generator=g, dtype=dtype))
+            xs.append(torch.randn(shape, generator=g, dtype=dtype) + 10.0 * (r + 1))
     return xs
 
 
-def _diagnose(ctx, got, want: torch.Tensor, own: torch.Tensor) -> None:
-    problem = describe_mismatch(f"rank {ctx.rank}'s result", got, want)
+def _diagnose(rank: int, n: int, got, want: torch.Tensor, own: torch.Tensor) -> None:
+    problem = describe_mismatch(f"rank {rank}'s result", got, want)
     if problem is None:
         return
     if not torch.is_tensor(got) or got.shape != want.shape or got.dtype != want.dtype:
         raise Fail(problem)
-    n, g, w = ctx.world_size, got.detach().reshape(-1).double(), want.reshape(-1).double()
+    g, w = got.detach().reshape(-1).double(), want.reshape(-1).double()
     if n > 1 and torch.equal(got, own):
         raise Fail(f"{problem}; it is this rank's own input, as if nothing had been received")
+    if n > 1 and torch.allclose(g * n, w, atol=1e-4, rtol=1e-5):
+        raise Fail(f"{problem}; it is 1/{n} of the sum: the mean, where the sum is asked for")
     ok = [bool(torch.allclose(a, b, atol=1e-5, rtol=1e-5)) for a, b in zip(g.tensor_split(n), w.tensor_split(n))
           if a.numel()]
-    if ok.count(True) == 1:
+    if ok.count(True) == 1 and len(ok) > 1:
         raise Fail(f"{problem}; only one of the {n} chunks holds the full sum, the others hold partial sums")
     tail = g.numel() % n
     if tail and torch.allclose(g[:-tail], w[:-tail], atol=1e-5, rtol=1e-5):
@@ -55,13 +49,23 @@ def _diagnose(ctx, got, want: torch.Tensor, own: torch.Tensor) -> None:
     raise Fail(problem)
 
 
-def _check_sum(ctx, shape, dtype=torch.float32, key="") -> None:
+def _check_sum(ctx, shape, dtype=torch.float32, key="", fresh: bool = False) -> list:
+    """Every rank's call on its own input; fails unless each returns the sum (and, with ``fresh``, returns a
+    tensor of its own and leaves its input as it was). Returns the Outcomes (with what each rank sent)."""
     xs = _inputs(ctx, shape, dtype, key)
-    mine = xs[ctx.rank].clone()
-    with replaced_dist({name: _forbidden(name) for name in COLLECTIVES}):
-        got = ctx.load().ring_all_reduce(mine)
+    outs = ctx.call_all("ring_all_reduce", [(x.clone(),) for x in xs])
     want = torch.stack([x.double() for x in xs]).sum(0).to(dtype)
-    _diagnose(ctx, got, want, xs[ctx.rank])
+    for out, x in zip(outs, xs):
+        if not fresh:
+            _diagnose(out.rank, ctx.world_size, out.value, want, x)
+            continue
+        if out.args and not torch.equal(out.args[0], x):
+            raise Fail(f"rank {out.rank}: the tensor passed in was changed by the call (shape {tuple(shape)})")
+        if out.aliases is not None:
+            raise Fail(f"rank {out.rank}: the result shares its memory with the tensor passed in; "
+                       f"return a new tensor")
+        _diagnose(out.rank, ctx.world_size, out.value, want, x)
+    return outs
 
 
 @EXERCISE.check("sums over 2 ranks", points=3, world_size=2, hint=(
@@ -83,15 +87,11 @@ def keeps_bf16(ctx):
     _check_sum(ctx, (10,), dtype=torch.bfloat16, key="bf16")
 
 
-@EXERCISE.check("leaves its input unchanged", points=1, world_size=2, hint=(
-    "The caller still owns the tensor it passed in: reduce into a copy (tensor.clone()) and return that."))
+@EXERCISE.check("returns a new tensor, leaves its input unchanged", points=1, world_size=2, hint=(
+    "The caller still owns the tensor it passed in: reduce into a copy (tensor.clone()) and return that, "
+    "a tensor of its own, not a view of the input."))
 def input_unchanged(ctx):
-    x = torch.randn(12, generator=ctx.generator(ctx.rank))
-    before = x.clone()
-    with replaced_dist({name: _forbidden(name) for name in COLLECTIVES}):
-        ctx.load().ring_all_reduce(x)
-    if not torch.equal(x, before):
-        raise Fail(f"rank {ctx.rank}: the tensor passed in was changed by the call")
+    _check_sum(ctx, (12,), key="fresh", fresh=True)
 
 
 @EXERCISE.check("3 ranks, lengths not divisible by 3", points=3, world_size=3, hint=(
@@ -103,33 +103,28 @@ def three_ranks_odd(ctx):
         _check_sum(ctx, shape, key=shape)
 
 
-@EXERCISE.check("each rank sends 2(n-1)/n of the tensor (3 ranks)", points=1, world_size=3, hint=(
-    "The ring is bandwidth-optimal: each of its 2(n-1) steps sends one chunk, 1/n of the tensor, so a rank "
-    "sends 2(n-1)/n of it in all, whatever n is. Sending the whole tensor to every other rank, or gathering "
-    "everything on one rank and sending it back out, gets the sum too but moves far more bytes."))
+@EXERCISE.check("each rank sends 2(n-1)/n of the tensor, to rank+1 (3 ranks)", points=1, world_size=3, hint=(
+    "The ring is bandwidth-optimal: each of its 2(n-1) steps sends one chunk, 1/n of the tensor, to the next "
+    "rank, so a rank sends 2(n-1)/n of it in all, whatever n is. Sending the whole tensor to every other rank, "
+    "or gathering everything on one rank and sending it back out, gets the sum too but moves far more bytes."))
 def bytes_sent(ctx):
-    sent = []
-    originals = {name: getattr(dist, name) for name in ("send", "isend")}
-
-    def counting(name):
-        def call(tensor, *args, **kwargs):
-            sent.append(tensor.numel() * tensor.element_size())
-            return originals[name](tensor, *args, **kwargs)
-        return call
-
-    with replaced_dist({name: counting(name) for name in originals}):
-        _check_sum(ctx, (3000,), key="bytes")
-    n, size = ctx.world_size, 3000 * 4
+    n, numel = ctx.world_size, 3000
+    size = numel * 4
     ring = 2 * (n - 1) * size // n
-    if sum(sent) > ring:
-        raise Fail(f"rank {ctx.rank} sent {sum(sent)} bytes in {len(sent)} messages for a tensor of {size} bytes "
-                   f"on {n} ranks; the ring sends {ring}")
+    for out in _check_sum(ctx, (numel,), key="bytes"):
+        sends = [c for c in out.comm if c["op"] == "send"]
+        sent = sum(c["bytes"] for c in sends)
+        if sent != ring:
+            raise Fail(f"rank {out.rank} sent {sent} bytes in {len(sends)} messages for a tensor of {size} bytes "
+                       f"on {n} ranks; the ring sends exactly {ring}, in {2 * (n - 1)} messages of {size // n}")
+        others = sorted({c.get("peer") for c in sends} - {(out.rank + 1) % n})
+        if others:
+            raise Fail(f"rank {out.rank} sent to rank{'s' * (len(others) > 1)} {', '.join(map(str, others))}; "
+                       f"in a ring each rank sends only to the next one, rank {(out.rank + 1) % n}")
 
 
 @EXERCISE.check("one rank", points=1, world_size=1, hint=(
     "With one rank there is nobody to talk to: both phases have zero steps, and the sum is a copy of "
     "the tensor. Check that your loops and your rank+1 / rank-1 arithmetic (modulo n) allow that."))
 def one_rank(ctx):
-    _check_sum(ctx, (5,), key="one")
-
-
+    _check_sum(ctx, (5,), key="one", fresh=True)

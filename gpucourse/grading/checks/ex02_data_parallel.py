@@ -1,42 +1,36 @@
-"""Checks of exercise 2: data-parallel gradient averaging, against one device taking the same step."""
+"""Checks of exercise 2: data-parallel gradient averaging, against one device taking the same step.
+
+Every input is made here and each rank is sent its own: the weights (the same
+on every rank), the gradients each rank holds, the global batch. The probes
+(``gpucourse/grading/probes/ex02_data_parallel.py``) build the awkward model
+there, run the learner's function on it and report what they saw; the expected
+gradients and weights are computed here, on a model of our own.
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core import Exercise, Fail, describe_mismatch
+from ..probes.ex02_data_parallel import Net, build_net
 
-EXERCISE = Exercise("ex02_data_parallel", "Data-parallel gradient averaging", "notebooks/02_data_parallelism.ipynb")
+EXERCISE = Exercise("ex02_data_parallel", "Data-parallel gradient averaging", "notebooks/02_data_parallelism.ipynb",
+                    forbidden_names=("torch.nn.parallel.DistributedDataParallel",
+                                     "torch.nn.parallel.distributed.DistributedDataParallel"),
+                    refusal=("this exercise switches off {op}: average the gradients yourself, with "
+                             "torch.distributed's collectives"))
 
 BATCH, LR = 6, 0.5  # 6 rows: 2 and 3 ranks both divide it
-STALE = 3.0         # the value of the gradients left over from "an earlier step"
+TRAINABLE = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")  # the parameters a forward gives a gradient
+NO_GRAD = ("scale", "unused")                                       # frozen, and never used
 
 
-class Net(nn.Module):
-    """A small awkward model: two layers, a frozen parameter and one the forward never uses.
-
-    It records each input it sees, so a check can tell which rows a rank trained on.
-    """
-
-    def __init__(self, g: torch.Generator):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(5, 7), nn.Linear(7, 3)
-        self.scale = nn.Parameter(torch.ones(7), requires_grad=False)  # frozen
-        self.unused = nn.Parameter(torch.zeros(2))
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5 + (1.0 if p is self.scale else 0.0))
-        self.seen: list[torch.Tensor] = []
-
-    def forward(self, x):
-        self.seen.append(x.detach().clone())
-        return self.fc2(torch.tanh(self.fc1(x) * self.scale))
-
-
-def _model(ctx) -> Net:
-    return Net(ctx.generator("weights"))  # the same weights on every rank
+def _weights(ctx) -> dict:
+    """The model's weights (the same on every rank); the frozen scale is near 1."""
+    g = ctx.generator("weights")
+    return {n: torch.randn(p.shape, generator=g) * 0.5 + (1.0 if n == "scale" else 0.0)
+            for n, p in Net().named_parameters()}
 
 
 def _batch(ctx):
@@ -44,48 +38,100 @@ def _batch(ctx):
     return torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 3, generator=g)
 
 
-def _trainable(model):
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and n != "unused"]
+def _rank_gradients(ctx, weights: dict, key: str) -> list[dict]:
+    """Each rank's gradients of the trainable parameters.
+
+    ``"fixed"``: rank r's are 2**r times a ramp from 1 to 2, so their mean is never any rank's own and
+    never 0 — the sum, the mean, the mean divided again and a rank's own gradient all differ, on every
+    seed. ``"random"``: normal, from the run's seed.
+    """
+    out = []
+    for r in range(ctx.world_size):
+        g = ctx.generator("grads", key, r)
+        grads = {}
+        for n in TRAINABLE:
+            shape = weights[n].shape
+            if key == "fixed":
+                grads[n] = (2.0 ** r) * torch.linspace(1.0, 2.0, weights[n].numel()).reshape(shape)
+            else:
+                grads[n] = torch.randn(shape, generator=g)
+        out.append(grads)
+    return out
 
 
-def _rank_gradients(ctx, model, rank):
-    g = ctx.generator("grads", rank)
-    return {n: torch.randn(p.shape, generator=g) for n, p in _trainable(model)}
-
-
-def _diagnose_scale(what: str, got: torch.Tensor, want: torch.Tensor, n: int, base: torch.Tensor | None = None):
-    """A sentence for ``got`` being n or 1/n times ``want`` (both measured from ``base``)."""
-    got_d, want_d = (got - base, want - base) if base is not None else (got, want)
-    if torch.allclose(got_d, want_d * n, atol=1e-5, rtol=1e-4):
-        return f"{what} is {n} times what it should be: summed over ranks, but not divided by their number"
-    if torch.allclose(got_d, want_d / n, atol=1e-6, rtol=1e-4):
+def _scale_sentence(what: str, got: torch.Tensor, want: torch.Tensor, n: int) -> str | None:
+    """A sentence if ``got`` is a constant multiple c of ``want`` that says what c means, else None."""
+    g, w = got.double().reshape(-1), want.double().reshape(-1)
+    if not bool((w.abs() > 1e-6).any()):
+        return None
+    c = float((g @ w) / (w @ w))
+    if not torch.allclose(g, c * w, atol=1e-5, rtol=1e-4):
+        return None
+    if abs(c - n) < 1e-3 * n:
+        return f"{what} is {n} times what it should be: summed over the ranks, but not divided by their number"
+    if abs(c - 1 / n) < 1e-3 / n:
         return f"{what} is 1/{n} of what it should be: divided by the number of ranks twice"
-    return None
+    if abs(c) < 1e-6:
+        return f"{what} is zero"
+    k = n / c
+    if abs(k - round(k)) < 1e-3 and 1 <= round(k) <= 4 * n and round(k) != n:
+        return (f"{what} is {n}/{round(k)} of what it should be: the sum over {n} ranks divided by {round(k)}, "
+                f"not by the world size")
+    return f"{what} is {c:.4g} times what it should be"
+
+
+# --- average_gradients ---------------------------------------------------------------------------------------
+
+
+def _average(ctx, key: str) -> tuple[list, list, dict]:
+    """``average_gradients`` on every rank, each holding its own gradients: the Outcomes, the gradients, the weights."""
+    weights = _weights(ctx)
+    grads = _rank_gradients(ctx, weights, key)
+    return ctx.probe_all("average", [(weights, grads[r]) for r in range(ctx.world_size)]), grads, weights
+
+
+def _judge_average(ctx, outs: list, grads: list, weights: dict) -> None:
+    n = ctx.world_size
+    for out in outs:
+        r = out.rank
+        for name in TRAINABLE:
+            got = out.value["grads"].get(name)
+            want = sum(g[name] for g in grads) / n
+            if got is None:
+                raise Fail(f"rank {r}: {name}.grad is None after average_gradients; it held a gradient before")
+            problem = describe_mismatch(f"rank {r}: {name}.grad", got, want)
+            if problem is None:
+                continue
+            if torch.is_tensor(got) and got.shape == want.shape:
+                if torch.equal(got, grads[r][name]):
+                    raise Fail(f"{problem}; it is still this rank's own gradient, not averaged with the others'")
+                if torch.allclose(got.double(), grads[r][name].double() / n, atol=1e-6, rtol=1e-5):
+                    raise Fail(f"{problem}; it is this rank's own gradient divided by {n}: divided, but no sum "
+                               f"over the ranks reached it")
+                scale = _scale_sentence(f"rank {r}: {name}.grad", got, want, n)
+                if scale:
+                    raise Fail(f"{problem}; {scale}")
+            raise Fail(problem)
+        for name, before in weights.items():
+            after = out.value["weights"].get(name)
+            if not (torch.is_tensor(after) and after.shape == before.shape and torch.equal(after, before)):
+                raise Fail(f"rank {r}: average_gradients changed the weights of {name}; only .grad may change")
 
 
 @EXERCISE.check("average_gradients averages over 2 ranks", points=3, world_size=2, hint=(
     "dist.all_reduce sums a tensor over the ranks, in place. The average is that sum divided by the world "
     "size, once. Each rank must end with the same gradients, and only .grad may change."))
 def averages(ctx):
-    model = _model(ctx)
-    grads = [_rank_gradients(ctx, model, r) for r in range(ctx.world_size)]
-    for n, p in _trainable(model):
-        p.grad = grads[ctx.rank][n].clone()
-    ctx.load().average_gradients(model)
-    for n, p in _trainable(model):
-        want = sum(g[n] for g in grads) / ctx.world_size
-        problem = describe_mismatch(f"rank {ctx.rank}: {n}.grad", p.grad, want)
-        if problem:
-            if torch.is_tensor(p.grad) and p.grad.shape == want.shape:
-                if torch.equal(p.grad, grads[ctx.rank][n]):
-                    problem += "; it is still this rank's own gradient"
-                else:
-                    problem = _diagnose_scale(f"rank {ctx.rank}: {n}.grad", p.grad, want, ctx.world_size) or problem
-            raise Fail(problem)
+    for key in ("fixed", "random"):
+        _judge_average(ctx, *_average(ctx, key))
 
 
-def _step_alone(ctx, x, y) -> Net:
-    model = _model(ctx)
+# --- data_parallel_step --------------------------------------------------------------------------------------
+
+
+def _step_alone(weights: dict, x: torch.Tensor, y: torch.Tensor):
+    """The step one device takes on rows ``x``: the model after it (its .grad the gradient of the mean loss)."""
+    model = build_net(weights)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     opt.zero_grad()
     F.mse_loss(model(x), y).backward()
@@ -93,18 +139,22 @@ def _step_alone(ctx, x, y) -> Net:
     return model
 
 
-def _step_dp(ctx):
+def _stale(ctx, weights: dict) -> dict:
+    """Gradients left over from "an earlier step" (the same on every rank, as averaged ones would be), on
+    every parameter that can hold one: the trainable ones and the unused one."""
+    g = ctx.generator("stale")
+    return {n: torch.rand(weights[n].shape, generator=g) + 1.0 for n in (*TRAINABLE, "unused")}
+
+
+def _run_step(ctx):
     x, y = _batch(ctx)
-    model = _model(ctx)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for _, p in _trainable(model):  # gradients left over from an earlier step
-        p.grad = torch.full_like(p, STALE)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    xs, ys = x.clone(), y.clone()
-    ctx.load().data_parallel_step(model, opt, F.mse_loss, xs, ys)
-    if not (torch.equal(xs, x) and torch.equal(ys, y)):
-        raise Fail(f"rank {ctx.rank}: data_parallel_step changed the inputs or targets it was given")
-    return model, before, x, y
+    weights = _weights(ctx)
+    stale = _stale(ctx, weights)
+    outs = ctx.probe_all("step", [(weights, stale, x, y, LR)] * ctx.world_size)
+    for out in outs:
+        if not (torch.equal(out.value["inputs"], x) and torch.equal(out.value["targets"], y)):
+            raise Fail(f"rank {out.rank}: data_parallel_step changed the inputs or targets it was given")
+    return outs, weights, stale, x, y
 
 
 @EXERCISE.check("each rank trains on its own share of the batch", points=2, world_size=2, hint=(
@@ -112,39 +162,102 @@ def _step_dp(ctx):
     "the model on those only. Running every rank on the whole batch gives the right weights at n times "
     "the cost, which is exactly what data parallelism is there to avoid."))
 def own_share(ctx):
-    model, _, x, _ = _step_dp(ctx)
-    share = BATCH // ctx.world_size
-    want = x[ctx.rank * share:(ctx.rank + 1) * share]
-    if len(model.seen) != 1:
-        raise Fail(f"rank {ctx.rank} ran the model's forward {len(model.seen)} times in one step, not once")
-    seen = model.seen[0]
-    if seen.shape == x.shape:
-        raise Fail(f"rank {ctx.rank} ran forward on all {BATCH} rows, the whole global batch, not its {share}")
-    if seen.shape != want.shape or not torch.equal(seen, want):
-        rows = [i for i in range(BATCH) if any(torch.equal(x[i], s) for s in seen)]
-        raise Fail(f"rank {ctx.rank} trained on rows {rows} of the batch; its share is rows "
-                   f"{list(range(ctx.rank * share, (ctx.rank + 1) * share))}")
+    outs, _, _, x, _ = _run_step(ctx)
+    n = ctx.world_size
+    share = BATCH // n
+    for out in outs:
+        r = out.rank
+        mine = list(range(r * share, (r + 1) * share))
+        seen = [s.reshape(-1, x.shape[1]) for s in out.value["seen"]
+                if torch.is_tensor(s) and s.numel() and s.numel() % x.shape[1] == 0]
+        if not seen:
+            raise Fail(f"rank {r} never ran the model's forward on rows of the batch")
+        rows = torch.cat(seen)
+        if len(seen) == 1 and torch.equal(rows, x):
+            raise Fail(f"rank {r} ran forward on all {BATCH} rows, the whole global batch, not its {share}")
+        found = [next((i for i in range(BATCH) if torch.equal(row, x[i])), None) for row in rows]
+        if sorted(i for i in found if i is not None) == mine and None not in found:
+            continue
+        where = ", ".join("?" if i is None else str(i) for i in found)
+        times = f" {len(seen)} times" if len(seen) > 1 else ""
+        raise Fail(f"rank {r} ran forward{times} on rows [{where}] of the batch; its share is rows {mine}, "
+                   f"each once")
+
+
+def _own_gradients(weights: dict, x: torch.Tensor, y: torch.Tensor, n: int) -> list[dict]:
+    """Each rank's gradient from its own rows alone (what it holds before any averaging)."""
+    share = BATCH // n
+    out = []
+    for r in range(n):
+        m = build_net(weights)
+        F.mse_loss(m(x[r * share:(r + 1) * share]), y[r * share:(r + 1) * share]).backward()
+        out.append({k: p.grad.detach().clone() for k, p in m.named_parameters() if p.grad is not None})
+    return out
+
+
+def _flat(d: dict, like: dict) -> torch.Tensor:
+    """The tensors of ``d``, in the order and shapes of ``like``, one after another (zeros where ``d`` has none)."""
+    return torch.cat([(d[k] if d.get(k) is not None else torch.zeros_like(v)).reshape(-1).double()
+                      for k, v in like.items()])
 
 
 def _equals_single_device(ctx):
-    model, before, x, y = _step_dp(ctx)
-    alone = dict(_step_alone(ctx, x, y).named_parameters())
-    for n, p in model.named_parameters():
-        problem = describe_mismatch(f"rank {ctx.rank}: {n} after the step", p.detach(), alone[n].detach())
-        if problem:
-            scale = _diagnose_scale(f"rank {ctx.rank}: the change of {n}", p.detach(), alone[n].detach(),
-                                    ctx.world_size, base=before[n])
-            if not scale and p.requires_grad and torch.allclose(p.detach(), alone[n].detach() - LR * STALE,
-                                                                atol=1e-5, rtol=1e-4):
-                scale = (f"rank {ctx.rank}: {n} moved as if the gradient left over from an earlier step had "
-                         f"been added to this step's")
-            raise Fail(scale or problem + " (compared with one device taking the step on the whole batch)")
+    outs, weights, stale, x, y = _run_step(ctx)
+    n = ctx.world_size
+    alone = _step_alone(weights, x, y)
+    params = dict(alone.named_parameters())
+    after = {k: params[k].detach() for k in (*TRAINABLE, *NO_GRAD)}
+    grads = {k: params[k].grad.detach() for k in TRAINABLE}
+    own = _own_gradients(weights, x, y, n)
+    names = list(after)
+    for out in outs:
+        r = out.rank
+        got = out.value["weights"]
+        for k in names:
+            problem = describe_mismatch(f"rank {r}: {k} after the step", got.get(k), after[k])
+            if problem is None:
+                continue
+            if any(not torch.is_tensor(got.get(m)) or got[m].shape != after[m].shape for m in names):
+                raise Fail(problem)
+            change, want = _flat(got, after) - _flat(weights, after), _flat(after, after) - _flat(weights, after)
+            if torch.allclose(change, want - LR * _flat(stale, after), atol=1e-5, rtol=1e-4):
+                raise Fail(f"{problem}; rank {r}'s weights moved as if the gradients left over from an earlier "
+                           f"step had been added to this step's")
+            if n > 1 and torch.allclose(change, -LR * _flat(own[r], after), atol=1e-5, rtol=1e-4):
+                raise Fail(f"{problem}; rank {r}'s weights moved by the gradient of its own rows alone, as if "
+                           f"the gradients had not been averaged over the ranks")
+            if n > 1 and torch.allclose(change, -LR / n * _flat(own[r], after), atol=1e-5, rtol=1e-4):
+                raise Fail(f"{problem}; rank {r}'s weights moved by the gradient of its own rows divided by {n}: "
+                           f"divided by the world size, but no sum over the ranks reached it")
+            scale = _scale_sentence(f"the change of rank {r}'s weights", change, want, n)
+            raise Fail(f"{problem}; {scale}" if scale else
+                       f"{problem} (compared with one device taking the step on the whole batch)")
+        # The weights are right; the gradients they were stepped with must be the averaged ones too.
+        for k, want in grads.items():
+            g = out.value["grads"].get(k)
+            if g is None:
+                continue  # cleared after the step: allowed
+            problem = describe_mismatch(f"rank {r}: {k}.grad after the step", g, want)
+            if problem is None:
+                continue
+            if n > 1 and torch.is_tensor(g) and g.shape == want.shape and \
+                    torch.allclose(g, own[r][k], atol=1e-5, rtol=1e-4):
+                raise Fail(f"{problem}; it is the gradient of rank {r}'s own rows alone: the gradients were not "
+                           f"averaged before the step (the weights agree, so they were made equal some other "
+                           f"way, such as averaging the weights after the step, which matches only for plain SGD)")
+            raise Fail(f"{problem} (one device's step leaves the gradient of the mean loss over the whole batch)")
+        steps = out.value["steps"]
+        reduced = [c for c in out.comm if c["op"] in ("all_reduce", "reduce", "all_gather", "reduce_scatter")]
+        if n > 1 and steps and reduced and all(c["t"] > steps[0] for c in reduced):
+            raise Fail(f"rank {r} communicated only after the optimizer step: its weights were averaged, not its "
+                       f"gradients, which matches the single device only for plain SGD")
 
 
 @EXERCISE.check("one step on 2 ranks equals the single-device step", points=2, world_size=2, hint=(
     "Every rank's loss is a mean over its share, so averaging the ranks' gradients (dividing the sum by n "
     "once) gives the gradient of the mean over the whole batch. Clear the gradients left from an earlier "
-    "step before backward (optimizer.zero_grad()), or they are added in."))
+    "step before backward (optimizer.zero_grad()), or they are added in. Average the gradients, not the "
+    "weights, before optimizer.step(): with momentum or Adam only that is the single device's step."))
 def equals_single_2(ctx):
     _equals_single_device(ctx)
 
@@ -153,18 +266,13 @@ def equals_single_2(ctx):
     "A frozen parameter (requires_grad=False), or one the forward did not use, has .grad None on every "
     "rank: there is nothing to average, so leave it None rather than giving it a gradient."))
 def skips_none(ctx):
-    model = _model(ctx)
-    grads = [_rank_gradients(ctx, model, r) for r in range(ctx.world_size)]
-    for n, p in _trainable(model):
-        p.grad = grads[ctx.rank][n].clone()
-    ctx.load().average_gradients(model)
-    for name in ("scale", "unused"):
-        if getattr(model, name).grad is not None:
-            raise Fail(f"rank {ctx.rank}: {name} had no gradient, but has one after average_gradients")
-    for n, p in _trainable(model):
-        problem = describe_mismatch(f"rank {ctx.rank}: {n}.grad", p.grad, sum(g[n] for g in grads) / ctx.world_size)
-        if problem:
-            raise Fail(problem)
+    outs, grads, weights = _average(ctx, "random")
+    for out in outs:
+        for name in NO_GRAD:
+            if out.value["grads"].get(name) is not None:
+                why = "frozen (requires_grad False)" if name == "scale" else "not used by the forward"
+                raise Fail(f"rank {out.rank}: {name} ({why}) had no gradient, but has one after average_gradients")
+    _judge_average(ctx, outs, grads, weights)
 
 
 @EXERCISE.check("one step on 3 ranks equals the single-device step", points=2, world_size=3, hint=(

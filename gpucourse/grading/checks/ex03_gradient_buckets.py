@@ -1,39 +1,56 @@
-"""Checks of exercise 3: gradient buckets in gradient-ready order, one async all-reduce each, during backward."""
+"""Checks of exercise 3: gradient buckets in gradient-ready order, one async all-reduce each, during backward.
+
+The model is described here (widths, weights, which parameter is frozen) and
+built on each rank by the probes (``gpucourse/grading/probes/ex03_gradient_buckets.py``),
+which run the learner's bucketing and sync and report what they saw: the
+buckets, the gradients after each ``finish()``, and when each gradient was
+computed. The expected buckets and gradients are computed here; whether the
+communication overlapped backward is judged from the times of the collectives
+the sandbox recorded against the times the gradients appeared.
+"""
 
 from __future__ import annotations
 
-import copy
-
 import torch
-import torch.distributed as dist
-import torch.nn as nn
 
 from ...parallel.data_parallel_buckets import assign_buckets as reference_buckets
-from ..core import Exercise, Fail, describe_mismatch, replaced_dist
+from ..core import Exercise, Fail, describe_mismatch
+from ..probes.ex03_gradient_buckets import build_model, loss_of
 
 EXERCISE = Exercise("ex03_gradient_buckets", "Gradient buckets overlapped with backward",
-                    "notebooks/02_data_parallelism.ipynb")
+                    "notebooks/02_data_parallelism.ipynb",
+                    forbidden_names=("torch.nn.parallel.DistributedDataParallel",
+                                     "torch.nn.parallel.distributed.DistributedDataParallel"),
+                    refusal=("this exercise switches off {op}: bucket the gradients and launch their "
+                             "all-reduces yourself"))
+
+FROZEN = ("2.weight",)  # the middle layer's weight
+HOLD_S = 0.5            # how late the last rank comes to its first all-reduce, in the overlap check
 
 
-def _model(ctx) -> nn.Sequential:
-    """Three linear layers of random widths; the middle one's weight is frozen."""
+def _spec(ctx) -> dict:
+    """Three linear layers of random widths (tanh between them); the middle one's weight is frozen."""
     g = ctx.generator("model")
     widths = torch.randint(3, 10, (4,), generator=g).tolist()
-    model = nn.Sequential(nn.Linear(widths[0], widths[1]), nn.Tanh(), nn.Linear(widths[1], widths[2]), nn.Tanh(),
-                          nn.Linear(widths[2], widths[3]))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    model[2].weight.requires_grad_(False)
-    return model
+    shapes = {}
+    for i in range(3):
+        shapes[f"{2 * i}.weight"] = (widths[i + 1], widths[i])
+        shapes[f"{2 * i}.bias"] = (widths[i + 1],)
+    weights = {n: torch.randn(s, generator=g) * 0.5 for n, s in shapes.items()}
+    return {"widths": widths, "weights": weights, "frozen": list(FROZEN)}
 
 
 def _nbytes(p: torch.Tensor) -> int:
     return p.numel() * p.element_size()
 
 
-def _caps(model) -> list[int]:
-    sizes = [_nbytes(p) for p in model.parameters() if p.requires_grad]
+def _trainable(spec) -> dict:
+    """Name -> parameter of the trainable parameters, in named_parameters() order."""
+    return {n: p for n, p in build_model(spec).named_parameters() if p.requires_grad}
+
+
+def _caps(spec) -> list[int]:
+    sizes = [_nbytes(p) for p in _trainable(spec).values()]
     ready = sizes[::-1]
     # Smaller than any parameter, exactly two neighbours' worth (a bucket that fills the cap exactly),
     # a middling one, and one that holds everything.
@@ -42,8 +59,15 @@ def _caps(model) -> list[int]:
 
 def _as_names(buckets, what: str) -> list[list[str]]:
     if not isinstance(buckets, (list, tuple)) or not all(isinstance(b, (list, tuple)) for b in buckets):
-        raise Fail(f"{what} returned {type(buckets).__name__}, not a list of lists of parameter names")
+        raise Fail(f"{what} is a {type(buckets).__name__}, not a list of lists of parameter names")
+    if not all(isinstance(n, str) for b in buckets for n in b):
+        raise Fail(f"{what} holds something other than parameter names (strings, as in model.named_parameters())")
     return [list(b) for b in buckets]
+
+
+def _learner_buckets(ctx, spec: dict, caps: list[int]) -> list[list[list[str]]]:
+    got = ctx.probe("buckets", spec, caps).value
+    return [_as_names(b, f"assign_buckets(model, {cap})") for b, cap in zip(got, caps)]
 
 
 @EXERCISE.check("buckets follow gradient-ready order", points=2, hint=(
@@ -51,19 +75,23 @@ def _as_names(buckets, what: str) -> list[list[str]]:
     "first layer's last. A bucket can only be sent once all of its gradients exist, so fill buckets in that "
     "order — the reverse of model.named_parameters() — and leave out parameters that get no gradient."))
 def ready_order(ctx):
-    model = _model(ctx)
-    assign = ctx.load().assign_buckets
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-    for cap in _caps(model):
-        flat = [n for b in _as_names(assign(model, cap), "assign_buckets") for n in b]
+    spec = _spec(ctx)
+    names = list(_trainable(spec))
+    caps = _caps(spec)
+    for cap, got in zip(caps, _learner_buckets(ctx, spec, caps)):
+        flat = [n for b in got for n in b]
         if flat == names[::-1]:
             continue
         if flat == names:
             raise Fail(f"with a cap of {cap} bytes the buckets list the parameters in forward order, "
                        f"{names[0]} first; backward makes {names[-1]}'s gradient first")
-        if any(n in flat for n in frozen):
+        frozen = [n for n in flat if n in FROZEN]
+        if frozen:
             raise Fail(f"the buckets include the frozen parameter {frozen[0]} (requires_grad is False)")
+        missing = [n for n in names if n not in flat]
+        if missing:
+            raise Fail(f"with a cap of {cap} bytes the buckets leave out {', '.join(missing)}, which "
+                       f"get{'s' * (len(missing) == 1)} a gradient")
         raise Fail(f"with a cap of {cap} bytes the parameters come in the order {flat}; gradient-ready "
                    f"order is {names[::-1]}")
 
@@ -73,18 +101,17 @@ def ready_order(ctx):
     "parameter joins the current bucket if the bucket stays at or under the cap with it; otherwise it starts "
     "a new one. A parameter larger than the cap still needs a bucket: its own. A bucket may be exactly full."))
 def size_cap(ctx):
-    model = _model(ctx)
-    assign = ctx.load().assign_buckets
-    params = dict(model.named_parameters())
-    for cap in _caps(model):
-        got = _as_names(assign(model, cap), "assign_buckets")
+    spec = _spec(ctx)
+    params = dict(build_model(spec).named_parameters())
+    caps = _caps(spec)
+    for cap, got in zip(caps, _learner_buckets(ctx, spec, caps)):
         unknown = [n for b in got for n in b if n not in params]
         if unknown:
             raise Fail(f"the buckets name {unknown[0]!r}, which is not a parameter of the model")
         if any(not b for b in got):
             raise Fail(f"with a cap of {cap} bytes one of the buckets is empty")
         # Judged in the learner's own order, so that a wrong order costs only the check above.
-        want = [[n for n in b] for b in _name_buckets(params, [n for b in got for n in b], cap)]
+        want = _name_buckets(params, [n for b in got for n in b], cap)
         if got != want:
             sizes = [sum(_nbytes(params[n]) for n in b) for b in got]
             over = [i for i, (b, s) in enumerate(zip(got, sizes)) if s > cap and len(b) > 1]
@@ -100,72 +127,70 @@ def _name_buckets(params: dict, order: list[str], cap: int) -> list[list[str]]:
     return [[name_of[id(p)] for p in b] for b in reference_buckets([params[n] for n in order], cap)]
 
 
+# --- the sync, during training ----------------------------------------------------------------------------
+
+
+def _inputs(ctx, spec: dict, rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, spec["widths"][0], generator=ctx.generator("x", rank, step))
+
+
+def _gradients(ctx, spec: dict, step: int) -> tuple[dict, list[dict]]:
+    """The average over ranks of each rank's gradient in ``step``, and each rank's own."""
+    own = []
+    for r in range(ctx.world_size):
+        model = build_model(spec)
+        loss_of(model, _inputs(ctx, spec, r, step)).backward()
+        own.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    mean = {n: sum(g[n] for g in own) / ctx.world_size for n in own[0]}
+    return mean, own
+
+
 def _close(got, want) -> bool:
     return torch.is_tensor(got) and got.shape == want.shape and bool(torch.allclose(got, want, atol=1e-6))
 
 
-def _inputs(ctx, model, rank: int, step: int) -> torch.Tensor:
-    return torch.randn(4, model[0].in_features, generator=ctx.generator("x", rank, step))
-
-
-def _loss(model, x):
-    return (model(x) ** 2).mean()
-
-
-def _gradients(ctx, model, step: int) -> tuple[dict, dict]:
-    """The average over ranks of each rank's gradient (computed here from every rank's inputs), and this rank's own."""
-    total: dict[str, torch.Tensor] = {}
-    own: dict[str, torch.Tensor] = {}
-    for r in range(ctx.world_size):
-        m = copy.deepcopy(model)
-        _loss(m, _inputs(ctx, m, r, step)).backward()
-        for n, p in m.named_parameters():
-            if p.grad is not None:
-                total[n] = total.get(n, 0) + p.grad / ctx.world_size
-                if r == ctx.rank:
-                    own[n] = p.grad
-    return total, own
-
-
-def _train(ctx, steps: int, spy: list | None = None):
-    """Run ``steps`` backward passes through the learner's sync; check the gradients after each finish()."""
-    model = _model(ctx)
-    cap = _caps(model)[2]
-    calls = spy if spy is not None else []
-    state = {"backward": False}
-    original = dist.all_reduce
-
-    def all_reduce(tensor, *args, **kwargs):
-        async_op = kwargs.get("async_op", args[2] if len(args) > 2 else False)
-        calls.append({"numel": tensor.numel(), "async": bool(async_op), "backward": state["backward"]})
-        return original(tensor, *args, **kwargs)
-
-    # Before the learner's hooks are on the parameters (a copy of the model would carry them).
-    grads = [_gradients(ctx, model, step) for step in range(steps)]
-    with replaced_dist({"all_reduce": all_reduce}):
-        sync = ctx.load().BucketedGradientSync(model, cap)
-        for step, (want, own) in enumerate(grads):
-            model.zero_grad(set_to_none=True)
-            loss = _loss(model, _inputs(ctx, model, ctx.rank, step))
-            state["backward"] = True
-            loss.backward()
-            state["backward"] = False
-            sync.finish()
-            for n, p in model.named_parameters():
-                if n not in want:
-                    if p.grad is not None:
-                        raise Fail(f"rank {ctx.rank}: the frozen parameter {n} has a gradient after finish()")
+def _train(ctx, steps: int, hold_s: float = 0.0) -> tuple[list, dict, int]:
+    """``steps`` steps through the learner's sync on every rank (the last rank pausing ``hold_s`` at its first
+    gradient); fails unless the gradients after each finish() are the averages. Returns the Outcomes,
+    the model's spec and the cap."""
+    spec = _spec(ctx)
+    cap = _caps(spec)[2]  # at least two buckets
+    n = ctx.world_size
+    expected = [_gradients(ctx, spec, s) for s in range(steps)]
+    outs = ctx.probe_all("train", [(spec, cap, [_inputs(ctx, spec, r, s) for s in range(steps)],
+                                    hold_s if r == n - 1 else 0.0) for r in range(n)])
+    for out in outs:
+        r = out.rank
+        for s, ((want, own), got) in enumerate(zip(expected, out.value["steps"])):
+            launched = [c for c in _step_comm(out, s) if c["op"] == "all_reduce"]
+            for name, g in got["grads"].items():
+                if name not in want:
+                    if g is not None:
+                        raise Fail(f"rank {r}: the frozen parameter {name} has a gradient after finish()")
                     continue
-                problem = describe_mismatch(f"rank {ctx.rank}, step {step + 1}: {n}.grad after finish()",
-                                            p.grad, want[n])
-                if problem:
-                    if step > 0 and _close(p.grad, grads[0][0][n]):
-                        problem += "; it is the first step's average"
-                    elif ctx.world_size > 1 and _close(p.grad, own[n] / ctx.world_size):
-                        problem += ("; it is this rank's own gradient divided by the world size: no all-reduce "
-                                    "of it ran in this step")
-                    raise Fail(problem)
-    return sync, model, cap
+                problem = describe_mismatch(f"rank {r}, step {s + 1}: {name}.grad after finish()", g, want[name])
+                if problem is None:
+                    continue
+                if s > 0 and _close(g, expected[0][0][name]):
+                    problem += "; it is the first step's average, left in place"
+                elif n > 1 and _close(g, own[r][name] / n):
+                    problem += (f"; it is this rank's own gradient divided by the world size: no all-reduce of it "
+                                f"ran in this step (this step started {len(launched)} all-reduce"
+                                f"{'s' * (len(launched) != 1)})")
+                elif n > 1 and _close(g, own[r][name]):
+                    problem += "; it is this rank's own gradient, not averaged"
+                elif n > 1 and _close(g, want[name] * n):
+                    problem += f"; it is {n} times the average: the sum, not divided by the world size"
+                raise Fail(problem)
+    return outs, spec, cap
+
+
+def _step_comm(out, step: int) -> list[dict]:
+    """The collectives ``out``'s rank issued during step ``step`` (from its start to the end of its finish())."""
+    info = out.value["steps"]
+    start = info[step]["start"]
+    end = info[step + 1]["start"] if step + 1 < len(info) else float("inf")
+    return [c for c in out.comm if start <= c["t"] < end]
 
 
 @EXERCISE.check("finish() leaves the averaged gradients", points=2, world_size=2, hint=(
@@ -178,30 +203,52 @@ def averages(ctx):
 
 @EXERCISE.check("one async all-reduce per bucket, during backward", points=2, world_size=2, hint=(
     "The point of buckets is overlap: a bucket's all-reduce should start inside backward, from the hook "
-    "that brings its last gradient, with async_op=True so that backward carries on while it travels. "
-    "finish() only waits for the handles. One message per bucket, not per parameter."))
+    "that brings its last gradient, with async_op=True, so that it travels while autograd goes on computing "
+    "the earlier layers' gradients. Launching every bucket at the end — in finish(), or once the last "
+    "gradient has arrived — sends the same bytes but overlaps nothing. finish() only waits for the handles. "
+    "One message per bucket, not per parameter."))
 def async_during_backward(ctx):
-    calls: list = []
-    sync, model, cap = _train(ctx, 1, calls)
-    params = dict(model.named_parameters())
-    # One per bucket of the learner's own buckets: a wrong order costs only the order check.
-    buckets = _as_names(getattr(sync, "buckets", None), "BucketedGradientSync.buckets")
-    if any(n not in params for b in buckets for n in b):
-        raise Fail("BucketedGradientSync.buckets names something that is not a parameter of the model")
-    if not calls:
-        raise Fail("dist.all_reduce was never called")
-    late = [c for c in calls if not c["backward"]]
-    if late:
-        raise Fail(f"{len(late)} of the {len(calls)} all-reduces were started after backward had returned "
-                   f"(in finish()?), so none of the communication overlaps backward")
-    blocking = [c for c in calls if not c["async"]]
-    if blocking:
-        raise Fail(f"{len(blocking)} all-reduce{'s were' if len(blocking) > 1 else ' was'} called without "
-                   f"async_op=True: backward stops until it is done")
-    want = sorted(sum(params[n].numel() for n in b) for b in buckets)
-    if sorted(c["numel"] for c in calls) != want:
-        raise Fail(f"{len(calls)} all-reduces of {sorted(c['numel'] for c in calls)} elements were started; "
-                   f"the {len(buckets)} buckets hold {want} elements")
+    outs, spec, cap = _train(ctx, 1, hold_s=HOLD_S)
+    params = dict(build_model(spec).named_parameters())
+    for out in outs:
+        r = out.rank
+        # One per bucket of the learner's own buckets: a wrong order costs only the order check.
+        buckets = _as_names(out.value["buckets"], "BucketedGradientSync.buckets")
+        if any(n not in params for b in buckets for n in b):
+            raise Fail("BucketedGradientSync.buckets names something that is not a parameter of the model")
+        step = out.value["steps"][0]
+        calls = [c for c in _step_comm(out, 0) if c["op"] == "all_reduce"]
+        if not calls:
+            raise Fail(f"rank {r} started no all-reduce")
+        want = sorted(sum(_nbytes(params[n]) for n in b) for b in buckets)
+        got = sorted(c["bytes"] for c in calls)
+        if got != want:
+            raise Fail(f"rank {r} started {len(calls)} all-reduces of {got} bytes; its {len(buckets)} buckets "
+                       f"hold {want} bytes: one all-reduce per bucket, of the bucket's whole buffer")
+        first = min(c["t"] for c in calls)
+        if not step["computed"]:
+            raise Fail(f"rank {r}: no gradient of the model was computed in backward")
+        last_grad = max(step["computed"].values())
+        last_name = max(step["computed"], key=step["computed"].get)
+        if first >= step["backward_end"]:
+            raise Fail(f"rank {r} started all {len(calls)} all-reduces after backward had returned (in finish()?), "
+                       f"so none of the communication overlaps backward")
+        if first >= last_grad:
+            raise Fail(f"rank {r} started its first all-reduce {1e3 * (first - step['start']):.1f} ms into the "
+                       f"step, after the last gradient ({last_name}, at {1e3 * (last_grad - step['start']):.1f} "
+                       f"ms) had been computed: every bucket was sent once backward had made all the gradients, "
+                       f"so no communication overlaps the computation of gradients")
+        if r == 0:
+            # The last rank paused HOLD_S at its first gradient, before it could launch anything. An
+            # all-reduce that rank 0 waits for in backward holds rank 0's backward up as long; one left to
+            # travel lets rank 0 go on computing its next gradient at once.
+            after = [t for t in step["computed"].values() if t > first]
+            gap = min(after) - first
+            if gap > HOLD_S / 2:
+                raise Fail(f"rank 0's backward stood still for {1e3 * gap:.0f} ms after it started its first "
+                           f"all-reduce, while rank {ctx.world_size - 1} was {1e3 * HOLD_S:.0f} ms late: it "
+                           f"waited for the all-reduce inside backward (a blocking call, or .wait() in the hook) "
+                           f"instead of letting it travel while backward goes on")
 
 
 @EXERCISE.check("a second step works too", points=1, world_size=2, hint=(

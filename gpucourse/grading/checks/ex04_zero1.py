@@ -1,4 +1,10 @@
-"""Checks of exercise 4: ZeRO-1 — shard, update the local shard, all-gather — against Adam on one device."""
+"""Checks of exercise 4: ZeRO-1 — shard, update the local shard, all-gather — against Adam on one device.
+
+The learner's ``ZeroOneAdam`` runs in the sandbox under the probe
+``probes/ex04_zero1.py:steps``, which reports the weights after every step and a
+census of the optimizer state the rank holds; the expected weights (Adam on one
+device, over the same steps) are computed here.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +15,18 @@ import torch.nn as nn
 
 from ..core import Exercise, Fail, describe_mismatch
 
-EXERCISE = Exercise("ex04_zero1", "ZeRO-1 optimizer step", "notebooks/03_zero_fsdp.ipynb")
+EXERCISE = Exercise(
+    "ex04_zero1", "ZeRO-1 optimizer step", "notebooks/03_zero_fsdp.ipynb",
+    forbidden_names=("torch.distributed.optim.ZeroRedundancyOptimizer",
+                     "torch.distributed.optim.zero_redundancy_optimizer.ZeroRedundancyOptimizer",
+                     "torch.distributed.fsdp.FullyShardedDataParallel",
+                     "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel",
+                     "torch.distributed.fsdp.fully_shard", "torch.distributed._composable.fsdp.fully_shard"),
+    refusal=("{op} is switched off in this exercise: build the sharded step yourself, from a "
+             "torch.optim.Adam over this rank's shard and dist.all_gather"))
 
-LR, STEPS = 1e-2, 2
+LR, STEPS = 1e-2, 3
+TINY = 1e-8  # a gradient this small is comparable to Adam's eps: its update depends on its scale
 
 
 def _bounds(numel: int, world: int, rank: int) -> tuple[int, int]:
@@ -20,97 +35,210 @@ def _bounds(numel: int, world: int, rank: int) -> tuple[int, int]:
     return start, min(start + shard, numel)
 
 
+def _as_bounds(value) -> tuple | None:
+    try:
+        return tuple(int(v) for v in value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
 @EXERCISE.check("shard_bounds cuts a buffer into padded shards", points=2, hint=(
     "Every element must belong to exactly one rank, and every shard has the same padded size "
     "ceil(numel / world_size), so that an all-gather of equal pieces can put them back together. Rounding "
     "the shard size down leaves the last elements to nobody; clip both ends at numel, as the last shards "
     "can be short or even empty."))
 def bounds(ctx):
-    shard_bounds = ctx.load().shard_bounds
     g = ctx.generator()
-    cases = [(10, 4), (2, 3), (1, 1), (7, 7), (5, 8)]
+    cases = [(10, 4), (2, 3), (1, 1), (7, 7), (5, 8), (31, 3), (9, 2)]
     cases += [(int(torch.randint(1, 60, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g)))
               for _ in range(20)]
-    for numel, world in cases:
-        got = [tuple(shard_bounds(numel, world, r)) for r in range(world)]
+    answers = ctx.probe("bounds", cases).value
+    for (numel, world), answer in zip(cases, answers):
+        got = [_as_bounds(b) for b in answer]
         want = [_bounds(numel, world, r) for r in range(world)]
         if got != want:
+            shown = [b if b is not None else a for b, a in zip(got, answer)]
+            if any(b is None or len(b) != 2 for b in got):
+                raise Fail(f"for {numel} elements on {world} ranks shard_bounds returned {shown}; each rank's "
+                           f"answer must be a pair (start, end), expected {want}")
             covered = sum(max(0, e - s) for s, e in got)
             extra = ""
             if covered < numel:
                 extra = f"; they cover {covered} of the {numel} elements"
             elif any(e - s > math.ceil(numel / world) for s, e in got):
                 extra = f"; a shard is longer than ceil({numel} / {world}) = {math.ceil(numel / world)}"
-            raise Fail(f"for {numel} elements on {world} ranks the shards are {got}, expected {want}{extra}")
+            elif any(e > numel or s > numel for s, e in got):
+                extra = f"; a shard reaches past the {numel} real elements (into the padding)"
+            raise Fail(f"for {numel} elements on {world} ranks the shards are {shown}, expected {want}{extra}")
 
 
-def _params(ctx, sizes) -> list[nn.Parameter]:
-    g = ctx.generator("weights", tuple(sizes))
-    return [nn.Parameter(torch.randn(s, generator=g)) for s in sizes]
+def _weights(ctx, sizes, key) -> list[torch.Tensor]:
+    g = ctx.generator("weights", key, tuple(sizes))
+    return [torch.randn(s, generator=g) for s in sizes]
 
 
-def _grads(ctx, params, step) -> list[torch.Tensor]:
-    g = ctx.generator("grads", step)  # the same on every rank: already averaged
-    return [torch.randn(p.shape, generator=g) for p in params]
+def _grads(ctx, sizes, key) -> list[list[torch.Tensor]]:
+    """Each step's gradients, the same on every rank (already averaged). Every fourth element of the flattened
+    gradients is tiny (about Adam's eps), so that Adam's update there depends on the gradient's scale: a step
+    on gradients summed over ranks, instead of averaged, moves those elements differently."""
+    g = ctx.generator("grads", key, tuple(sizes))
+    numel = sum(math.prod(s) for s in sizes)
+    scale = torch.where(torch.arange(numel) % 4 == 3, TINY, 1.0)
+    out = []
+    for _ in range(STEPS):
+        flat = torch.randn(numel, generator=g) * scale
+        out.append([piece.reshape(s).clone() for piece, s in
+                    zip(flat.split([math.prod(s) for s in sizes]), sizes)])
+    return out
 
 
-def _compare(ctx, sizes):
-    mine, alone = _params(ctx, sizes), _params(ctx, sizes)
-    start_weights = torch.cat([p.detach().reshape(-1) for p in mine])
-    opt = ctx.load().ZeroOneAdam(mine, lr=LR)
-    reference = torch.optim.Adam(alone, lr=LR)
-    numel = sum(p.numel() for p in mine)
-    for step in range(STEPS):
-        for p, q, grad in zip(mine, alone, _grads(ctx, mine, step)):
-            p.grad, q.grad = grad.clone(), grad.clone()
+def _adam(weights, grads, factor: float = 1.0, fresh: bool = False) -> list[torch.Tensor]:
+    """The flattened weights after each step of torch.optim.Adam on one device (gradients times ``factor``;
+    with ``fresh``, a new Adam at every step: its state forgotten between steps)."""
+    params = [nn.Parameter(w.clone()) for w in weights]
+    opt = torch.optim.Adam(params, lr=LR)
+    out = []
+    for step_grads in grads:
+        if fresh:
+            opt = torch.optim.Adam(params, lr=LR)
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone() * factor
         opt.step()
-        reference.step()
-        got = torch.cat([p.detach().reshape(-1) for p in mine])
-        want = torch.cat([q.detach().reshape(-1) for q in alone])
-        problem = describe_mismatch(f"rank {ctx.rank}: the weights after step {step + 1}", got, want, 1e-6, 1e-5)
-        if problem:
-            if step == 0:
-                moved = (got != start_weights).nonzero().reshape(-1)
-                lo, hi = _bounds(numel, ctx.world_size, ctx.rank)
-                if ctx.world_size > 1 and len(moved) and moved.min() >= lo and moved.max() < hi:
-                    problem += (f"; only elements {lo} to {hi - 1}, this rank's own shard, changed: the "
-                                f"other ranks' updated shards never arrived")
-                elif not len(moved):
-                    problem += "; no weight changed at all"
+        out.append(torch.cat([p.detach().reshape(-1) for p in params]))
+    return out
+
+
+def _close(a, b) -> bool:
+    return torch.is_tensor(a) and a.shape == b.shape and a.dtype == b.dtype and \
+        bool(torch.allclose(a, b, atol=1e-6, rtol=1e-5))
+
+
+def _misplaced(got: torch.Tensor, expected: torch.Tensor, numel: int, n: int) -> str:
+    """A sentence if some rank's updated shard is in ``got`` whole, but not where it belongs; else ""."""
+    for q in range(n):
+        lo, hi = _bounds(numel, n, q)
+        if hi - lo < 2 or _close(got[lo:hi], expected[lo:hi]):
+            continue
+        for at in range(numel - (hi - lo) + 1):
+            if _close(got[at:at + hi - lo], expected[lo:hi]):
+                return (f"rank {q}'s updated shard (elements {lo} to {hi - 1}) came back at elements {at} to "
+                        f"{at + hi - lo - 1}: the gathered shards were put back in the wrong places (rank r's "
+                        f"shard starts at r * ceil(numel / world_size))")
+    return ""
+
+
+def _run(ctx, sizes, key) -> tuple[list, tuple]:
+    """Every rank's probe of ZeroOneAdam over ``STEPS`` steps; the outcomes, and the weights and gradients sent."""
+    weights, grads = _weights(ctx, sizes, key), _grads(ctx, sizes, key)
+    outs = ctx.probe_all("steps", [(weights, grads, LR)] * ctx.world_size)
+    return outs, (weights, grads)
+
+
+def _compare(ctx, sizes, key=""):
+    """Fails unless every rank's weights after each step are those of Adam on one device."""
+    outs, (weights, grads) = _run(ctx, sizes, key)
+    n = ctx.world_size
+    numel = sum(w.numel() for w in weights)
+    start = torch.cat([w.reshape(-1) for w in weights])
+    want = _adam(weights, grads)
+    for out in outs:
+        got_steps = out.value["weights"]
+        for step, (got, expected) in enumerate(zip(got_steps, want)):
+            problem = describe_mismatch(f"rank {out.rank}: the weights after step {step + 1} of {STEPS}", got,
+                                        expected, 1e-6, 1e-5)
+            if problem is None:
+                continue
+            if not torch.is_tensor(got) or got.shape != expected.shape or got.dtype != expected.dtype:
+                raise Fail(problem)
+            before = start if step == 0 else got_steps[step - 1]
+            lo, hi = _bounds(numel, n, out.rank)
+            moved = (got != before).nonzero().reshape(-1)
+            own = torch.zeros(numel, dtype=torch.bool)
+            own[lo:hi] = True
+            if not len(moved):
+                problem += "; no weight changed at all in this step"
+            elif n > 1 and bool(own[moved].all()) and _close(got[lo:hi], expected[lo:hi]):
+                problem += (f"; only elements {lo} to {hi - 1}, this rank's own shard, changed: the other ranks' "
+                            f"updated shards never arrived")
+            elif n > 1 and _close(got, _adam(weights, grads, factor=n)[step]):
+                problem += (f"; they are Adam's weights for gradients {n} times as large: the gradients were "
+                            f"summed over the ranks, but they arrive already averaged (the same on every rank), "
+                            f"and Adam's update depends on their scale where they are as small as its eps")
+            elif step > 0 and _close(got, _adam(weights, grads, fresh=True)[step]):
+                problem += (f"; step 1 was right, but step {step + 1} is what a fresh Adam's first step gives: "
+                            f"Adam's moments and step count were not kept from one step to the next")
+            elif n > 1 and _misplaced(got, expected, numel, n):
+                problem += "; " + _misplaced(got, expected, numel, n)
+            elif n > 1 and hi > lo and _close(got[lo:hi], expected[lo:hi]):
+                problem += (f"; this rank's own shard (elements {lo} to {hi - 1}) is right, the rest is not: "
+                            f"the other ranks' shards came back wrong, or were put back in the wrong places")
             raise Fail(problem)
-    return opt, numel
+        if len(got_steps) != STEPS:
+            raise Fail(f"rank {out.rank}: the probe saw {len(got_steps)} steps of {STEPS}")
+    return outs, numel
 
 
 @EXERCISE.check("a ZeRO-1 step equals Adam on one device (2 ranks)", points=3, world_size=2, hint=(
     "Three moves: slice this rank's part of the flattened gradient, let Adam update this rank's copy of its "
     "shard, then all-gather every rank's shard (padded to equal size) and copy the gathered values back "
-    "into the parameters. Adam is element-wise, so updating the shards separately gives the same numbers."))
+    "into the parameters. Adam is element-wise, so updating the shards separately gives the same numbers, "
+    "step after step, as long as the same Adam (with its moments) updates the shard every step. The "
+    "gradients arrive already averaged: use them as they are."))
 def equals_adam(ctx):
     _compare(ctx, [(3, 4), (5,), (2, 3)])
 
 
+def _judge_census(rank: int, census: list, numel: int, n: int) -> None:
+    lo, hi = _bounds(numel, n, rank)
+    shard = math.ceil(numel / n)
+    if not any(census[1:]):
+        raise Fail(f"rank {rank}: no torch.optim.Optimizer could be found in the ZeroOneAdam after a step "
+                   f"(the exercise keeps one as self.optimizer: a torch.optim.Adam over this rank's shard)")
+    for when, optimizers in enumerate(census):
+        moment = "after it was made" if when == 0 else f"after step {when}"
+        total = sum(int(o["state_elements"]) for o in optimizers)
+        names = ", ".join(o["type"] for o in optimizers)
+        count = f"{len(optimizers)} optimizers ({names})" if len(optimizers) > 1 else f"its {names}"
+        if total > 2 * shard:
+            why = ""
+            if total >= 2 * numel:
+                why = (": as much as Adam over all the parameters — every rank keeps, and steps, the state of "
+                       "every shard" + (", in several optimizers" if len(optimizers) > 1 else ""))
+            raise Fail(f"rank {rank} holds {total} numbers of state {moment}, in {count}, for {numel} "
+                       f"parameters on {n} ranks; its shard's two moments are {2 * (hi - lo)} "
+                       f"(at most {2 * shard} with padding){why}")
+        for o in optimizers:
+            for size, start, end, held in o["tensors"].tolist():
+                if held > 0 and start >= 0 and (start < lo or end > hi):
+                    owners = sorted({r for r in range(n) if _bounds(numel, n, r)[0] < end and
+                                     _bounds(numel, n, r)[1] > start} - {rank})
+                    raise Fail(f"rank {rank} holds {held} numbers of state {moment} for elements {start} to "
+                               f"{end - 1} of the flattened parameters, outside its shard ({lo} to {hi - 1}): "
+                               f"they belong to rank{'s' * (len(owners) > 1)} {', '.join(map(str, owners))}")
+        if when > 0 and hi > lo and total < 2 * (hi - lo):
+            raise Fail(f"rank {rank} holds only {total} numbers of state {moment}, in {count}; Adam's two moments "
+                       f"of its shard are {2 * (hi - lo)}: this rank's shard is not stepped by an Adam it keeps")
+
+
 @EXERCISE.check("Adam's state lives only on this rank's shard", points=2, world_size=2, hint=(
     "The memory ZeRO-1 saves is Adam's two moments: build self.optimizer over this rank's shard of the "
-    "weights (one tensor of about numel / world_size elements), not over the model's parameters."))
+    "weights (one tensor of about numel / world_size elements), not over the model's parameters, and keep "
+    "no other optimizer — a rank that also steps the other shards (to skip the all-gather) holds their "
+    "state too, which is exactly what ZeRO-1 removes."))
 def state_sharded(ctx):
-    opt, numel = _compare(ctx, [(8, 4), (6,)])
-    inner = getattr(opt, "optimizer", None)
-    if not isinstance(inner, torch.optim.Optimizer):
-        raise Fail("the ZeroOneAdam has no self.optimizer (the torch.optim.Adam over this rank's shard)")
-    held = sum(t.numel() for state in inner.state.values() for t in state.values()
-               if torch.is_tensor(t) and t.dim() > 0)
-    shard = math.ceil(numel / ctx.world_size)
-    if held > 2 * shard:
-        raise Fail(f"rank {ctx.rank}'s optimizer holds {held} numbers of state for {numel} parameters on "
-                   f"{ctx.world_size} ranks; a shard's two moments are {2 * shard}")
+    for sizes in ([(8, 4), (6,)], [(3, 2), (2,)]):
+        outs, _ = _run(ctx, sizes, "state")
+        numel = sum(math.prod(s) for s in sizes)
+        for out in outs:
+            _judge_census(out.rank, out.value["census"], numel, ctx.world_size)
 
 
 @EXERCISE.check("3 ranks, sizes not divisible by 3", points=2, world_size=3, hint=(
     "With 3 ranks, 31 elements make shards of 11, 11 and 9, and 2 elements make 1, 1 and an empty one. "
     "Pad every rank's shard to the same length before the all-gather, and drop the padding after."))
 def three_ranks(ctx):
-    _compare(ctx, [(4, 5), (7,), (2, 2)])   # 31 elements
-    _compare(ctx, [(2,)])                   # fewer elements than ranks
+    _compare(ctx, [(4, 5), (7,), (2, 2)], "31")   # 31 elements
+    _compare(ctx, [(2,)], "2")                    # fewer elements than ranks
 
 
 @EXERCISE.check("one rank", points=1, world_size=1, hint=(

@@ -1,42 +1,64 @@
-"""Checks of exercise 6: column- and row-parallel linear layers against the whole layer, forward and backward."""
+"""Checks of exercise 6: column- and row-parallel linear layers against the whole layer, forward and backward.
+
+The learner's layers run in the sandbox under the probes of
+``probes/ex06_tensor_parallel.py``, which build them from whole ``nn.Linear``
+layers (with and without a bias) and report outputs, gradients and parameters;
+the expected values (the whole layer, or the whole MLP, on one device) are
+computed here.
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core import Exercise, Fail, describe_mismatch
 
-EXERCISE = Exercise("ex06_tensor_parallel", "Tensor-parallel linear layers", "notebooks/05_tensor_parallelism.ipynb")
+EXERCISE = Exercise(
+    "ex06_tensor_parallel", "Tensor-parallel linear layers", "notebooks/05_tensor_parallelism.ipynb",
+    forbidden_names=("torch.distributed.tensor.parallel.parallelize_module",
+                     "torch.distributed.tensor.parallel.ColwiseParallel",
+                     "torch.distributed.tensor.parallel.RowwiseParallel",
+                     "torch.distributed.tensor.parallel.api.parallelize_module",
+                     "torch.distributed.tensor.parallel.style.ColwiseParallel",
+                     "torch.distributed.tensor.parallel.style.RowwiseParallel"),
+    refusal=("{op} is switched off in this exercise: cut the weights yourself and carry the communication in "
+             "two torch.autograd.Functions"))
 
 BATCH = 3
+COLUMN, ROW = "ColumnParallelLinear", "RowParallelLinear"
 
 
-def _linear(ctx, fan_in: int, fan_out: int, key: str) -> nn.Linear:
-    g = ctx.generator(key)  # the same layer on every rank
-    layer = nn.Linear(fan_in, fan_out)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(layer.weight.shape, generator=g))
-        layer.bias.copy_(torch.randn(layer.bias.shape, generator=g))
-    return layer
+def _whole(ctx, fan_in: int, fan_out: int, key, bias: bool = True) -> tuple:
+    """A whole layer's (weight, bias), the same on every rank. The bias is far from zero (about 3), so that a
+    bias counted n times, or not at all, shows on every element."""
+    g = ctx.generator("layer", key)
+    weight = torch.randn(fan_out, fan_in, generator=g)
+    b = torch.randn(fan_out, generator=g) + 3.0 if bias else None
+    return weight, b
 
 
-def _data(ctx, *shape, key: str) -> torch.Tensor:
-    return torch.randn(*shape, generator=ctx.generator(key))
+def _data(ctx, *shape, key) -> torch.Tensor:
+    return torch.randn(*shape, generator=ctx.generator("data", key))
 
 
-def _reference(full: nn.Linear, x: torch.Tensor, probe: torch.Tensor) -> dict:
-    w = full.weight.detach().clone().requires_grad_(True)
-    b = full.bias.detach().clone().requires_grad_(True)
+def _reference(layers: list, x: torch.Tensor, grads_out: list) -> dict:
+    """Whole layers ``(weight, bias)`` all applied to ``x``; backward of ``sum_i (y_i * grads_out[i])``."""
     x = x.clone().requires_grad_(True)
-    y = F.linear(x, w, b)
-    (y * probe).sum().backward()
-    return {"y": y.detach(), "dx": x.grad, "dw": w.grad, "db": b.grad}
+    params = [(w.clone().requires_grad_(True), None if b is None else b.clone().requires_grad_(True))
+              for w, b in layers]
+    ys = [F.linear(x, w, b) for w, b in params]
+    sum((y * g).sum() for y, g in zip(ys, grads_out)).backward()
+    return {"ys": [y.detach() for y in ys], "dx": x.grad,
+            "dw": [w.grad for w, _ in params], "db": [None if b is None else b.grad for _, b in params]}
 
 
 def _expect(what: str, got, want, known_wrong=()) -> None:
     """Fail unless got == want; ``known_wrong`` lists (plausible wrong value, the sentence that explains it)."""
+    if want is None:
+        if got is not None:
+            raise Fail(f"{what} is a {type(got).__name__}, expected none")
+        return
     problem = describe_mismatch(what, got, want, 1e-5, 1e-4)
     if problem:
         for value, sentence in known_wrong:
@@ -47,116 +69,245 @@ def _expect(what: str, got, want, known_wrong=()) -> None:
         raise Fail(problem)
 
 
-def _column(ctx, fan_in=4, fan_out=6):
-    full = _linear(ctx, fan_in, fan_out, "column")
-    x, probe = _data(ctx, BATCH, fan_in, key="x"), _data(ctx, BATCH, fan_out, key="probe")
-    ref = _reference(full, x, probe)
-    layer = ctx.load().ColumnParallelLinear(full)
-    mine = x.clone().requires_grad_(True)
-    y = layer(mine)
-    if not torch.equal(mine.detach(), x):
-        raise Fail(f"rank {ctx.rank}: the layer's forward changed its input")
-    n, r = ctx.world_size, ctx.rank
-    return full, x, probe, ref, layer, mine, y, n, r
+def _check_parameters(rank: int, n: int, kind: str, params: dict, weight: torch.Tensor, bias) -> None:
+    """The layer holds exactly its slice of the weight (and of the bias, or the whole bias for a row layer), as
+    parameters ``weight`` and ``bias`` of their own; none called bias when the whole layer has none."""
+    what = f"rank {rank}'s {kind}"
+    want = {"weight": weight}
+    if bias is not None:
+        want["bias"] = bias
+    extra = sorted(set(params) - set(want))
+    if "bias" in extra and bias is None:
+        raise Fail(f"{what} has a parameter 'bias' of shape {tuple(params['bias']['value'].shape)}, made from a "
+                   f"layer with no bias (nn.Linear(..., bias=False)): it must have none (self.bias = None)")
+    if extra:
+        shapes = ", ".join(f"'{k}' {tuple(params[k]['value'].shape)}" for k in extra)
+        raise Fail(f"{what} has parameters besides its slice of the layer: {shapes}; it must keep only this "
+                   f"rank's slice (a whole layer kept as a submodule keeps its whole weight on every rank)")
+    for name, value in want.items():
+        if name not in params:
+            raise Fail(f"{what} has no parameter '{name}' (it keeps its slice as nn.Parameters self.weight"
+                       f"{' and self.bias' if bias is not None else ''})")
+        _expect(f"{what}'s {name}", params[name]["value"], value)
+        if n > 1 and params[name]["storage_bytes"] > params[name]["bytes"]:
+            raise Fail(f"{what}'s {name} is a view into a storage of {params[name]['storage_bytes']} bytes, for "
+                       f"{params[name]['bytes']} bytes of its own: it keeps the whole layer's {name} alive on "
+                       f"every rank; .clone() the slice")
+
+
+def _check_untouched(rank: int, report: dict, x: torch.Tensor, whole: list, backward: bool) -> None:
+    if not torch.equal(report["x_after_forward"], x):
+        raise Fail(f"rank {rank}: the layer's forward changed its input")
+    if backward and not torch.equal(report["x_after_backward"], x):
+        raise Fail(f"rank {rank}: the backward changed the layer's input")
+    for (w, b), after in zip(whole, report["whole_after"]):
+        if not torch.equal(after["weight"], w) or (b is not None and not torch.equal(after["bias"], b)):
+            raise Fail(f"rank {rank}: making or running the layer changed the whole layer it was made from; "
+                       f"copy its slice, and leave the nn.Linear passed in as it was")
+        if after["weight_grad"]:
+            raise Fail(f"rank {rank}: the whole layer's weight got a gradient: the layer computed with the whole "
+                       f"weight, not with a slice of its own")
+
+
+def _comm_during(outcome, span) -> list:
+    t0, t1 = span
+    return [c for c in outcome.comm if t0 <= c["t"] <= t1]
+
+
+def _run_column(ctx, cases: list, key, x_requires_grad: bool = True, backward: bool = True) -> tuple:
+    """Every rank's column layers, one per whole layer of ``cases``, all on the same input; backward of
+    each rank's slice of the output gradients. Their Outcomes, the input, the rank's gradients, the reference."""
+    n = ctx.world_size
+    x = _data(ctx, BATCH, cases[0][0].shape[1], key=(key, "x"))
+    probes = [_data(ctx, BATCH, w.shape[0], key=(key, "probe", i)) for i, (w, _) in enumerate(cases)]
+    ref = _reference(cases, x, probes)
+    args = [(COLUMN, cases, x, [p.chunk(n, dim=-1)[r] for p in probes], x_requires_grad, backward)
+            for r in range(n)]
+    return ctx.probe_all("layers", args), x, probes, ref
 
 
 @EXERCISE.check("column-parallel forward", points=2, world_size=2, hint=(
-    "Rank r keeps rows r*out/n to (r+1)*out/n of the weight and of the bias (weight.chunk(n, dim=0)[r]) as "
-    "new Parameters. Its forward is an ordinary linear layer on that slice: the whole input in, this rank's "
-    "slice of the output features out, no communication needed."))
+    "Rank r keeps rows r*out/n to (r+1)*out/n of the weight and of the bias (weight.chunk(n, dim=0)[r], "
+    ".clone()d, so the whole weight can be freed) as new Parameters, or no bias at all when the layer has "
+    "none (nn.Linear(..., bias=False)). Its forward is an ordinary linear layer on that slice: the whole input "
+    "in, this rank's slice of the output features out, no communication needed, the input left as it was."))
 def column_forward(ctx):
-    full, x, probe, ref, layer, mine, y, n, r = _column(ctx)
-    _expect(f"rank {r}: the output", y, ref["y"].chunk(n, dim=-1)[r])
+    n = ctx.world_size
+    for bias in (True, False):
+        cases = [_whole(ctx, 4, 6, ("column", bias), bias=bias)]
+        outs, x, probes, ref = _run_column(ctx, cases, ("column", bias), backward=False)
+        (w, b), = cases
+        for out in outs:
+            r, report = out.rank, out.value
+            _check_untouched(r, report, x, cases, backward=False)
+            _check_parameters(r, n, "column-parallel layer", report["layers"][0], w.chunk(n, dim=0)[r],
+                              None if b is None else b.chunk(n, dim=0)[r])
+            _expect(f"rank {r}: the output{'' if bias else ' (no bias)'}", report["ys"][0],
+                    ref["ys"][0].chunk(n, dim=-1)[r])
+
+
+def _column_grads(r: int, n: int, report: dict, cases: list, ref: dict, probes: list, x_requires_grad: bool,
+                  outcome, shared: bool) -> None:
+    for i, ((w, b), params) in enumerate(zip(cases, report["layers"])):
+        which = f"layer {i + 1}'s" if len(cases) > 1 else "the"
+        if "weight" not in params:
+            raise Fail(f"rank {r}'s column-parallel layer has no parameter 'weight'")
+        _expect(f"rank {r}: {which} weight's gradient", params["weight"]["grad"], ref["dw"][i].chunk(n, dim=0)[r])
+        if b is not None:
+            if "bias" not in params:
+                raise Fail(f"rank {r}'s column-parallel layer has no parameter 'bias'")
+            _expect(f"rank {r}: {which} bias's gradient", params["bias"]["grad"], ref["db"][i].chunk(n, dim=0)[r])
+    if not x_requires_grad:
+        if report["dx"] is not None:
+            raise Fail(f"rank {r}: an input that does not require a gradient got one")
+        return
+    partial = sum(p.chunk(n, dim=-1)[r] @ w.chunk(n, dim=0)[r] for p, (w, _) in zip(probes, cases))
+    in_backward = _comm_during(outcome, report["marks"]["backward"])
+    none_seen = "" if in_backward else " (no collective ran during backward)"
+    known = [(partial, f"it is this rank's own part of the gradient, not the sum over ranks{none_seen}")]
+    if shared:
+        known.append((n * ref["dx"], f"it is {n} times the sum: with one layer on this input it was right, with "
+                                     f"two layers on the same input the whole gradient of the input was summed "
+                                     f"over ranks once per layer — as a hook on the input tensor does, since it "
+                                     f"sees the gradient of every use of the input — instead of each layer's own "
+                                     f"part being summed once"))
+    else:
+        known.append((n * ref["dx"], f"it is {n} times the sum: the gradient was summed over ranks twice"))
+    _expect(f"rank {r}: the input's gradient" + (" (one input, two column-parallel layers)" if shared else ""),
+            report["dx"], ref["dx"], known)
 
 
 @EXERCISE.check("column-parallel backward", points=2, world_size=2, hint=(
     "Every rank's slice of the output depends on the whole input, so each rank's backward gives only its "
     "part of dL/dx; the whole gradient is their sum. Put an autograd Function in front of the layer that "
-    "is the identity forward and all-reduces the gradient backward (Megatron's f). The weight and bias "
+    "is the identity forward and all-reduces the gradient backward (Megatron's f): it sums this layer's part "
+    "exactly once, also when the same input feeds several layers (the queries, keys and values of attention) "
+    "or does not need a gradient at all, where a hook on the input tensor goes wrong. The weight and bias "
     "gradients need no communication: they are already this rank's slice."))
 def column_backward(ctx):
-    full, x, probe, ref, layer, mine, y, n, r = _column(ctx)
-    (y * probe.chunk(n, dim=-1)[r]).sum().backward()
-    _expect(f"rank {r}: the weight's gradient", layer.weight.grad, ref["dw"].chunk(n, dim=0)[r])
-    _expect(f"rank {r}: the bias's gradient", layer.bias.grad, ref["db"].chunk(n, dim=0)[r])
-    partial = probe.chunk(n, dim=-1)[r] @ full.weight.detach().chunk(n, dim=0)[r]
-    _expect(f"rank {r}: the input's gradient", mine.grad, ref["dx"],
-            [(partial, "it is this rank's own part of the gradient, not the sum over ranks")])
+    n = ctx.world_size
+    scenarios = [("one", [_whole(ctx, 4, 6, "one")], True),
+                 ("shared", [_whole(ctx, 4, 6, "q"), _whole(ctx, 4, 4, "k", bias=False)], True),
+                 ("no grad", [_whole(ctx, 4, 6, "data in")], False)]
+    for key, cases, needs_grad in scenarios:
+        outs, x, probes, ref = _run_column(ctx, cases, key, x_requires_grad=needs_grad)
+        for out in outs:
+            _check_untouched(out.rank, out.value, x, cases, backward=True)
+            _column_grads(out.rank, n, out.value, cases, ref, probes, needs_grad, out, shared=len(cases) > 1)
 
 
-def _row(ctx, fan_in=6, fan_out=4):
-    full = _linear(ctx, fan_in, fan_out, "row")
-    x, probe = _data(ctx, BATCH, fan_in, key="x"), _data(ctx, BATCH, fan_out, key="probe")
-    ref = _reference(full, x, probe)
-    n, r = ctx.world_size, ctx.rank
-    layer = ctx.load().RowParallelLinear(full)
-    piece = x.chunk(n, dim=-1)[r].clone()
-    mine = piece.clone().requires_grad_(True)
-    y = layer(mine)
-    if not torch.equal(mine.detach(), piece):
-        raise Fail(f"rank {r}: the layer's forward changed its input")
-    return full, x, probe, ref, layer, mine, y, n, r
+def _run_row(ctx, bias: bool, key, backward: bool = True, fan_in: int = 6, fan_out: int = 4) -> tuple:
+    """Every rank's row layer on its own slice of the input; backward of the whole output gradient."""
+    n = ctx.world_size
+    cases = [_whole(ctx, fan_in, fan_out, (key, bias), bias=bias)]
+    x = _data(ctx, BATCH, fan_in, key=(key, bias, "x"))
+    probe = _data(ctx, BATCH, fan_out, key=(key, bias, "probe"))
+    ref = _reference(cases, x, [probe])
+    pieces = x.chunk(n, dim=-1)
+    outs = ctx.probe_all("layers", [(ROW, cases, pieces[r], [probe], True, backward) for r in range(n)])
+    return outs, cases, pieces, probe, ref
 
 
 @EXERCISE.check("row-parallel forward", points=2, world_size=2, hint=(
-    "Rank r multiplies its slice of the input by its columns of the weight: that is one part of a sum, and "
-    "the output is the sum of all ranks' parts. Add them with an all-reduce in the forward (Megatron's g), "
-    "then add the bias — once, after the sum, or it is counted n times."))
+    "Rank r keeps columns r*in/n to (r+1)*in/n of the weight (.clone()d) and the whole bias, or none when the "
+    "layer has none. It multiplies its slice of the input by its columns of the weight: that is one part of a "
+    "sum, and the output is the sum of all ranks' parts. Add them with an all-reduce in the forward "
+    "(Megatron's g), then add the bias — once, after the sum, or it is counted n times."))
 def row_forward(ctx):
-    full, x, probe, ref, layer, mine, y, n, r = _row(ctx)
-    w = full.weight.detach().chunk(n, dim=1)[r]
-    b = full.bias.detach()
-    partial = x.chunk(n, dim=-1)[r] @ w.T
-    _expect(f"rank {r}: the output", y, ref["y"], [
-        (partial + b, "it is only this rank's partial product: the ranks' parts were never summed"),
-        (ref["y"] + (n - 1) * b, f"the bias is in it {n} times: it was added before the sum")])
+    n = ctx.world_size
+    for bias in (True, False):
+        outs, cases, pieces, probe, ref = _run_row(ctx, bias, "row", backward=False)
+        (w, b), = cases
+        for out in outs:
+            r, report = out.rank, out.value
+            _check_untouched(r, report, pieces[r], cases, backward=False)
+            _check_parameters(r, n, "row-parallel layer", report["layers"][0], w.chunk(n, dim=1)[r], b)
+            partial = pieces[r] @ w.chunk(n, dim=1)[r].T
+            known = [(partial if b is None else partial + b,
+                      "it is only this rank's partial product: the ranks' parts were never summed")]
+            if b is not None:
+                known.append((ref["ys"][0] + (n - 1) * b, f"the bias is in it {n} times: it was added before the sum"))
+                known.append((ref["ys"][0] - b, "the bias is missing from it"))
+            _expect(f"rank {r}: the output{'' if bias else ' (no bias)'}", report["ys"][0], ref["ys"][0], known)
 
 
 @EXERCISE.check("row-parallel backward", points=1, world_size=2, hint=(
     "The forward's all-reduce hands every rank the same output, so its backward hands every rank the same "
-    "gradient unchanged: the identity. Summing it again over ranks multiplies the gradients by n."))
+    "gradient unchanged: the identity. Summing it again over ranks multiplies the gradients by n. The bias "
+    "is added once, after the sum, on every rank: each rank's bias gets the whole bias gradient."))
 def row_backward(ctx):
-    full, x, probe, ref, layer, mine, y, n, r = _row(ctx)
-    (y * probe).sum().backward()
-    twice = f"it is {n} times too large: the gradient was summed over ranks in backward"
-    _expect(f"rank {r}: the weight's gradient", layer.weight.grad, ref["dw"].chunk(n, dim=1)[r],
-            [(n * ref["dw"].chunk(n, dim=1)[r], twice)])
-    _expect(f"rank {r}: the bias's gradient", layer.bias.grad, ref["db"])
-    _expect(f"rank {r}: the input's gradient", mine.grad, ref["dx"].chunk(n, dim=-1)[r],
-            [(n * ref["dx"].chunk(n, dim=-1)[r], twice)])
+    n = ctx.world_size
+    outs, cases, pieces, probe, ref = _run_row(ctx, True, "row back")
+    for out in outs:
+        r, report = out.rank, out.value
+        _check_untouched(r, report, pieces[r], cases, backward=True)
+        params = report["layers"][0]
+        for name in ("weight", "bias"):
+            if name not in params:
+                raise Fail(f"rank {r}'s row-parallel layer has no parameter '{name}'")
+        in_backward = _comm_during(out, report["marks"]["backward"])
+        twice = (f"it is {n} times too large: the gradient was summed over ranks in backward"
+                 + (f" ({len(in_backward)} collective{'s' * (len(in_backward) > 1)} ran during backward)"
+                    if in_backward else ""))
+        _expect(f"rank {r}: the weight's gradient", params["weight"]["grad"], ref["dw"][0].chunk(n, dim=1)[r],
+                [(n * ref["dw"][0].chunk(n, dim=1)[r], twice)])
+        db = ref["db"][0]
+        if params["bias"]["grad"] is None:
+            raise Fail(f"rank {r}: the bias got no gradient: the bias took no part in this rank's output "
+                       f"(add it on every rank, after the sum)")
+        _expect(f"rank {r}: the bias's gradient", params["bias"]["grad"], db,
+                [(n * db, twice), (db / n, f"it is 1/{n} of the bias's gradient: each rank added 1/{n} of the "
+                                           f"bias before the sum; add the whole bias once, after it"),
+                 (torch.zeros_like(db), "it is zero: the bias took no part in this rank's output")])
+        _expect(f"rank {r}: the input's gradient", report["dx"], ref["dx"].chunk(n, dim=-1)[r],
+                [(n * ref["dx"].chunk(n, dim=-1)[r], twice)])
 
 
-def _mlp(ctx):
+def _mlp(ctx, bias: bool):
     """Column-parallel fc, GELU on the local slice, row-parallel proj: the same as the whole MLP."""
-    fc, proj = _linear(ctx, 4, 6, "fc"), _linear(ctx, 6, 4, "proj")
-    x, probe = _data(ctx, BATCH, 4, key="x"), _data(ctx, BATCH, 4, key="probe")
+    n = ctx.world_size
+    fc, proj = _whole(ctx, 4, 6, ("fc", bias), bias=bias), _whole(ctx, 6, 4, ("proj", bias), bias=bias)
+    x, probe = _data(ctx, BATCH, 4, key=("x", bias)), _data(ctx, BATCH, 4, key=("probe", bias))
     xf = x.clone().requires_grad_(True)
-    wf = [t.detach().clone().requires_grad_(True) for t in (fc.weight, fc.bias, proj.weight, proj.bias)]
+    wf = [None if t is None else t.clone().requires_grad_(True) for t in (*fc, *proj)]
     yf = F.linear(F.gelu(F.linear(xf, wf[0], wf[1])), wf[2], wf[3])
     (yf * probe).sum().backward()
-    module = ctx.load()
-    col, row = module.ColumnParallelLinear(fc), module.RowParallelLinear(proj)
-    xm = x.clone().requires_grad_(True)
-    y = row(F.gelu(col(xm)))
-    n, r = ctx.world_size, ctx.rank
-    _expect(f"rank {r}: the MLP's output", y, yf.detach())
-    (y * probe).sum().backward()
-    _expect(f"rank {r}: the MLP's input gradient", xm.grad, xf.grad)
-    _expect(f"rank {r}: fc's weight gradient", col.weight.grad, wf[0].grad.chunk(n, dim=0)[r])
-    _expect(f"rank {r}: proj's weight gradient", row.weight.grad, wf[2].grad.chunk(n, dim=1)[r])
-    _expect(f"rank {r}: proj's bias gradient", row.bias.grad, wf[3].grad)
+    label = "" if bias else " (no biases)"
+    for out in ctx.probe_all("mlp", [(fc, proj, x, probe)] * n):
+        r, report = out.rank, out.value
+        if not torch.equal(report["x_after"], x):
+            raise Fail(f"rank {r}: the MLP's input was changed")
+        _expect(f"rank {r}: the MLP's output{label}", report["y"], yf.detach())
+        _expect(f"rank {r}: the MLP's input gradient{label}", report["dx"], xf.grad,
+                [(n * xf.grad, f"it is {n} times too large: summed over ranks twice")])
+        for layer, name, want in (("fc", "weight", wf[0].grad.chunk(n, dim=0)[r]),
+                                  ("fc", "bias", None if wf[1] is None else wf[1].grad.chunk(n, dim=0)[r]),
+                                  ("proj", "weight", wf[2].grad.chunk(n, dim=1)[r]),
+                                  ("proj", "bias", None if wf[3] is None else wf[3].grad)):
+            params = report[layer]
+            if want is None:
+                if name in params:
+                    raise Fail(f"rank {r}: {layer} has a parameter '{name}' though its whole layer has none "
+                               f"(nn.Linear(..., bias=False))")
+                continue
+            if name not in params:
+                raise Fail(f"rank {r}: {layer} has no parameter '{name}'")
+            _expect(f"rank {r}: {layer}'s {name} gradient{label}", params[name]["grad"], want)
 
 
 @EXERCISE.check("column then row is the whole MLP (3 ranks)", points=2, world_size=3, hint=(
     "A column-parallel layer's sliced output is exactly the sliced input a row-parallel layer wants, and "
     "an element-wise GELU in between works on the slice: one all-reduce forward, one backward, for the "
-    "whole MLP. Slice with chunk(n) along the right dimension for n = 3 too."))
+    "whole MLP. Slice with chunk(n) along the right dimension for n = 3 too, and handle layers with and "
+    "without a bias."))
 def mlp_three(ctx):
-    _mlp(ctx)
+    _mlp(ctx, bias=True)
+    _mlp(ctx, bias=False)
 
 
 @EXERCISE.check("one rank", points=1, world_size=1, hint=(
     "With one rank each slice is the whole weight and every all-reduce leaves its tensor as it is: the "
-    "layers must then behave exactly like nn.Linear."))
+    "layers must then behave exactly like nn.Linear, with a bias or without."))
 def one_rank(ctx):
-    _mlp(ctx)
+    _mlp(ctx, bias=True)
+    _mlp(ctx, bias=False)

@@ -1,24 +1,79 @@
-"""Checks of exercise 8: the fp16 dynamic loss scaler, against the course's scaler and torch.amp.GradScaler."""
+"""Checks of exercise 8: the fp16 dynamic loss scaler, against the course's scaler and torch.amp.GradScaler.
+
+The learner's scaler runs in the sandbox, driven by the probes of
+``gpucourse/grading/probes/ex08_loss_scaler.py``; the references (the course's
+``DynamicLossScaler``, ``torch.amp.GradScaler``, plain SGD) run here. In the
+sandbox PyTorch's scaler and its fused kernels are switched off.
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ...parallel.precision import DynamicLossScaler
 from ..core import Exercise, Fail, describe_mismatch
 
-EXERCISE = Exercise("ex08_loss_scaler", "Dynamic loss scaler", "notebooks/07_memory_batch.ipynb")
+EXERCISE = Exercise("ex08_loss_scaler", "Dynamic loss scaler", "notebooks/07_memory_batch.ipynb",
+                    forbidden_names=("torch.amp.GradScaler", "torch.amp.grad_scaler.GradScaler",
+                                     "torch.cuda.amp.GradScaler", "torch.cuda.amp.grad_scaler.GradScaler",
+                                     "torch.cpu.amp.GradScaler", "torch.cpu.amp.grad_scaler.GradScaler",
+                                     "torch._amp_update_scale_", "torch._amp_foreach_non_finite_check_and_unscale_"),
+                    refusal=("the code used {op}, which this exercise switches off: write the scaler yourself "
+                             "(compare yours with torch.amp.GradScaler outside the grader, once it passes)"))
 
 S = 1024.0  # a power of two: dividing by it is exact, so the checks can compare bit for bit
+LR, MOMENTUM = 0.1, 0.9
+SHAPES = {"0.weight": (5, 4), "0.bias": (5,), "2.weight": (3, 5), "2.bias": (3,)}  # the probes' model
 
 
 def _found(value, call: str) -> bool:
     if torch.is_tensor(value) and value.numel() == 1:
         value = value.item()
     if not isinstance(value, (bool, int, float)):
-        raise Fail(f"{call} returned {type(value).__name__}, not True or False")
+        raise Fail(f"{call} returned {_kind(value)}, not True or False")
     return bool(value)
+
+
+def _scale(value, when: str) -> float:
+    """The ``loss_scale`` attribute the probe read, as a float; Fail if it is not a number."""
+    if torch.is_tensor(value) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise Fail(f"{when}, loss_scale is {_kind(value)}; it should be a number (a Python float)")
+    return float(value)
+
+
+def _kind(value) -> str:
+    if isinstance(value, dict) and "__type__" in value:
+        return f"a {value['__type__']}"
+    if torch.is_tensor(value):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"{value!r}" if isinstance(value, (str, int, float, type(None))) else f"a {type(value).__name__}"
+
+
+def _weights(ctx, key) -> dict[str, torch.Tensor]:
+    g = ctx.generator("model", key)
+    return {name: torch.randn(shape, generator=g) * 0.5 for name, shape in SHAPES.items()}
+
+
+def _reference_model(weights: dict) -> nn.Sequential:
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(weights[name])
+    return model
+
+
+def _compare_weights(got: dict, model: nn.Module, when: str, against: str = "") -> None:
+    for name, p in model.named_parameters():
+        problem = describe_mismatch(f"{when}, {name}", got.get(name) if isinstance(got, dict) else None,
+                                    p.detach(), 1e-6, 1e-5)
+        if problem:
+            raise Fail(problem + against)
 
 
 @EXERCISE.check("scale multiplies the loss, unscale_ divides in place", points=2, hint=(
@@ -27,60 +82,64 @@ def _found(value, call: str) -> bool:
     "tensor does not help). inf / S is still inf and NaN stays NaN: after the division, "
     "(~torch.isfinite(g)).any() says whether this step overflowed; torch.isinf alone misses NaN."))
 def unscale(ctx):
-    scaler = ctx.load().LossScaler(init_scale=S)
-    loss = torch.tensor(0.75, requires_grad=True)
-    scaled = scaler.scale(loss)
-    if not torch.is_tensor(scaled) or scaled.item() != 0.75 * S:
-        raise Fail(f"with a scale of {S:g}, scale(tensor(0.75)) = {scaled!r}; expected tensor({0.75 * S:g})")
     g = ctx.generator()
-    grads = [torch.randn(3, 4, generator=g) * S, (torch.randn(5, generator=g) * S).half(), torch.randn(2, 2)]
-    before = [t.clone() for t in grads]
-    found = _found(scaler.unscale_(grads), "unscale_ of finite gradients")
-    for i, (t, was) in enumerate(zip(grads, before)):
-        if torch.equal(t, was):
-            raise Fail(f"after unscale_, gradient {i} is unchanged; it should have been divided by the scale "
-                       f"{S:g} in place")
-        if torch.equal(t, was * S):
-            raise Fail(f"after unscale_, gradient {i} was multiplied by the scale {S:g}, not divided by it")
+    grads = [torch.randn(3, 4, generator=g) * S, (torch.randn(5, generator=g) * S).half(),
+             torch.randn(2, 2, generator=g)]
+    cases = []
+    # Each kind of overflow, in the first and in the second (fp16) tensor of the list.
+    for what, bad in (("an inf", math.inf), ("a NaN", math.nan), ("a -inf", -math.inf)):
+        for where in (0, 1):
+            case = [torch.randn(4, generator=g), torch.randn(3, generator=g).half()]
+            case[where][int(torch.randint(0, 3, (1,), generator=g))] = bad
+            cases.append((f"unscale_ of gradients holding {what} (in a {case[where].dtype} tensor)", case))
+    out = ctx.probe("unscale", S, 0.75, [t.clone() for t in grads], [c for _, c in cases]).value
+
+    scaled = out["scaled"]
+    if not torch.is_tensor(scaled) or scaled.numel() != 1 or scaled.item() != 0.75 * S:
+        seen = f"tensor({scaled.item():g})" if torch.is_tensor(scaled) and scaled.numel() == 1 else _kind(scaled)
+        raise Fail(f"with a scale of {S:g}, scale(tensor(0.75)) = {seen}; expected tensor({0.75 * S:g})")
+    if not isinstance(out["grads"], list) or len(out["grads"]) != len(grads):
+        raise Fail("unscale_ replaced the list of gradients it was given")
+    for i, (t, was) in enumerate(zip(out["grads"], grads)):
+        if torch.is_tensor(t) and t.shape == was.shape and t.dtype == was.dtype:
+            if torch.equal(t, was):
+                raise Fail(f"after unscale_, gradient {i} is unchanged; it should have been divided by the scale "
+                           f"{S:g} in place")
+            if torch.equal(t, was * S):
+                raise Fail(f"after unscale_, gradient {i} was multiplied by the scale {S:g}, not divided by it")
         problem = describe_mismatch(f"gradient {i} after unscale_", t, was / S, 0.0, 1e-6)
         if problem:
             raise Fail(problem)
-    if found:
+    if _found(out["found"], "unscale_ of finite gradients"):
         raise Fail("unscale_ of finite gradients returned True (an overflow)")
-    if scaler.loss_scale != S:
-        raise Fail(f"unscale_ changed the scale to {scaler.loss_scale!r}; only update changes it")
-    for what, bad in (("an inf", float("inf")), ("a NaN", float("nan")), ("a -inf", -float("inf"))):
-        for where in (0, 1):
-            grads = [torch.randn(4, generator=g), torch.randn(3, generator=g).half()]
-            grads[where][int(torch.randint(0, 3, (1,), generator=g))] = bad
-            call = f"unscale_ of gradients holding {what} (in a {grads[where].dtype} tensor)"
-            if not _found(scaler.unscale_(grads), call):
-                raise Fail(f"{call} returned False: the overflow went unnoticed")
-
-
-def _history(scaler, found: list[bool], attribute: str) -> list[float]:
-    out = []
-    for f in found:
-        scaler.update(f)
-        out.append(float(getattr(scaler, attribute)))
-    return out
+    scale = _scale(out["scale"], "after unscale_")
+    if scale != S:
+        raise Fail(f"unscale_ changed the scale to {scale:g}; only update changes it")
+    found = out["overflow_found"]
+    for (call, _), f in zip(cases, found if isinstance(found, list) else []):
+        if not _found(f, call):
+            raise Fail(f"{call} returned False: the overflow went unnoticed")
 
 
 def _compare_history(ctx, found: list[bool]) -> None:
     kw = dict(init_scale=8.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=3)
-    got = _history(ctx.load().LossScaler(**kw), found, "loss_scale")
-    want = _history(DynamicLossScaler(**kw), found, "scale")
-    if got == want:
-        return
-    i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-    events = ", ".join("overflow" if f else "good" for f in found[:i + 1])
-    since = next((k for k in range(i, -1, -1) if found[k]), None)
-    extra = ""
-    if since is not None and got[i] > want[i]:
-        extra = (f"; it grew {i - since} good step{'s' * (i - since != 1)} after the overflow, with "
-                 f"growth_interval=3")
-    raise Fail(f"LossScaler({', '.join(f'{k}={v:g}' for k, v in kw.items())}): after the updates {events}, "
-               f"the scale is {got[i]:g}; expected {want[i]:g}{extra}")
+    values = ctx.probe("history", kw, found).value
+    reference = DynamicLossScaler(**kw)
+    got, want = [], []
+    for i, f in enumerate(found):
+        reference.update(f)
+        want.append(reference.scale)
+        got.append(_scale(values[i], f"after update {i + 1}"))
+        if got[i] == want[i]:
+            continue
+        events = ", ".join("overflow" if f else "good" for f in found[:i + 1])
+        since = next((k for k in range(i, -1, -1) if found[k]), None)
+        extra = ""
+        if since is not None and got[i] > want[i]:
+            extra = (f"; it grew {i - since} good step{'s' * (i - since != 1)} after the overflow, with "
+                     f"growth_interval=3")
+        raise Fail(f"LossScaler({', '.join(f'{k}={v:g}' for k, v in kw.items())}): after the updates {events}, "
+                   f"the scale is {got[i]:g}; expected {want[i]:g}{extra}")
 
 
 @EXERCISE.check("the scale grows after growth_interval good steps", points=1, hint=(
@@ -99,48 +158,35 @@ def backs_off(ctx):
     _compare_history(ctx, [False, False, True, False, False, False, False, True, True, False, False, False])
 
 
-def _model(ctx, key) -> nn.Module:
-    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=ctx.generator("model", key))))
-    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
-    return model
-
-
 @EXERCISE.check("a skipped step changes no weight and no optimizer state", points=2, hint=(
     "When unscale_ finds an inf or a NaN, the gradients are garbage: step must not call optimizer.step() "
     "at all (one inf in SGD's momentum, or in Adam's moments, poisons every later step), and must still "
     "update the scale. Parameters whose .grad is None are left out of the unscaling."))
 def skipped(ctx):
-    model = _model(ctx, "skip")
-    frozen = nn.Parameter(torch.ones(2))  # in the optimizer, but never gets a gradient
-    opt = torch.optim.SGD(list(model.parameters()) + [frozen], lr=0.1, momentum=0.9)
-    scaler = ctx.load().LossScaler(init_scale=S, growth_interval=100)
+    weights = _weights(ctx, "skip")
     x = torch.randn(6, 4, generator=ctx.generator("x"))
-    before = [p.detach().clone() for p in model.parameters()]
-    scaler.scale(model(x).pow(2).mean()).backward()
-    model[2].bias.grad[1] = float("inf")
-    stepped = _found(scaler.step(opt), "step")
-    for name, (p, was) in zip([n for n, _ in model.named_parameters()], zip(model.parameters(), before)):
-        if not torch.equal(p.detach(), was):
-            raise Fail(f"after a step whose gradients held an inf, parameter {name} changed (now "
-                       f"{p.detach().reshape(-1)[:3].tolist()}…): the optimizer stepped")
-    if opt.state:
-        raise Fail("after a step whose gradients held an inf, SGD has momentum buffers: the optimizer stepped")
-    if stepped:
+    steps = ctx.probe("skipped_step", weights, torch.ones(2), x, LR, MOMENTUM, S, 100, ("2.bias", 1)).value["steps"]
+    first, second = steps
+    say = "after a step whose gradients held an inf"
+    for name, was in weights.items():
+        now = first["weights"][name]
+        if not torch.equal(now, was):
+            raise Fail(f"{say}, parameter {name} changed (now {now.reshape(-1)[:3].tolist()}…): the optimizer "
+                       f"stepped")
+    if first["buffers"]:
+        raise Fail(f"{say}, SGD has momentum buffers: the optimizer stepped")
+    if _found(first["stepped"], "step"):
         raise Fail("step returned True (stepped) for gradients holding an inf")
-    if scaler.loss_scale != S * 0.5:
-        raise Fail(f"after the overflow the scale is {scaler.loss_scale!r}; expected {S * 0.5:g}")
-    opt.zero_grad()
-    reference = _model(ctx, "skip")
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    scale = _scale(first["scale"], "after the overflow")
+    if scale != S * 0.5:
+        raise Fail(f"after the overflow the scale is {scale:g}; expected {S * 0.5:g}")
+    reference = _reference_model(weights)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
     reference(x).pow(2).mean().backward()
-    ref_opt.step()
-    scaler.scale(model(x).pow(2).mean()).backward()
-    if not _found(scaler.step(opt), "step"):
+    optimizer.step()
+    if not _found(second["stepped"], "step"):
         raise Fail("step returned False (skipped) for finite gradients")
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        problem = describe_mismatch(f"after the next, finite step, {name}", p.detach(), q.detach(), 1e-6, 1e-5)
-        if problem:
-            raise Fail(problem)
+    _compare_weights(second["weights"], reference, "after the next, finite step")
 
 
 @EXERCISE.check("training with overflows follows torch.amp.GradScaler", points=1, hint=(
@@ -149,29 +195,28 @@ def skipped(ctx):
     "towards growth. Same numbers in, same weights and same scale out, step after step."))
 def follows_grad_scaler(ctx):
     kw = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
-    mine, theirs = _model(ctx, "sequence"), _model(ctx, "sequence")
-    opt = torch.optim.SGD(mine.parameters(), lr=0.05, momentum=0.9)
-    ref_opt = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9)
-    scaler, grad_scaler = ctx.load().LossScaler(**kw), torch.amp.GradScaler("cpu", **kw)
+    weights = _weights(ctx, "sequence")
     g = ctx.generator("batches")
-    overflow = {2, 3, 6}
-    for step in range(9):
-        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
-        for model, sc, o in ((mine, scaler, opt), (theirs, grad_scaler, ref_opt)):
-            o.zero_grad()
-            sc.scale(nn.functional.mse_loss(model(x), y)).backward()
-            if step in overflow:
-                model[0].weight.grad[step % 4, 1] = float("inf")
-        scaler.step(opt)
-        grad_scaler.step(ref_opt)
+    batches = [(torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)) for _ in range(9)]
+    poison = {step: ("0.weight", (step % 4) * 4 + 1) for step in (2, 3, 6)}  # weight[step % 4, 1]
+    got = ctx.probe("training", weights, batches, 0.05, MOMENTUM, kw, poison).value
+
+    model = _reference_model(weights)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=MOMENTUM)
+    grad_scaler = torch.amp.GradScaler("cpu", **kw)
+    for step, ((x, y), mine) in enumerate(zip(batches, got)):
+        optimizer.zero_grad()
+        grad_scaler.scale(F.mse_loss(model(x), y)).backward()
+        if step in poison:
+            name, index = poison[step]
+            dict(model.named_parameters())[name].grad.view(-1)[index] = math.inf
+        grad_scaler.step(optimizer)
         grad_scaler.update()
-        say = f"step {step}{' (an inf in a gradient)' if step in overflow else ''}"
-        if float(scaler.loss_scale) != grad_scaler.get_scale():
-            raise Fail(f"after {say} the scale is {scaler.loss_scale!r}; GradScaler's is {grad_scaler.get_scale():g}")
-        for (name, p), q in zip(mine.named_parameters(), theirs.parameters()):
-            problem = describe_mismatch(f"after {say}, {name}", p.detach(), q.detach(), 1e-6, 1e-5)
-            if problem:
-                raise Fail(f"{problem}, against GradScaler")
+        say = f"step {step}{' (an inf in a gradient)' if step in poison else ''}"
+        scale = _scale(mine["scale"], f"after {say}")
+        if scale != grad_scaler.get_scale():
+            raise Fail(f"after {say} the scale is {scale:g}; GradScaler's is {grad_scaler.get_scale():g}")
+        _compare_weights(mine["weights"], model, f"after {say}", ", against GradScaler")
 
 
 @EXERCISE.check("small fp16 gradients survive with scaling", points=1, hint=(
@@ -183,49 +228,113 @@ def underflow(ctx):
     a = ((1 + 0.4 * torch.rand(8, generator=g)) * 2.0**-13).half()   # a * b < 2**-25: 0 in fp16
     b = ((1 + 0.4 * torch.rand(8, generator=g)) * 2.0**-13).half()
     want = a.float() * b.float()
-
-    def grad_of_w(scaler):
-        w = nn.Parameter(torch.ones(8))
-        loss = ((w.half() * a) * b).float().sum()   # the backward multiplies in fp16
-        (scaler.scale(loss) if scaler else loss).backward()
-        return w
-
-    plain = grad_of_w(None).grad
-    scaler = ctx.load().LossScaler(init_scale=2.0**12)
-    w = grad_of_w(scaler)
-    found = _found(scaler.unscale_([w.grad]), "unscale_")
-    if found:
+    w = nn.Parameter(torch.ones(8))
+    ((w.half() * a) * b).float().sum().backward()  # unscaled, for comparison
+    out = ctx.probe("fp16_gradient", a, b, 2.0**12).value
+    if _found(out["found"], "unscale_"):
         raise Fail(f"unscale_ reported an overflow for gradients of about {want.mean():.2g}")
-    zeros = int((w.grad == 0).sum())
-    if zeros:
-        raise Fail(f"with a scale of 2**12, {zeros} of 8 gradients of about {want.mean():.2g} are 0 after "
-                   f"unscale_ (without scaling {int((plain == 0).sum())} of 8 are): they underflowed in fp16")
-    problem = describe_mismatch("the unscaled gradient", w.grad, want, 1e-12, 2e-3)
+    grad = out["grad"]
+    if torch.is_tensor(grad) and grad.shape == want.shape:
+        zeros = int((grad == 0).sum())
+        if zeros:
+            raise Fail(f"with a scale of 2**12, {zeros} of 8 gradients of about {want.mean():.2g} are 0 after "
+                       f"unscale_ (without scaling {int((w.grad == 0).sum())} of 8 are): they underflowed in fp16")
+    problem = describe_mismatch("the unscaled gradient", grad, want, 1e-12, 2e-3)
     if problem:
         raise Fail(problem)
 
 
-@EXERCISE.check("ranks agree on skipping a step (2 ranks)", points=2, world_size=2, hint=(
+def _judge_shards(outs, shards, stepped, why) -> None:
+    """Fail unless rank r stepped at step k exactly when ``stepped[k][r]`` (its weights changed, and step
+    said so) and its scale followed; ``why(k, r)`` says what it means that rank r did the opposite at step k.
+    What the weights became is the business of the local checks."""
+    for out in outs:
+        r, steps = out.rank, out.value["steps"]
+        scale, before = S, shards[r]
+        for k, step in enumerate(steps):
+            did = _found(step["stepped"], "step")
+            changed = not (torch.is_tensor(step["shard"]) and torch.equal(step["shard"], before))
+            if stepped[k][r] != changed:
+                raise Fail(why(k, r))
+            if did != changed:
+                raise Fail(f"rank {r}: at step {k} the optimizer {'stepped' if changed else 'did not step'}, yet "
+                           f"step returned {did}: it returns whether the optimizer stepped")
+            if not stepped[k][r]:
+                scale /= 2
+            got = _scale(step["scale"], f"on rank {r}, after step {k}")
+            if got != scale:
+                raise Fail(f"rank {r}: after step {k} its scale is {got:g}; expected {scale:g}")
+            before = step["shard"]
+
+
+@EXERCISE.check("ranks agree on skipping a step (2 ranks)", points=1, world_size=2, hint=(
     "With ZeRO or tensor parallelism each rank checks different gradients, and one rank can overflow alone. "
     "If only that rank skips, the ranks' weights (and scales) part ways for good. All-reduce the found-inf "
     "flag with ReduceOp.MAX before deciding, so every rank skips when any rank overflowed."))
 def ranks_agree(ctx):
-    g = ctx.generator("shard", ctx.rank)  # each rank holds its own shard of the parameters
-    shard = nn.Parameter(torch.randn(6, generator=g))
-    opt = torch.optim.SGD([shard], lr=0.1, momentum=0.9)
-    scaler = ctx.load().LossScaler(init_scale=S, growth_interval=100)
-    before = shard.detach().clone()
-    shard.grad = torch.randn(6, generator=g) * S
-    if ctx.rank == 1:
-        shard.grad[2] = float("inf")
-    stepped = _found(scaler.step(opt), "step")
-    mine = "its own gradients overflowed" if ctx.rank == 1 else "its own gradients were finite but rank 1's overflowed"
-    if stepped or not torch.equal(shard.detach(), before):
-        raise Fail(f"rank {ctx.rank}: {mine}; rank {ctx.rank} stepped anyway, so the ranks no longer hold "
-                   f"the weights of one model")
-    if scaler.loss_scale != S / 2:
-        raise Fail(f"rank {ctx.rank}: {mine}; its scale is {scaler.loss_scale!r}, expected {S / 2:g} on "
-                   f"every rank")
-    shard.grad = torch.randn(6, generator=g) * (S / 2)
-    if not _found(scaler.step(opt), "step"):
-        raise Fail(f"rank {ctx.rank}: no rank's gradients overflowed, yet step skipped")
+    shards, grads = [], []
+    for r in range(2):  # each rank holds its own shard of the parameters
+        g = ctx.generator("shard", r)
+        shards.append(torch.randn(6, generator=g))
+        grads.append([torch.randn(6, generator=g) * S, torch.randn(6, generator=g) * (S / 2)])
+    grads[1][0][2] = math.inf  # rank 1 overflows alone
+    outs = ctx.probe_all("shard_steps", [(shards[r], grads[r], LR, MOMENTUM, S, 100) for r in range(2)])
+
+    def why(k, r):
+        if k == 1:
+            return f"rank {r}: no rank's gradients overflowed, yet step skipped"
+        mine = "its own gradients overflowed" if r == 1 else "its own gradients were finite but rank 1's overflowed"
+        return f"rank {r}: {mine}; rank {r} stepped anyway, so the ranks no longer hold the weights of one model"
+
+    _judge_shards(outs, shards, [[False, False], [True, True]], why)
+
+
+GROUPS = [[0, 2], [1]]  # the groups of the 3-rank check: one of two ranks, one of rank 1 alone
+
+
+def _group_of(rank: int) -> list[int]:
+    return next(m for m in GROUPS if rank in m)
+
+
+def _ranks(ranks) -> str:
+    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
+
+
+@EXERCISE.check("collectives use the group passed in (3 ranks)", points=1, world_size=3, hint=(
+    "With tensor or pipeline parallelism, the ranks that must agree on skipping are one group of the "
+    "job, not all of it: step(optimizer, group) passes its group on to unscale_, and every collective "
+    "takes group=group. A collective on the default group makes the other groups skip steps that were "
+    "fine for them (and waits for ranks that may never make that call)."))
+def uses_group(ctx):
+    shards, grads = [], []
+    for r in range(3):
+        g = ctx.generator("shard", r)
+        shards.append(torch.randn(6, generator=g))
+        grads.append([torch.randn(6, generator=g) * S, torch.randn(6, generator=g) * S])
+    grads[2][0][4] = math.inf  # step 0: rank 2 overflows, so its group (ranks 0 and 2) skips; rank 1 does not
+    grads[1][1][0] = math.inf  # step 1: rank 1 overflows alone in its group; ranks 0 and 2 step
+    ctx.probe_all("make_groups", [(GROUPS,)] * 3)
+    outs = ctx.probe_all("shard_steps", [(shards[r], grads[r], LR, MOMENTUM, S, 100, _group_of(r))
+                                         for r in range(3)])
+    for out in outs:
+        mine = _group_of(out.rank)
+        for c in out.comm:
+            if c["group"] != mine:
+                on = ("the default group (every rank)" if c["group"] == list(range(ctx.world_size))
+                      else f"the group of {_ranks(c['group'] or [])}")
+                raise Fail(f"rank {out.rank}: step(optimizer, group=<the group of {_ranks(mine)}>) issued "
+                           f"{c['op']} on {on}, not on the group it was given")
+    stepped = [[False, True, False], [True, False, True]]
+
+    def why(k, r):
+        mine = _group_of(r)
+        bad = 2 if k == 0 else 1
+        if r == bad:
+            return f"rank {r}: its own gradients overflowed at step {k}, yet it stepped"
+        if bad in mine:
+            return (f"rank {r}: at step {k} rank {bad}, in its group ({_ranks(mine)}), overflowed, yet rank {r} "
+                    f"stepped: the group did not agree on skipping")
+        return (f"rank {r}: at step {k} no gradient of its group ({_ranks(mine)}) overflowed, yet it skipped: "
+                f"rank {bad}'s overflow, outside its group, reached it")
+
+    _judge_shards(outs, shards, stepped, why)

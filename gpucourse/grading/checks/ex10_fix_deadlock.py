@@ -1,34 +1,37 @@
 """Checks of exercise 10: the data-parallel loop, fixed, ends on 2 and 3 ranks and trains as one device does.
 
-The checks run the learner's ``train`` in launches of their own, started from
-the exercise process with a short timeout (:data:`HANG_S`): a hang is the bug
-this exercise is about, so it must cost seconds and come back as a failed check
-that carries the launcher's report, not as a check the grader has to kill. One
-launch per world size serves every check that reads it.
+The learner's ``train`` runs on the sandbox's ranks through the probe
+``run_training`` (``gpucourse/grading/probes/ex10_fix_deadlock.py``), each rank
+given only its own rows of each batch; the one-device run it is compared with
+runs here. A hang is the bug this exercise is about: the host stops the ranks
+when the check's budget is spent and they have stopped moving (a hang costs
+about 10 s on a quiet machine), and the check turns what each rank was waiting
+in into a diagnosis. One run per world size serves every check that reads it,
+so the untouched file costs two hangs, not four.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...runtime import LaunchTimeout, WorkerError, launch
 from ...runtime.collective_status import waiting_in
 from ...troubleshoot import diagnose_hang
+from .. import host
 from ..core import Exercise, Fail, derive_seed, describe_mismatch
-from ..results import describe_launch_error
 
 EXERCISE = Exercise("ex10_fix_deadlock", "Fix a hanging trainer", "notebooks/09_troubleshooting.ipynb")
 
 ROWS, FEATURES, STEPS, LR, NOISE = 24, 3, 8, 0.1, 2.0  # 24 rows: 2 and 3 ranks both divide them
 MARGIN = 0.02   # how far every loss of the one-device run stays from target_loss (relative)
-# A fixed run takes one or two seconds, most of it starting the ranks; a run still going after this hangs.
-HANG_S = 10.0
+# A fixed run takes milliseconds once its ranks are up (their start is not counted). The host calls the ranks
+# hung PROGRESS_GRACE_S (3 s) after this budget, if none of them moved meanwhile: about 10 s in all.
+BUDGET_S = 7.0
 
 
 @dataclass
@@ -102,48 +105,68 @@ def _data(seed: int) -> Data:
     raise RuntimeError("could not build the training problem of exercise 10")  # never seen in practice
 
 
-def _rank_train(ctx, data: Data) -> dict:
-    """On each rank: the learner's ``train`` on this rank's shards; the logged losses and final weights."""
-    module = ctx.load()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    rows = _shard(rank, world)
-    model = _model(data)
-    logged = module.train(model, [(x[rows].clone(), y[rows].clone()) for x, y in data.batches], lr=LR,
-                          target_loss=data.target)
-    return {"losses": [float(v) for v in logged],
-            "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()}
-
-
 def _ranks(ranks: list[int]) -> str:
     return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
 
 
-def _hang(e: LaunchTimeout, world: int) -> str:
-    report = "; ".join(f"rank {r}: {what}" for r, what in sorted(e.waiting.items()))
-    stuck = {r: waiting_in(e.waiting.get(r, "")) for r in e.pending}
-    if e.finished and all(call and call[1].startswith("all_reduce") for call in stuck.values()):
-        head = (f"the fix is not written yet: on {world} ranks train still hangs as shipped: {_ranks(e.finished)} "
+def _hang(e, world: int, seconds: float) -> str:
+    """The diagnosis of a run that the host stopped after ``seconds`` (a ``host.Stuck``: ``done``, ``pending``,
+    ``waiting``)."""
+    waiting = {r: e.waiting.get(r, "") or "no collective recorded" for r in e.pending}
+    stuck = {r: waiting_in(waiting[r]) for r in e.pending}
+    if e.done and all(call and call[1].startswith("all_reduce") for call in stuck.values()):
+        head = (f"the fix is not written yet: on {world} ranks train still hangs as shipped: {_ranks(e.done)} "
                 f"left the training loop and finished, while {_ranks(e.pending)} went on into the next step's "
                 f"all-reduce and waited there")
     else:
-        head = f"on {world} ranks train hangs. {diagnose_hang(e.waiting)}"
-    return f"{head} (the launcher stopped the ranks after {HANG_S:g} s: {report})"
+        everyone = {**{r: "not in a collective — train returned" for r in e.done}, **waiting}
+        head = f"on {world} ranks train hangs. {diagnose_hang(everyone)}"
+    report = "; ".join([f"rank {r}: train returned" for r in e.done] + [f"rank {r}: {waiting[r]}" for r in e.pending])
+    return f"{head} (the grader stopped the ranks after {seconds:.0f} s: {report})"
 
 
-_RUNS: dict = {}  # (file, seed, world size) -> each rank's result, or why there is none
+def _losses(value, world: int, rank: int) -> list[float]:
+    """What train returned on ``rank``, as a list of floats; Fail if it is not a list of losses."""
+    if torch.is_tensor(value) and value.dim() <= 1:
+        value = value.reshape(-1).tolist()
+    if isinstance(value, (list, tuple)):
+        out = []
+        for v in value:
+            if torch.is_tensor(v) and v.numel() == 1:
+                v = v.item()
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                break
+            out.append(float(v))
+        else:
+            return out
+    shown = f"a {value['__type__']}" if isinstance(value, dict) and "__type__" in value else repr(value)[:80]
+    raise Fail(f"on {world} ranks, rank {rank}'s train returned {shown}, not the list of the losses it logged "
+               f"(one float per step)")
+
+
+_RUNS: dict = {}  # (file, seed, world size) -> each rank's result, or the sentence that fails the checks
 
 
 def _run(ctx, world: int) -> tuple[Data, list[dict]]:
-    """The learner's training on ``world`` ranks (launched once per world size, then remembered)."""
+    """The learner's training on ``world`` ranks (run once per world size, then remembered)."""
     data = _data(ctx.seed)
     key = (ctx.path, ctx.seed, world)
     if key not in _RUNS:
+        args = [(data.weight, data.bias, [(x[_shard(r, world)].clone(), y[_shard(r, world)].clone())
+                                          for x, y in data.batches], LR, data.target) for r in range(world)]
+        start = time.monotonic()
         try:
-            _RUNS[key] = launch(_rank_train, ctx, data, world_size=world, timeout=HANG_S, device="cpu", quiet=True)
-        except LaunchTimeout as e:
-            _RUNS[key] = _hang(e, world)
-        except WorkerError as e:
-            _RUNS[key] = f"on {world} ranks: {describe_launch_error(e, ctx.path)}"
+            outs = ctx.probe_all("run_training", args)
+            _RUNS[key] = [{"losses": _losses(out.value["losses"], world, out.rank),
+                           "weights": out.value["weights"]} for out in outs]
+        except Fail as e:
+            _RUNS[key] = str(e)
+        except host.Stuck as e:
+            _RUNS[key] = _hang(e, world, time.monotonic() - start)
+        except host.LearnerError as e:
+            _RUNS[key] = e.sentence if e.exc_type == "NotImplementedError" else f"on {world} ranks, {e.sentence}"
+        except host.RankDied as e:
+            _RUNS[key] = f"on {world} ranks: {e}"
     if isinstance(_RUNS[key], str):
         raise Fail(_RUNS[key])
     return data, _RUNS[key]
@@ -191,14 +214,13 @@ def _as_one_device(data: Data, results: list[dict], world: int) -> None:
         if len(got) != len(want):
             raise Fail(f"on {world} ranks, rank {rank} trained {len(got)} steps; one device trains {len(want)}, "
                        f"stopping at the first step whose loss is below target_loss = {data.target:.4g}")
-        problem = describe_mismatch(f"on {world} ranks, rank {rank}'s final weights", torch.tensor(out["weights"]),
-                                    weights)
+        problem = describe_mismatch(f"on {world} ranks, rank {rank}'s final weights", out["weights"], weights)
         if problem:
             raise Fail(problem)
 
 
-@EXERCISE.check("2 ranks finish the training", points=3, hint=(
-    "A hang is ranks disagreeing about the next collective. Read the launcher's report: which rank finished, "
+@EXERCISE.check("2 ranks finish the training", points=3, world_size=2, budget_s=BUDGET_S, hint=(
+    "A hang is ranks disagreeing about the next collective. Read the grader's report: which rank finished, "
     "which waits, and in which call. Every rank must call every collective, so whatever decides whether a rank "
     "calls one (here the break that ends the loop) must come out the same on all of them; each rank's own loss "
     "is different, so decide on a number they all share. A barrier on the ranks that stop does not help: the "
@@ -207,7 +229,7 @@ def finishes(ctx):
     _run(ctx, 2)
 
 
-@EXERCISE.check("every rank logs the same mean loss (2 ranks)", points=2, hint=(
+@EXERCISE.check("every rank logs the same mean loss (2 ranks)", points=2, world_size=2, budget_s=BUDGET_S, hint=(
     "Each rank's loss is the mean over its own shard only. The global batch's loss is the mean of the ranks' "
     "losses (the shards are equal in size): all-reduce a detached copy of the loss (a sum) and divide it by "
     "dist.get_world_size(), on every rank. Log that number and decide on it."))
@@ -216,7 +238,7 @@ def same_loss(ctx):
     _same_on_every_rank(data, results, 2)
 
 
-@EXERCISE.check("2 ranks train as one device does", points=3, hint=(
+@EXERCISE.check("2 ranks train as one device does", points=3, world_size=2, budget_s=BUDGET_S, hint=(
     "One device computes the loss of the whole global batch and stops at the first step where it is below "
     "target_loss. The ranks must log that same loss and stop at that same step: not when any one rank's "
     "own loss is low enough, not on rank 0's loss, not on the sum of the losses. average_gradients is right "
@@ -226,7 +248,7 @@ def as_one_device(ctx):
     _as_one_device(data, results, 2)
 
 
-@EXERCISE.check("3 ranks train as one device does", points=2, hint=(
+@EXERCISE.check("3 ranks train as one device does", points=2, world_size=3, budget_s=BUDGET_S, hint=(
     "With 3 ranks the mean is the sum over 3, and there are two ranks that can disagree with rank 0: use "
     "dist.get_world_size() rather than a number, and make every rank, not only a neighbour, take part."))
 def three_ranks(ctx):

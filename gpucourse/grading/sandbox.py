@@ -1,0 +1,397 @@
+"""Where the learner's code runs (started as ``python -m gpucourse.grading.wall CONTROL_FD SPEC``).
+
+The grading host (trusted) starts this process with a clean interpreter, as an
+unprivileged user when the host is root and that user can run Python, behind
+the walls of :mod:`gpucourse.grading.wall`. It imports torch and the probes —
+never the checks, the grader, the reference strategies or ``solutions/`` — and
+then, for each batch of checks the host asks for, starts ``world_size`` ranks
+with :func:`gpucourse.launch`. Each rank:
+
+1. connects to the host's socket for that batch and says who it is (with the
+   batch's token), and waits at a barrier until every rank has, so that no
+   learner code runs before every channel is up;
+2. sets its limits (address space, file size, no core dumps) and its guard:
+   an audit hook (``sys.addaudithook``, which cannot be removed) that refuses
+   to read the repository, the grader's files or other processes, to write
+   outside the sandbox, to start processes, open sockets, load C libraries or
+   import the reference; a dispatch mode that sees every collective however it
+   is issued (``dist`` functions, process-group methods, ``torch.ops``,
+   functional collectives), refuses the ones the exercise forbids and records
+   the rest (operation, bytes, group, peer, time); and the exercise's
+   forbidden names (``DistributedDataParallel``, ``GradScaler``...) replaced
+   by refusals;
+3. answers the host's requests — load the learner's file afresh, call one of
+   its functions, or run a probe that drives it — with replies of tensors and
+   plain data (:mod:`gpucourse.grading.wire`), until the host closes the channel.
+
+Nothing here decides a verdict: a rank only reports what the learner's code did.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import socket
+import sys
+import time
+import traceback
+import types
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+from . import wire
+
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPOSITORY = os.path.dirname(PACKAGE)
+
+# The collectives as the dispatcher names them (c10d's in-place ops and the
+# functional ones), by the name torch.distributed gives them.
+COLLECTIVES = {
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "allgather_": "all_gather",
+    "_allgather_base_": "all_gather", "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather", "reduce_scatter_": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "broadcast_": "broadcast", "reduce_": "reduce", "gather_": "gather", "scatter_": "scatter",
+    "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "barrier": "barrier", "monitored_barrier_": "barrier",
+    "send": "send", "recv_": "recv", "recv_any_source_": "recv",
+    # functional collectives (DTensor, torch.distributed._functional_collectives)
+    "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter", "all_to_all_single": "all_to_all", "broadcast": "broadcast",
+}
+_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+
+# Audit events that start processes, talk to the network, load C code or
+# change files: none of them is needed to answer an exercise.
+_REFUSED_EVENTS = {
+    "os.fork": "start a process", "os.forkpty": "start a process", "os.system": "run a command",
+    "os.exec": "run a program", "os.posix_spawn": "start a process", "os.spawn": "start a process",
+    "subprocess.Popen": "start a process", "pty.spawn": "start a process", "os.startfile": "run a program",
+    "socket.__new__": "open a socket", "socket.connect": "open a socket", "socket.bind": "open a socket",
+    "ctypes.dlopen": "load a C library", "ctypes.dlsym": "load a C library",
+    "os.remove": "delete a file", "os.rmdir": "delete a folder", "shutil.rmtree": "delete a folder",
+    "os.rename": "rename a file", "os.link": "link a file", "os.symlink": "link a file",
+    "os.truncate": "truncate a file", "os.chmod": "change a file's mode", "os.chown": "change a file's owner",
+    "os.killpg": "signal other processes", "signal.pthread_kill": "signal other processes",
+    "resource.setrlimit": "change its limits", "resource.prlimit": "change its limits",
+}
+
+
+class ForbiddenCall(BaseException):
+    """The learner's code did something the exercise forbids.
+
+    A BaseException, so that ``except Exception`` in learner code does not hide it.
+    """
+
+
+_CALL_START = [time.perf_counter()]
+
+
+def elapsed() -> float:
+    """Seconds since the current request began (the clock of every time a reply carries)."""
+    return time.perf_counter() - _CALL_START[0]
+
+
+# --- the guard ----------------------------------------------------------------------------------------------
+
+
+class Recorder(TorchDispatchMode):
+    """Sees every collective this rank issues; refuses the forbidden ones and records the others."""
+
+    def __init__(self, forbidden: set[str], refusal: str):
+        super().__init__()
+        self.forbidden, self.refusal, self.records = forbidden, refusal, []
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        namespace, _, name = func._schema.name.partition("::")
+        if namespace in _NAMESPACES and name in COLLECTIVES:
+            op = COLLECTIVES[name]
+            if op in self.forbidden:
+                raise ForbiddenCall(self.refusal.format(op=op))
+            self.records.append(self._describe(func, op, args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def _describe(func, op: str, args, kwargs) -> dict:
+        # Arguments equal to their default are left out of the call: start from the schema's defaults.
+        values = {a.name: a.default_value for a in func._schema.arguments if a.has_default_value()}
+        values.update(zip([a.name for a in func._schema.arguments], args), **kwargs)
+        group = None
+        if "process_group" in values:
+            group = dist.ProcessGroup.unbox(values["process_group"])
+        elif "group_name" in values:
+            from torch.distributed.distributed_c10d import _resolve_process_group
+            group = _resolve_process_group(values["group_name"])
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        tensors = values.get("tensors", values.get("input_tensors", values.get("input_tensor",
+                                                                              values.get("input"))))
+        record = {"op": op, "bytes": _nbytes(tensors), "group": ranks, "async": bool(values.get("async_op", False)),
+                  "t": elapsed()}
+        for key in ("dst", "src", "root_rank"):
+            if key in values and ranks is not None and isinstance(values[key], int) and values[key] >= 0:
+                record["peer"] = ranks[values[key]] if values[key] < len(ranks) else values[key]
+        return record
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _refuse_name(module: str, name: str, why: str):
+    def refused(*args, **kwargs):
+        raise ForbiddenCall(why.format(name=f"{module}.{name}"))
+    return refused
+
+
+def replace_names(names: list[str], why: str) -> None:
+    """Make each dotted name (``torch.nn.parallel.DistributedDataParallel``) raise ForbiddenCall when used."""
+    import importlib
+
+    for dotted in names:
+        module_name, _, attr = dotted.rpartition(".")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        if hasattr(module, attr):
+            setattr(module, attr, _refuse_name(module_name, attr, why))
+
+
+class FileRules:
+    """Which paths learner code may read and write (the policy of the audit hook)."""
+
+    def __init__(self, private: str, hidden: list[str]):
+        import sysconfig
+
+        self.private = os.path.realpath(private)
+        self.hidden = [os.path.realpath(p) for p in hidden]
+        # Python and its packages stay readable even when a virtual environment lives in the repository.
+        self.library = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
+                                                               *sysconfig.get_paths().values())})
+        self.pid = str(os.getpid())
+
+    @staticmethod
+    def _under(path: str, root: str) -> bool:
+        return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+    def refusal(self, path, writing: bool) -> str | None:
+        if isinstance(path, int):
+            return None
+        real = os.path.realpath(os.fsdecode(path))
+        if writing and not (self._under(real, self.private) or real == os.devnull):
+            return f"write {real}: learner code may write only in its own temporary folder"
+        if self._under(real, self.private):
+            return None
+        parts = real.split(os.sep)
+        if len(parts) > 2 and parts[1] == "proc" and parts[2].isdigit() and parts[2] != self.pid:
+            return f"read {real}: another process's files"
+        if any(self._under(real, root) for root in self.hidden) and \
+                not any(self._under(real, root) for root in self.library):
+            return f"read {real}: the course's own code, the grader's files and other submissions are hidden"
+        return None
+
+
+def install_audit_hook(rules: FileRules, hidden_modules: tuple[str, ...]) -> None:
+    """Refuse what learner code must not do, for the rest of this process's life (audit hooks cannot be removed)."""
+    def hook(event: str, args: tuple) -> None:
+        if event == "open":
+            path, mode, flags = (args + (None, None))[:3]
+            writing = bool(flags and flags & (os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC)) or \
+                bool(isinstance(mode, str) and any(c in mode for c in "wax+"))
+            why = rules.refusal(path, writing)
+            if why:
+                raise PermissionError(f"the grader's sandbox refuses to {why}")
+        elif event in ("os.listdir", "os.scandir") and args and args[0] is not None:
+            why = rules.refusal(args[0], False)
+            if why:
+                raise PermissionError(f"the grader's sandbox refuses to {why.replace('read', 'list', 1)}")
+        elif event == "import" and args and isinstance(args[0], str):
+            name = args[0]
+            if any(name == m or name.startswith(m + ".") for m in hidden_modules):
+                raise ForbiddenCall(f"import {name}: the course's own answers are not available to an exercise; "
+                                    f"write it yourself")
+        elif event == "os.kill" and args and args[0] not in (0, os.getpid()):
+            raise PermissionError("the grader's sandbox refuses to signal other processes")
+        elif event in _REFUSED_EVENTS:
+            raise PermissionError(f"the grader's sandbox refuses to {_REFUSED_EVENTS[event]} ({event})")
+
+    sys.addaudithook(hook)
+
+
+# --- serving the host -----------------------------------------------------------------------------------
+
+
+class Server:
+    """One rank's side of the channel: loads the learner's file, calls into it, reports what happened."""
+
+    def __init__(self, batch: dict, sock: socket.socket, recorder: Recorder):
+        self.batch, self.sock, self.recorder = batch, sock, recorder
+        self.module: types.ModuleType | None = None
+        self.probes = __import__(batch["probes"], fromlist=["*"]) if batch.get("probes") else None
+
+    def load(self) -> types.ModuleType:
+        """The learner's file, executed afresh as module ``batch["module"]``."""
+        path = self.batch["file"]
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        module = types.ModuleType(self.batch["module"])
+        module.__file__ = path
+        sys.modules[module.__name__] = module  # dataclasses and pickling look modules up here
+        exec(compile(source, path, "exec"), module.__dict__)
+        return module
+
+    def handle(self, request: dict) -> dict:
+        _CALL_START[0] = time.perf_counter()
+        self.recorder.records = []
+        try:
+            if request["op"] == "load":
+                self.module = None
+                self.module = self.load()
+                return {"ok": True}
+            if self.module is None:
+                raise RuntimeError("the learner's file is not loaded")
+            args, kwargs = request.get("args", ()), request.get("kwargs", {})
+            if request["op"] == "probe":
+                fn = getattr(self.probes, request["name"])
+                args = (self.module, *args)
+            else:
+                fn = getattr(self.module, request["name"], None)
+                if fn is None:
+                    raise AttributeError(f"the file defines no {request['name']}")
+            with self.recorder:
+                value = fn(*args, **kwargs)
+                if self.recorder not in _get_current_dispatch_mode_stack():
+                    raise ForbiddenCall("the code took the grader's dispatch mode off the stack; the checks need "
+                                        "to see every collective, so this call is not graded")
+            return {"ok": True, "value": value, "args": args if request["op"] == "call" else (),
+                    "aliases": _aliases(value, args), "comm": list(self.recorder.records),
+                    "time_s": elapsed()}
+        except BaseException as e:  # noqa: BLE001 -- SystemExit, ForbiddenCall... from learner code too
+            return {"ok": False, "type": type(e).__name__, "message": _message(e),
+                    "traceback": traceback.format_exc()[-8000:], "comm": list(self.recorder.records)}
+
+    def serve(self) -> None:
+        while True:
+            try:
+                data = wire.recv_bytes(self.sock)
+            except (wire.ChannelClosed, OSError):
+                return
+            reply = self.handle(wire.decode_request(data))
+            try:
+                encoded = wire.encode_reply(reply)
+            except BaseException as e:  # noqa: BLE001 -- a value torch.save cannot write
+                encoded = wire.encode_reply({"ok": False, "type": type(e).__name__, "message": _message(e),
+                                             "traceback": ""})
+            wire.send_bytes(self.sock, encoded)
+
+
+def _message(e: BaseException) -> str:
+    try:
+        return str(e)[:2000]
+    except BaseException:  # noqa: BLE001 -- a learner's exception whose __str__ raises
+        return type(e).__name__
+
+
+def _aliases(value, args) -> int | None:
+    """The index of the argument whose memory ``value`` shares (an in-place answer), or None."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.numel() and value.numel() and \
+                a.untyped_storage().data_ptr() == value.untyped_storage().data_ptr():
+            return i
+    return None
+
+
+def serve_rank(batch: dict) -> None:
+    """One rank of a batch (started by :func:`gpucourse.launch` in the sandbox process)."""
+    from ..runtime import collective_status
+
+    os.close(batch["control_fd"])  # the sandbox's own channel to the host is not the learner's
+    rank = dist.get_rank()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(batch["address"])
+    status = os.path.join(batch["private"], f"status-{batch['batch']}-{rank}.json")
+    collective_status.install(status)
+    wire.send_bytes(sock, json.dumps({"rank": rank, "pid": os.getpid(), "token": batch["token"],
+                                      "status": status}).encode())
+    dist.barrier()  # every rank's channel is up before any learner code runs
+
+    for limit, value in ((resource.RLIMIT_AS, batch["memory_bytes"]), (resource.RLIMIT_FSIZE, batch["output_bytes"]),
+                         (resource.RLIMIT_CORE, 0)):
+        resource.setrlimit(limit, (value, value))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the file-size limit a write fails instead of killing
+    refusal = batch["refusal"]
+    recorder = Recorder(set(batch["forbidden_collectives"]), refusal)
+    replace_names(batch["forbidden_names"], refusal.replace("{op}", "{name}"))
+    server = Server(batch, sock, recorder)
+    install_audit_hook(FileRules(batch["private"], batch["hidden_paths"]), tuple(batch["hidden_modules"]))
+    server.serve()
+
+
+# --- the sandbox process ----------------------------------------------------------------------------------
+
+
+def censored_schedules(source: str) -> None:
+    """Put a ``gpucourse.parallel.schedules`` in ``sys.modules`` that has the op format and the checker, but
+    none of the reference schedules, and a ``gpucourse.parallel`` that holds nothing else.
+
+    Exercise 5 may use ``Op``, the op kinds, ``validate`` and ``simulate``; the
+    functions it may use must not carry the answer in their globals.
+    """
+    parallel = types.ModuleType("gpucourse.parallel")
+    parallel.__path__ = []
+    parallel.__package__ = "gpucourse.parallel"
+    module = types.ModuleType("gpucourse.parallel.schedules")
+    module.__file__ = "<the op format and checker of gpucourse.parallel.schedules>"
+    module.__package__ = "gpucourse.parallel"
+    sys.modules["gpucourse.parallel"] = parallel
+    sys.modules[module.__name__] = module
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    for name in REFERENCE_SCHEDULE_NAMES:
+        module.__dict__.pop(name, None)
+    parallel.schedules = module
+
+
+# The reference schedules and what builds them: removed from the censored module.
+REFERENCE_SCHEDULE_NAMES = ("naive", "gpipe", "one_f_one_b", "_forward", "_backward", "SCHEDULES", "build",
+                            "formula_bubble")
+
+
+def main(control_fd: int, schedules_source: str) -> int:
+    """Serve the host's batches (started by :mod:`gpucourse.grading.wall`, which raised the walls first)."""
+    from ..runtime import LaunchError, LaunchTimeout, WorkerError, launch
+    import torch._dynamo  # noqa: F401 -- building an optimizer imports it: once here, not in every rank
+    from . import probes  # noqa: F401
+
+    censored_schedules(schedules_source)
+    for name in probes.NAMES:
+        __import__(f"{probes.__name__}.{name}")
+    torch.set_num_threads(1)
+    control = socket.socket(fileno=control_fd)
+    reader = control.makefile("r", encoding="utf-8")
+    for line in reader:
+        batch = json.loads(line)
+        batch["control_fd"] = control_fd
+        try:
+            launch(serve_rank, batch, world_size=batch["world_size"], device="cpu", quiet=True,
+                   timeout=batch["limit_s"], pg_timeout=batch["limit_s"] + 30)
+            outcome = ""
+        except WorkerError as e:
+            outcome = json.dumps({"rank": e.rank, "type": e.exc_type, "message": e.message,
+                                  "traceback": e.remote_traceback[-4000:]})
+        except (LaunchTimeout, LaunchError) as e:
+            outcome = json.dumps({"rank": None, "type": type(e).__name__, "message": str(e)[:2000], "traceback": ""})
+        except Exception as e:  # noqa: BLE001 -- a rank that ended in a way the launcher has no word for
+            outcome = json.dumps({"rank": None, "type": type(e).__name__, "message": str(e)[:2000], "traceback": ""})
+        control.sendall((json.dumps({"batch": batch["batch"], "outcome": outcome}) + "\n").encode())
+    return 0
+

@@ -1,0 +1,198 @@
+"""The grader under attack: learner code cannot see the checks' inputs, patch the checks, forge verdicts, leave a
+process behind, rewrite a result, import or borrow the reference, or call a forbidden collective by another door;
+hostile code (a fork bomb, a socket, deleting files, sleeping forever, a segfault, a detached process) becomes a
+failed check, and the checks' verdicts do not depend on the machine's load.
+
+The cheats and hostile files are in tests/mutants/cheats and tests/mutants/hostile; the cheats are graded as one
+class (two at a time), which is also the test that one learner's code cannot touch another's files or grade."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from gpucourse import grading
+from gpucourse.grading import runner
+
+pytestmark = pytest.mark.timeout(600)
+
+REPO = Path(__file__).resolve().parents[1]
+CHEATS = REPO / "tests" / "mutants" / "cheats"
+HOSTILE = REPO / "tests" / "mutants" / "hostile"
+EX01 = [c.name for c in grading.find_exercise("ex01").checks]
+MULTI_RANK = [c.name for c in grading.find_exercise("ex01").checks if (c.world_size or 1) > 1]
+ALL = None  # every check of the exercise
+
+# cheat -> (exercise, the checks it must score 0 on, words every one of those messages holds or None)
+ATTACKS = {
+    "ex01_reads_check_inputs": ("ex01", MULTI_RANK, None),
+    "ex01_patches_check": ("ex01", MULTI_RANK, None),
+    "ex01_forges_events": ("ex01", EX01, "ended in the middle of this check"),
+    "ex01_daemon_rewrites_results": ("ex01", MULTI_RANK, None),
+    "ex01_computed_import": ("ex01", EX01, "refuses to read"),
+    "ex01_process_group_method": ("ex01", EX01, "switches off"),
+    "ex01_functional_collective": ("ex01", EX01, "switches off"),
+    "ex01_pops_dispatch_mode": ("ex01", EX01, None),
+    "ex05_borrows_through_object": ("ex05", ALL, "KeyError"),
+}
+
+
+def _processes_with(marker: str) -> list[int]:
+    needle = marker.encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read():
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture
+def marked(monkeypatch):
+    """Tag every process the test starts (through its environment); right after it, none may still run."""
+    marker = f"GPUCOURSE_GRADING_TEST={uuid.uuid4().hex}"
+    monkeypatch.setenv(*marker.split("="))
+    yield marker
+    assert _processes_with(marker) == [], "the grader left processes behind"
+
+
+@pytest.fixture(scope="module")
+def cheaters(tmp_path_factory):
+    """Every cheat, each handed in by a learner of its own, graded as one class with --jobs 2."""
+    root = tmp_path_factory.mktemp("cheaters")
+    for name, (ex_id, _, _) in ATTACKS.items():
+        folder = root / "class" / name
+        folder.mkdir(parents=True)
+        shutil.copy(CHEATS / f"{name}.py", folder / f"{grading.find_exercise(ex_id).module}.py")
+    honest = root / "class" / "zz_honest"
+    shutil.copytree(REPO / "solutions", honest)
+    before = {p: p.read_bytes() for p in (root / "class").rglob("*.py")}
+    out = root / "grades.csv"
+    result = grading.grade_class(root / "class", out, jobs=2, exercises=["ex01", "ex05"], seed=11)
+    time.sleep(3)  # a daemon that escaped would be rewriting results by now
+    return result, out, before
+
+
+@pytest.mark.parametrize("cheat", sorted(ATTACKS))
+def test_each_attack_scores_zero_on_the_attacked_checks(cheaters, cheat):
+    result, _, _ = cheaters
+    ex_id, attacked, words = ATTACKS[cheat]
+    graded = {e["exercise"]: e for e in result["learners"][cheat]["exercises"]}[ex_id]
+    checks = {c["name"]: c for c in graded["checks"]}
+    for name in attacked or checks:
+        assert checks[name]["points"] == 0, (name, checks[name]["message"])
+        if words:
+            assert words in checks[name]["message"], (name, checks[name]["message"])
+
+
+def test_nothing_a_cheat_did_reached_another_learner_or_the_results(cheaters, marked):
+    result, out, before = cheaters
+    honest = result["learners"]["zz_honest"]
+    assert honest["score"] == honest["max_score"] == 20
+    for path, content in before.items():
+        assert path.read_bytes() == content, f"{path} was changed"
+    rows = out.read_text().splitlines()
+    assert rows[0] == "learner,ex01,ex05,total" and rows[-1] == "zz_honest,10,10,20"
+    for path in (out.parent / "grades-results").iterdir():
+        data = json.loads(path.read_text())
+        assert data["score"] == result["learners"][path.stem]["score"], path
+
+
+def test_the_sandbox_holds_no_check_reference_or_solution(tmp_path, marked):
+    """A learner file that reports what its interpreter holds: no checks, no reference strategies, no solutions,
+    no schedule answers in the functions it may import."""
+    (tmp_path / "ex05_one_f_one_b.py").write_text('''
+import sys
+from gpucourse.parallel.schedules import validate
+
+def one_f_one_b(pp, m):
+    secret = sorted(n for n in sys.modules if n.startswith(("solutions", "gpucourse.grading.checks",
+                                                            "gpucourse.grading.host", "gpucourse.memory"))
+                    or (n.startswith("gpucourse.parallel") and n != "gpucourse.parallel.schedules")
+                    or n.startswith("gpucourse.parallel.") and n != "gpucourse.parallel.schedules")
+    names = sorted(k for k in validate.__globals__ if k in ("one_f_one_b", "gpipe", "naive", "formula_bubble"))
+    import os
+    seen = [p for p in (SOLUTION, CHECK) if os.path.exists(p)]
+    raise ValueError(f"SEEN {secret} {names} {seen}")
+'''.replace("SOLUTION", repr(str(REPO / "solutions" / "ex05_one_f_one_b.py")))
+       .replace("CHECK", repr(str(REPO / "gpucourse" / "grading" / "checks" / "ex05_one_f_one_b.py"))))
+    result = grading.grade(tmp_path, ["ex05"])
+    message = result["exercises"][0]["checks"][0]["message"]
+    # Where the machine allows mount namespaces (as here), the files are not even there.
+    walls = subprocess.run(["unshare", "-m", "true"] if os.geteuid() == 0 else ["unshare", "-U", "-m", "true"],
+                           capture_output=True).returncode == 0
+    assert ("SEEN [] [] []" if walls else "SEEN [] []") in message, message
+
+
+def test_hostile_code_is_contained(tmp_path, monkeypatch, marked):
+    """A fork bomb, a socket, deleting files, sleeping forever, a segfault and a detached process: each a failed
+    check with one sentence, the files it went for intact, nothing left running, the last check graded."""
+    victim = tmp_path / "victim"
+    shutil.copytree(REPO / "exercises", victim)
+    targets = [REPO / "solutions" / "ex01_ring_allreduce.py", victim / "ex02_data_parallel.py", victim]
+    monkeypatch.setenv("GPUCOURSE_TEST_TARGETS", os.pathsep.join(map(str, targets)))
+    before = {p: p.read_bytes() for p in [targets[0], *victim.iterdir()]}
+    start = time.monotonic()
+    result = grading.grade(REPO / "solutions", ["ex01"], timeout=10,
+                           files={"ex01": str(HOSTILE / "ex01_escapes.py")}, hidden_paths=(str(victim),))
+    checks = {c["name"]: c for c in result["exercises"][0]["checks"]}
+    assert "refuses to start a process" in checks["sums over 2 ranks"]["message"]
+    assert "refuses to open a socket" in checks["keeps bf16 as bf16"]["message"]
+    assert "refuses to" in checks["returns a new tensor, leaves its input unchanged"]["message"]
+    assert "did not finish within" in checks["3 ranks, lengths not divisible by 3"]["message"]
+    assert "ended in the middle of this check" in \
+        checks["each rank sends 2(n-1)/n of the tensor, to rank+1 (3 ranks)"]["message"]
+    assert checks["one rank"]["status"] == "passed"
+    assert all(p.read_bytes() == content for p, content in before.items())
+    assert time.monotonic() - start < 200
+
+
+def test_cli_results_survive_a_daemon(tmp_path, marked):
+    """The CLI in a process of its own (its --json path is in its command line, where the daemon looks)."""
+    out = tmp_path / "results.json"
+    folder = tmp_path / "learner"
+    folder.mkdir()
+    shutil.copy(CHEATS / "ex01_daemon_rewrites_results.py", folder / "ex01_ring_allreduce.py")
+    done = subprocess.run([sys.executable, "-m", "gpucourse.cli", "grade", "ex01", "--path", str(folder),
+                           "--json", str(out), "--seed", "3"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    time.sleep(3)
+    data = json.loads(out.read_text())
+    assert data["score"] < data["max_score"] == 10 and len(data["tests"]) == len(EX01)
+
+
+def test_verdicts_do_not_depend_on_load(marked):
+    """The solutions of the hang-prone exercises pass with both cores saturated by other work."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
+    try:
+        result = grading.grade(REPO / "solutions", ["ex10", "ex01"])
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    for e in result["exercises"]:
+        assert e["score"] == e["max_score"], [(c["name"], c["message"]) for c in e["checks"] if c["points"] == 0]
+
+
+def test_an_untouched_stub_is_not_an_attempt(tmp_path, monkeypatch, marked):
+    from gpucourse import progress
+
+    folder = tmp_path / "exercises"
+    shutil.copytree(REPO / "exercises", folder)
+    monkeypatch.chdir(tmp_path)
+    grading.check("ex05")
+    assert "ex05_one_f_one_b" not in progress.load()["exercises"]
+    assert runner.untouched(grading.grade(folder, ["ex05"])["exercises"][0])
