@@ -1,6 +1,8 @@
 """Fixtures shared by the tests that start ranks."""
 
 import multiprocessing
+import os
+import uuid
 
 import pytest
 
@@ -21,3 +23,28 @@ def no_leftover_children():
     yield
     # active_children() also reaps the children that have exited.
     wait_for(lambda: not multiprocessing.active_children(), 5, "the test's child processes to end")
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Pids of processes (other than this one) whose environment holds ``marker``."""
+    needle = marker.encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read():
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture
+def marked(monkeypatch):
+    """Tag every process the test starts (through its environment); after it, none may still run."""
+    marker = f"GPUCOURSE_GRADING_TEST={uuid.uuid4().hex}"
+    monkeypatch.setenv(*marker.split("="))
+    yield marker
+    wait_for(lambda: not _processes_with(marker), 10, "the grader's processes to end")

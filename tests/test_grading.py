@@ -12,8 +12,6 @@ import json
 import os
 import shutil
 import sys
-import time
-import uuid
 from collections import defaultdict
 from pathlib import Path
 
@@ -155,34 +153,6 @@ def _failed(ex_result: dict) -> dict[str, dict]:
     return {c["name"]: c for c in ex_result["checks"] if c["status"] != "passed"}
 
 
-def _processes_with(marker: str) -> list[int]:
-    """Pids of processes (other than this one) whose environment holds ``marker``."""
-    needle = marker.encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read():
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
-
-
-@pytest.fixture
-def marked(monkeypatch):
-    """Tag every process the test starts (through its environment); after it, none may still run."""
-    marker = f"GPUCOURSE_GRADING_TEST={uuid.uuid4().hex}"
-    monkeypatch.setenv(*marker.split("="))
-    yield
-    deadline = time.monotonic() + 10
-    while _processes_with(marker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _processes_with(marker) == [], "the grader left processes behind"
-
-
 def test_every_exercise_has_a_stub_a_solution_and_ten_points():
     for ex in EXERCISES:
         assert (REPO / "exercises" / f"{ex.module}.py").is_file()
@@ -274,7 +244,7 @@ def test_hostile_code_becomes_failed_checks(marked):
     assert "ran out of memory" in by_id["ex04"]["checks"][0]["message"]
     schedule = {c["name"]: c for c in by_id["ex05"]["checks"]}
     assert "os._exit" in schedule["the schedule is valid and does not deadlock"]["message"]
-    assert "did not finish within" in schedule["bubble_fraction"]["message"]
+    assert "did not finish within" in schedule["bubble_fraction"]["message"], by_id["ex05"]["output"]
 
 
 def test_reference_code_is_refused(marked):

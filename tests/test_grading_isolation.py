@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -43,30 +42,6 @@ ATTACKS = {
     "ex01_pops_dispatch_mode": ("ex01", EX01, None),
     "ex05_borrows_through_object": ("ex05", ALL, "KeyError"),
 }
-
-
-def _processes_with(marker: str) -> list[int]:
-    needle = marker.encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read():
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
-
-
-@pytest.fixture
-def marked(monkeypatch):
-    """Tag every process the test starts (through its environment); right after it, none may still run."""
-    marker = f"GPUCOURSE_GRADING_TEST={uuid.uuid4().hex}"
-    monkeypatch.setenv(*marker.split("="))
-    yield marker
-    assert _processes_with(marker) == [], "the grader left processes behind"
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +96,6 @@ from gpucourse.parallel.schedules import validate
 def one_f_one_b(pp, m):
     secret = sorted(n for n in sys.modules if n.startswith(("solutions", "gpucourse.grading.checks",
                                                             "gpucourse.grading.host", "gpucourse.memory"))
-                    or (n.startswith("gpucourse.parallel") and n != "gpucourse.parallel.schedules")
                     or n.startswith("gpucourse.parallel.") and n != "gpucourse.parallel.schedules")
     names = sorted(k for k in validate.__globals__ if k in ("one_f_one_b", "gpipe", "naive", "formula_bubble"))
     import os

@@ -153,7 +153,7 @@ class Batch:
                     replies[rank] = wire.decode_reply(wire.recv_bytes(self.socks[rank], wire.MAX_REPLY_BYTES))
                 except (wire.ChannelClosed, OSError, wire.BadReply) as e:
                     self.alive = False
-                    raise RankDied(self.sandbox.why_rank_ended(rank, e)) from None
+                    raise RankDied(self.sandbox.why_rank_ended(self.number, rank, e)) from None
                 if not replies[rank].get("ok") and first_error is None:
                     first_error = time.monotonic()
         errors = [r for r in sorted(replies) if not replies[r].get("ok")]
@@ -187,12 +187,16 @@ class Sandbox:
         self.batches = 0
         self.proc: subprocess.Popen | None = None
         self.control: socket.socket | None = None
-        self.last_outcome = ""
+        self.outcomes: dict[int, str] = {}  # batch -> how it ended, as the sandbox said
+        self._heard = b""
+        self.gone = False  # the sandbox process has closed its end
 
     def start(self) -> None:
         ours, theirs = socket.socketpair()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUCOURSE_GRADE", "TORCHELASTIC_"))}
-        env.update(TMPDIR=os.path.join(self.private, "tmp"), HOME=self.private)
+        # torch's caches go to the sandbox's own folder (importing torch here set this process's to ours).
+        env.update(TMPDIR=os.path.join(self.private, "tmp"), HOME=self.private,
+                   TORCHINDUCTOR_CACHE_DIR=os.path.join(self.private, "tmp", "torchinductor"))
         with open(self.output, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gpucourse.grading.wall", str(theirs.fileno()),
@@ -201,7 +205,7 @@ class Sandbox:
                 stderr=subprocess.STDOUT, start_new_session=True,
                 user=self.user, group=self.user, extra_groups=[] if self.user is not None else None)
         theirs.close()
-        self.control = ours
+        self.control, self._heard, self.gone = ours, b"", False
         with open(os.path.join(self.spec["work"], "pgids"), "a") as f:
             f.write(f"{self.proc.pid}\n")
 
@@ -231,9 +235,12 @@ class Sandbox:
             while len(socks) < world_size:
                 left = deadline - time.monotonic()
                 ready, _, _ = select.select([listener, self.control], [], [], max(0.0, min(left, 1.0)))
-                if self.control in ready or left <= 0:
+                if self.control in ready:
+                    self._listen(0)
+                if self.gone or self.batches in self.outcomes or left <= 0:
+                    told = self._words(self.outcomes.get(self.batches))
                     raise RankDied("the grader's ranks did not start" + (f" within {STARTUP_S:.0f} s" if left <= 0
-                                                                            else f": {self._outcome(0.5)}"))
+                                                                            else f": {told}" if told else ""))
                 if listener in ready:
                     conn, _ = listener.accept()
                     conn.settimeout(10)
@@ -258,26 +265,49 @@ class Sandbox:
             os.unlink(address)
         return Batch(self, self.batches, world_size, socks, pids, status)
 
-    def _outcome(self, wait: float) -> str:
-        """The sandbox's word on how its last batch ended ("" if it ended well, or nothing came in ``wait`` s)."""
+    def _listen(self, wait: float) -> None:
+        """Take in what the sandbox has said within ``wait`` s: one line per finished batch."""
         ready, _, _ = select.select([self.control], [], [], wait)
         if not ready:
-            return ""
+            return
         try:
-            line = self.control.recv(65536).decode(errors="replace").splitlines()[0]
-            outcome = json.loads(line).get("outcome", "")
-            self.last_outcome = outcome
-            if not outcome:
-                return ""
-            e = json.loads(outcome)
+            data = self.control.recv(65536)
+        except OSError:
+            data = b""
+        if not data:
+            self.gone = True
+            return
+        self._heard += data
+        while b"\n" in self._heard:
+            line, self._heard = self._heard.split(b"\n", 1)
+            try:
+                said = json.loads(line)
+                self.outcomes[int(said["batch"])] = str(said.get("outcome") or "")
+            except (ValueError, KeyError, TypeError):
+                continue
+
+    def outcome(self, batch: int, wait: float) -> str | None:
+        """How batch ``batch`` ended, in the sandbox's words ("" if well), or None if it has not said in ``wait`` s."""
+        deadline = time.monotonic() + wait
+        while batch not in self.outcomes and not self.gone:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._listen(left)
+        return self.outcomes.get(batch)
+
+    @staticmethod
+    def _words(outcome: str | None) -> str:
+        try:
+            e = json.loads(outcome or "")
             return f"{e.get('type')}: {e.get('message')}"
-        except (OSError, ValueError, IndexError, AttributeError):
+        except (ValueError, AttributeError):
             return ""
 
-    def why_rank_ended(self, rank: int, error: Exception) -> str:
-        told = self._outcome(2.0)
+    def why_rank_ended(self, batch: int, rank: int, error: Exception) -> str:
         if isinstance(error, wire.BadReply):
             return f"rank {rank} sent the grader something that is not a reply ({error})"
+        told = self._words(self.outcome(batch, 2.0))
         if "ProcessExit" in told or "exit" in told.lower() or "signal" in told.lower():
             return (f"rank {rank}'s process ended in the middle of this check ({told.split(': ', 1)[-1]}); "
                     f"a function under test must return, not end its process")
@@ -289,16 +319,9 @@ class Sandbox:
     def finish_batch(self, batch: Batch) -> None:
         """End a batch: close its channels (the ranks return); kill them if they do not."""
         batch.close()
-        if batch.alive and self._wait_outcome(10.0):
+        if batch.alive and self.outcome(batch.number, 10.0) is not None:
             return
         self.kill_ranks(batch)
-
-    def _wait_outcome(self, wait: float) -> bool:
-        ready, _, _ = select.select([self.control], [], [], wait)
-        if ready:
-            self._outcome(0)
-            return True
-        return False
 
     def kill_ranks(self, batch: Batch) -> None:
         for pid in batch.pids.values():
@@ -306,7 +329,7 @@ class Sandbox:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        if not self._wait_outcome(3.0):
+        if self.outcome(batch.number, 3.0) is None:
             self.restart()  # the launcher has no word for how they ended (os._exit(0)): start afresh
 
     def restart(self) -> None:

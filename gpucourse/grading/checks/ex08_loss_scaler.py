@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ...parallel.precision import DynamicLossScaler
 from ..core import Exercise, Fail, describe_mismatch
+from ..probes.ex08_loss_scaler import model_with
 
 EXERCISE = Exercise("ex08_loss_scaler", "Dynamic loss scaler", "notebooks/07_memory_batch.ipynb",
                     forbidden_names=("torch.amp.GradScaler", "torch.amp.grad_scaler.GradScaler",
@@ -58,14 +59,6 @@ def _kind(value) -> str:
 def _weights(ctx, key) -> dict[str, torch.Tensor]:
     g = ctx.generator("model", key)
     return {name: torch.randn(shape, generator=g) * 0.5 for name, shape in SHAPES.items()}
-
-
-def _reference_model(weights: dict) -> nn.Sequential:
-    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(weights[name])
-    return model
 
 
 def _compare_weights(got: dict, model: nn.Module, when: str, against: str = "") -> None:
@@ -180,7 +173,7 @@ def skipped(ctx):
     scale = _scale(first["scale"], "after the overflow")
     if scale != S * 0.5:
         raise Fail(f"after the overflow the scale is {scale:g}; expected {S * 0.5:g}")
-    reference = _reference_model(weights)
+    reference = model_with(weights)
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
     reference(x).pow(2).mean().backward()
     optimizer.step()
@@ -201,7 +194,7 @@ def follows_grad_scaler(ctx):
     poison = {step: ("0.weight", (step % 4) * 4 + 1) for step in (2, 3, 6)}  # weight[step % 4, 1]
     got = ctx.probe("training", weights, batches, 0.05, MOMENTUM, kw, poison).value
 
-    model = _reference_model(weights)
+    model = model_with(weights)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=MOMENTUM)
     grad_scaler = torch.amp.GradScaler("cpu", **kw)
     for step, ((x, y), mine) in enumerate(zip(batches, got)):

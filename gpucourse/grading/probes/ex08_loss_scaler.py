@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-def _model(weights: dict) -> nn.Sequential:
+def model_with(weights: dict) -> nn.Sequential:
     """A small MLP (4 -> 5 -> 3, tanh) holding the weights sent (names as ``named_parameters`` gives them)."""
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
     with torch.no_grad():
@@ -59,7 +59,7 @@ def skipped_step(learner, weights: dict, frozen: torch.Tensor, x: torch.Tensor, 
     """One step whose scaled gradients hold an inf (at ``poison``), then one finite step, with SGD over the
     model's parameters and a ``frozen`` one that never gets a gradient: what step returned, the weights,
     the momentum buffers and the scale after each."""
-    model = _model(weights)
+    model = model_with(weights)
     optimizer = torch.optim.SGD(list(model.parameters()) + [nn.Parameter(frozen.clone())], lr=lr,
                                 momentum=momentum)
     scaler = learner.LossScaler(init_scale=init_scale, growth_interval=growth_interval)
@@ -79,7 +79,7 @@ def training(learner, weights: dict, batches: list, lr: float, momentum: float, 
              poison: dict) -> list:
     """A training loop with MSE loss and SGD: scale, backward, an inf put into the gradients at the steps of
     ``poison`` (step -> where), step. The scale, what step returned and the weights after each step."""
-    model = _model(weights)
+    model = model_with(weights)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     scaler = learner.LossScaler(**kwargs)
     out = []
