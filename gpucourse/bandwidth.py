@@ -33,7 +33,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from .comm import RING_FACTOR, _all_gather_flat, _reduce_scatter_flat
+from .comm import RING_FACTOR, all_gather_flat, reduce_scatter_flat
+from .readable import human_bytes
 from .runtime import current, launch
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -59,14 +60,6 @@ def parse_size(text: str) -> int:
     return int(value * _UNITS[unit])
 
 
-def format_size(nbytes: int) -> str:
-    """Bytes in the binary units of the sizes: ``65536`` -> ``"64 KB"``."""
-    for unit, scale in (("GB", 1 << 30), ("MB", MB), ("KB", KB)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g} {unit}"
-    return f"{nbytes} B"
-
-
 def bus_factor(op: str, n: int) -> float:
     """nccl-tests' busbw / algbw for ``op`` on ``n`` ranks (the ring algorithm's bytes sent per payload byte)."""
     return RING_FACTOR[op](n)
@@ -87,9 +80,9 @@ def _call(op: str, numel: int, n: int, device: torch.device):
         return lambda: dist.broadcast(t, src=0)
     full, part = torch.ones(numel, device=device), torch.ones(numel // n, device=device)
     if op == "all_gather":
-        return lambda: _all_gather_flat(full, part)
+        return lambda: all_gather_flat(full, part)
     if op == "reduce_scatter":
-        return lambda: _reduce_scatter_flat(part, full)
+        return lambda: reduce_scatter_flat(part, full)
     raise ValueError(f"op {op!r} is not one of {', '.join(OPS)}.")
 
 
@@ -210,11 +203,11 @@ def format_table(measured: dict) -> str:
              f"busbw = algbw x nccl-tests factor"]
     lines.append(f"{'op':<15} {'size':>8} {'time':>11} {'algbw GB/s':>11} {'busbw GB/s':>11}  factor")
     for row in measured["rows"]:
-        lines.append(f"{row['op']:<15} {format_size(row['bytes']):>8} {row['time_s'] * 1e6:>9.1f}us "
+        lines.append(f"{row['op']:<15} {human_bytes(row['bytes'], binary=True):>8} {row['time_s'] * 1e6:>9.1f}us "
                      f"{row['algbw_GBps']:>11.3f} {row['busbw_GBps']:>11.3f}  {bus_factor(row['op'], n):g}")
     copy = measured.get("memcpy")
     if copy:
-        lines.append(f"memory copy of {format_size(copy['bytes'])} on one rank: {copy['GBps']:.2f} GB/s "
+        lines.append(f"memory copy of {human_bytes(copy['bytes'], binary=True)} on one rank: {copy['GBps']:.2f} GB/s "
                      f"({copy['time_s'] * 1e3:.2f} ms) — the ceiling for CPU ranks, whose collectives are copies")
     return "\n".join(lines)
 
@@ -241,7 +234,7 @@ def allreduce_busbw_vs_copy(reps: int = 3, nbytes: int = 64 * MB, world_size: in
     it with ``bench.figure("allreduce_busbw_vs_copy", quick=dict(reps=2),
     full=dict(reps=5))``.
     """
-    from .bench import Reading
+    from .bench.readings import Reading
 
     out = launch(_rank_busbw_vs_copy, nbytes, reps, world_size=world_size, timeout=600, quiet=True)
     times = [max(r["times"][i] for r in out) for i in range(reps)]
@@ -250,4 +243,4 @@ def allreduce_busbw_vs_copy(reps: int = 3, nbytes: int = 64 * MB, world_size: in
     value = statistics.median(busbw) / statistics.median(copy)
     return Reading(value, {"busbw_GBps": busbw, "copy_GBps": copy, "bytes": nbytes, "world_size": world_size},
                    f"all_reduce busbw {statistics.median(busbw):.2f} GB/s vs copy {statistics.median(copy):.2f} GB/s "
-                   f"({format_size(nbytes)}, {world_size} ranks)")
+                   f"({human_bytes(nbytes, binary=True)}, {world_size} ranks)")

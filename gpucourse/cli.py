@@ -13,7 +13,10 @@ import os
 import sys
 
 from .config import ConfigError, TrainConfig, supported_table
-from .runtime.launcher import LaunchError, LaunchTimeout, WorkerError, in_place, plan_device
+from .parallel.schedules import SCHEDULES
+from .readable import human_bytes
+from .runtime.launcher import (LaunchError, LaunchTimeout, WorkerError, check_in_place_world, in_place,
+                               plan_device)
 
 
 class UsageError(Exception):
@@ -38,7 +41,7 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=d.pp, help="pipeline-parallel degree (stages)")
     p.add_argument("--zero", type=int, default=d.zero, help="ZeRO stage 0-3")
-    p.add_argument("--schedule", default=d.schedule, help="pipeline schedule: naive, gpipe, 1f1b")
+    p.add_argument("--schedule", default=d.schedule, help=f"pipeline schedule: {', '.join(SCHEDULES)}")
     p.add_argument("--microbatches", type=int, default=d.microbatches, help="pipeline microbatches per step")
     p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="gradient-accumulation microbatches")
     p.add_argument("--precision", default=d.precision, help="fp32, bf16 or fp16 (autocast unless --master-weights)")
@@ -89,14 +92,6 @@ class _ProgressBar:
         self.stream.flush()
 
 
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n} B"
-
-
 def summary_table(result) -> str:
     """The end-of-run summary the CLI prints."""
     cfg = result.config
@@ -115,8 +110,8 @@ def summary_table(result) -> str:
         ("loss", f"{result.losses[0]:.4f} → {result.losses[-1]:.4f}"),
         ("step time", f"{1e3 * sum(result.step_times_s) / steps:.1f} ms mean"),
         ("throughput", f"{result.tokens_per_s:,.0f} tokens/s"),
-        ("communication", f"{_human_bytes(per_step)} per step, all ranks (run total: "
-                          + ", ".join(f"{op} {_human_bytes(b)}" for op, b in result.comm_bytes.get("per_op", {}).items())
+        ("communication", f"{human_bytes(per_step)} per step, all ranks (run total: "
+                          + ", ".join(f"{op} {human_bytes(b)}" for op, b in result.comm_bytes.get("per_op", {}).items())
                           + ")" if per_step else "none"),
     ]
     width = max(len(k) for k, _ in rows)
@@ -138,10 +133,7 @@ def cmd_train(args) -> int:
         if path:
             _check_writable(path, flag)
     if in_place():
-        env_world = int(os.environ["WORLD_SIZE"])
-        if env_world != cfg.world_size:
-            raise UsageError(f"torchrun started {env_world} ranks but dp × tp × pp = {cfg.world_size}; "
-                             f"make them equal.")
+        check_in_place_world(cfg.world_size, "dp × tp × pp")
     else:
         cfg.validate_on(plan_device(cfg.device, cfg.world_size).device)
     analysis = _profile_options(args, cfg)
@@ -400,11 +392,18 @@ def cmd_lab(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    if args.json:
-        _check_writable(args.json, "--json")
     from . import bench
 
-    bench.main(quick=args.quick, json_path=args.json)
+    only = None
+    if args.only is not None:
+        only = [key.strip() for key in args.only.split(",") if key.strip()]
+        try:
+            bench.select(only)
+        except ValueError as e:
+            raise UsageError(f"--only: {e}") from None
+    if args.json:
+        _check_writable(args.json, "--json")
+    bench.main(quick=args.quick, json_path=args.json, only=only)
     return 0
 
 
@@ -630,6 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks: ratios against the PyTorch counterparts, measured side by side")
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    p.add_argument("--only", metavar="KEY[,KEY...]", help="measure only these figures (e.g. zero_memory_vs_formula)")
     p.set_defaults(func=cmd_bench)
 
     from .grading.runner import DEFAULT_MEMORY_GB, DEFAULT_TIMEOUT_S

@@ -178,25 +178,27 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, name="a
 # Newer PyTorch renamed the flat-tensor collectives; accept both spellings. Looked
 # up at each call, not once at import, so a rank's collective status tracking
 # (runtime.collective_status wraps torch.distributed's functions) sees them.
-def _all_gather_flat(*args, **kwargs):
+def all_gather_flat(*args, **kwargs):
+    """torch's flat all-gather (``all_gather_into_tensor``, or its newer name), called directly: nothing recorded."""
     return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
 
 
-def _reduce_scatter_flat(*args, **kwargs):
+def reduce_scatter_flat(*args, **kwargs):
+    """torch's flat reduce-scatter (``reduce_scatter_tensor``, or its newer name), called directly: nothing recorded."""
     return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
 def all_gather_into_tensor(output, input, group=None, async_op=False, name="all_gather"):
     """``output`` (n × the size of ``input``) receives every rank's ``input``, in rank order."""
     return _run("all_gather", name,
-                lambda async_op: _all_gather_flat(output, input, group=group, async_op=async_op),
+                lambda async_op: all_gather_flat(output, input, group=group, async_op=async_op),
                 output, group, async_op)
 
 
 def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, name="reduce_scatter"):
     """Reduce ``input`` over ranks; rank i keeps the i-th of n equal chunks in ``output``."""
     return _run("reduce_scatter", name,
-                lambda async_op: _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op),
+                lambda async_op: reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op),
                 input, group, async_op)
 
 

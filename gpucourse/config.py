@@ -20,33 +20,32 @@ class ConfigError(Readable, ValueError):
 
 
 IMPLS = ("scratch", "torch", "accelerate")
-SCHEDULES = ("naive", "gpipe", "1f1b")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
-# What this build runs: (layout, impl, what it is, an example). ``gpucourse train
-# --list`` prints it; validate() below is what enforces it.
+# What this build runs: (layout, impl, what it is, the config's changes from the defaults).
+# ``gpucourse train --list`` prints it with each row's command; validate() below is what enforces it.
 SUPPORTED = [
-    ("single", "scratch", "one device, the baseline", "gpucourse train"),
-    ("dp", "scratch", "one all-reduce per gradient after backward", "gpucourse train --dp 2"),
-    ("dp", "scratch", "bucketed all-reduce overlapped with backward", "gpucourse train --dp 2 --bucket-mb 1"),
-    ("dp", "torch", "DistributedDataParallel", "gpucourse train --dp 2 --impl torch"),
-    ("dp", "accelerate", "accelerate.Accelerator (DDP)", "gpucourse train --dp 2 --impl accelerate"),
-    ("zero1", "scratch", "optimizer state sharded", "gpucourse train --dp 2 --zero 1"),
-    ("zero2", "scratch", "gradients sharded too (reduce-scatter)", "gpucourse train --dp 2 --zero 2"),
-    ("zero1", "torch", "ZeroRedundancyOptimizer", "gpucourse train --dp 2 --zero 1 --impl torch"),
+    ("single", "scratch", "one device, the baseline", dict()),
+    ("dp", "scratch", "one all-reduce per gradient after backward", dict(dp=2)),
+    ("dp", "scratch", "bucketed all-reduce overlapped with backward", dict(dp=2, bucket_mb=1)),
+    ("dp", "torch", "DistributedDataParallel", dict(dp=2, impl="torch")),
+    ("dp", "accelerate", "accelerate.Accelerator (DDP)", dict(dp=2, impl="accelerate")),
+    ("zero1", "scratch", "optimizer state sharded", dict(dp=2, zero=1)),
+    ("zero2", "scratch", "gradients sharded too (reduce-scatter)", dict(dp=2, zero=2)),
+    ("zero1", "torch", "ZeroRedundancyOptimizer", dict(dp=2, zero=1, impl="torch")),
     ("zero2", "torch", "FSDP2 fully_shard, parameters kept between forward and backward",
-     "gpucourse train --dp 2 --zero 2 --impl torch"),
-    ("zero3", "torch", "FSDP2 fully_shard", "gpucourse train --dp 2 --zero 3 --impl torch"),
-    ("zero3", "accelerate", "accelerate.Accelerator (FSDP; CUDA only)", "gpucourse train --dp 2 --zero 3 --impl accelerate"),
-    ("pp", "scratch", "pipeline, naive / gpipe / 1f1b", "gpucourse train --pp 2 --schedule 1f1b --microbatches 4"),
+     dict(dp=2, zero=2, impl="torch")),
+    ("zero3", "torch", "FSDP2 fully_shard", dict(dp=2, zero=3, impl="torch")),
+    ("zero3", "accelerate", "accelerate.Accelerator (FSDP; CUDA only)", dict(dp=2, zero=3, impl="accelerate")),
+    ("pp", "scratch", "pipeline, naive / gpipe / 1f1b", dict(pp=2, schedule="1f1b", microbatches=4)),
     ("pp", "torch", "torch.distributed.pipelining, gpipe / 1f1b",
-     "gpucourse train --pp 2 --schedule 1f1b --microbatches 4 --impl torch"),
-    ("tp", "scratch", "Megatron-style column/row parallel", "gpucourse train --tp 2"),
-    ("tp", "torch", "DTensor ColwiseParallel / RowwiseParallel", "gpucourse train --tp 2 --impl torch"),
-    ("dp×tp", "scratch", "hybrid on one DeviceMesh", "gpucourse train --dp 2 --tp 2"),
-    ("dp×pp", "scratch", "hybrid on one DeviceMesh", "gpucourse train --dp 2 --pp 2 --microbatches 2"),
-    ("tp×pp", "scratch", "hybrid on one DeviceMesh", "gpucourse train --tp 2 --pp 2 --microbatches 2"),
-    ("dp×tp×pp", "scratch", "hybrid on one DeviceMesh", "gpucourse train --dp 2 --tp 2 --pp 2 --microbatches 2"),
+     dict(pp=2, schedule="1f1b", microbatches=4, impl="torch")),
+    ("tp", "scratch", "Megatron-style column/row parallel", dict(tp=2)),
+    ("tp", "torch", "DTensor ColwiseParallel / RowwiseParallel", dict(tp=2, impl="torch")),
+    ("dp×tp", "scratch", "hybrid on one DeviceMesh", dict(dp=2, tp=2)),
+    ("dp×pp", "scratch", "hybrid on one DeviceMesh", dict(dp=2, pp=2, microbatches=2)),
+    ("tp×pp", "scratch", "hybrid on one DeviceMesh", dict(tp=2, pp=2, microbatches=2)),
+    ("dp×tp×pp", "scratch", "hybrid on one DeviceMesh", dict(dp=2, tp=2, pp=2, microbatches=2)),
 ]
 
 
@@ -132,6 +131,8 @@ class TrainConfig:
             raise ConfigError(f"impl={self.impl!r} is not one of {', '.join(IMPLS)}.")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}.")
+        from .parallel.schedules import SCHEDULES  # the schedules' own table (imported late: parallel reads configs)
+
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}.")
         if self.zero not in (0, 1, 2, 3):
@@ -224,6 +225,11 @@ class TrainConfig:
 
 
 def supported_table() -> list[dict]:
-    """Rows of what this build runs, for ``gpucourse train --list``."""
-    return [{"layout": layout, "impl": impl, "what": what, "example": example}
-            for layout, impl, what, example in SUPPORTED]
+    """Rows of what this build runs, for ``gpucourse train --list``, each with the command that trains it."""
+    return [{"layout": layout, "impl": impl, "what": what, "example": train_command(changes)}
+            for layout, impl, what, changes in SUPPORTED]
+
+
+def train_command(changes: dict) -> str:
+    """The ``gpucourse train`` command line for a config that differs from the defaults by ``changes``."""
+    return " ".join(["gpucourse train", *(f"--{k.replace('_', '-')} {v}" for k, v in changes.items())])

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from .config import TrainConfig
 from .model import GPTConfig
 from .parallel.pipeline import stage_blocks
+from .readable import human_bytes
 
 CATEGORIES = ("weights", "gradients", "optimizer", "activations")
 
@@ -196,10 +197,6 @@ def format_estimate(est: dict) -> str:
     for stage in range(cfg.pp):
         mem = est["per_rank"][stage * group]
         label = f"{stage * group}-{stage * group + group - 1}" if group > 1 else str(stage)
-        lines.append(f"  {label:<10}" + "".join(f"{_gb(mem[c]):>14}" for c in CATEGORIES)
-                     + f"{_gb(sum(mem.values())):>14}")
+        lines.append(f"  {label:<10}" + "".join(f"{human_bytes(mem[c], binary=True):>14}" for c in CATEGORIES)
+                     + f"{human_bytes(sum(mem.values()), binary=True):>14}")
     return "\n".join(lines)
-
-
-def _gb(n: float) -> str:
-    return f"{n / 2**30:.3f} GiB" if n >= 2**27 else f"{n / 2**20:.2f} MiB"

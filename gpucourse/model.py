@@ -151,6 +151,23 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+def blocks_of(module: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a GPT, or of one pipeline stage of it, in order.
+
+    Strategies that work block by block (tensor parallel, activation
+    checkpointing, FSDP's units, the pipeline split) find them here: a
+    ``blocks`` attribute that is an ``nn.ModuleList`` (or, in a stage, an
+    ``nn.ModuleDict`` keyed by the block's index in the whole model).
+    """
+    blocks = getattr(module, "blocks", None)
+    if isinstance(blocks, nn.ModuleDict):
+        return list(blocks.values())
+    if isinstance(blocks, nn.ModuleList):
+        return list(blocks)
+    raise TypeError(f"{type(module).__name__} has no `blocks` (an nn.ModuleList of transformer blocks), "
+                    f"so it cannot be worked on block by block.")
+
+
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over every position in the batch."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))

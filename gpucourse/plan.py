@@ -39,6 +39,7 @@ from .config import ConfigError, TrainConfig
 from .gpus import get_gpu
 from .memory import estimate
 from .memory import num_params as num_params_of
+from .readable import human_bytes
 
 
 def shape_for_params(num_params: float) -> dict:
@@ -162,11 +163,11 @@ def format_plan(result: dict, top: int = 10) -> str:
              f"{'compute':>8} {'comm':>8} {'bubble':>8} {'tokens/s':>10}"]
     for r in fitting[:top]:
         lines.append(f"  {r['dp']:>4} {r['tp']:>3} {r['pp']:>3} {r['zero']:>4} "
-                     f"{'yes' if r['checkpoint_activations'] else 'no':>4} {r['memory_total'] / 1e9:>8.1f} GB "
+                     f"{'yes' if r['checkpoint_activations'] else 'no':>4} {human_bytes(r['memory_total']):>11} "
                      f"{r['step_s']:>7.2f}s {r['compute_s']:>7.2f}s {r['communication_s']:>7.2f}s "
                      f"{r['bubble_s']:>7.2f}s {r['tokens_per_s']:>10,.0f}")
     if not fitting:
         best = min(result["layouts"], key=lambda r: r["memory_total"]) if result["layouts"] else None
-        lines.append("  none fits" + (f": the smallest needs {best['memory_total'] / 1e9:.1f} GB per GPU"
+        lines.append("  none fits" + (f": the smallest needs {human_bytes(best['memory_total'])} per GPU"
                                       if best else ""))
     return "\n".join(lines)

@@ -10,10 +10,8 @@ from disk with every figure of :mod:`gpucourse.viz`, and fails if any layout dif
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import html
-import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -22,6 +20,7 @@ import torch
 
 from .config import SUPPORTED, ConfigError, TrainConfig
 from .runtime import LaunchError, LaunchTimeout, WorkerError, plan_device, visible_gpus
+from .runtime.launcher import preimport
 
 TOLERANCE = 1e-5                        # relative, per step, fp32
 QUICK = dict(steps=3, seq_len=32)       # the tiny model's global batch of 8 sequences stays
@@ -51,15 +50,9 @@ class TourRow:
 
 
 def layouts(settings: dict | None = None, device: str = "auto") -> list[TourRow]:
-    """Every supported layout as a row, its config parsed from the table's own example command."""
-    from .cli import _config_from, build_parser
-
-    parser = build_parser()
-    rows = []
-    for layout, impl, _, example in SUPPORTED:
-        cfg = _config_from(parser.parse_args(shlex.split(example)[1:]))
-        rows.append(TourRow(layout, impl, dataclasses.replace(cfg, device=device, **(settings or {}))))
-    return rows
+    """Every supported layout as a row, with its config (``settings`` applied on top)."""
+    return [TourRow(layout, impl, TrainConfig(**{**changes, "device": device, **(settings or {})}))
+            for layout, impl, _, changes in SUPPORTED]
 
 
 def relative_difference(losses, baseline) -> float:
@@ -149,8 +142,6 @@ def run_tour(quick: bool = True, only=None, device: str = "auto", stream=sys.std
     The single-device run always runs first: it is the baseline. Progress goes
     to ``stream``, one line per layout.
     """
-    from .bench import preimport
-
     preimport()  # what every rank's first AdamW imports, once, before ranks are forked
     rows = layouts(QUICK if quick else FULL, device)
     base = next(r for r in rows if r.layout == "single")

@@ -10,18 +10,47 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import time
 
 import torch
 
-from . import checkpoint, comm, data, profiling, troubleshoot
+from . import checkpoint, comm, data, profiling
 from .config import TrainConfig
 from .measure import Recorder, RunResult, merge, write_atomic
 from .model import build_model
 from .parallel import parallelize
 from .runtime import current, launch, report
 from .runtime.launcher import in_place, plan_device
+
+
+class NonFiniteLoss(FloatingPointError):
+    """A loss became NaN or infinite; the message names the step, the rank and the first bad parameter."""
+
+
+def check_finite(loss: float, step: int, rank: int, model: torch.nn.Module | None = None) -> None:
+    """Raise :class:`NonFiniteLoss` if ``loss`` is NaN or infinite.
+
+    Checking every step costs nothing extra when the loss is read anyway (its
+    ``.item()``). Stopping at the *first* bad step matters: one step later, data
+    parallelism's all-reduce has spread the NaN gradients to every replica and
+    the rank where it started can no longer be told apart.
+    """
+    if math.isfinite(loss):
+        return
+    where = ""
+    if model is not None:
+        params = list(model.named_parameters())
+        bad = [n for n, p in params if not torch.isfinite(p).all()]
+        if len(bad) == len(params):
+            where = (f"; all {len(bad)} parameter tensors are non-finite now (this step's update already "
+                     f"applied the bad gradients)")
+        elif bad:
+            where = f"; non-finite parameters: {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}"
+        else:
+            where = "; every parameter is still finite (look at this step's batch)"
+    raise NonFiniteLoss(f"loss is {loss} at step {step} on rank {rank}{where}")
 
 
 def build_mesh(cfg: TrainConfig, device: torch.device):
@@ -66,7 +95,7 @@ def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dic
             loss = trainer.step(x.to(ctx.device), y.to(ctx.device))
         value = None if loss is None else loss.item()  # .item() waits for the step on CUDA
         if value is not None:
-            troubleshoot.check_finite(value, step, ctx.rank)  # stop at the first NaN, where it started
+            check_finite(value, step, ctx.rank)  # stop at the first NaN, where it started
         step_times.append(time.perf_counter() - start)
         rec.flush()
         profiling.step()
@@ -115,39 +144,31 @@ class _Progress:
 
 
 def run(config: TrainConfig, *, timeout: float | None = None, export_weights: str | os.PathLike | None = None,
-        on_step=None, quiet: bool = False, live: bool = False) -> RunResult:
+        on_step=None, on_message=None, quiet: bool = False) -> RunResult:
     """Train ``config`` on its ranks and return the merged :class:`RunResult`.
 
     ``on_step`` is called in this process with ``{step, steps, loss, time_s}``
-    after each step (the global mean loss). ``export_weights`` saves the trained
-    model as one single-device ``state_dict`` file, whatever the layout.
-    ``live=True`` draws the loss and step time in the notebook while it trains
-    (each rank's activity too, from ranks that report it), then the finished
-    run with each rank's time by kind of span (see :class:`gpucourse.viz.LiveView`).
+    after each step (the global mean loss). ``on_message`` is given every report
+    the ranks send, as it arrives (each rank's own ``step`` and, when recording,
+    ``activity``); :func:`gpucourse.viz.watch` draws from both while the run
+    trains. ``export_weights`` saves the trained model as one single-device
+    ``state_dict`` file, whatever the layout.
     """
     config.validate()
     plan = plan_device(config.device, int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
                        if in_place() else config.world_size)
     config.validate_on(plan.device)
     checkpoint.find_resume(config)  # a resume that cannot work is refused before any rank starts
-    view = None
-    if live:
-        from .viz.live import LiveView
-        view = LiveView(config, on_step=on_step)
-        on_step = view.on_step
     holders = config.dp * config.tp  # ranks that see a loss: the last pipeline stage of each replica
-    on_message = _Progress(holders, on_step) if on_step else None
-    if view:
-        on_message = view.messages(on_message)
+    progress = _Progress(holders, on_step) if on_step else None
+
+    def handle(msg: dict) -> None:
+        if progress is not None:
+            progress(msg)
+        if on_message is not None:
+            on_message(msg)
+
     export = os.fspath(export_weights) if export_weights else None
-    try:
-        outputs = launch(train_worker, config.to_dict(), export, world_size=config.world_size, timeout=timeout,
-                         device=config.device, on_message=on_message, quiet=quiet)
-    except BaseException:
-        if view:
-            view.close()  # keeps the steps drawn so far
-        raise
-    result = merge(config.to_dict(), outputs, device=plan.device, backend=plan.backend)
-    if view:
-        view.finish(result)
-    return result
+    outputs = launch(train_worker, config.to_dict(), export, world_size=config.world_size, timeout=timeout,
+                     device=config.device, on_message=handle if on_step or on_message else None, quiet=quiet)
+    return merge(config.to_dict(), outputs, device=plan.device, backend=plan.backend)

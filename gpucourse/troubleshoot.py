@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
+import functools
 import os
 import re
 import statistics
@@ -39,9 +39,11 @@ import torch
 import torch.distributed as dist
 
 from .config import TrainConfig
+from .readable import human_bytes
 from .runtime import LaunchTimeout, WorkerError, current, launch, report
 from .runtime.collective_status import waiting_in
 from .runtime.launcher import plan_device, visible_gpus
+from .train import NonFiniteLoss, check_finite  # noqa: F401 (the loop's own check; the scenarios use it too)
 
 WORLD = 2
 HANG_TIMEOUT_S = 6      # the desync scenario's launch timeout: short, so the hang is over quickly
@@ -51,40 +53,8 @@ CPU_BUDGET_MB = 16      # the oom scenario's memory per rank, on CPU ranks
 CUDA_BUDGET_MB = 256    # on a GPU (the CUDA context and cuBLAS workspace need their share)
 
 
-class NonFiniteLoss(FloatingPointError):
-    """A loss became NaN or infinite; the message names the step, the rank and the first bad parameter."""
-
-
 class OutOfMemoryBudget(MemoryError):
     """A rank's measured memory passed its budget (CPU ranks' stand-in for a CUDA out-of-memory error)."""
-
-
-def check_finite(loss: float, step: int, rank: int, model: torch.nn.Module | None = None) -> None:
-    """Raise :class:`NonFiniteLoss` if ``loss`` is NaN or infinite.
-
-    Checking every step costs nothing extra when the loss is read anyway (its
-    ``.item()``). Stopping at the *first* bad step matters: one step later, data
-    parallelism's all-reduce has spread the NaN gradients to every replica and
-    the rank where it started can no longer be told apart.
-    """
-    if math.isfinite(loss):
-        return
-    where = ""
-    if model is not None:
-        params = list(model.named_parameters())
-        bad = [n for n, p in params if not torch.isfinite(p).all()]
-        if len(bad) == len(params):
-            where = (f"; all {len(bad)} parameter tensors are non-finite now (this step's update already "
-                     f"applied the bad gradients)")
-        elif bad:
-            where = f"; non-finite parameters: {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}"
-        else:
-            where = "; every parameter is still finite (look at this step's batch)"
-    raise NonFiniteLoss(f"loss is {loss} at step {step} on rank {rank}{where}")
-
-
-def _mb(n: float) -> str:
-    return f"{n / 2**20:.1f} MB"
 
 
 def check_budget(memory: dict, budget_bytes: int, step: int, rank: int) -> None:
@@ -92,9 +62,10 @@ def check_budget(memory: dict, budget_bytes: int, step: int, rank: int) -> None:
     parts = {k: v for k, v in memory.items() if k != "device_peak"}
     need = sum(parts.values())
     if need > budget_bytes:
+        size = functools.partial(human_bytes, binary=True)
         raise OutOfMemoryBudget(
-            f"rank {rank} needs {_mb(need)} at step {step} but its budget is {_mb(budget_bytes)} ("
-            + ", ".join(f"{k} {_mb(v)}" for k, v in parts.items()) + ")")
+            f"rank {rank} needs {size(need)} at step {step} but its budget is {size(budget_bytes)} ("
+            + ", ".join(f"{k} {size(v)}" for k, v in parts.items()) + ")")
 
 
 # --- what the ranks run ---------------------------------------------------------------
@@ -405,9 +376,9 @@ def _oom() -> dict:
     if device == "cpu":
         diagnosis.append("CPU ranks do not run out of memory that early, so each rank counts what it holds after "
                          f"its first step (weights, gradients, Adam state, saved activations) against a "
-                         f"{budget_mb} MB budget, as a GPU's allocator would.")
+                         f"{budget_mb} MiB budget, as a GPU's allocator would.")
     else:
-        diagnosis.append(f"The GPU allocator was limited to {budget_mb} MB per rank "
+        diagnosis.append(f"The GPU allocator was limited to {budget_mb} MiB per rank "
                          "(torch.cuda.set_per_process_memory_fraction), and the step asked for more: a real "
                          "torch.cuda.OutOfMemoryError. 'Tried to allocate' is the one allocation that failed, "
                          "not the total.")
@@ -417,7 +388,8 @@ def _oom() -> dict:
         mem = values[0]["memory"]
         used = mem.get("device_peak") or sum(v for k, v in mem.items() if k != "device_peak")
         diagnosis.append(f"Fixed run, grad_accum={grad_accum} (microbatch {micro // grad_accum}, same global batch "
-                         f"{batch}): {_mb(used)} per rank, within the {budget_mb} MB budget, and the same training.")
+                         f"{batch}): {human_bytes(used, binary=True)} per rank, within the {budget_mb} MiB budget, "
+                         f"and the same training.")
     else:
         diagnosis.append(f"The fixed run with grad_accum={grad_accum} failed too: {_symptom(still).splitlines()[0]}")
     return {"error": error, "pids": pids, "diagnosis": diagnosis, "fix": [
@@ -532,7 +504,7 @@ def _per_call_cost(calls: int = 20000) -> float:
         return None
 
     tensor = torch.ones(64, 64)
-    wrapped = collective_status._wrap("all_reduce", bare)
+    wrapped = collective_status.tracked("all_reduce", bare)
     best = []
     for fn in (wrapped, bare):
         runs = []
@@ -555,7 +527,7 @@ def tracking_overhead(rounds: int = 10, block: int = 5):
     median step time is used. Returns a :class:`gpucourse.bench.Reading` whose
     detail also has the per-call cost and the estimate cost x calls / step time.
     """
-    from .bench import Reading
+    from .bench.readings import Reading
 
     cfg = TrainConfig(dp=2, record=False)
     outputs = launch(_overhead_rank, cfg.to_dict(), rounds, block, world_size=2, timeout=600, quiet=True)

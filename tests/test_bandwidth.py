@@ -8,6 +8,7 @@ import json
 import pytest
 
 from gpucourse import bandwidth, cli
+from gpucourse.readable import human_bytes
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leftover_children")]
 
@@ -27,7 +28,7 @@ def test_two_ranks_give_positive_rows_with_the_nccl_tests_factor(tmp_path, capsy
         assert row["busbw_GBps"] / row["algbw_GBps"] == pytest.approx(NCCL_TESTS_FACTOR[row["op"]](2), rel=1e-12)
     assert measured["memcpy"]["bytes"] == 65536 and measured["memcpy"]["GBps"] > 0
     printed = capsys.readouterr().out
-    assert "busbw" in printed and "memory copy of 64 KB" in printed
+    assert "busbw" in printed and "memory copy of 64 KiB" in printed
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
@@ -40,7 +41,7 @@ def test_sizes_parse_in_binary_units():
     assert bandwidth.parse_size("1K") == bandwidth.parse_size("1KB") == 1024
     assert bandwidth.parse_size("64MB") == 64 << 20
     assert bandwidth.parse_size("4096") == 4096
-    assert bandwidth.format_size(64 << 20) == "64 MB"
+    assert human_bytes(64 << 20, binary=True) == "64 MiB" and human_bytes(1536, binary=True) == "1.50 KiB"
     for bad in ("0", "-1K", "1Q", "MB", ""):
         with pytest.raises(ValueError):
             bandwidth.parse_size(bad)

@@ -146,6 +146,23 @@ def test_the_cli_runs_the_suite_and_writes_the_json(tmp_path, monkeypatch, capsy
     assert "f" in capsys.readouterr().out
 
 
+def test_only_measures_the_figures_named(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "FIGURES", [fake("a", 1.0), fake("b", 2.0), fake("c", 3.0)])
+    path = tmp_path / "out.json"
+    assert cli.main(["bench", "--quick", "--only", "c,a", "--json", str(path)]) == 0
+    assert set(json.loads(path.read_text())) == {"a", "c", "machine"}
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:3]] == ["a", "c"]
+
+
+def test_only_refuses_an_unknown_figure_before_measuring_anything(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "FIGURES", [fake("a", 1.0), bench.Figure("stop", "report", interrupted, {"n": 1}, {"n": 1})])
+    path = tmp_path / "out.json"
+    assert cli.main(["bench", "--only", "a,nope", "--json", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "no figure called nope; the figures are: a, stop." in err and len(err.strip().splitlines()) == 1
+    assert not path.exists()
+
+
 # --- the real figures, at their smallest ---------------------------------------------------------------------
 
 SMALLEST = {

@@ -5,6 +5,7 @@ failed run leaves no half-written file."""
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -168,3 +169,12 @@ def test_lab_serves_the_notebooks_on_localhost_behind_a_token(monkeypatch, capsy
     assert f"--ServerApp.root_dir={lab.NOTEBOOKS}" in argv and "--ServerApp.ip=127.0.0.1" in argv
     assert "--ServerApp.port=0" in argv
     assert not any("token=" in a.lower() and a.rstrip().endswith("=") for a in argv), argv
+
+
+def test_each_supported_rows_command_describes_that_rows_config():
+    from gpucourse.config import SUPPORTED, supported_table
+
+    parser = cli.build_parser()
+    for (layout, impl, _, changes), row in zip(SUPPORTED, supported_table()):
+        args = parser.parse_args(shlex.split(row["example"])[1:])
+        assert cli._config_from(args) == TrainConfig(**changes), (layout, impl, row["example"])

@@ -117,13 +117,13 @@ def test_status_file_records_each_call_and_async_waits(tmp_path):
         def blocking(*args, **kwargs):
             seen_inside.update(collective_status.read(path))
 
-        collective_status._wrap("all_reduce", blocking)(torch.ones(4, 2))
+        collective_status.tracked("all_reduce", blocking)(torch.ones(4, 2))
         assert seen_inside["waiting"] == "#1 all_reduce(float32[4,2])"
         note = collective_status.read(path)
         assert note == {"waiting": "", "finished": "#1 all_reduce(float32[4,2])", "launched": ""}
         assert collective_status.explain(note) == "not in a collective — last finished #1 all_reduce(float32[4,2])"
 
-        work = collective_status._wrap("send", lambda *a, **k: _Work())(torch.ones(3, dtype=torch.bfloat16), 1)
+        work = collective_status.tracked("send", lambda *a, **k: _Work())(torch.ones(3, dtype=torch.bfloat16), 1)
         assert isinstance(work, dist.Work)
         note = collective_status.read(path)
         assert note["launched"] == "#2 send(bfloat16[3]) to rank 1" and note["waiting"] == ""

@@ -21,7 +21,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
-from gpucourse import TrainConfig, run, viz
+from gpucourse import TrainConfig, bench, run, viz
 from gpucourse.parallel.schedules import SCHEDULES, build, simulate
 from gpucourse.viz import PALETTE
 from gpucourse.viz.live import MIME, LiveView
@@ -358,7 +358,7 @@ def test_live_view_throttles_by_time():
 def test_live_view_shows_ranks_activity_when_reported():
     bundles = []
     view = LiveView(TrainConfig(dp=2, steps=5), interval_s=0.05, sink=bundles.append)
-    handle = view.messages(None)
+    handle = view.on_message
     handle({"kind": "activity", "rank": 1, "step": 0, "busy_s": {"forward": 0.01, "comm": 0.02}, "time_s": 0.03})
     handle({"kind": "activity", "rank": 0, "step": 0, "busy_s": {"forward": 0.01, "backward": 0.02}, "time_s": 0.03})
     time.sleep(0.3)
@@ -373,7 +373,7 @@ def test_live_run_outside_a_notebook_degrades_to_a_final_figure(runs):
     assert view._sink is None and view._thread is None  # plain python: nothing to draw into
     fig = view.finish(runs["single"])
     assert "final loss" in fig.layout.title.text
-    result = run(TrainConfig(dp=2, **QUICK), timeout=120, quiet=True, live=True)
+    result = viz.watch(TrainConfig(dp=2, **QUICK), timeout=120, quiet=True)
     assert result.losses == pytest.approx(runs["single"].losses, rel=1e-5)
 
 
@@ -389,8 +389,8 @@ def test_live_mode_in_a_notebook_leaves_one_figure(tmp_path):
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": KERNEL, "display_name": "gpucourse viz test", "language": "python"}
     nb.cells = [
-        nbformat.v4.new_code_cell("from gpucourse import TrainConfig, run\n"
-                                  "r = run(TrainConfig(dp=2, steps=40, seq_len=32), quiet=True, live=True)"),
+        nbformat.v4.new_code_cell("from gpucourse import TrainConfig, run, viz\n"
+                                  "r = viz.watch(TrainConfig(dp=2, steps=40, seq_len=32), quiet=True)"),
         nbformat.v4.new_code_cell("from gpucourse.viz import LiveView\n"
                                   "cfg = TrainConfig(dp=2, steps=40, seq_len=32)\n"
                                   "view = LiveView(cfg, interval_s=0.05)\n"
@@ -419,7 +419,7 @@ def test_live_mode_in_a_notebook_leaves_one_figure(tmp_path):
 
 
 def test_live_view_overhead_is_measurable():
-    reading = viz.live_view_overhead(reps=1, steps=8, interval_s=0.05)
+    reading = bench.live_view_overhead(reps=1, steps=8, interval_s=0.05)
     assert reading.value > 0 and reading.detail["bundles_sent"] >= 1
 
 

@@ -89,6 +89,18 @@ class Exercise:
 
 
 @dataclass
+class Outcome:
+    """What one rank's call returned: ``value``, the ``args`` as they were after it, and what it sent."""
+
+    rank: int
+    value: object
+    args: tuple
+    aliases: int | None   # the argument whose memory the value shares (an in-place answer)
+    comm: list            # each collective: {"op", "bytes", "group", "async", "t", "peer"?}
+    time_s: float
+
+
+@dataclass
 class CheckContext:
     """What a check function gets: the run's seed, how many ranks, and a way to run the learner's code.
 
@@ -120,8 +132,6 @@ class CheckContext:
         self.batch.request([{"op": "load"}] * self.world_size, self.budget_s, self.path)
 
     def _run(self, op: str, name: str, args_per_rank, kwargs_per_rank) -> list:
-        from .host import Outcome
-
         n = self.world_size
         args_per_rank = list(args_per_rank) if args_per_rank is not None else [()] * n
         kwargs_per_rank = list(kwargs_per_rank) if kwargs_per_rank is not None else [{}] * n

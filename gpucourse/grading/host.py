@@ -32,7 +32,6 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 
 from ..measure import write_atomic
 from ..runtime import collective_status
@@ -96,18 +95,6 @@ def load_factor() -> float:
             a @ a
         best = min(best, time.perf_counter() - start)
     return max(1.0, min(10.0, best / 0.014))
-
-
-@dataclass
-class Outcome:
-    """What one rank's call returned: ``value``, the ``args`` as they were after it, and what it sent."""
-
-    rank: int
-    value: object
-    args: tuple
-    aliases: int | None   # the argument whose memory the value shares (an in-place answer)
-    comm: list            # each collective: {"op", "bytes", "group", "async", "t", "peer"?}
-    time_s: float
 
 
 class Batch:

@@ -26,8 +26,9 @@ import torch.distributed as dist
 from ..config import ConfigError
 from ..measure import optimizer_state_bytes, tensor_bytes
 from ..model import loss_fn
+from ..optim import make_optimizer
 from .precision import Precision
-from .single import Trainer, make_optimizer
+from .single import Trainer, cpu_state_dict
 
 
 class AccelerateTrainer(Trainer):
@@ -75,5 +76,4 @@ class AccelerateTrainer(Trainer):
                            "optimizer": optimizer_state_bytes(self.optimizer.optimizer)}
 
     def full_state_dict(self) -> dict:
-        state = self.accelerator.get_state_dict(self.model)
-        return {k: v.detach().cpu().clone() for k, v in state.items()}
+        return cpu_state_dict(self.accelerator.get_state_dict(self.model))

@@ -19,12 +19,12 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..measure import note_saved_input
+from ..model import blocks_of
 
 
 def checkpoint_blocks(model: torch.nn.Module) -> torch.nn.Module:
     """Make every transformer block of ``model`` recompute its activations in backward."""
-    blocks = model.blocks.values() if isinstance(model.blocks, torch.nn.ModuleDict) else model.blocks
-    for block in blocks:
+    for block in blocks_of(model):
         plain_forward = block.forward
 
         def forward(x, plain_forward=plain_forward):

@@ -29,11 +29,12 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from .single import Trainer
+from .single import Trainer, cpu_state_dict
 
 
-def broadcast_parameters(model: torch.nn.Module, group, src: int) -> None:
-    """Copy rank ``src``'s weights to every rank of ``group``."""
+def broadcast_parameters(model: torch.nn.Module, group) -> None:
+    """Copy the weights of ``group``'s first rank to every rank of ``group``."""
+    src = dist.get_global_rank(group, 0)  # broadcast names its source by global rank
     with torch.no_grad():
         for p in model.parameters():
             comm.broadcast(p.data, src=src, group=group, name="broadcast weights")
@@ -54,7 +55,7 @@ class DataParallelScratch(Trainer):
 
     def __init__(self, model, lr, grad_accum, rec, group, precision=None):
         self.group = group
-        broadcast_parameters(model, group, src=dist.get_global_rank(group, 0))
+        broadcast_parameters(model, group)
         super().__init__(model, lr, grad_accum, rec, precision=precision)
 
     def sync_gradients(self) -> None:
@@ -77,7 +78,7 @@ class TorchDDP(Trainer):
         return contextlib.nullcontext() if last else self.model.no_sync()
 
     def full_state_dict(self) -> dict:
-        return {k: v.detach().cpu().clone() for k, v in self.model.module.state_dict().items()}
+        return cpu_state_dict(self.model.module.state_dict())
 
 
 def _recording_allreduce_hook(state, bucket):

@@ -90,7 +90,7 @@ class BucketedDataParallel(Trainer):
     def __init__(self, model, lr, grad_accum, rec, group, bucket_mb: float, precision=None):
         self.group = group
         self.dp = dist.get_world_size(group)
-        broadcast_parameters(model, group, src=dist.get_global_rank(group, 0))
+        broadcast_parameters(model, group)
         super().__init__(model, lr, grad_accum, rec, precision=precision)
         ready_order = [p for p in reversed(list(model.parameters())) if p.requires_grad]
         cap = max(1, int(bucket_mb * 2**20))

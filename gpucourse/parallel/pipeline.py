@@ -50,10 +50,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
-from ..model import GPT, loss_fn
+from ..model import GPT, blocks_of, loss_fn
 from .data_parallel import allreduce_gradients, broadcast_parameters
 from .schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, build
-from .single import Trainer
+from .single import Trainer, cpu_state_dict
 
 
 def stage_blocks(n_layer: int, pp: int, stage: int) -> range:
@@ -77,7 +77,8 @@ class GPTStage(nn.Module):
         self.first, self.last = stage == 0, stage == pp - 1
         if self.first:
             self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in stage_blocks(len(model.blocks), pp, stage)})
+        blocks = blocks_of(model)
+        self.blocks = nn.ModuleDict({str(i): blocks[i] for i in stage_blocks(len(blocks), pp, stage)})
         if self.last:
             self.ln_f, self.head = model.ln_f, model.head
         # Empty the caller's GPT, so the layers other stages own are freed once
@@ -158,7 +159,7 @@ class PipelineScratch(Trainer):
             from .tensor_parallel import full_tensor_state
             local = full_tensor_state(self.model, self.tp_group)
         else:
-            local = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+            local = cpu_state_dict(self.model.state_dict())
         return _merge_stages(local, self.pp_group)
 
 
@@ -202,8 +203,7 @@ class PipelineTorch(Trainer):
         return torch.stack(losses).mean().detach() if self.last else None
 
     def full_state_dict(self) -> dict:
-        return _merge_stages({k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
-                             self.pp_group)
+        return _merge_stages(cpu_state_dict(self.model.state_dict()), self.pp_group)
 
 
 def _spanning(method, rec, kind: str):
@@ -220,7 +220,7 @@ def _dp_sync(stage_module, mesh, cfg):
     if cfg.dp == 1:
         return None
     group = mesh["dp"].get_group()
-    broadcast_parameters(stage_module, group, src=dist.get_global_rank(group, 0))
+    broadcast_parameters(stage_module, group)
     return functools.partial(allreduce_gradients, stage_module, group)
 
 

@@ -10,7 +10,8 @@ GPU's tensor cores. Two ways to use them:
 - **Master weights** (what Megatron and the ZeRO paper count): the model itself
   is half precision, so its gradients are too (half the gradient traffic of
   data parallelism), and the optimizer keeps an fp32 *master* copy of every
-  weight, applies Adam to it and writes the rounded result back.
+  weight, applies Adam to it and writes the rounded result back
+  (``gpucourse.optim.MasterWeightsAdamW``).
   2 (weights) + 2 (gradients) + 4 + 4 + 4 (master, two moments) = 16 bytes per
   parameter, of which ZeRO can shard the last 12.
 
@@ -30,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..measure import optimizer_state_bytes, tensor_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -56,33 +56,6 @@ class DynamicLossScaler:
         if self.good_steps == self.growth_interval:
             self.scale *= self.growth_factor
             self.good_steps = 0
-
-
-class MasterWeightsAdamW:
-    """AdamW on fp32 master copies of half-precision parameters."""
-
-    def __init__(self, params, lr: float):
-        self.params = [p for p in params if p.requires_grad]
-        from .single import make_optimizer
-
-        self.masters = [p.detach().float().clone() for p in self.params]
-        self.inner = make_optimizer(self.masters, lr)
-
-    def step(self) -> None:
-        for p, master in zip(self.params, self.masters):
-            master.grad = None if p.grad is None else p.grad.float()
-        self.inner.step()
-        with torch.no_grad():
-            for p, master in zip(self.params, self.masters):
-                p.copy_(master)  # round the updated master back to half precision
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for t in self.params + self.masters:
-            t.grad = None
-
-    def state_bytes(self) -> int:
-        """Optimizer memory: the fp32 masters plus Adam's two moments."""
-        return tensor_bytes(self.masters) + optimizer_state_bytes(self.inner)
 
 
 class Precision:

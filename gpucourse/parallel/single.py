@@ -25,21 +25,13 @@ import torch
 
 from ..measure import Recorder, optimizer_state_bytes, tensor_bytes
 from ..model import loss_fn
-from .precision import MasterWeightsAdamW, Precision
+from ..optim import MasterWeightsAdamW, make_optimizer
+from .precision import Precision
 
 
-ADAMW = {"betas": (0.9, 0.95), "eps": 1e-6, "weight_decay": 0.0}
-
-
-def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
-    """AdamW, the same settings in every layout (so every layout can be compared).
-
-    ``eps=1e-6`` rather than 1e-8: Adam divides by the root of the squared
-    gradient, so a parameter whose gradient is almost zero (a neuron GELU has
-    switched off) would otherwise turn float rounding into a full-size update,
-    and two equal layouts would drift apart in exactly those weights.
-    """
-    return torch.optim.AdamW(params, lr=lr, **ADAMW)
+def cpu_state_dict(state: dict) -> dict:
+    """A CPU copy of ``state``; a DTensor is gathered whole first (a collective where it is sharded)."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone() for k, v in state.items()}
 
 
 class Trainer:
@@ -136,4 +128,4 @@ class Trainer:
 
     def full_state_dict(self) -> dict:
         """The whole model's weights under single-device names (collective in sharded trainers)."""
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        return cpu_state_dict(self.model.state_dict())

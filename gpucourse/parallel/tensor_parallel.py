@@ -58,11 +58,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from .. import comm
+from ..model import blocks_of
 from .data_parallel import allreduce_gradients, broadcast_parameters
-from .single import Trainer
+from .single import Trainer, cpu_state_dict
 
 
 class CopyToTensorParallel(torch.autograd.Function):
@@ -144,12 +144,6 @@ def _enter_region(group, module, args):
     return (CopyToTensorParallel.apply(args[0], group), *args[1:])
 
 
-def _blocks(module: nn.Module):
-    """The transformer blocks of a GPT or of a pipeline stage of one (blocks may be a ModuleDict)."""
-    blocks = module.blocks
-    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
-
-
 def apply_tensor_parallel(module: nn.Module, tp_group) -> nn.Module:
     """Swap each block's Linear layers for this rank's shards, in place; return ``module``.
 
@@ -157,7 +151,7 @@ def apply_tensor_parallel(module: nn.Module, tp_group) -> nn.Module:
     mlp.proj row-parallel, and each attention and MLP sub-layer gets f at its
     entrance. Embeddings, LayerNorms and the head are left whole (replicated).
     """
-    for block in _blocks(module):
+    for block in blocks_of(module):
         attn, mlp = block.attn, block.mlp
         for name in ("q", "k", "v"):
             setattr(attn, name, ColumnParallelLinear(getattr(attn, name), tp_group))
@@ -190,8 +184,8 @@ def full_tensor_state(module: nn.Module, tp_group) -> dict:
             pieces = [torch.empty_like(t) for _ in range(n)]
             dist.all_gather(pieces, t.contiguous(), group=tp_group)
             t = torch.cat(pieces, dim=cut[name])
-        state[name] = t.detach().cpu().clone()
-    return state
+        state[name] = t
+    return cpu_state_dict(state)
 
 
 class TensorParallelScratch(Trainer):
@@ -206,7 +200,7 @@ class TensorParallelScratch(Trainer):
         apply_tensor_parallel(model, tp_group)
         grad_sync = None
         if dp_group is not None and dist.get_world_size(dp_group) > 1:
-            broadcast_parameters(model, dp_group, src=dist.get_global_rank(dp_group, 0))
+            broadcast_parameters(model, dp_group)
             grad_sync = functools.partial(allreduce_gradients, model, dp_group)
         super().__init__(model, lr, grad_accum, rec, grad_sync=grad_sync)
 
@@ -246,13 +240,9 @@ class TorchTensorParallel(Trainer):
     def __init__(self, model, lr, grad_accum, rec, tp_mesh):
         from torch.distributed.tensor.parallel import parallelize_module
 
-        for block in _blocks(model):
+        for block in blocks_of(model):
             parallelize_module(block, tp_mesh, torch_block_plan())
         super().__init__(model, lr, grad_accum, rec)
-
-    def full_state_dict(self) -> dict:
-        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
-                for k, v in self.model.state_dict().items()}
 
 
 def make_tensor_parallel_trainer(model, mesh, cfg, rec, device) -> Trainer:

@@ -42,8 +42,10 @@ import torch.distributed as dist
 
 from .. import comm
 from ..measure import optimizer_state_bytes, tensor_bytes
+from ..model import blocks_of
 from .data_parallel import TorchDDP, broadcast_parameters
-from .single import ADAMW, Trainer
+from ..optim import ADAMW
+from .single import Trainer
 
 
 def memory_formula(num_params: int, dp: int, stage: int) -> dict:
@@ -61,7 +63,7 @@ class ZeroScratch(Trainer):
     def __init__(self, model, lr, grad_accum, rec, group, stage: int, precision=None):
         self.group, self.stage = group, stage
         self.dp, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        broadcast_parameters(model, group, src=dist.get_global_rank(group, 0))
+        broadcast_parameters(model, group)
         self.params = [p for p in model.parameters() if p.requires_grad]
         numel = sum(p.numel() for p in self.params)
         self.shard_size = math.ceil(numel / self.dp)
@@ -143,7 +145,7 @@ class TorchFSDP(Trainer):
         from torch.distributed.fsdp import fully_shard
 
         reshard = stage == 3
-        for block in model.blocks:
+        for block in blocks_of(model):
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
         super().__init__(model, lr, grad_accum, rec)
@@ -152,10 +154,6 @@ class TorchFSDP(Trainer):
         # Skip the reduce-scatter on all but the last microbatch, as DDP's no_sync does.
         self.model.set_requires_gradient_sync(last)
         return super().accumulating(last)
-
-    def full_state_dict(self) -> dict:
-        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
-                for k, v in self.model.state_dict().items()}
 
 
 def make_zero_trainer(model, mesh, cfg, rec, device, precision=None) -> Trainer:

@@ -155,7 +155,8 @@ for _name in ("get_future", "is_completed", "is_success", "exception", "source_r
         setattr(_TrackedWork, _name, _delegate(_name))
 
 
-def _wrap(op: str, fn):
+def tracked(op: str, fn):
+    """``fn`` (the collective ``op``), writing what it is into this rank's status slot while it runs."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
         global _seq
@@ -190,7 +191,7 @@ def install(path: str) -> None:
         fn = getattr(dist, op, None)
         if fn is not None:
             _originals[op] = fn
-            setattr(dist, op, _wrap(op, fn))
+            setattr(dist, op, tracked(op, fn))
 
 
 def uninstall() -> None:

@@ -155,7 +155,16 @@ def _register_local_rendezvous() -> None:
 
 def in_place() -> bool:
     """True when this process is already one rank of a group (torchrun, accelerate launch)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and worker._CONTEXT is None
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and not worker.in_rank()
+
+
+def check_in_place_world(world_size: int, asked: str = "world_size") -> None:
+    """Under torchrun, refuse a world size other than the one it started, in one sentence naming both."""
+    if not in_place():
+        return
+    started = int(os.environ["WORLD_SIZE"])
+    if started != world_size:
+        raise LaunchError(f"torchrun started {started} ranks but {asked} = {world_size}; make them equal.")
 
 
 _forking_ranks = False  # True while launch() lets the agent fork ranks
@@ -374,6 +383,18 @@ def _drain(channel, on_message, stop: threading.Event) -> None:
             on_message(msg)
 
 
+def preimport() -> None:
+    """Import what every rank's first AdamW would import, once, here, before ranks are forked.
+
+    AdamW's constructor imports ``torch._dynamo``: about a second of CPU on a
+    small machine, paid by every rank that has not inherited it. A notebook
+    kernel that has built an optimizer before has it already; importing it here
+    makes every launch in the suite start like that, so the figures measure
+    launchers and training steps rather than that import (and the suite runs faster).
+    """
+    import torch._dynamo  # noqa: F401
+
+
 def launch(fn, *args, world_size: int, timeout: float | None = None, device: str = "auto",
            start_method: str | None = None, on_message=None, pg_timeout: float | None = None,
            quiet: bool = False, **kwargs) -> list:
@@ -400,11 +421,8 @@ def launch(fn, *args, world_size: int, timeout: float | None = None, device: str
     # reported as the LaunchTimeout it is rather than as a collective's own error.
     pg_timeout = pg_timeout or (timeout + 30 if timeout else 300.0)
     if in_place():
-        env_world = int(os.environ["WORLD_SIZE"])
-        if env_world != world_size:
-            raise LaunchError(f"this process is one of {env_world} ranks started by torchrun, "
-                              f"but world_size={world_size} was asked for.")
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", env_world))
+        check_in_place_world(world_size)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         plan = plan_device(device, local)
         return worker.run_in_place(fn, args, kwargs, plan.device, plan.backend, pg_timeout)
 
@@ -418,9 +436,7 @@ def launch(fn, *args, world_size: int, timeout: float | None = None, device: str
 
     _register_local_rendezvous()
     if method == "fork":
-        # Building an optimizer imports torch._dynamo (about a second of CPU);
-        # importing it once here means forked ranks inherit it instead of each paying.
-        import torch._dynamo  # noqa: F401
+        preimport()  # forked ranks inherit it instead of each paying
     started = time.monotonic()
     for attempt in (1, 2):
         left = None if timeout is None else max(0.1, timeout - (time.monotonic() - started))

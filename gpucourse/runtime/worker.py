@@ -44,6 +44,11 @@ class RankContext:
 _CONTEXT: RankContext | None = None
 
 
+def in_rank() -> bool:
+    """True inside a function started by ``launch`` (or run in place by it)."""
+    return _CONTEXT is not None
+
+
 def current() -> RankContext:
     """The running rank's context (inside a function started by ``launch``)."""
     if _CONTEXT is None:

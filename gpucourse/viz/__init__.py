@@ -1,7 +1,7 @@
 """See it: plotly figures of runs, schedules and collectives, for the notebook and the tour report.
 
     from gpucourse import TrainConfig, run, viz
-    r = run(TrainConfig(pp=4, microbatches=8), live=True)  # loss and per-rank activity while it trains
+    r = viz.watch(TrainConfig(pp=4, microbatches=8))      # run(), drawn live: loss and per-rank activity
     viz.timeline(r)                                        # per-rank Gantt chart, bubble shaded
     viz.schedule(pp=4, microbatches=8, schedule="1f1b")    # simulated, no processes; slider over m
     viz.compare([single, dp, tp])                          # loss curves and their largest difference
@@ -19,10 +19,9 @@ keeps its colour in every figure. plotly is imported only when a figure is drawn
 
 from .collectives import CollectiveSimulation, bandwidth, collective, simulate_collective
 from .gantt import rank_activity, schedule, timeline
-from .live import LiveView, final_figure, live_view_overhead
+from .live import LiveView, final_figure, watch
 from .runs import compare, memory, scaling
 from .style import PALETTE
 
 __all__ = ["PALETTE", "CollectiveSimulation", "LiveView", "bandwidth", "collective", "compare", "final_figure",
-           "live_view_overhead", "memory", "rank_activity", "scaling", "schedule", "simulate_collective",
-           "timeline"]
+           "memory", "rank_activity", "scaling", "schedule", "simulate_collective", "timeline", "watch"]

@@ -1,13 +1,14 @@
 """A live view of a training run in the notebook: the loss and what each rank is doing, while it trains.
 
-``run(config, live=True)`` builds a :class:`LiveView` and passes its
-:meth:`LiveView.on_step` as the run's step callback. The callback only appends
-to a list (it runs in the launcher's message thread, between steps); a drawing
-thread redraws at most every ``interval_s`` seconds and only when something
-new arrived, so fast steps are not slowed by drawing. Each redraw replaces
-one notebook output in place (:class:`NotebookSink`; plotly's FigureWidget
-would need anywidget). When the run ends the live figure is replaced by a final
-static one built from the RunResult.
+:func:`watch` runs a config like :func:`gpucourse.run` and builds a
+:class:`LiveView` that it feeds: the run's step callback and each rank's
+activity reports. The callbacks only append to a list (they run in the
+launcher's message thread, between steps); a drawing thread redraws at most
+every ``interval_s`` seconds and only when something new arrived, so fast steps
+are not slowed by drawing. Each redraw replaces one notebook output in place
+(:class:`NotebookSink`; plotly's FigureWidget would need anywidget). When the
+run ends the live figure is replaced by a final static one built from the
+RunResult.
 
 Outside a Jupyter kernel (plain python, a terminal IPython) there is nothing to
 draw into: the view only collects, and :meth:`LiveView.finish` returns the
@@ -17,7 +18,6 @@ final figure without displaying it.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import threading
 
@@ -99,20 +99,14 @@ class LiveView:
         if self._chain is not None:
             self._chain(msg)
 
-    def on_activity(self, msg: dict) -> None:
-        """A rank's own report of one step: ``{rank, step, busy_s: {kind: seconds}, time_s}``."""
+    def on_message(self, msg: dict) -> None:
+        """A run's message callback: keeps each rank's latest ``activity`` report
+        (``{rank, step, busy_s: {kind: seconds}, time_s}``) and ignores the rest."""
+        if msg.get("kind") != "activity":
+            return
         with self._lock:
             self.activity[msg["rank"]] = dict(msg)
             self._dirty = True
-
-    def messages(self, progress):
-        """A launcher message handler: per-rank activity reports to this view, the rest to ``progress``."""
-        def handle(msg: dict) -> None:
-            if msg.get("kind") == "activity":
-                self.on_activity(msg)
-            elif progress is not None:
-                progress(msg)
-        return handle
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -150,6 +144,27 @@ class LiveView:
             show({MIME: json.loads(fig.to_json()) | {"config": PLOTLY_CONFIG},
                   "text/plain": f"gpucourse: {run_label(result)}, final loss {result.losses[-1]:.4f}"})
         return fig
+
+
+def watch(config, *, interval_s: float = 0.75, on_step=None, **run_options):
+    """Train ``config`` as :func:`gpucourse.run` does, drawing it in the notebook while it trains.
+
+    The loss and step time, and each rank's time by kind of span when the ranks
+    record, are redrawn at most every ``interval_s`` seconds; at the end the
+    final figure replaces them. ``on_step`` and every other option (``timeout``,
+    ``export_weights``, ``quiet``, ...) are :func:`gpucourse.run`'s. Returns the
+    RunResult.
+    """
+    from ..train import run
+
+    view = LiveView(config, interval_s=interval_s, on_step=on_step)
+    try:
+        result = run(config, on_step=view.on_step, on_message=view.on_message, **run_options)
+    except BaseException:
+        view.close()  # keeps the steps drawn so far
+        raise
+    view.finish(result)
+    return result
 
 
 def live_figure_dict(config: dict, steps: list[dict], activity: dict) -> dict:
@@ -229,34 +244,3 @@ def final_figure(result):
                       title=f"{run_label(r)} on {r.world_size} {r.device} rank{'s' * (r.world_size > 1)}: "
                             f"final loss {r.losses[-1]:.4f}, {r.tokens_per_s:,.0f} tokens/s")
     return fig
-
-
-def live_view_overhead(reps: int = 3, steps: int = 20, interval_s: float = 0.75):
-    """Step time with the live view on over off, for ``gpucourse bench`` (target <= 1.03); a ``bench.Reading``.
-
-    Both sides train the bench's layout (tiny GPT, 2 data-parallel ranks, 16
-    sequences a step), taking turns. The live side draws into a sink that
-    serialises every bundle to JSON, as the kernel would before sending it,
-    so the cost is measured in plain python too.
-    """
-    from ..bench import WARMUP_STEPS, Reading, interleave, ratio
-    from ..config import TrainConfig
-    from ..train import run
-
-    config = TrainConfig(model="tiny", dp=2, batch_size=16, steps=steps)
-    sent = []
-
-    def side(live: bool) -> list[float]:
-        view = LiveView(config, interval_s=interval_s, sink=lambda b: sent.append(len(json.dumps(b)))) if live else None
-        result = run(config, timeout=600, quiet=True, on_step=view.on_step if view else None)
-        if view:
-            view.finish(result)
-        return result.step_times_s[WARMUP_STEPS:]
-
-    times = interleave({"live": lambda: side(True), "off": lambda: side(False)}, reps)
-    med = {k: statistics.median(t for run_times in v for t in run_times) for k, v in times.items()}
-    detail = {"reps": reps, "steps": steps, "interval_s": interval_s, "warmup_steps": WARMUP_STEPS,
-              "median_step_s": med, "step_times_s": times, "bundles_sent": len(sent)}
-    return Reading(ratio(med["live"], med["off"]), detail,
-                   f"live {med['live'] * 1e3:.2f} ms, off {med['off'] * 1e3:.2f} ms per step, "
-                   f"{len(sent)} redraws")

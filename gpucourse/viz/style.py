@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 
+from ..readable import byte_unit, human_bytes  # noqa: F401 (for the figures: the one byte formatter)
+
 # One colour per kind of span, per rank, per memory category, per collective and per
 # compared run — the same in every figure, so "orange" always means backward.
 PALETTE = {
@@ -68,27 +70,10 @@ def rank_label(rank: int, word: str = "rank") -> str:
     return f'<span style="color:{rank_color(rank)}">{word} {rank}</span>'
 
 
-def byte_unit(largest: float) -> tuple[float, str]:
-    """A divisor and unit name that keeps ``largest`` bytes between 1 and 1000 (decimal units)."""
-    for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "KB")):
-        if largest >= scale:
-            return scale, unit
-    return 1.0, "B"
-
-
 def size_label(n: int) -> str:
     """A message size for an axis: binary units for powers of two (``4 KiB``), else decimal."""
     n = int(n)
-    for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
-        if n >= 1 << shift and n & (n - 1) == 0:
-            return f"{n >> shift} {unit}"
-    return human_bytes(n)
-
-
-def human_bytes(n: float) -> str:
-    """``1234567`` -> ``'1.23 MB'``."""
-    scale, unit = byte_unit(abs(n))
-    return f"{n:.0f} B" if unit == "B" else f"{n / scale:.2f} {unit}"
+    return human_bytes(n, binary=n > 0 and n & (n - 1) == 0)
 
 
 def step_ticks(steps: int) -> dict:

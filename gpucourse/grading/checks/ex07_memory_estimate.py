@@ -14,8 +14,7 @@ from ...config import TrainConfig
 from ...measure import optimizer_state_bytes, tensor_bytes
 from ...memory import estimate, estimate_params, largest_microbatch, with_microbatch
 from ...model import MODELS, build_model
-from ...parallel.precision import MasterWeightsAdamW
-from ...parallel.single import make_optimizer
+from ...optim import MasterWeightsAdamW, make_optimizer
 from ..core import Exercise, Fail
 
 EXERCISE = Exercise("ex07_memory_estimate", "Memory estimate", "notebooks/07_memory_batch.ipynb")

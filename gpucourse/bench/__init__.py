@@ -1,14 +1,8 @@
 """Benchmarks: gpucourse's runtime and strategies against their PyTorch and Accelerate counterparts.
 
-``gpucourse bench`` measures a list of *figures*. Each figure is a number,
-usually a ratio "ours over theirs", and a target it should meet (``"<= 1.10"``)
-or ``"report"`` when the number is only shown. Every ratio is measured side by
-side in one run: the two sides take turns (A B B A A B B A …) and each side's
-median is used, so a machine that gets slower or busier during the run (a
-laptop warming up, a neighbour's job on a shared box) slows both sides alike,
-and a few outliers do not move the result.
-
-Adding a figure is one function::
+``gpucourse bench`` measures a list of *figures* (see :mod:`gpucourse.bench.readings`
+for what a figure is and how two sides are timed in turns). Adding a figure is
+one function::
 
     @figure("my_ratio", target="<= 1.05", quick=dict(reps=3), full=dict(reps=9))
     def my_ratio(reps: int) -> Reading:
@@ -20,7 +14,8 @@ Adding a figure is one function::
 ``quick`` and ``full`` are the keyword arguments the function gets under
 ``gpucourse bench --quick`` and ``gpucourse bench``; :func:`compare_runs` does
 the interleaving for two or more training configs. :func:`main` runs every
-registered figure, prints a table and can write all figures as one JSON object.
+registered figure (or only those named), prints a table and can write them as
+one JSON object.
 """
 
 from __future__ import annotations
@@ -30,7 +25,6 @@ import glob
 import io
 import json
 import math
-import operator
 import os
 import platform
 import shutil
@@ -40,111 +34,25 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from .config import TrainConfig
-from .measure import write_atomic
-from .runtime import launch
-from .runtime.launcher import plan_device, visible_gpus
-from .train import run
+from ..config import TrainConfig
+from ..measure import write_atomic
+from ..readable import human_bytes
+from ..runtime import launch
+from ..runtime.launcher import plan_device, preimport, visible_gpus
+from ..train import run
+from .readings import FIGURES, WARMUP_STEPS, Figure, Reading, figure, interleave, parse_target, passed, ratio
 
-# Steps at the start of every run that are left out of step-time medians: the
-# first steps pay for allocator growth, lazy initialisation and DDP's bucket set-up.
-WARMUP_STEPS = 3
 # Ranks of every figure: the smallest group that communicates.
 RANKS = 2
 RUN_TIMEOUT_S = 600
 # What launch_vs_notebook_launcher times, from the call: until the slowest rank
 # entered the function, until it ended its first step, until the call returned.
 LAUNCH_TIMES = ("entered_s", "first_step_s", "returned_s")
-
-
-@dataclass
-class Reading:
-    """What one figure measured: its ``value``, the raw timings, and a line for people."""
-
-    value: float
-    detail: dict
-    summary: str = ""
-
-
-@dataclass(frozen=True)
-class Figure:
-    """A registered benchmark: ``measure(**quick)`` or ``measure(**full)`` returns a :class:`Reading`."""
-
-    key: str
-    target: str
-    measure: Callable[..., Reading]
-    quick: dict = field(default_factory=dict)
-    full: dict = field(default_factory=dict)
-
-
-FIGURES: list[Figure] = []
-
-
-def figure(key: str, target: str = "report", *, quick: dict, full: dict):
-    """Register the decorated function as the figure ``key`` (see the module docstring)."""
-    parse_target(target)
-
-    def register(fn):
-        FIGURES.append(Figure(key, target, fn, quick, full))
-        return fn
-    return register
-
-
-_COMPARE = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt, "==": operator.eq}
-
-
-def _within(value: float, bounds: tuple[float, float]) -> bool:
-    return bounds[0] <= value <= bounds[1]
-
-
-def parse_target(target: str):
-    """``"<= 1.10"`` -> (operator.le, 1.10); ``"0.8..1.25"`` -> a closed range; ``"report"`` -> None."""
-    if target == "report":
-        return None
-    if ".." in target:
-        lo, _, hi = target.partition("..")
-        return _within, (float(lo), float(hi))
-    op, _, limit = target.partition(" ")
-    if op not in _COMPARE:
-        raise ValueError(f"target {target!r} must be 'report' or '<op> <number>' with op one of {', '.join(_COMPARE)}.")
-    return _COMPARE[op], float(limit)
-
-
-def passed(value: float | None, target: str) -> bool | None:
-    """Whether ``value`` meets ``target``; None for a figure that is only reported."""
-    parsed = parse_target(target)
-    if parsed is None:
-        return None
-    compare, limit = parsed
-    return value is not None and math.isfinite(value) and bool(compare(value, limit))
-
-
-def interleave(sides: dict[str, Callable[[], object]], reps: int) -> dict[str, list]:
-    """Call each side ``reps`` times, taking turns A B B A A B …; return each side's results in order.
-
-    Reversing the order every round means neither side always runs first (after
-    the other has warmed the caches) and a slow drift of the machine's speed
-    falls equally on both.
-    """
-    names = list(sides)
-    out: dict[str, list] = {n: [] for n in names}
-    for rep in range(reps):
-        for name in (names if rep % 2 == 0 else names[::-1]):
-            out[name].append(sides[name]())
-    return out
-
-
-def ratio(a: float, b: float) -> float:
-    """a / b, refusing what would not be a meaningful positive ratio."""
-    if not (a > 0 and b > 0 and math.isfinite(a) and math.isfinite(b)):
-        raise ValueError(f"cannot form a ratio of {a!r} over {b!r}: both must be positive and finite.")
-    return a / b
 
 
 # --- step times of whole training runs -------------------------------------------------
@@ -256,7 +164,7 @@ def measured_bubble(result) -> tuple[float, dict]:
         full=dict(steps=30, microbatches=4))
 def pp_bubble_measured_vs_simulated(steps: int, microbatches: int) -> Reading:
     """Measured idle share of a 2-stage 1F1B run over the simulator's, fed the run's own op costs."""
-    from .parallel.schedules import SCHEDULES, simulate
+    from ..parallel.schedules import SCHEDULES, simulate
 
     result = run(_bench_config(impl="scratch", dp=1, pp=RANKS, schedule="1f1b", microbatches=microbatches,
                                batch_size=16, steps=steps), timeout=RUN_TIMEOUT_S, quiet=True)
@@ -286,8 +194,8 @@ def _worst(ratios: dict) -> float:
 @figure("zero_memory_vs_formula", target="== 1.0", quick=dict(), full=dict())
 def zero_memory_vs_formula() -> Reading:
     """Measured weights, gradients and optimizer bytes per rank of scratch ZeRO-1/2 over the ZeRO formula."""
-    from .memory import num_params
-    from .parallel.zero import memory_formula
+    from ..memory import num_params
+    from ..parallel.zero import memory_formula
 
     n = num_params(_bench_config().model_config())
     configs = [_bench_config(impl="scratch", dp=d, zero=z, batch_size=12, steps=1) for d in (2, 3) for z in (1, 2)]
@@ -299,7 +207,7 @@ def zero_memory_vs_formula() -> Reading:
 @figure("memory_estimate_vs_measured", target="== 1.0", quick=dict(), full=dict())
 def memory_estimate_vs_measured() -> Reading:
     """Measured weights, gradients and optimizer bytes over ``gpucourse memory``'s estimate, several layouts."""
-    from .memory import estimate
+    from ..memory import estimate
 
     configs = [_bench_config(impl="scratch", steps=1, **kw) for kw in
                (dict(dp=1), dict(dp=2), dict(dp=2, zero=2), dict(dp=1, tp=2), dict(dp=1, pp=2, microbatches=2))]
@@ -318,13 +226,13 @@ def checkpointing_activation_ratio() -> Reading:
         sizes[ckpt] = result.memory["0"]["activations"]
     value = ratio(sizes[True], sizes[False])
     return Reading(value, {"plain_bytes": sizes[False], "checkpointed_bytes": sizes[True]},
-                   f"{sizes[True] / 1e6:.2f} MB with checkpointing, {sizes[False] / 1e6:.2f} MB without")
+                   f"{human_bytes(sizes[True])} with checkpointing, {human_bytes(sizes[False])} without")
 
 
 @figure("allreduce_busbw_vs_copy", quick=dict(reps=2), full=dict(reps=5))
 def allreduce_busbw_vs_copy(reps: int) -> Reading:
     """All-reduce bus bandwidth at 64 MB on 2 ranks over a same-size memory copy: the ceiling on one host."""
-    from .bandwidth import allreduce_busbw_vs_copy as measure_busbw
+    from ..bandwidth import allreduce_busbw_vs_copy as measure_busbw
 
     return measure_busbw(reps=reps)
 
@@ -332,7 +240,7 @@ def allreduce_busbw_vs_copy(reps: int) -> Reading:
 @figure("grade_one_exercise_s", target="< 10", quick=dict(), full=dict())
 def grade_one_exercise_s() -> Reading:
     """Wall time to grade one distributed exercise (ex01, ring all-reduce, 1–3 CPU ranks)."""
-    from .grading import time_grade_one_exercise
+    from ..grading import time_grade_one_exercise
 
     wall = time_grade_one_exercise(exercise="ex01")
     return Reading(wall, {"exercise": "ex01"}, f"{wall:.1f} s for ex01")
@@ -341,7 +249,7 @@ def grade_one_exercise_s() -> Reading:
 @figure("grade_class_20_s", quick=dict(learners=4), full=dict(learners=20))
 def grade_class_20_s(learners: int) -> Reading:
     """Wall time to grade a class of 20 copies of solutions/ with --jobs 2 (quick: 4 learners, scaled to 20)."""
-    from .grading import time_grade_class
+    from ..grading import time_grade_class
 
     wall = time_grade_class(learners=learners, jobs=2)
     value = wall * 20 / learners
@@ -350,17 +258,40 @@ def grade_class_20_s(learners: int) -> Reading:
 
 
 @figure("live_view_overhead", target="<= 1.03", quick=dict(reps=3, steps=20), full=dict(reps=8, steps=60))
-def live_view_overhead(reps: int, steps: int) -> Reading:
-    """Step time with the notebook's live view on over off."""
-    from .viz.live import live_view_overhead as measure_live
+def live_view_overhead(reps: int, steps: int, interval_s: float = 0.75) -> Reading:
+    """Step time with the notebook's live view on over off.
 
-    return measure_live(reps=reps, steps=steps)
+    Both sides train the bench's layout (tiny GPT, 2 data-parallel ranks, 16
+    sequences a step), taking turns. The live side draws into a sink that
+    serialises every bundle to JSON, as the kernel would before sending it,
+    so the cost is measured in plain python too.
+    """
+    from ..viz.live import LiveView
+
+    config = TrainConfig(model="tiny", dp=RANKS, batch_size=16, steps=steps)
+    sent = []
+
+    def side(live: bool) -> list[float]:
+        view = LiveView(config, interval_s=interval_s, sink=lambda b: sent.append(len(json.dumps(b)))) if live else None
+        result = run(config, timeout=RUN_TIMEOUT_S, quiet=True, on_step=view.on_step if view else None,
+                     on_message=view.on_message if view else None)
+        if view:
+            view.finish(result)
+        return result.step_times_s[WARMUP_STEPS:]
+
+    times = interleave({"live": lambda: side(True), "off": lambda: side(False)}, reps)
+    med = {k: statistics.median(t for run_times in v for t in run_times) for k, v in times.items()}
+    detail = {"reps": reps, "steps": steps, "interval_s": interval_s, "warmup_steps": WARMUP_STEPS,
+              "median_step_s": med, "step_times_s": times, "bundles_sent": len(sent)}
+    return Reading(ratio(med["live"], med["off"]), detail,
+                   f"live {med['live'] * 1e3:.2f} ms, off {med['off'] * 1e3:.2f} ms per step, "
+                   f"{len(sent)} redraws")
 
 
 @figure("tour_quick_s", quick=dict(), full=dict())
 def tour_quick_s() -> Reading:
     """Wall time of ``gpucourse tour --quick`` (every layout, checked against one device) on this machine."""
-    from . import tour
+    from .. import tour
 
     out = tempfile.mkdtemp(prefix="gpucourse-tour-")
     try:
@@ -375,7 +306,7 @@ def tour_quick_s() -> Reading:
 @figure("course_smoke_s", target="< 600", quick=dict(), full=dict())
 def course_smoke_s() -> Reading:
     """Wall time to execute every notebook in smoke mode (GPUCOURSE_SMOKE=1), one fresh kernel each."""
-    from . import lab
+    from .. import lab
 
     start = time.perf_counter()
     seconds = lab.run_course(smoke=True, stream=sys.stdout)
@@ -388,7 +319,7 @@ def course_smoke_s() -> Reading:
 @figure("first_check_s", quick=dict(), full=dict())
 def first_check_s() -> Reading:
     """From the course's JupyterLab being up to ``check("ex01")`` answering in notebook 01, in headless Chromium."""
-    from . import lab
+    from .. import lab
 
     with tempfile.TemporaryDirectory(prefix="gpucourse-lab-") as tmp:
         root = lab.course_copy(tmp)
@@ -415,9 +346,9 @@ def first_step(out_dir: str, device_type: str) -> None:
     RANK, WORLD_SIZE …), so the function joins the group itself, and leaves it.
     """
     entered = time.time()  # wall clock: comparable across processes
-    from . import data
-    from .model import MODELS, build_model, loss_fn
-    from .parallel.single import make_optimizer
+    from .. import data
+    from ..model import MODELS, build_model, loss_fn
+    from ..optim import make_optimizer
 
     torch.set_num_threads(1)  # what gpucourse's launcher does in each forked rank
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -444,18 +375,6 @@ def first_step(out_dir: str, device_type: str) -> None:
     finally:
         if owns_group:
             dist.destroy_process_group()
-
-
-def preimport() -> None:
-    """Import what every rank's first AdamW would import, once, here, before ranks are forked.
-
-    AdamW's constructor imports ``torch._dynamo``: about a second of CPU on a
-    small machine, paid by every rank that has not inherited it. A notebook
-    kernel that has built an optimizer before has it already; importing it here
-    makes every launch in the suite start like that, so the figures measure
-    launchers and training steps rather than that import (and the suite runs faster).
-    """
-    import torch._dynamo  # noqa: F401
 
 
 def _free_port() -> int:
@@ -562,16 +481,29 @@ def format_table(results: dict) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def main(quick: bool = False, json_path: str | None = None) -> dict:
-    """Measure every registered figure, print the table, optionally write the JSON; return the results.
+def select(only=None) -> list[Figure]:
+    """The figures named in ``only`` (keys, in the registry's order), or all of them; an unknown key is refused."""
+    if only is None:
+        return list(FIGURES)
+    known = [f.key for f in FIGURES]
+    unknown = [k for k in only if k not in known]
+    if unknown or not only:
+        raise ValueError(f"no figure called {', '.join(unknown) or 'nothing'}; the figures are: {', '.join(known)}.")
+    return [f for f in FIGURES if f.key in only]
+
+
+def main(quick: bool = False, json_path: str | None = None, only=None) -> dict:
+    """Measure every registered figure (or those keyed in ``only``), print the table, optionally write the JSON.
 
     The JSON object has one entry per figure key, ``{"value", "target",
     "passed", "detail"}``, and ``"machine"``. It is written once, at the end,
     atomically: an interrupted bench leaves the previous file as it was.
+    Returns the results.
     """
+    figures = select(only)
     results: dict = {}
     preimport()
-    for fig in FIGURES:
+    for fig in figures:
         print(f"gpucourse bench: measuring {fig.key} ({'quick' if quick else 'full'}) …", file=sys.stderr, flush=True)
         start = time.perf_counter()
         results[fig.key] = measure(fig, quick)

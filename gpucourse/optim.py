@@ -1,0 +1,50 @@
+"""The optimizer every layout uses: AdamW with one recipe, and its fp32 master-weights form.
+
+Every layout must reproduce the single-device run, so every layout builds the
+same optimizer from here. Strategies that shard the optimizer (ZeRO) or keep
+master weights call :func:`make_optimizer` on the tensors they own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .measure import optimizer_state_bytes, tensor_bytes
+
+ADAMW = {"betas": (0.9, 0.95), "eps": 1e-6, "weight_decay": 0.0}
+
+
+def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
+    """AdamW, the same settings in every layout (so every layout can be compared).
+
+    ``eps=1e-6`` rather than 1e-8: Adam divides by the root of the squared
+    gradient, so a parameter whose gradient is almost zero (a neuron GELU has
+    switched off) would otherwise turn float rounding into a full-size update,
+    and two equal layouts would drift apart in exactly those weights.
+    """
+    return torch.optim.AdamW(params, lr=lr, **ADAMW)
+
+
+class MasterWeightsAdamW:
+    """AdamW on fp32 master copies of half-precision parameters (see ``parallel/precision.py``)."""
+
+    def __init__(self, params, lr: float):
+        self.params = [p for p in params if p.requires_grad]
+        self.masters = [p.detach().float().clone() for p in self.params]
+        self.inner = make_optimizer(self.masters, lr)
+
+    def step(self) -> None:
+        for p, master in zip(self.params, self.masters):
+            master.grad = None if p.grad is None else p.grad.float()
+        self.inner.step()
+        with torch.no_grad():
+            for p, master in zip(self.params, self.masters):
+                p.copy_(master)  # round the updated master back to half precision
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for t in self.params + self.masters:
+            t.grad = None
+
+    def state_bytes(self) -> int:
+        """Optimizer memory: the fp32 masters plus Adam's two moments."""
+        return tensor_bytes(self.masters) + optimizer_state_bytes(self.inner)

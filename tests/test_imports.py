@@ -1,0 +1,167 @@
+"""The package's import graph is a layered DAG: no cycles, the core never imports the tools, no private names across modules.
+
+Read from the source (every ``import`` statement, including those inside
+functions, since a lazy import is still a dependency), so this runs in a
+fraction of a second and names the offending line.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import sys
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gpucourse"
+
+# The core trains and measures; it imports only torch and itself (DESIGN.md, "Layers").
+CORE = ("config", "model", "data", "optim", "comm", "measure", "runtime", "parallel", "train",
+        "checkpoint", "profiling", "readable")
+TOOLS = ("bench", "tour", "troubleshoot", "viz", "cli", "lab", "grading", "quiz")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """Dotted name (without the ``gpucourse.`` prefix; "" for the package itself) -> file."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The longest known module that ``name`` (dotted, project-relative) is or is inside."""
+    while name not in MODULES:
+        if "." not in name:
+            return None
+        name = name.rsplit(".", 1)[0]
+    return name
+
+
+def _imports(module: str) -> list[tuple[str, str, int]]:
+    """(imported module, imported name or "", line) for every project import in ``module``."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "gpucourse" or alias.name.startswith("gpucourse."):
+                    target = _resolve(alias.name.removeprefix("gpucourse").lstrip("."))
+                    out.append((target, "", node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".") if package else []
+                base = base[:len(base) - node.level + 1]
+                base = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and (node.module == "gpucourse" or node.module.startswith("gpucourse.")):
+                base = node.module.removeprefix("gpucourse").lstrip(".")
+            else:
+                continue
+            for alias in node.names:
+                full = f"{base}.{alias.name}" if base else alias.name
+                if full in MODULES:  # a submodule imported by name
+                    out.append((full, "", node.lineno))
+                else:
+                    out.append((_resolve(base), alias.name, node.lineno))
+    return [(t, n, line) for t, n, line in out if t is not None and t != module]
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def _layer(module: str, layers) -> bool:
+    return module.split(".")[0] in layers
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w, _, _ in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(GRAPH):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_the_graph_was_read():
+    # A parser that found nothing would pass every test below.
+    assert len(MODULES) > 40
+    assert {"parallel", "checkpoint", "config"} <= {t for t, _, _ in GRAPH["train"]}
+    assert ("comm", "all_gather_flat", 36) in [(t, n, line) for t, n, line in GRAPH["bandwidth"]]
+
+
+def test_no_import_cycles():
+    cycles = _cycles()
+    detail = []
+    for component in cycles:
+        edges = sorted({f"{m} -> {t} (line {line})" for m in component for t, _, line in GRAPH[m] if t in component})
+        detail.append("; ".join(edges))
+    assert not cycles, "import cycles: " + " | ".join(detail)
+
+
+def test_the_core_never_imports_the_tools():
+    bad = [f"gpucourse.{m} imports gpucourse.{t} (line {line})"
+           for m in GRAPH if _layer(m, CORE) for t, _, line in GRAPH[m] if not _layer(t, CORE)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_benchmark_toolkit_imports_nothing_from_the_project():
+    assert GRAPH["bench.readings"] == []
+
+
+def test_no_private_name_is_imported_across_modules():
+    bad = [f"gpucourse.{m} imports {name} from gpucourse.{t} (line {line})"
+           for m in GRAPH for t, name, line in GRAPH[m]
+           if name.startswith("_") and not name.startswith("__")]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_private_name_is_reached_through_another_module():
+    bad = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(), str(path))
+        # Names this module binds to other project modules: ``from . import comm``, ``from .runtime import worker``.
+        bound = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                 for alias in node.names
+                 for target, name, _ in GRAPH[module] if name == "" and target.rsplit(".", 1)[-1] == alias.name}
+        bad += [f"gpucourse.{module} line {node.lineno}: {node.value.id}.{node.attr}" for node in ast.walk(tree)
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                and node.attr.startswith("_") and not node.attr.startswith("__")]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("planted, expected", [
+    ({"a": [("b", "", 1)], "b": [("c", "", 1)], "c": [("a", "", 1)]}, [["a", "b", "c"]]),
+    ({"a": [("b", "", 1)], "b": [], "c": [("b", "", 1)]}, []),
+])
+def test_the_cycle_finder_finds_a_planted_cycle(monkeypatch, planted, expected):
+    monkeypatch.setattr(sys.modules[__name__], "GRAPH", planted)
+    assert _cycles() == expected
