@@ -116,7 +116,8 @@ def read_meta(path: str | os.PathLike) -> dict:
 
 def _differences(saved: dict, cfg: TrainConfig) -> list[str]:
     now = cfg.to_dict()
-    return [k for k in now if k not in RUN_OPTIONS and saved.get(k) != now[k]]
+    default = TrainConfig().to_dict()  # a field newer than the checkpoint had its default then
+    return [k for k in now if k not in RUN_OPTIONS and saved.get(k, default[k]) != now[k]]
 
 
 def find_resume(cfg: TrainConfig) -> str | None:

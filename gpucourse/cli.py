@@ -133,7 +133,7 @@ def cmd_train(args) -> int:
         if path:
             _check_writable(path, flag)
     if in_place():
-        check_in_place_world(cfg.world_size, "dp × tp × pp")
+        check_in_place_world(cfg.world_size, "pp × dp × cp × tp")
     else:
         cfg.validate_on(plan_device(cfg.device, cfg.world_size).device)
     analysis = _profile_options(args, cfg)

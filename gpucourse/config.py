@@ -1,6 +1,6 @@
 """One run, described by one plain dataclass.
 
-A run is a *layout* (dp · tp · pp ranks) plus the usual training knobs. The same
+A run is a *layout* (pp · dp · cp · tp ranks) plus the usual training knobs. The same
 config drives a notebook cell, the ``gpucourse train`` command and the grader, and
 :meth:`TrainConfig.validate` refuses a bad one *before* any process starts, with
 one sentence that names the broken constraint.
@@ -46,6 +46,12 @@ SUPPORTED = [
     ("dp×pp", "scratch", "hybrid on one DeviceMesh", dict(dp=2, pp=2, microbatches=2)),
     ("tp×pp", "scratch", "hybrid on one DeviceMesh", dict(tp=2, pp=2, microbatches=2)),
     ("dp×tp×pp", "scratch", "hybrid on one DeviceMesh", dict(dp=2, tp=2, pp=2, microbatches=2)),
+    ("dp×tp×pp", "scratch", "bucketed all-reduce over each stage's tensor-parallel slices",
+     dict(dp=2, tp=2, pp=2, microbatches=2, bucket_mb=1)),
+    ("zero1×tp", "scratch", "ZeRO-1 over the replicas of each tensor-parallel slice", dict(dp=2, tp=2, zero=1)),
+    ("zero2×pp", "scratch", "ZeRO-2 over the replicas of each pipeline stage",
+     dict(dp=2, pp=2, microbatches=2, zero=2)),
+    ("zero1×tp×pp", "scratch", "ZeRO-1 on the 3-D mesh", dict(dp=2, tp=2, pp=2, microbatches=2, zero=1)),
 ]
 
 
@@ -63,6 +69,7 @@ class TrainConfig:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallel: the mesh keeps its place (pp, dp, cp, tp); this build runs cp=1
     zero: int = 0
     schedule: str = "1f1b"
     microbatches: int = 1
@@ -90,7 +97,7 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def microbatch_size(self) -> int:
@@ -99,7 +106,7 @@ class TrainConfig:
 
     def layout(self) -> str:
         """A short name for the layout, e.g. ``dp2`` or ``single``."""
-        parts = [f"{k}{v}" for k, v in (("dp", self.dp), ("tp", self.tp), ("pp", self.pp)) if v > 1]
+        parts = [f"{k}{v}" for k, v in (("dp", self.dp), ("cp", self.cp), ("tp", self.tp), ("pp", self.pp)) if v > 1]
         return "×".join(parts) or "single"
 
     def model_config(self) -> GPTConfig:
@@ -121,10 +128,13 @@ class TrainConfig:
         ``runnable=False`` checks only that the layout makes sense (for estimates
         on paper), not that this build can train it.
         """
-        for name in ("dp", "tp", "pp", "grad_accum", "microbatches", "steps", "batch_size", "seq_len"):
+        for name in ("dp", "tp", "pp", "cp", "grad_accum", "microbatches", "steps", "batch_size", "seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a whole number of at least 1.")
+        if self.cp > 1:
+            raise ConfigError(f"cp={self.cp}: context parallelism is not in this build yet; use cp=1 "
+                              f"(the mesh keeps its place: pp, dp, cp, tp).")
         if self.model not in MODELS:
             raise ConfigError(f"model={self.model!r} is not one of {', '.join(MODELS)}.")
         if self.impl not in IMPLS:
@@ -175,9 +185,9 @@ class TrainConfig:
         if self.bucket_mb is not None:
             if not self.bucket_mb > 0:
                 raise ConfigError(f"bucket_mb={self.bucket_mb} must be a positive number of megabytes.")
-            if self.dp == 1 or self.zero or self.tp > 1 or self.pp > 1 or self.impl == "accelerate":
+            if self.dp == 1 or self.zero or self.impl == "accelerate":
                 raise ConfigError("bucket_mb sets the gradient buckets of plain data parallelism "
-                                  "(dp > 1, zero=0, tp=1, pp=1, impl scratch or torch).")
+                                  "(dp > 1, zero=0, impl scratch or torch).")
         if runnable:
             self._check_supported()
         return self
@@ -190,8 +200,12 @@ class TrainConfig:
                               f"layouts in this build, not {self.kind()} with impl={self.impl!r}.")
         if self.master_weights and self.impl == "torch" and self.zero:
             raise ConfigError("master_weights with impl='torch' is offered for DDP only (zero=0).")
-        if self.zero and (self.tp > 1 or self.pp > 1):
-            raise ConfigError(f"zero={self.zero} combines only with data parallelism (tp=1, pp=1) in this build.")
+        if self.zero and self.impl != "scratch" and (self.tp > 1 or self.pp > 1):
+            raise ConfigError(f"zero={self.zero} with impl={self.impl!r} combines only with data parallelism "
+                              f"(tp=1, pp=1) in this build; impl='scratch' runs it with tp and pp.")
+        if self.zero and (self.tp > 1 or self.pp > 1) and (self.save or self.resume):
+            raise ConfigError(f"checkpoints of zero={self.zero} with tp or pp are not written in this build "
+                              f"(each rank's flat shard would need its tp and pp place); save without zero.")
         if self.impl == "scratch" and self.zero == 3:
             raise ConfigError("zero=3 is not written from scratch in this build; use impl='torch' (FSDP2).")
         if self.impl == "torch":
@@ -218,9 +232,9 @@ class TrainConfig:
 
     def kind(self) -> str:
         """The layout's name in the ``--list`` table (``single``, ``dp``, ``zero1``, ``dp×tp``...)."""
-        if self.zero:
-            return f"zero{self.zero}"
         names = [n for n, d in (("dp", self.dp), ("tp", self.tp), ("pp", self.pp)) if d > 1]
+        if self.zero:
+            names = [f"zero{self.zero}"] + [n for n in names if n != "dp"]
         return "×".join(names) or "single"
 
 

@@ -146,10 +146,11 @@ def estimate(cfg: TrainConfig) -> dict:
                               scratch_padding=cfg.impl == "scratch")
         mem["activations"] = _activation_bytes(cfg, mc, stage, held[stage])
         per_stage.append((n, mem))
-    per_rank = {r: dict(per_stage[r // (cfg.dp * cfg.tp)][1]) for r in range(cfg.world_size)}
+    stage_ranks = cfg.world_size // cfg.pp  # the mesh is (pp, dp, cp, tp): each stage's ranks are contiguous
+    per_rank = {r: dict(per_stage[r // stage_ranks][1]) for r in range(cfg.world_size)}
     worst = max(per_rank.values(), key=lambda m: sum(m.values()))
     return {"config": cfg.to_dict(), "num_params": num_params(mc),
-            "params_per_rank": {r: per_stage[r // (cfg.dp * cfg.tp)][0] for r in range(cfg.world_size)},
+            "params_per_rank": {r: per_stage[r // stage_ranks][0] for r in range(cfg.world_size)},
             "per_rank": per_rank, "max": worst, "max_total": sum(worst.values())}
 
 
@@ -193,7 +194,7 @@ def format_estimate(est: dict) -> str:
              f"{', checkpointed' if cfg.checkpoint_activations else ''})"]
     header = f"  {'ranks':<10}" + "".join(f"{c:>14}" for c in CATEGORIES) + f"{'total':>14}"
     lines.append(header)
-    group = cfg.dp * cfg.tp
+    group = cfg.world_size // cfg.pp
     for stage in range(cfg.pp):
         mem = est["per_rank"][stage * group]
         label = f"{stage * group}-{stage * group + group - 1}" if group > 1 else str(stage)

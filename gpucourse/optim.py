@@ -26,12 +26,16 @@ def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
 
 
 class MasterWeightsAdamW:
-    """AdamW on fp32 master copies of half-precision parameters (see ``parallel/precision.py``)."""
+    """AdamW (or the optimizer ``make`` builds) on fp32 master copies of half-precision parameters.
 
-    def __init__(self, params, lr: float):
+    See ``parallel/precision.py`` for why: the update is computed and kept in
+    fp32, and only its rounded result is written back to the model.
+    """
+
+    def __init__(self, params, lr: float, make=make_optimizer):
         self.params = [p for p in params if p.requires_grad]
         self.masters = [p.detach().float().clone() for p in self.params]
-        self.inner = make_optimizer(self.masters, lr)
+        self.inner = make(self.masters, lr)
 
     def step(self) -> None:
         for p, master in zip(self.params, self.masters):

@@ -53,11 +53,18 @@ def check_finite(loss: float, step: int, rank: int, model: torch.nn.Module | Non
     raise NonFiniteLoss(f"loss is {loss} at step {step} on rank {rank}{where}")
 
 
+MESH_DIMS = ("pp", "dp", "cp", "tp")  # outermost to innermost
+
+
 def build_mesh(cfg: TrainConfig, device: torch.device):
-    """One DeviceMesh for the layout: dims (pp, dp, tp), tensor-parallel ranks adjacent."""
+    """One DeviceMesh for the layout: dims (pp, dp, cp, tp), tensor-parallel ranks adjacent.
+
+    Every strategy gets its 1-D slice of it (``mesh["dp"]``); a dimension of size 1 is a
+    group of one rank, so every layout has every dimension.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device.type, (cfg.pp, cfg.dp, cfg.tp), mesh_dim_names=("pp", "dp", "tp"))
+    return init_device_mesh(device.type, tuple(getattr(cfg, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
 
 
 def train_worker(cfg_dict: dict, export_path: str | None = None) -> dict:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from gpucourse.measure import Recorder
 from gpucourse.runtime import current
 
 VOCAB, WIDTH = 16, 8
@@ -43,8 +42,24 @@ def batch(step: int):
     return x, (x * 3 + 1) % VOCAB
 
 
-def train(strategy: str, steps: int = 4, **kw) -> dict:
-    """Train the awkward model with ``strategy`` on this rank's share; return the final weights."""
+# A learner's own optimizers: any torch.optim.Optimizer class with its keyword arguments.
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"momentum": 0.9}),
+    "adamw": (torch.optim.AdamW, {"betas": (0.9, 0.99), "weight_decay": 0.1}),
+}
+
+
+def train_each(strategies: list[str], optimizers: list[str], steps: int = 4) -> dict:
+    """Every strategy with every optimizer, in one launch: ``{"strategy optimizer": final weights}``."""
+    return {f"{s} {o}": train(s, steps, optimizer=o) for s in strategies for o in optimizers}
+
+
+def train(strategy: str, steps: int = 4, optimizer: str | None = None, **kw) -> dict:
+    """Train the awkward model with ``strategy`` on this rank's share; return the final weights.
+
+    No Recorder is given: a strategy records nothing unless asked. ``optimizer``
+    names one of :data:`OPTIMIZERS` (the course's AdamW when None).
+    """
     import torch.distributed as dist
 
     from gpucourse.parallel.data_parallel import DataParallelScratch
@@ -54,14 +69,17 @@ def train(strategy: str, steps: int = 4, **kw) -> dict:
 
     model = make_model()
     rank, world = (current().rank, dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    rec = Recorder(rank, torch.device("cpu"))
     group = dist.group.WORLD if dist.is_initialized() else None
+    opt = {}
+    if optimizer is not None:
+        opt = {"optimizer_class": OPTIMIZERS[optimizer][0], "optimizer_kwargs": OPTIMIZERS[optimizer][1]}
     trainer = {
-        "single": lambda: Trainer(model, 0.05, 1, rec),
-        "dp": lambda: DataParallelScratch(model, 0.05, 1, rec, group),
-        "buckets": lambda: BucketedDataParallel(model, 0.05, 1, rec, group, bucket_mb=kw.get("bucket_mb", 1e-4)),
-        "zero1": lambda: ZeroScratch(model, 0.05, 1, rec, group, stage=1),
-        "zero2": lambda: ZeroScratch(model, 0.05, 1, rec, group, stage=2),
+        "single": lambda: Trainer(model, 0.05, **opt),
+        "dp": lambda: DataParallelScratch(model, 0.05, 1, None, group, **opt),
+        "buckets": lambda: BucketedDataParallel(model, 0.05, 1, None, group, bucket_mb=kw.get("bucket_mb", 1e-4),
+                                                **opt),
+        "zero1": lambda: ZeroScratch(model, 0.05, 1, None, group, stage=1, **opt),
+        "zero2": lambda: ZeroScratch(model, 0.05, 1, None, group, stage=2, **opt),
     }[strategy]()
     for step in range(steps):
         x, y = batch(step)

@@ -16,7 +16,8 @@ from gpucourse import cli
     (dict(pp=2, grad_accum=2, microbatches=2), "set grad_accum=1"),
     (dict(dp=2, zero=3), "zero=3 is not written from scratch"),
     (dict(dp=2, zero=2, impl="accelerate"), "offers DDP (zero=0) and FSDP (zero=3)"),
-    (dict(tp=2, zero=1, dp=2), "combines only with data parallelism"),
+    (dict(tp=2, zero=2, dp=2, impl="torch"), "combines only with data parallelism"),
+    (dict(tp=2, zero=1, dp=2, save="ckpt"), "checkpoints of zero=1 with tp or pp are not written"),
     (dict(dp=2, tp=2, impl="torch"), "runs with impl='scratch' only"),
     (dict(pp=2, schedule="naive", microbatches=2, impl="torch"), "no 'naive' schedule"),
     (dict(pp=4, microbatches=2, impl="torch"), "Schedule1F1B needs microbatches >= pp"),
@@ -27,6 +28,8 @@ from gpucourse import cli
     (dict(zero=4), "must be a ZeRO stage"),
     (dict(schedule="zigzag"), "is not one of naive, gpipe, 1f1b"),
     (dict(seq_len=4096), "is longer than model 'tiny'"),
+    (dict(cp=2, dp=2), "cp=2: context parallelism is not in this build yet"),
+    (dict(cp=0), "cp=0 must be a whole number of at least 1"),
 ], ids=lambda v: str(v) if isinstance(v, dict) else "")
 def test_refused_with_one_sentence(kw, says):
     with pytest.raises(ConfigError) as info:
@@ -67,3 +70,21 @@ def test_memory_plan_and_batch_size_commands_run(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "largest microbatch" in out and "global batch = microbatch" in out and "layouts fit" in out
     assert (tmp_path / "m.json").exists()
+
+
+def test_the_world_is_the_product_of_all_four_mesh_dimensions():
+    from gpucourse.train import MESH_DIMS
+
+    assert MESH_DIMS == ("pp", "dp", "cp", "tp")
+    assert TrainConfig(pp=2, dp=3, tp=2).world_size == 12 and TrainConfig(cp=2, dp=2).world_size == 4
+    assert TrainConfig().layout() == "single" and TrainConfig(dp=2, cp=2).layout() == "dp2×cp2"
+
+
+def test_a_checkpoint_written_before_a_field_existed_still_matches(tmp_path):
+    from gpucourse import checkpoint
+
+    cfg = TrainConfig(dp=2)
+    saved = cfg.to_dict()
+    del saved["cp"]  # what a checkpoint written before the mesh had cp says
+    assert checkpoint._differences(saved, cfg) == []
+    assert checkpoint._differences({**saved, "dp": 4}, cfg) == ["dp"]

@@ -16,6 +16,7 @@ hundred bytes on the first step only.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import pytest
@@ -38,6 +39,11 @@ LAYOUTS = {
     "dp2×pp2-1f1b": dict(dp=2, pp=2, schedule="1f1b", microbatches=4),
     "tp2×pp2-1f1b": dict(tp=2, pp=2, schedule="1f1b", microbatches=4),
     "dp2×tp2×pp2-1f1b": dict(dp=2, tp=2, pp=2, schedule="1f1b", microbatches=2),
+    # Any data-parallel kind runs over a stage's replicas: the schedule is only the trainer's loop.
+    "dp2×pp2-1f1b-zero1": dict(dp=2, pp=2, schedule="1f1b", microbatches=2, zero=1),
+    "dp2×pp2-gpipe-zero2": dict(dp=2, pp=2, schedule="gpipe", microbatches=2, zero=2),
+    "dp2×pp2-1f1b-buckets": dict(dp=2, pp=2, schedule="1f1b", microbatches=2, bucket_mb=0.02),
+    "dp2×tp2×pp2-1f1b-zero1": dict(dp=2, tp=2, pp=2, schedule="1f1b", microbatches=2, zero=1),
 }
 
 _RUNS: dict = {}
@@ -93,9 +99,16 @@ def test_moves_one_activation_and_one_gradient_per_microbatch_and_boundary(name,
         per_step = per_step[1:]
     assert set(per_step) == {expected}
     assert set(_per_step(result, "recv")) <= {0}, "a transfer is counted once, by its sender"
-    if cfg.dp > 1 and cfg.tp == 1:  # and every stage's gradients are averaged over dp, once per step
+    if cfg.dp > 1 and cfg.tp == 1 and not cfg.zero:  # every stage's gradients averaged over dp, once per step
         n_params = build_model(mc, 0).num_params()
         assert set(_per_step(result, "all_reduce")) == {cfg.dp * n_params * 4}
+    if cfg.zero and cfg.tp == 1:  # ZeRO over each stage's replicas: its own flat buffer, padded to dp shards
+        stage_params = [sum(p.numel() for p in GPTStage(build_model(mc, 0), s, cfg.pp).parameters())
+                        for s in range(cfg.pp)]
+        padded = sum(math.ceil(n / cfg.dp) * cfg.dp for n in stage_params)
+        sync = "all_reduce" if cfg.zero == 1 else "reduce_scatter"
+        assert set(_per_step(result, sync)) == {cfg.dp * padded * 4}
+        assert set(_per_step(result, "all_gather")) == {cfg.dp * padded * 4}
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -14,8 +14,9 @@ import gpucourse
 from gpucourse import ConfigError, TrainConfig, data
 from gpucourse.measure import Recorder
 from gpucourse.model import build_model
+from gpucourse.parallel import parallelize
 from gpucourse.parallel.tensor_parallel import (ColumnParallelLinear, CopyToTensorParallel, ReduceFromTensorParallel,
-                                                RowParallelLinear, make_tensor_parallel_trainer)
+                                                RowParallelLinear)
 from gpucourse.train import build_mesh
 
 TP = 2
@@ -92,7 +93,7 @@ def replicated_worker(cfg_dict: dict) -> float:
     ctx = gpucourse.current()
     mesh = build_mesh(cfg, ctx.device)
     model = build_model(cfg.model_config(), cfg.seed)
-    trainer = make_tensor_parallel_trainer(model, mesh, cfg, Recorder(ctx.rank, ctx.device), ctx.device)
+    trainer = parallelize(model, mesh, cfg, Recorder(ctx.rank, ctx.device), ctx.device)
     for step in range(cfg.steps):
         trainer.step(*data.rank_batch(step, cfg.batch_size, cfg.seq_len, cfg.seed, 0, 1))
     sharded = [p for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
@@ -127,8 +128,10 @@ def train(tmp_path_factory, **layout):
     return _RUNS[key]
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, impl="torch"), dict(tp=4), dict(dp=2, tp=2)],
-                         ids=["tp2-scratch", "tp2-torch", "tp4-scratch", "dp2xtp2-scratch"])
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, impl="torch"), dict(tp=4), dict(dp=2, tp=2),
+                                    dict(dp=2, tp=2, zero=1), dict(dp=2, tp=2, zero=2), dict(dp=2, tp=2, bucket_mb=0.02)],
+                         ids=["tp2-scratch", "tp2-torch", "tp4-scratch", "dp2xtp2-scratch", "dp2xtp2-zero1",
+                              "dp2xtp2-zero2", "dp2xtp2-buckets"])
 def test_tensor_parallel_equals_single_device(tmp_path_factory, layout):
     single, single_weights = train(tmp_path_factory)
     result, weights = train(tmp_path_factory, **layout)

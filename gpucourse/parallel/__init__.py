@@ -1,12 +1,22 @@
 """Parallel strategies, one file per technique, each a lesson to read top to bottom.
 
-:func:`parallelize` is the one place that maps a config to a trainer: it takes
-the plain model and the device mesh and returns the trainer for that layout, in
-torchtitan's order — tensor parallel inside each stage, the pipeline split
-across stages, data parallelism (or ZeRO) across replicas.
+:func:`parallelize` is the one place that reads the config. It applies the
+strategies to the plain model in one fixed order, as torchtitan's
+``parallelize_llama`` does, each given only its own slice of the device mesh:
+
+    pipeline split (pp)  →  tensor parallel (tp)  →  context parallel (cp, kept for it)
+      →  activation checkpointing  →  data parallel / ZeRO / FSDP (dp)  →  precision  →  optimizer
+
+A pipeline split replaces the model by this rank's stage and the trainer's
+loop by the stage's schedule; tensor parallelism swaps layers inside the
+blocks; data parallelism decides how gradients are synchronised and what the
+optimizer step holds. So any data-parallel kind runs on a stage or on a
+tensor-parallel slice, without a class written for the combination.
 """
 
 from __future__ import annotations
+
+import functools
 
 from ..config import TrainConfig
 from ..measure import Recorder
@@ -15,33 +25,70 @@ from .precision import Precision
 from .single import Trainer
 
 
-def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder, device) -> Trainer:
-    """The trainer for ``cfg``'s layout, wrapping ``model`` on ``mesh`` (dims pp, dp, tp)."""
-    dp_group = mesh["dp"].get_group()
+def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, device=None) -> Trainer:
+    """The trainer for ``cfg``'s layout: ``model`` transformed by each strategy in turn, on ``mesh`` (pp, dp, cp, tp)."""
+    device = device or next(model.parameters()).device
+    rec = rec if rec is not None else Recorder(0, device, enabled=False)
     precision = Precision(cfg.precision, cfg.master_weights, device.type)
     if precision.master_weights:
         model.to(precision.dtype)  # the model itself in half precision; the optimizer keeps fp32 masters
+    if cfg.impl == "accelerate":  # Accelerate prepares the whole model itself (data parallel only)
+        from .accelerate_dp import AccelerateTrainer
+        if cfg.checkpoint_activations:
+            checkpoint_blocks(model)
+        return AccelerateTrainer(model, cfg, rec)
+
+    # How this rank's weights become the whole model's: undone in reverse order
+    # (tensor-parallel shards made whole first, then the pipeline's stages merged).
+    gathers, loop, extras = [], None, {}
+    if cfg.pp > 1:
+        from .pipeline import GPTStage, merge_stages, pipeline_extras
+        model = GPTStage(model, mesh["pp"].get_local_rank(), cfg.pp)
+        gathers.append(functools.partial(merge_stages, mesh["pp"].get_group()))
+        extras = pipeline_extras(mesh, cfg.schedule, cfg.microbatches)
+    if cfg.tp > 1:
+        from . import tensor_parallel
+        if cfg.impl == "torch":
+            tensor_parallel.apply_dtensor_parallel(model, mesh["tp"])  # DTensors gather themselves
+        else:
+            tensor_parallel.apply_tensor_parallel(model, mesh["tp"].get_group())
+            gathers.insert(0, functools.partial(tensor_parallel.gather_shards, model, mesh["tp"].get_group()))
+    # cp: context parallelism keeps its place here; this build runs cp = 1.
     if cfg.checkpoint_activations:
         checkpoint_blocks(model)
     if cfg.pp > 1:
-        from .pipeline import make_pipeline_trainer
-        return make_pipeline_trainer(model, mesh, cfg, rec, device)
-    if cfg.tp > 1:
-        from .tensor_parallel import make_tensor_parallel_trainer
-        return make_tensor_parallel_trainer(model, mesh, cfg, rec, device)
-    if cfg.impl == "accelerate":
-        from .accelerate_dp import AccelerateTrainer
-        return AccelerateTrainer(model, cfg, rec)
-    if cfg.zero:
-        from .zero import make_zero_trainer
-        return make_zero_trainer(model, mesh, cfg, rec, device, precision)
-    if cfg.dp > 1:
-        from .data_parallel import DataParallelScratch, TorchDDP
+        from .pipeline import PipelineSchedule, TorchPipelineSchedule
         if cfg.impl == "torch":
-            return TorchDDP(model, cfg.lr, cfg.grad_accum, rec, dp_group, device, bucket_mb=cfg.bucket_mb,
-                            precision=precision)
+            loop = TorchPipelineSchedule(model, mesh["pp"].get_group(), cfg.schedule, cfg.microbatches, device, rec)
+        else:
+            loop = PipelineSchedule(mesh["pp"].get_group(), cfg.schedule, cfg.microbatches,
+                                    cfg.model_config().n_embd)
+    trainer = _data_parallel(model, mesh, cfg, rec, device, precision, loop=loop, gathers=gathers)
+    trainer.extras.update(extras)
+    return trainer
+
+
+def _data_parallel(model, mesh, cfg: TrainConfig, rec, device, precision, **options) -> Trainer:
+    """The trainer that synchronises ``model``'s gradients over the dp slice of the mesh (and steps the optimizer)."""
+    group = mesh["dp"].get_group()
+    if cfg.zero:
+        if cfg.impl == "scratch":
+            from .zero import ZeroScratch
+            return ZeroScratch(model, cfg.lr, cfg.grad_accum, rec, group, cfg.zero, precision=precision, **options)
+        if cfg.zero == 1:
+            from .zero import TorchZero1
+            return TorchZero1(model, cfg.lr, cfg.grad_accum, rec, group, device, **options)
+        from .zero import TorchFSDP
+        return TorchFSDP(model, cfg.lr, cfg.grad_accum, rec, mesh["dp"], cfg.zero, **options)
+    if cfg.dp > 1:
+        if cfg.impl == "torch":
+            from .data_parallel import TorchDDP
+            return TorchDDP(model, cfg.lr, cfg.grad_accum, rec, group, device, bucket_mb=cfg.bucket_mb,
+                            precision=precision, **options)
         if cfg.bucket_mb is not None:
             from .data_parallel_buckets import BucketedDataParallel
-            return BucketedDataParallel(model, cfg.lr, cfg.grad_accum, rec, dp_group, cfg.bucket_mb, precision)
-        return DataParallelScratch(model, cfg.lr, cfg.grad_accum, rec, dp_group, precision)
-    return Trainer(model, cfg.lr, cfg.grad_accum, rec, precision=precision)
+            return BucketedDataParallel(model, cfg.lr, cfg.grad_accum, rec, group, cfg.bucket_mb, precision,
+                                        **options)
+        from .data_parallel import DataParallelScratch
+        return DataParallelScratch(model, cfg.lr, cfg.grad_accum, rec, group, precision, **options)
+    return Trainer(model, cfg.lr, cfg.grad_accum, rec, precision=precision, **options)

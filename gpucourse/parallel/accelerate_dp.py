@@ -53,7 +53,6 @@ class AccelerateTrainer(Trainer):
         self.grad_accum = cfg.grad_accum
         optimizer = make_optimizer(model.parameters(), cfg.lr)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
-        self.grad_sync = None
         self.precision = Precision()  # fp32: Accelerate's own mixed precision is not used here
         self.memory = {}
         self.extras = {"accelerate": {"distributed_type": str(self.accelerator.distributed_type),

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from .single import Trainer, cpu_state_dict
+from .single import Trainer
 
 
 def broadcast_parameters(model: torch.nn.Module, group) -> None:
@@ -53,10 +53,10 @@ def allreduce_gradients(module: torch.nn.Module, group) -> None:
 class DataParallelScratch(Trainer):
     """Data parallel from scratch: one blocking all-reduce per gradient after backward."""
 
-    def __init__(self, model, lr, grad_accum, rec, group, precision=None):
+    def __init__(self, model, lr, grad_accum, rec, group, precision=None, **options):
         self.group = group
         broadcast_parameters(model, group)
-        super().__init__(model, lr, grad_accum, rec, precision=precision)
+        super().__init__(model, lr, grad_accum, rec, precision=precision, **options)
 
     def sync_gradients(self) -> None:
         allreduce_gradients(self.model, self.group)
@@ -65,20 +65,21 @@ class DataParallelScratch(Trainer):
 class TorchDDP(Trainer):
     """``DistributedDataParallel``: bucketed all-reduce overlapped with backward."""
 
-    def __init__(self, model, lr, grad_accum, rec, group, device, bucket_mb: float | None = None, precision=None):
+    def __init__(self, model, lr, grad_accum, rec, group, device, bucket_mb: float | None = None, precision=None,
+                 **options):
         self.group = group
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, process_group=group, device_ids=[device.index] if device.type == "cuda" else None,
             bucket_cap_mb=25 if bucket_mb is None else bucket_mb)
         ddp.register_comm_hook(state=(rec, group), hook=_recording_allreduce_hook)
-        super().__init__(ddp, lr, grad_accum, rec, precision=precision)
+        super().__init__(ddp, lr, grad_accum, rec, precision=precision, **options)
 
     def accumulating(self, last: bool):
         # Only the last microbatch's backward communicates; the others accumulate locally.
         return contextlib.nullcontext() if last else self.model.no_sync()
 
-    def full_state_dict(self) -> dict:
-        return cpu_state_dict(self.model.module.state_dict())
+    def local_state_dict(self) -> dict:
+        return self.model.module.state_dict()  # without DDP's "module." in the names
 
 
 def _recording_allreduce_hook(state, bucket):

@@ -87,11 +87,11 @@ class _Bucket:
 class BucketedDataParallel(Trainer):
     """Data parallel with gradient buckets all-reduced during backward."""
 
-    def __init__(self, model, lr, grad_accum, rec, group, bucket_mb: float, precision=None):
+    def __init__(self, model, lr, grad_accum, rec, group, bucket_mb: float, precision=None, **options):
         self.group = group
         self.dp = dist.get_world_size(group)
         broadcast_parameters(model, group)
-        super().__init__(model, lr, grad_accum, rec, precision=precision)
+        super().__init__(model, lr, grad_accum, rec, precision=precision, **options)
         ready_order = [p for p in reversed(list(model.parameters())) if p.requires_grad]
         cap = max(1, int(bucket_mb * 2**20))
         self.buckets = [_Bucket(i, ps) for i, ps in enumerate(assign_buckets(ready_order, cap))]
@@ -100,7 +100,7 @@ class BucketedDataParallel(Trainer):
         for p in ready_order:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         name_of = {p: n for n, p in model.named_parameters()}
-        self.extras = {"buckets": [[name_of[p] for p in b.params] for b in self.buckets]}
+        self.extras["buckets"] = [[name_of[p] for p in b.params] for b in self.buckets]
 
     def _grad_ready(self, p: torch.nn.Parameter) -> None:
         # Called by autograd when p.grad holds this backward's full gradient.
@@ -128,11 +128,17 @@ class BucketedDataParallel(Trainer):
     def sync_gradients(self) -> None:
         for bucket in self.buckets:
             if bucket.pending is None:
-                # Some parameter got no gradient this step: send what we have (zeros for it).
+                # Some parameter got no gradient in the last backward: send what it holds
+                # (earlier microbatches' sum, or zeros if it got none at all).
+                for p in bucket.params:
+                    if p not in bucket.ready and p.grad is not None:
+                        bucket.put(p)
                 self._launch(bucket)
         for bucket in self.buckets:
             bucket.pending.wait()
             bucket.buffer /= self.dp
             for p in bucket.params:
-                p.grad = bucket.view(p).clone()
+                # A parameter with no gradient keeps none, as on one device, where the optimizer skips
+                # it (weight decay included). Like DDP, this assumes it got none on any rank.
+                p.grad = None if p.grad is None else bucket.view(p).clone()
             bucket.reset()

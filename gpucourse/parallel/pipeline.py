@@ -6,7 +6,7 @@ into ``m`` microbatches. A microbatch's forward runs stage after stage, each
 sending its output activation (microbatch × seq_len × n_embd) to the next; its
 backward runs the other way, each stage sending the gradient of its input back.
 In *what order* each stage does its forwards, backwards, sends and receives is
-the schedule — plain data from ``schedules.py`` that :class:`PipelineScratch`
+the schedule — plain data from ``schedules.py`` that :class:`PipelineSchedule`
 executes op by op:
 
     RECV_F i   receive microbatch i's activation from the previous stage
@@ -23,9 +23,10 @@ finds that before anything runs). Every activation has the known shape
 
 Every stage adds the gradients of its m microbatches (each loss divided by m),
 so after the schedule each stage holds exactly the single-device gradient of its
-own parameters; the optimizer step is the usual one, per stage. With dp > 1 each
-stage then averages its gradients over its data-parallel group; with tp > 1 the
-stage's blocks are also split between tp ranks (``tensor_parallel.py``).
+own parameters; the optimizer step is the usual one, per stage. The schedule is
+only the trainer's loop: whatever data parallelism the trainer does (all-reduce,
+buckets, ZeRO) then runs over the stage's own data-parallel group, and with
+tp > 1 the stage's blocks are also split between tp ranks (``tensor_parallel.py``).
 
 Communication per optimizer step, each pipeline (fp32, 4 bytes a number; B is
 the global batch, so B/dp/m sequences a microbatch):
@@ -51,7 +52,6 @@ import torch.nn as nn
 
 from .. import comm
 from ..model import GPT, blocks_of, loss_fn
-from .data_parallel import allreduce_gradients, broadcast_parameters
 from .schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, build
 from .single import Trainer, cpu_state_dict
 
@@ -95,39 +95,38 @@ class GPTStage(nn.Module):
         return GPT.logits(self, x) if self.last else x
 
 
-class PipelineScratch(Trainer):
-    """Executes one stage's op list from ``schedules.py`` each step, then the optimizer step."""
+class PipelineSchedule:
+    """One stage's op list from ``schedules.py``, executed op by op: the loop of a pipeline-parallel trainer.
 
-    def __init__(self, stage_module: GPTStage, cfg, mesh, rec, device, tp_group=None):
-        self.pp_group = mesh["pp"].get_group()
-        self.stage, self.m = mesh["pp"].get_local_rank(), cfg.microbatches
+    A trainer calls it in place of the microbatch loop (``Trainer(..., loop=...)``);
+    its data-parallel sync and optimizer step then run on this stage's gradients.
+    """
+
+    def __init__(self, pp_group, schedule: str, microbatches: int, hidden: int):
+        self.pp_group = pp_group
+        self.stage, pp, self.m = dist.get_rank(pp_group), dist.get_world_size(pp_group), microbatches
         # Neighbours as global ranks: the same dp and tp index, one stage up or down.
-        self.prev = dist.get_global_rank(self.pp_group, self.stage - 1) if self.stage > 0 else None
-        self.next = dist.get_global_rank(self.pp_group, self.stage + 1) if self.stage < cfg.pp - 1 else None
-        self.ops = build(cfg.schedule, cfg.pp, cfg.microbatches)[self.stage]
-        # Every activation has the same, known shape: no shape exchange is needed.
-        mc = cfg.model_config()
-        self.shape = (cfg.batch_size // cfg.dp // cfg.microbatches, cfg.seq_len, mc.n_embd)
-        self.device = device
-        self.tp_group = tp_group
-        if tp_group is not None:
-            from .tensor_parallel import apply_tensor_parallel
-            apply_tensor_parallel(stage_module, tp_group)
-        super().__init__(stage_module, cfg.lr, 1, rec, grad_sync=_dp_sync(stage_module, mesh, cfg))
-        self.extras = _extras(cfg, mesh)
+        self.prev = dist.get_global_rank(pp_group, self.stage - 1) if self.stage > 0 else None
+        self.next = dist.get_global_rank(pp_group, self.stage + 1) if self.stage < pp - 1 else None
+        self.ops = build(schedule, pp, microbatches)[self.stage]
+        self.last_backward = max(i for i, op in enumerate(self.ops) if op.kind == B)
+        self.hidden = hidden
 
-    def step(self, x: torch.Tensor, y: torch.Tensor):
-        """One optimizer step; returns the loss on the last stage, None on the others."""
+    def __call__(self, trainer: Trainer, x: torch.Tensor, y: torch.Tensor):
+        """This stage's part of one step; returns the loss on the last stage, None on the others."""
+        model, rec = trainer.model, trainer.rec
         xs, ys = x.chunk(self.m), y.chunk(self.m)
+        # Every activation has the same, known shape: no shape exchange is needed.
+        shape = (xs[0].shape[0], x.shape[1], self.hidden)
         inputs, outputs, grads = {}, {}, {}  # per microbatch: received input, output (or loss), output grad
         loss = torch.zeros((), device=x.device) if self.next is None else None
-        for op in self.ops:
+        for n, op in enumerate(self.ops):
             i = op.microbatch
             if op.kind == RECV_F:
-                inputs[i] = self._recv(self.prev, f"recv activation {i}").requires_grad_()
+                inputs[i] = self._recv(shape, x.device, self.prev, f"recv activation {i}").requires_grad_()
             elif op.kind == F:
-                with self.rec.span("forward", microbatch=i), self.rec.activations.forward(i):
-                    out = self.model(xs[i] if self.prev is None else inputs[i])
+                with rec.span("forward", microbatch=i), rec.activations.forward(i):
+                    out = model(xs[i] if self.prev is None else inputs[i])
                     if self.next is None:
                         # Each microbatch's mean loss / m: the gradients add up to those of the mean.
                         out = loss_fn(out, ys[i]) / self.m
@@ -136,35 +135,27 @@ class PipelineScratch(Trainer):
             elif op.kind == SEND_F:
                 comm.send(outputs[i].detach(), self.next, group=self.pp_group, name=f"send activation {i}")
             elif op.kind == RECV_B:
-                grads[i] = self._recv(self.next, f"recv gradient {i}")
+                grads[i] = self._recv(shape, x.device, self.next, f"recv gradient {i}")
             elif op.kind == B:
-                with self.rec.span("backward", microbatch=i):
+                # Data parallelism may communicate during the last backward only (its buckets).
+                with trainer.accumulating(last=n == self.last_backward), rec.span("backward", microbatch=i):
                     # pop: once backward has run, this microbatch's activations can be freed.
                     torch.autograd.backward(outputs.pop(i), grads.pop(i, None))
-                self.rec.activations.release(i)
+                rec.activations.release(i)
             elif op.kind == SEND_B:
                 comm.send(inputs.pop(i).grad, self.prev, group=self.pp_group, name=f"send gradient {i}")
-        self.sync_gradients()
-        self.optimizer_step()
         return loss
 
-    def _recv(self, src: int, name: str) -> torch.Tensor:
-        buf = torch.empty(self.shape, device=self.device)
+    def _recv(self, shape, device, src: int, name: str) -> torch.Tensor:
+        buf = torch.empty(shape, device=device)
         comm.recv(buf, src, group=self.pp_group, name=name)
         return buf
 
-    def full_state_dict(self) -> dict:
-        """Every stage's weights, merged, on every rank (collective over the pp and tp groups)."""
-        if self.tp_group is not None:
-            from .tensor_parallel import full_tensor_state
-            local = full_tensor_state(self.model, self.tp_group)
-        else:
-            local = cpu_state_dict(self.model.state_dict())
-        return _merge_stages(local, self.pp_group)
 
-
-class PipelineTorch(Trainer):
+class TorchPipelineSchedule:
     """The same stages under ``torch.distributed.pipelining``: ``PipelineStage`` + ``ScheduleGPipe``/``Schedule1F1B``.
+
+    Like :class:`PipelineSchedule`, it is a trainer's loop.
 
     Loss scaling: the schedule calls ``loss_fn`` on each microbatch (a mean) and,
     with ``scale_grads=True`` (its default), divides the summed gradients by m
@@ -180,30 +171,23 @@ class PipelineTorch(Trainer):
     ``forward_one_chunk`` / ``backward_one_chunk`` are wrapped to record spans.
     """
 
-    def __init__(self, stage_module: GPTStage, cfg, mesh, rec, device):
+    def __init__(self, stage_module: GPTStage, pp_group, schedule: str, microbatches: int, device, rec):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        self.pp_group = mesh["pp"].get_group()
-        stage, self.m = mesh["pp"].get_local_rank(), cfg.microbatches
-        self.first, self.last = stage == 0, stage == cfg.pp - 1
-        self.pipe = PipelineStage(stage_module, stage, cfg.pp, device, group=self.pp_group)
+        stage, pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
+        self.first, self.last = stage == 0, stage == pp - 1
+        self.pipe = PipelineStage(stage_module, stage, pp, device, group=pp_group)
         for name, kind in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward")):
             setattr(self.pipe, name, _spanning(getattr(self.pipe, name), rec, kind))
-        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[cfg.schedule]
-        self.schedule = schedule(self.pipe, n_microbatches=cfg.microbatches, loss_fn=loss_fn, scale_grads=True)
-        super().__init__(stage_module, cfg.lr, 1, rec, grad_sync=_dp_sync(stage_module, mesh, cfg))
-        self.extras = _extras(cfg, mesh)
+        schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        self.schedule = schedule_class(self.pipe, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor):
+    def __call__(self, trainer: Trainer, x: torch.Tensor, y: torch.Tensor):
+        """This stage's part of one step; returns the loss on the last stage, None on the others."""
         losses: list[torch.Tensor] = []
         # The first stage feeds tokens, the last compares with targets; the middle ones receive.
         self.schedule.step(*([x] if self.first else []), **({"target": y, "losses": losses} if self.last else {}))
-        self.sync_gradients()
-        self.optimizer_step()
         return torch.stack(losses).mean().detach() if self.last else None
-
-    def full_state_dict(self) -> dict:
-        return _merge_stages(cpu_state_dict(self.model.state_dict()), self.pp_group)
 
 
 def _spanning(method, rec, kind: str):
@@ -215,40 +199,19 @@ def _spanning(method, rec, kind: str):
     return wrapper
 
 
-def _dp_sync(stage_module, mesh, cfg):
-    """With dp > 1: start the stage's replicas equal and average its gradients over dp after each schedule."""
-    if cfg.dp == 1:
-        return None
-    group = mesh["dp"].get_group()
-    broadcast_parameters(stage_module, group)
-    return functools.partial(allreduce_gradients, stage_module, group)
-
-
-def _extras(cfg, mesh) -> dict:
+def pipeline_extras(mesh, schedule: str, microbatches: int) -> dict:
     """What every rank can say about the whole run: each stage's ops, and which stage each rank runs."""
-    ranks = mesh.mesh  # (pp, dp, tp) tensor of global ranks
-    return {"schedule": [[str(op) for op in ops] for ops in build(cfg.schedule, cfg.pp, cfg.microbatches)],
-            "stage_of_rank": {str(int(r)): s for s in range(cfg.pp) for r in ranks[s].flatten()}}
+    ranks = mesh.mesh  # (pp, dp, cp, tp) tensor of global ranks
+    pp = ranks.shape[0]
+    return {"schedule": [[str(op) for op in ops] for ops in build(schedule, pp, microbatches)],
+            "stage_of_rank": {str(int(r)): s for s in range(pp) for r in ranks[s].flatten()}}
 
 
-def _merge_stages(local: dict, pp_group) -> dict:
-    """Every stage's state dict, gathered to every rank and merged in stage order.
+def merge_stages(pp_group, state: dict) -> dict:
+    """Every stage's state dict, gathered to every rank of ``pp_group`` and merged in stage order.
 
     ``torch.distributed`` directly, not ``gpucourse.comm``: exporting is not training traffic.
     """
     gathered: list = [None] * dist.get_world_size(pp_group)
-    dist.all_gather_object(gathered, local, group=pp_group)
+    dist.all_gather_object(gathered, cpu_state_dict(state), group=pp_group)
     return {k: v for part in gathered for k, v in part.items()}
-
-
-def make_pipeline_trainer(model: GPT, mesh, cfg, rec, device) -> Trainer:
-    """Cut ``model`` into this rank's stage and return the trainer for ``cfg.impl``.
-
-    With tp > 1 (scratch), the stage's blocks are then split between the tp ranks
-    by ``tensor_parallel.apply_tensor_parallel``: tensor parallel inside a stage,
-    the pipeline across stages, data parallelism across whole pipelines.
-    """
-    stage = GPTStage(model, mesh["pp"].get_local_rank(), cfg.pp)
-    if cfg.impl == "torch":
-        return PipelineTorch(stage, cfg, mesh, rec, device)
-    return PipelineScratch(stage, cfg, mesh, rec, device, tp_group=mesh["tp"].get_group() if cfg.tp > 1 else None)

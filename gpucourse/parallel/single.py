@@ -13,14 +13,13 @@ gradient of the mean loss over the whole batch, exactly as if it had been one
 forward. Parallel trainers reuse this loop: data parallel fills in
 ``sync_gradients`` (and ``accumulating``, to skip communication on all but the
 last microbatch), a pipeline replaces the microbatch loop by its schedule, ZeRO
-replaces the optimizer step.
+replaces the optimizer step; tensor parallelism only changes the model's layers.
+``parallel/__init__.py`` puts them together.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
-
 import torch
 
 from ..measure import Recorder, optimizer_state_bytes, tensor_bytes
@@ -34,32 +33,67 @@ def cpu_state_dict(state: dict) -> dict:
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone() for k, v in state.items()}
 
 
-class Trainer:
-    """Trains ``model`` on one device; subclasses add the communication.
+def microbatch_loop(trainer: "Trainer", x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Forward and backward of ``trainer.grad_accum`` microbatches, one after the other; their summed loss.
 
-    ``grad_sync``, if given, is called after the last backward of a step; it is
-    how a strategy composes with data parallelism (see ``data_parallel``).
-    ``precision`` (see ``precision.py``) chooses autocast or master weights and,
-    for fp16, the loss scaler.
+    The loop of every trainer without a pipeline. Only the last microbatch's
+    backward may communicate (``accumulating``): the others add up locally.
+    """
+    total = torch.zeros((), device=x.device)
+    micro = list(zip(x.chunk(trainer.grad_accum), y.chunk(trainer.grad_accum)))
+    for i, (mx, my) in enumerate(micro):
+        with trainer.accumulating(last=i == len(micro) - 1):
+            total += trainer.forward_backward(mx, my, i)
+    return total
+
+
+class Trainer:
+    """Trains ``model`` on one device; the strategies fill in the rest.
+
+    - Data parallel subclasses fill in ``sync_gradients`` (and ``accumulating``);
+      ZeRO also replaces the optimizer step.
+    - ``loop`` runs the forward and backward passes of one step and returns the
+      loss: :func:`microbatch_loop`, or a pipeline's schedule.
+    - ``gathers`` turn this rank's weights into the whole model's, one function
+      per strategy that cut them (tensor parallel's shards, then the pipeline's
+      stages), for :meth:`full_state_dict`.
+    - ``precision`` (see ``precision.py``) chooses autocast or master weights and,
+      for fp16, the loss scaler.
+    - ``rec`` records spans, bytes and memory; without one nothing is recorded.
+    - ``optimizer_class`` and ``optimizer_kwargs``: any ``torch.optim.Optimizer``
+      and its settings (``lr`` is given separately); the course's AdamW by default.
     """
 
     group = None  # the data-parallel group, where there is one: ranks agree on skipping a step over it
+    loop = staticmethod(microbatch_loop)
+    gathers: tuple = ()
 
-    def __init__(self, model: torch.nn.Module, lr: float, grad_accum: int, rec: Recorder,
-                 grad_sync: Callable[[], None] | None = None, precision: Precision | None = None):
+    def __init__(self, model: torch.nn.Module, lr: float, grad_accum: int = 1, rec: Recorder | None = None,
+                 precision: Precision | None = None, loop=None, gathers=(), optimizer_class=None,
+                 optimizer_kwargs: dict | None = None):
         self.model = model
         self.grad_accum = grad_accum
-        self.rec = rec
-        self.grad_sync = grad_sync
+        self.rec = rec if rec is not None else Recorder(0, next(model.parameters()).device, enabled=False)
         self.precision = precision or Precision()
+        if loop is not None:
+            self.loop = loop
+        self.gathers = tuple(gathers)
         self.memory: dict = {}
+        self.extras: dict = {}  # what this trainer can say about the run (buckets, shards, the schedule)
+        self.optimizer_class, self.optimizer_kwargs = optimizer_class, dict(optimizer_kwargs or {})
         self.optimizer = self.make_optimizer(lr)
 
+    def new_optimizer(self, params, lr: float) -> torch.optim.Optimizer:
+        """The optimizer this trainer was given, over ``params``: the course's AdamW unless another was."""
+        if self.optimizer_class is None:
+            return make_optimizer(params, lr)
+        return self.optimizer_class(params, lr=lr, **self.optimizer_kwargs)
+
     def optimizer_for(self, params, lr: float):
-        """AdamW, on fp32 master copies when the parameters themselves are half precision."""
+        """That optimizer, on fp32 master copies when the parameters themselves are half precision."""
         if self.precision.master_weights:
-            return MasterWeightsAdamW(params, lr)
-        return make_optimizer(params, lr)
+            return MasterWeightsAdamW(params, lr, self.new_optimizer)
+        return self.new_optimizer(params, lr)
 
     def make_optimizer(self, lr: float):
         return self.optimizer_for([p for p in self.model.parameters() if p.requires_grad], lr)
@@ -70,8 +104,6 @@ class Trainer:
 
     def sync_gradients(self) -> None:
         """Make gradients the same on every replica (nothing to do on one device)."""
-        if self.grad_sync is not None:
-            self.grad_sync()
 
     def optimizer_step(self) -> None:
         with self.rec.span("optimizer"):
@@ -112,20 +144,23 @@ class Trainer:
         self.rec.activations.release(microbatch)
         return loss.detach()
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One optimizer step on this rank's share of the batch; returns its mean loss."""
-        total = torch.zeros((), device=x.device)
-        micro = list(zip(x.chunk(self.grad_accum), y.chunk(self.grad_accum)))
-        for i, (mx, my) in enumerate(micro):
-            with self.accumulating(last=i == len(micro) - 1):
-                total += self.forward_backward(mx, my, i)
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """One optimizer step on this rank's share of the batch; its mean loss (None on a stage that has none)."""
+        loss = self.loop(self, x, y)
         self.sync_gradients()
         if self.precision.finish_gradients(self.gradients(), self.group):
             self.optimizer_step()
         else:  # fp16 overflow: skip this step, the scaler has backed off
             self.optimizer.zero_grad(set_to_none=True)
-        return total
+        return loss
+
+    def local_state_dict(self) -> dict:
+        """This rank's weights under the model's own names."""
+        return self.model.state_dict()
 
     def full_state_dict(self) -> dict:
-        """The whole model's weights under single-device names (collective in sharded trainers)."""
-        return cpu_state_dict(self.model.state_dict())
+        """The whole model's weights under single-device names, on CPU (collective when strategies cut them)."""
+        state = self.local_state_dict()
+        for gather in self.gathers:  # tensor parallel's shards made whole, then every pipeline stage's merged
+            state = gather(state)
+        return cpu_state_dict(state)

@@ -61,8 +61,6 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..model import blocks_of
-from .data_parallel import allreduce_gradients, broadcast_parameters
-from .single import Trainer, cpu_state_dict
 
 
 class CopyToTensorParallel(torch.autograd.Function):
@@ -170,42 +168,23 @@ def shard_dims(module: nn.Module) -> dict[str, int]:
             if getattr(m, name) is not None}  # a layer without bias has no bias shard
 
 
-def full_tensor_state(module: nn.Module, tp_group) -> dict:
-    """The whole single-device ``state_dict``, on every rank (collective over ``tp_group``).
+def gather_shards(module: nn.Module, tp_group, state: dict) -> dict:
+    """``state`` (``module``'s state_dict) with every shard all-gathered whole, on every rank of ``tp_group``.
 
-    Sharded parameters are all-gathered along the dimension they were cut.
-    This uses ``torch.distributed`` directly: exporting is not training traffic.
+    Sharded parameters are concatenated along the dimension they were cut;
+    replicated ones are the same on every rank and stay as they are. This uses
+    ``torch.distributed`` directly: exporting is not training traffic.
     """
     cut = shard_dims(module)
     n = dist.get_world_size(tp_group)
-    state = {}
-    for name, t in module.state_dict().items():
+    whole = {}
+    for name, t in state.items():
         if name in cut:
             pieces = [torch.empty_like(t) for _ in range(n)]
             dist.all_gather(pieces, t.contiguous(), group=tp_group)
             t = torch.cat(pieces, dim=cut[name])
-        state[name] = t
-    return cpu_state_dict(state)
-
-
-class TensorParallelScratch(Trainer):
-    """Tensor parallel from scratch over ``tp_group``; with a ``dp_group``, data parallel across it too.
-
-    Each gradient is synchronised over one group only: the tp all-reduces live
-    inside forward and backward (f, g); after backward, only dp averages.
-    """
-
-    def __init__(self, model, lr, grad_accum, rec, tp_group, dp_group=None):
-        self.tp_group = tp_group
-        apply_tensor_parallel(model, tp_group)
-        grad_sync = None
-        if dp_group is not None and dist.get_world_size(dp_group) > 1:
-            broadcast_parameters(model, dp_group)
-            grad_sync = functools.partial(allreduce_gradients, model, dp_group)
-        super().__init__(model, lr, grad_accum, rec, grad_sync=grad_sync)
-
-    def full_state_dict(self) -> dict:
-        return full_tensor_state(self.model, self.tp_group)
+        whole[name] = t
+    return whole
 
 
 def torch_block_plan() -> dict:
@@ -228,26 +207,16 @@ def torch_block_plan() -> dict:
             "mlp": enter(), "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
 
 
-class TorchTensorParallel(Trainer):
-    """DTensor tensor parallel: ``parallelize_module`` with Colwise/RowwiseParallel on a 1-D tp mesh.
+def apply_dtensor_parallel(module: nn.Module, tp_mesh) -> nn.Module:
+    """DTensor tensor parallel: ``parallelize_module`` with Colwise/RowwiseParallel on each block; returns ``module``.
 
     Colwise layers hand back plain local tensors (``use_local_output=True``), so
     attention's ``view(B, T, -1, head_dim)`` finds this rank's heads, as in scratch.
     Parameters become DTensors and AdamW updates them shard by shard; memory is
     counted from their local shards.
     """
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    def __init__(self, model, lr, grad_accum, rec, tp_mesh):
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        for block in blocks_of(model):
-            parallelize_module(block, tp_mesh, torch_block_plan())
-        super().__init__(model, lr, grad_accum, rec)
-
-
-def make_tensor_parallel_trainer(model, mesh, cfg, rec, device) -> Trainer:
-    """The tensor-parallel trainer for ``cfg`` on ``mesh`` (dims pp, dp, tp; here pp = 1)."""
-    if cfg.impl == "torch":
-        return TorchTensorParallel(model, cfg.lr, cfg.grad_accum, rec, mesh["tp"])
-    return TensorParallelScratch(model, cfg.lr, cfg.grad_accum, rec, mesh["tp"].get_group(),
-                                 mesh["dp"].get_group() if cfg.dp > 1 else None)
+    for block in blocks_of(module):
+        parallelize_module(block, tp_mesh, torch_block_plan())
+    return module

@@ -60,7 +60,7 @@ def memory_formula(num_params: int, dp: int, stage: int) -> dict:
 class ZeroScratch(Trainer):
     """ZeRO stage 1 or 2 over the data-parallel ``group``, from scratch."""
 
-    def __init__(self, model, lr, grad_accum, rec, group, stage: int, precision=None):
+    def __init__(self, model, lr, grad_accum, rec, group, stage: int, precision=None, **options):
         self.group, self.stage = group, stage
         self.dp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         broadcast_parameters(model, group)
@@ -81,8 +81,9 @@ class ZeroScratch(Trainer):
         # This rank's shard of the weights: a view, so Adam updates the buffer in place.
         self.local = torch.nn.Parameter(self.flat[lo:lo + self.shard_size])
         self._full_grad = None
-        super().__init__(model, lr, grad_accum, rec, precision=precision)
-        self.extras = {"zero": {"stage": stage, "num_params": numel, "shard_size": self.shard_size}}
+        self._no_grad: list[tuple[int, int]] = []
+        super().__init__(model, lr, grad_accum, rec, precision=precision, **options)
+        self.extras["zero"] = {"stage": stage, "num_params": numel, "shard_size": self.shard_size}
 
     def make_optimizer(self, lr):
         return self.optimizer_for([self.local], lr)
@@ -92,9 +93,12 @@ class ZeroScratch(Trainer):
 
     def sync_gradients(self) -> None:
         flat_grad = torch.zeros_like(self.flat)
+        self._no_grad = []  # parameters that got no gradient (on any rank, as DDP assumes too)
         for p, (offset, n) in zip(self.params, self.slices):
             if p.grad is not None:
                 flat_grad[offset:offset + n].copy_(p.grad.reshape(-1))
+            else:
+                self._no_grad.append((offset, n))
             p.grad = None  # the flat buffer now holds it
         if self.stage == 1:
             comm.all_reduce(flat_grad, group=self.group, name="all_reduce gradients")
@@ -108,8 +112,20 @@ class ZeroScratch(Trainer):
         self.local.grad /= self.dp
 
     def optimizer_step(self) -> None:
+        # On one device the optimizer skips a parameter without a gradient; inside the shard it
+        # cannot (weight decay would still shrink it), so those values are put back after the step.
+        lo, kept = self.rank * self.shard_size, []
+        for offset, n in self._no_grad:  # the part of each such parameter that lies in this rank's shard
+            start, end = max(offset - lo, 0), min(offset + n - lo, self.shard_size)
+            if start < end:
+                kept.append((start, self.local[start:end].clone()))
         with self.rec.span("optimizer"):
             self.optimizer.step()
+        with torch.no_grad():
+            for start, values in kept:
+                self.local[start:start + len(values)] = values
+                for master in getattr(self.optimizer, "masters", ()):  # fp32 master weights: the same
+                    master[start:start + len(values)] = values
         # The all-gather's input must not alias its output, so send a copy of our shard.
         comm.all_gather_into_tensor(self.flat, self.local.detach().clone(), group=self.group,
                                     name="all_gather weights")
@@ -130,9 +146,10 @@ class TorchZero1(TorchDDP):
     def make_optimizer(self, lr):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
+        optimizer_class, kwargs = self.optimizer_class or torch.optim.AdamW, self.optimizer_kwargs or ADAMW
         return ZeroRedundancyOptimizer(
-            [p for p in self.model.parameters() if p.requires_grad], optimizer_class=torch.optim.AdamW,
-            process_group=self.group, lr=lr, **ADAMW)
+            [p for p in self.model.parameters() if p.requires_grad], optimizer_class=optimizer_class,
+            process_group=self.group, lr=lr, **kwargs)
 
     def optimizer_bytes(self) -> int:
         return optimizer_state_bytes(self.optimizer.optim)
@@ -141,26 +158,16 @@ class TorchZero1(TorchDDP):
 class TorchFSDP(Trainer):
     """FSDP2: each block (then the whole model) wrapped by ``fully_shard`` over the dp mesh."""
 
-    def __init__(self, model, lr, grad_accum, rec, dp_mesh, stage: int):
+    def __init__(self, model, lr, grad_accum, rec, dp_mesh, stage: int, **options):
         from torch.distributed.fsdp import fully_shard
 
         reshard = stage == 3
         for block in blocks_of(model):
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
-        super().__init__(model, lr, grad_accum, rec)
+        super().__init__(model, lr, grad_accum, rec, **options)
 
     def accumulating(self, last: bool):
         # Skip the reduce-scatter on all but the last microbatch, as DDP's no_sync does.
         self.model.set_requires_gradient_sync(last)
         return super().accumulating(last)
-
-
-def make_zero_trainer(model, mesh, cfg, rec, device, precision=None) -> Trainer:
-    """The ZeRO trainer for ``cfg.zero`` and ``cfg.impl``."""
-    group = mesh["dp"].get_group()
-    if cfg.impl == "scratch":
-        return ZeroScratch(model, cfg.lr, cfg.grad_accum, rec, group, cfg.zero, precision=precision)
-    if cfg.zero == 1:
-        return TorchZero1(model, cfg.lr, cfg.grad_accum, rec, group, device)
-    return TorchFSDP(model, cfg.lr, cfg.grad_accum, rec, mesh["dp"], cfg.zero)
