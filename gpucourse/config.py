@@ -52,6 +52,15 @@ SUPPORTED = [
     ("zero2×pp", "scratch", "ZeRO-2 over the replicas of each pipeline stage",
      dict(dp=2, pp=2, microbatches=2, zero=2)),
     ("zero1×tp×pp", "scratch", "ZeRO-1 on the 3-D mesh", dict(dp=2, tp=2, pp=2, microbatches=2, zero=1)),
+    ("zero3×tp", "torch", "FSDP2 over DTensor tensor parallel (torchtitan's 2-D)",
+     dict(dp=2, tp=2, zero=3, impl="torch")),
+    ("dp×pp", "torch", "DDP on each torch.distributed.pipelining stage",
+     dict(dp=2, pp=2, microbatches=2, impl="torch")),
+    ("zero3×pp", "torch", "FSDP2 on each pipelining stage", dict(dp=2, pp=2, microbatches=2, zero=3, impl="torch")),
+    ("tp×pp", "torch", "DTensor tensor parallel inside pipelining stages",
+     dict(tp=2, pp=2, microbatches=2, impl="torch")),
+    ("zero2×tp×pp", "torch", "FSDP2 × DTensor TP × pipelining (torchtitan's 3-D)",
+     dict(dp=2, tp=2, pp=2, microbatches=2, zero=2, impl="torch")),
 ]
 
 
@@ -193,24 +202,27 @@ class TrainConfig:
         return self
 
     def _check_supported(self) -> None:
-        hybrid = sum(d > 1 for d in (self.dp, self.tp, self.pp)) > 1
         if self.precision != "fp32" and (self.tp > 1 or self.pp > 1 or self.impl == "accelerate"
                                          or (self.zero and self.impl != "scratch")):
             raise ConfigError(f"precision={self.precision} runs with single, data-parallel and scratch ZeRO "
                               f"layouts in this build, not {self.kind()} with impl={self.impl!r}.")
         if self.master_weights and self.impl == "torch" and self.zero:
             raise ConfigError("master_weights with impl='torch' is offered for DDP only (zero=0).")
-        if self.zero and self.impl != "scratch" and (self.tp > 1 or self.pp > 1):
-            raise ConfigError(f"zero={self.zero} with impl={self.impl!r} combines only with data parallelism "
-                              f"(tp=1, pp=1) in this build; impl='scratch' runs it with tp and pp.")
-        if self.zero and (self.tp > 1 or self.pp > 1) and (self.save or self.resume):
-            raise ConfigError(f"checkpoints of zero={self.zero} with tp or pp are not written in this build "
-                              f"(each rank's flat shard would need its tp and pp place); save without zero.")
+        if self.zero == 1 and self.impl == "torch" and (self.tp > 1 or self.pp > 1):
+            raise ConfigError("torch's ZeRO-1 (ZeroRedundancyOptimizer) runs with data parallelism alone (tp=1, pp=1); "
+                              "use zero=2 or 3 (FSDP2), or impl='scratch'.")
+        if self.impl == "torch" and self.tp > 1 and self.dp > 1 and not self.zero:
+            raise ConfigError("PyTorch's DistributedDataParallel does not take DTensor (tensor-parallel) parameters; "
+                              "use zero=2 or 3 (FSDP2 over dp, torchtitan's 2-D recipe), or impl='scratch'.")
+        hybrid = sum(d > 1 for d in (self.dp, self.tp, self.pp)) > 1
+        if (self.save or self.resume) and (self.tp > 1 or self.pp > 1) and (
+                (self.zero and self.impl == "scratch") or (hybrid and self.impl == "torch")):
+            raise ConfigError(f"checkpoints of {self.kind()} with impl={self.impl!r} are not written in this build "
+                              f"(their shards would need their tp and pp place); save without zero, with "
+                              f"impl='scratch'.")
         if self.impl == "scratch" and self.zero == 3:
             raise ConfigError("zero=3 is not written from scratch in this build; use impl='torch' (FSDP2).")
         if self.impl == "torch":
-            if hybrid:
-                raise ConfigError(f"the hybrid layout {self.layout()} runs with impl='scratch' only in this build.")
             if self.pp > 1 and self.schedule == "naive":
                 raise ConfigError("torch.distributed.pipelining has no 'naive' schedule; use gpipe or 1f1b, "
                                   "or impl='scratch'.")

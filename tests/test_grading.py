@@ -9,7 +9,6 @@ from __future__ import annotations
 import ast
 import csv
 import json
-import os
 import shutil
 import sys
 from collections import defaultdict

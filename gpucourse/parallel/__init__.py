@@ -59,7 +59,7 @@ def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, devi
     if cfg.pp > 1:
         from .pipeline import PipelineSchedule, TorchPipelineSchedule
         if cfg.impl == "torch":
-            loop = TorchPipelineSchedule(model, mesh["pp"].get_group(), cfg.schedule, cfg.microbatches, device, rec)
+            loop = TorchPipelineSchedule(mesh["pp"].get_group(), cfg.schedule, cfg.microbatches, device)
         else:
             loop = PipelineSchedule(mesh["pp"].get_group(), cfg.schedule, cfg.microbatches,
                                     cfg.model_config().n_embd)

@@ -68,9 +68,12 @@ class TorchDDP(Trainer):
     def __init__(self, model, lr, grad_accum, rec, group, device, bucket_mb: float | None = None, precision=None,
                  **options):
         self.group = group
+        # Under a pipeline schedule a stage runs one backward per microbatch; DDP's bucket
+        # rebuild after the first step would count every one of them (an internal assert),
+        # so there DDP searches the graph for each step's parameters instead of rebuilding.
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, process_group=group, device_ids=[device.index] if device.type == "cuda" else None,
-            bucket_cap_mb=25 if bucket_mb is None else bucket_mb)
+            bucket_cap_mb=25 if bucket_mb is None else bucket_mb, find_unused_parameters=options.get("loop") is not None)
         ddp.register_comm_hook(state=(rec, group), hook=_recording_allreduce_hook)
         super().__init__(ddp, lr, grad_accum, rec, precision=precision, **options)
 

@@ -171,19 +171,27 @@ class TorchPipelineSchedule:
     ``forward_one_chunk`` / ``backward_one_chunk`` are wrapped to record spans.
     """
 
-    def __init__(self, stage_module: GPTStage, pp_group, schedule: str, microbatches: int, device, rec):
+    def __init__(self, pp_group, schedule: str, microbatches: int, device):
+        self.pp_group, self.schedule_name, self.m, self.device = pp_group, schedule, microbatches, device
+        self.stage, self.pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
+        self.first, self.last = self.stage == 0, self.stage == self.pp - 1
+        self.schedule = None
+
+    def _build(self, trainer: Trainer) -> None:
+        # Built from the trainer's model as data parallelism left it: PipelineStage itself
+        # holds DDP's all-reduce (no_sync) and FSDP's reduce-scatter to the last microbatch.
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        stage, pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
-        self.first, self.last = stage == 0, stage == pp - 1
-        self.pipe = PipelineStage(stage_module, stage, pp, device, group=pp_group)
+        pipe = PipelineStage(trainer.model, self.stage, self.pp, self.device, group=self.pp_group)
         for name, kind in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward")):
-            setattr(self.pipe, name, _spanning(getattr(self.pipe, name), rec, kind))
-        schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-        self.schedule = schedule_class(self.pipe, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+            setattr(pipe, name, _spanning(getattr(pipe, name), trainer.rec, kind))
+        schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.schedule_name]
+        self.schedule = schedule_class(pipe, n_microbatches=self.m, loss_fn=loss_fn, scale_grads=True)
 
     def __call__(self, trainer: Trainer, x: torch.Tensor, y: torch.Tensor):
         """This stage's part of one step; returns the loss on the last stage, None on the others."""
+        if self.schedule is None:
+            self._build(trainer)
         losses: list[torch.Tensor] = []
         # The first stage feeds tokens, the last compares with targets; the middle ones receive.
         self.schedule.step(*([x] if self.first else []), **({"target": y, "losses": losses} if self.last else {}))
