@@ -74,12 +74,11 @@ def train(strategy: str, steps: int = 4, optimizer: str | None = None, **kw) -> 
     if optimizer is not None:
         opt = {"optimizer_class": OPTIMIZERS[optimizer][0], "optimizer_kwargs": OPTIMIZERS[optimizer][1]}
     trainer = {
-        "single": lambda: Trainer(model, 0.05, **opt),
-        "dp": lambda: DataParallelScratch(model, 0.05, 1, None, group, **opt),
-        "buckets": lambda: BucketedDataParallel(model, 0.05, 1, None, group, bucket_mb=kw.get("bucket_mb", 1e-4),
-                                                **opt),
-        "zero1": lambda: ZeroScratch(model, 0.05, 1, None, group, stage=1, **opt),
-        "zero2": lambda: ZeroScratch(model, 0.05, 1, None, group, stage=2, **opt),
+        "single": lambda: Trainer(model, lr=0.05, **opt),
+        "dp": lambda: DataParallelScratch(model, group, lr=0.05, **opt),
+        "buckets": lambda: BucketedDataParallel(model, group, bucket_mb=kw.get("bucket_mb", 1e-4), lr=0.05, **opt),
+        "zero1": lambda: ZeroScratch(model, group, stage=1, lr=0.05, **opt),
+        "zero2": lambda: ZeroScratch(model, group, stage=2, lr=0.05, **opt),
     }[strategy]()
     for step in range(steps):
         x, y = batch(step)

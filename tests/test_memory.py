@@ -80,7 +80,7 @@ def test_loss_scaler_backs_off_and_grows():
 def test_fp16_step_with_an_injected_inf_is_skipped():
     torch.manual_seed(0)
     model = build_model(MODELS["tiny"], 0)
-    trainer = Trainer(model, 1e-3, 1, Recorder(0, torch.device("cpu")), precision=Precision("fp16"))
+    trainer = Trainer(model, lr=1e-3, rec=Recorder(0, torch.device("cpu")), precision=Precision("fp16"))
     x = torch.randint(0, 40, (2, 16))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     handle = model.head.weight.register_hook(lambda g: torch.full_like(g, float("inf")))

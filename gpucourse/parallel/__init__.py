@@ -63,32 +63,32 @@ def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, devi
         else:
             loop = PipelineSchedule(mesh["pp"].get_group(), cfg.schedule, cfg.microbatches,
                                     cfg.model_config().n_embd)
-    trainer = _data_parallel(model, mesh, cfg, rec, device, precision, loop=loop, gathers=gathers)
+    trainer = _data_parallel(model, mesh, cfg, lr=cfg.lr, grad_accum=cfg.grad_accum, rec=rec, precision=precision,
+                             loop=loop, gathers=gathers)
     trainer.extras.update(extras)
     return trainer
 
 
-def _data_parallel(model, mesh, cfg: TrainConfig, rec, device, precision, **options) -> Trainer:
+def _data_parallel(model, mesh, cfg: TrainConfig, **options) -> Trainer:
     """The trainer that synchronises ``model``'s gradients over the dp slice of the mesh (and steps the optimizer)."""
     group = mesh["dp"].get_group()
     if cfg.zero:
         if cfg.impl == "scratch":
             from .zero import ZeroScratch
-            return ZeroScratch(model, cfg.lr, cfg.grad_accum, rec, group, cfg.zero, precision=precision, **options)
+            return ZeroScratch(model, group, cfg.zero, **options)
+        options.pop("precision")  # fp32 only (the config says so)
         if cfg.zero == 1:
             from .zero import TorchZero1
-            return TorchZero1(model, cfg.lr, cfg.grad_accum, rec, group, device, **options)
+            return TorchZero1(model, group, **options)
         from .zero import TorchFSDP
-        return TorchFSDP(model, cfg.lr, cfg.grad_accum, rec, mesh["dp"], cfg.zero, **options)
+        return TorchFSDP(model, mesh["dp"], cfg.zero, **options)
     if cfg.dp > 1:
         if cfg.impl == "torch":
             from .data_parallel import TorchDDP
-            return TorchDDP(model, cfg.lr, cfg.grad_accum, rec, group, device, bucket_mb=cfg.bucket_mb,
-                            precision=precision, **options)
+            return TorchDDP(model, group, cfg.bucket_mb, **options)
         if cfg.bucket_mb is not None:
             from .data_parallel_buckets import BucketedDataParallel
-            return BucketedDataParallel(model, cfg.lr, cfg.grad_accum, rec, group, cfg.bucket_mb, precision,
-                                        **options)
+            return BucketedDataParallel(model, group, cfg.bucket_mb, **options)
         from .data_parallel import DataParallelScratch
-        return DataParallelScratch(model, cfg.lr, cfg.grad_accum, rec, group, precision, **options)
-    return Trainer(model, cfg.lr, cfg.grad_accum, rec, precision=precision, **options)
+        return DataParallelScratch(model, group, **options)
+    return Trainer(model, **options)

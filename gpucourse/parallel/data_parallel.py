@@ -53,10 +53,10 @@ def allreduce_gradients(module: torch.nn.Module, group) -> None:
 class DataParallelScratch(Trainer):
     """Data parallel from scratch: one blocking all-reduce per gradient after backward."""
 
-    def __init__(self, model, lr, grad_accum, rec, group, precision=None, **options):
+    def __init__(self, model, group, **options):
         self.group = group
         broadcast_parameters(model, group)
-        super().__init__(model, lr, grad_accum, rec, precision=precision, **options)
+        super().__init__(model, **options)
 
     def sync_gradients(self) -> None:
         allreduce_gradients(self.model, self.group)
@@ -65,17 +65,17 @@ class DataParallelScratch(Trainer):
 class TorchDDP(Trainer):
     """``DistributedDataParallel``: bucketed all-reduce overlapped with backward."""
 
-    def __init__(self, model, lr, grad_accum, rec, group, device, bucket_mb: float | None = None, precision=None,
-                 **options):
+    def __init__(self, model, group, bucket_mb: float | None = None, **options):
         self.group = group
         # Under a pipeline schedule a stage runs one backward per microbatch; DDP's bucket
         # rebuild after the first step would count every one of them (an internal assert),
         # so there DDP searches the graph for each step's parameters instead of rebuilding.
+        device = next(model.parameters()).device
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, process_group=group, device_ids=[device.index] if device.type == "cuda" else None,
             bucket_cap_mb=25 if bucket_mb is None else bucket_mb, find_unused_parameters=options.get("loop") is not None)
-        ddp.register_comm_hook(state=(rec, group), hook=_recording_allreduce_hook)
-        super().__init__(ddp, lr, grad_accum, rec, precision=precision, **options)
+        super().__init__(ddp, **options)
+        ddp.register_comm_hook(state=(self.rec, group), hook=_recording_allreduce_hook)
 
     def accumulating(self, last: bool):
         # Only the last microbatch's backward communicates; the others accumulate locally.

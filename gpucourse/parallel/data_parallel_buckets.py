@@ -87,11 +87,11 @@ class _Bucket:
 class BucketedDataParallel(Trainer):
     """Data parallel with gradient buckets all-reduced during backward."""
 
-    def __init__(self, model, lr, grad_accum, rec, group, bucket_mb: float, precision=None, **options):
+    def __init__(self, model, group, bucket_mb: float = 25.0, **options):
         self.group = group
         self.dp = dist.get_world_size(group)
         broadcast_parameters(model, group)
-        super().__init__(model, lr, grad_accum, rec, precision=precision, **options)
+        super().__init__(model, **options)
         ready_order = [p for p in reversed(list(model.parameters())) if p.requires_grad]
         cap = max(1, int(bucket_mb * 2**20))
         self.buckets = [_Bucket(i, ps) for i, ps in enumerate(assign_buckets(ready_order, cap))]

@@ -60,15 +60,19 @@ class Trainer:
     - ``precision`` (see ``precision.py``) chooses autocast or master weights and,
       for fp16, the loss scaler.
     - ``rec`` records spans, bytes and memory; without one nothing is recorded.
-    - ``optimizer_class`` and ``optimizer_kwargs``: any ``torch.optim.Optimizer``
-      and its settings (``lr`` is given separately); the course's AdamW by default.
+    - ``lr``, ``optimizer_class`` and ``optimizer_kwargs``: any ``torch.optim.Optimizer``,
+      its learning rate and its other settings; the course's AdamW by default.
+    - ``grad_accum``: microbatches per step in :func:`microbatch_loop`.
+
+    So a model of your own trains with ``Trainer(model, lr=0.1, optimizer_class=torch.optim.SGD)``,
+    and data parallel over a group with ``DataParallelScratch(model, group, lr=0.1, ...)``.
     """
 
     group = None  # the data-parallel group, where there is one: ranks agree on skipping a step over it
     loop = staticmethod(microbatch_loop)
     gathers: tuple = ()
 
-    def __init__(self, model: torch.nn.Module, lr: float, grad_accum: int = 1, rec: Recorder | None = None,
+    def __init__(self, model: torch.nn.Module, *, lr: float = 1e-3, grad_accum: int = 1, rec: Recorder | None = None,
                  precision: Precision | None = None, loop=None, gathers=(), optimizer_class=None,
                  optimizer_kwargs: dict | None = None):
         self.model = model

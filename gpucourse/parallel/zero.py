@@ -60,7 +60,7 @@ def memory_formula(num_params: int, dp: int, stage: int) -> dict:
 class ZeroScratch(Trainer):
     """ZeRO stage 1 or 2 over the data-parallel ``group``, from scratch."""
 
-    def __init__(self, model, lr, grad_accum, rec, group, stage: int, precision=None, **options):
+    def __init__(self, model, group, stage: int = 1, **options):
         self.group, self.stage = group, stage
         self.dp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         broadcast_parameters(model, group)
@@ -82,7 +82,7 @@ class ZeroScratch(Trainer):
         self.local = torch.nn.Parameter(self.flat[lo:lo + self.shard_size])
         self._full_grad = None
         self._no_grad: list[tuple[int, int]] = []
-        super().__init__(model, lr, grad_accum, rec, precision=precision, **options)
+        super().__init__(model, **options)
         self.extras["zero"] = {"stage": stage, "num_params": numel, "shard_size": self.shard_size}
 
     def make_optimizer(self, lr):
@@ -158,14 +158,14 @@ class TorchZero1(TorchDDP):
 class TorchFSDP(Trainer):
     """FSDP2: each block (then the whole model) wrapped by ``fully_shard`` over the dp mesh."""
 
-    def __init__(self, model, lr, grad_accum, rec, dp_mesh, stage: int, **options):
+    def __init__(self, model, dp_mesh, stage: int = 3, **options):
         from torch.distributed.fsdp import fully_shard
 
         reshard = stage == 3
         for block in blocks_of(model):
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
-        super().__init__(model, lr, grad_accum, rec, **options)
+        super().__init__(model, **options)
 
     def accumulating(self, last: bool):
         # Skip the reduce-scatter on all but the last microbatch, as DDP's no_sync does.
