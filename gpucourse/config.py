@@ -22,48 +22,6 @@ class ConfigError(Readable, ValueError):
 IMPLS = ("scratch", "torch", "accelerate")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
-# What this build runs: (layout, impl, what it is, the config's changes from the defaults).
-# ``gpucourse train --list`` prints it with each row's command; validate() below is what enforces it.
-SUPPORTED = [
-    ("single", "scratch", "one device, the baseline", dict()),
-    ("dp", "scratch", "one all-reduce per gradient after backward", dict(dp=2)),
-    ("dp", "scratch", "bucketed all-reduce overlapped with backward", dict(dp=2, bucket_mb=1)),
-    ("dp", "torch", "DistributedDataParallel", dict(dp=2, impl="torch")),
-    ("dp", "accelerate", "accelerate.Accelerator (DDP)", dict(dp=2, impl="accelerate")),
-    ("zero1", "scratch", "optimizer state sharded", dict(dp=2, zero=1)),
-    ("zero2", "scratch", "gradients sharded too (reduce-scatter)", dict(dp=2, zero=2)),
-    ("zero1", "torch", "ZeroRedundancyOptimizer", dict(dp=2, zero=1, impl="torch")),
-    ("zero2", "torch", "FSDP2 fully_shard, parameters kept between forward and backward",
-     dict(dp=2, zero=2, impl="torch")),
-    ("zero3", "torch", "FSDP2 fully_shard", dict(dp=2, zero=3, impl="torch")),
-    ("zero3", "accelerate", "accelerate.Accelerator (FSDP; CUDA only)", dict(dp=2, zero=3, impl="accelerate")),
-    ("pp", "scratch", "pipeline, naive / gpipe / 1f1b", dict(pp=2, schedule="1f1b", microbatches=4)),
-    ("pp", "torch", "torch.distributed.pipelining, gpipe / 1f1b",
-     dict(pp=2, schedule="1f1b", microbatches=4, impl="torch")),
-    ("tp", "scratch", "Megatron-style column/row parallel", dict(tp=2)),
-    ("tp", "torch", "DTensor ColwiseParallel / RowwiseParallel", dict(tp=2, impl="torch")),
-    ("dp×tp", "scratch", "hybrid on one DeviceMesh", dict(dp=2, tp=2)),
-    ("dp×pp", "scratch", "hybrid on one DeviceMesh", dict(dp=2, pp=2, microbatches=2)),
-    ("tp×pp", "scratch", "hybrid on one DeviceMesh", dict(tp=2, pp=2, microbatches=2)),
-    ("dp×tp×pp", "scratch", "hybrid on one DeviceMesh", dict(dp=2, tp=2, pp=2, microbatches=2)),
-    ("dp×tp×pp", "scratch", "bucketed all-reduce over each stage's tensor-parallel slices",
-     dict(dp=2, tp=2, pp=2, microbatches=2, bucket_mb=1)),
-    ("zero1×tp", "scratch", "ZeRO-1 over the replicas of each tensor-parallel slice", dict(dp=2, tp=2, zero=1)),
-    ("zero2×pp", "scratch", "ZeRO-2 over the replicas of each pipeline stage",
-     dict(dp=2, pp=2, microbatches=2, zero=2)),
-    ("zero1×tp×pp", "scratch", "ZeRO-1 on the 3-D mesh", dict(dp=2, tp=2, pp=2, microbatches=2, zero=1)),
-    ("zero3×tp", "torch", "FSDP2 over DTensor tensor parallel (torchtitan's 2-D)",
-     dict(dp=2, tp=2, zero=3, impl="torch")),
-    ("dp×pp", "torch", "DDP on each torch.distributed.pipelining stage",
-     dict(dp=2, pp=2, microbatches=2, impl="torch")),
-    ("zero3×pp", "torch", "FSDP2 on each pipelining stage", dict(dp=2, pp=2, microbatches=2, zero=3, impl="torch")),
-    ("tp×pp", "torch", "DTensor tensor parallel inside pipelining stages",
-     dict(tp=2, pp=2, microbatches=2, impl="torch")),
-    ("zero2×tp×pp", "torch", "FSDP2 × DTensor TP × pipelining (torchtitan's 3-D)",
-     dict(dp=2, tp=2, pp=2, microbatches=2, zero=2, impl="torch")),
-]
-
-
 @dataclass
 class TrainConfig:
     """Everything that defines one training run.
@@ -242,6 +200,25 @@ class TrainConfig:
                               "(the same FSDP2 it would use).")
         return self
 
+    def describe(self) -> str:
+        """What trains this layout, in a few words per strategy (``gpucourse train --list``)."""
+        torch_impl = self.impl != "scratch"
+        parts = []
+        if self.pp > 1:
+            parts.append("torch.distributed.pipelining" if torch_impl else f"pipeline, {self.schedule} schedule")
+        if self.tp > 1:
+            parts.append("DTensor tensor parallel" if torch_impl else "Megatron-style column/row parallel")
+        if self.zero:
+            parts.append({"scratch": f"ZeRO-{self.zero} (flat shards)",
+                          "accelerate": "accelerate.Accelerator (FSDP; CUDA only)"}.get(self.impl) or
+                         {1: "ZeroRedundancyOptimizer", 2: "FSDP2, parameters kept between forward and backward",
+                          3: "FSDP2 fully_shard"}[self.zero])
+        elif self.dp > 1:
+            parts.append({"scratch": "bucketed all-reduce overlapped with backward" if self.bucket_mb
+                          else "one all-reduce per gradient after backward",
+                          "torch": "DistributedDataParallel", "accelerate": "accelerate.Accelerator (DDP)"}[self.impl])
+        return " + ".join(parts) or "one device, the baseline"
+
     def kind(self) -> str:
         """The layout's name in the ``--list`` table (``single``, ``dp``, ``zero1``, ``dp×tp``...)."""
         names = [n for n, d in (("dp", self.dp), ("tp", self.tp), ("pp", self.pp)) if d > 1]
@@ -250,10 +227,38 @@ class TrainConfig:
         return "×".join(names) or "single"
 
 
+# The layouts ``gpucourse train --list`` tries, each dimension at degree 2: validate() decides which run.
+MESHES = [dict(), dict(dp=2), dict(tp=2), dict(pp=2), dict(dp=2, tp=2), dict(dp=2, pp=2), dict(tp=2, pp=2),
+          dict(dp=2, tp=2, pp=2)]
+
+
+def supported() -> list[tuple[str, str, str, dict]]:
+    """``(layout, impl, what it is, changes from the defaults)`` of every combination :meth:`TrainConfig.validate` accepts.
+
+    Generated by trying each mesh of :data:`MESHES` with each impl, ZeRO stage
+    (where there are dp ranks to shard over) and bucket setting: the list of what
+    runs comes from the same rules that refuse.
+    """
+    rows = []
+    for mesh in MESHES:
+        for impl in IMPLS if mesh else ["scratch"]:  # one device is one device, whatever the impl
+            for zero in (0, 1, 2, 3) if "dp" in mesh else [0]:  # ZeRO shards over dp ranks
+                for bucket_mb in (None, 1) if impl == "scratch" else [None]:  # DDP buckets by itself
+                    changes = {**mesh, **({"microbatches": 2} if "pp" in mesh else {}), "zero": zero,
+                               "bucket_mb": bucket_mb, "impl": impl}
+                    changes = {k: v for k, v in changes.items() if v != getattr(TrainConfig, k)}
+                    try:
+                        cfg = TrainConfig(**changes).validate()
+                    except ConfigError:
+                        continue
+                    rows.append((cfg.kind(), impl, cfg.describe(), changes))
+    return rows
+
+
 def supported_table() -> list[dict]:
     """Rows of what this build runs, for ``gpucourse train --list``, each with the command that trains it."""
     return [{"layout": layout, "impl": impl, "what": what, "example": train_command(changes)}
-            for layout, impl, what, changes in SUPPORTED]
+            for layout, impl, what, changes in supported()]
 
 
 def train_command(changes: dict) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import SUPPORTED, ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, supported
 from .runtime import LaunchError, LaunchTimeout, WorkerError, plan_device, visible_gpus
 from .runtime.launcher import preimport
 
@@ -52,7 +52,7 @@ class TourRow:
 def layouts(settings: dict | None = None, device: str = "auto") -> list[TourRow]:
     """Every supported layout as a row, with its config (``settings`` applied on top)."""
     return [TourRow(layout, impl, TrainConfig(**{**changes, "device": device, **(settings or {})}))
-            for layout, impl, _, changes in SUPPORTED]
+            for layout, impl, _, changes in supported()]
 
 
 def relative_difference(losses, baseline) -> float:

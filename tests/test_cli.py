@@ -172,9 +172,9 @@ def test_lab_serves_the_notebooks_on_localhost_behind_a_token(monkeypatch, capsy
 
 
 def test_each_supported_rows_command_describes_that_rows_config():
-    from gpucourse.config import SUPPORTED, supported_table
+    from gpucourse.config import supported, supported_table
 
     parser = cli.build_parser()
-    for (layout, impl, _, changes), row in zip(SUPPORTED, supported_table()):
+    for (layout, impl, _, changes), row in zip(supported(), supported_table()):
         args = parser.parse_args(shlex.split(row["example"])[1:])
         assert cli._config_from(args) == TrainConfig(**changes), (layout, impl, row["example"])

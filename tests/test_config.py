@@ -89,3 +89,17 @@ def test_a_checkpoint_written_before_a_field_existed_still_matches(tmp_path):
     del saved["cp"]  # what a checkpoint written before the mesh had cp says
     assert checkpoint._differences(saved, cfg) == []
     assert checkpoint._differences({**saved, "dp": 4}, cfg) == ["dp"]
+
+
+def test_the_list_of_what_runs_is_what_the_rules_accept():
+    from gpucourse.config import MESHES, supported
+
+    rows = {(layout, impl): changes for layout, impl, _, changes in supported()}
+    # Every mesh is there in scratch, and the composed ones too.
+    assert {("single", "scratch"), ("dp×tp×pp", "scratch"), ("zero1×tp×pp", "scratch"), ("zero3×tp×pp", "torch"),
+            ("dp×pp", "torch")} <= set(rows)
+    # What validate() refuses is not listed: DDP over DTensor parameters, torch's ZeRO-1 beside tp, Accelerate with tp.
+    assert not {("dp×tp", "torch"), ("zero1×tp", "torch"), ("tp", "accelerate")} & set(rows)
+    for changes in rows.values():
+        TrainConfig(**changes).validate()
+    assert len(MESHES) == 8 and len(rows) >= 30

@@ -79,10 +79,10 @@ def test_a_layout_that_differs_fails_the_tour(tmp_path, monkeypatch, capsys):
 
 
 def test_every_supported_row_becomes_a_config():
-    from gpucourse.config import SUPPORTED
+    from gpucourse.config import supported
 
     rows = tour.layouts(tour.QUICK)
-    assert [(r.layout, r.impl) for r in rows] == [(layout, impl) for layout, impl, *_ in SUPPORTED]
+    assert [(r.layout, r.impl) for r in rows] == [(layout, impl) for layout, impl, *_ in supported()]
     for r in rows:
         assert r.config.steps == tour.QUICK["steps"] and r.config.seq_len == tour.QUICK["seq_len"]
     assert next(r for r in rows if r.name == "dp×tp×pp scratch").config.world_size == 8
