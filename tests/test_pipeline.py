@@ -171,3 +171,15 @@ def test_stages_chained_are_the_model_with_its_names():
     with torch.no_grad():
         got = stages[1](stages[0](idx))
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_module_without_blocks_is_refused_in_one_sentence_naming_it():
+    from gpucourse.model import blocks_of
+    from gpucourse.parallel.activation_checkpointing import checkpoint_blocks
+
+    bigram = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+    for strategy in (blocks_of, checkpoint_blocks, lambda m: GPTStage(m, 0, 2)):
+        with pytest.raises(TypeError) as info:
+            strategy(bigram)
+        assert str(info.value) == ("Sequential has no `blocks` (an nn.ModuleList of transformer blocks), "
+                                   "so it cannot be worked on block by block.")

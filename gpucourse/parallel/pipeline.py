@@ -74,10 +74,10 @@ class GPTStage(nn.Module):
 
     def __init__(self, model: GPT, stage: int, pp: int):
         super().__init__()
+        blocks = blocks_of(model)  # a model without blocks is refused before anything moves
         self.first, self.last = stage == 0, stage == pp - 1
         if self.first:
             self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
-        blocks = blocks_of(model)
         self.blocks = nn.ModuleDict({str(i): blocks[i] for i in stage_blocks(len(blocks), pp, stage)})
         if self.last:
             self.ln_f, self.head = model.ln_f, model.head
