@@ -166,7 +166,7 @@ def run(config: TrainConfig, *, timeout: float | None = None, export_weights: st
                        if in_place() else config.world_size)
     config.validate_on(plan.device)
     checkpoint.find_resume(config)  # a resume that cannot work is refused before any rank starts
-    holders = config.dp * config.tp  # ranks that see a loss: the last pipeline stage of each replica
+    holders = config.world_size // config.pp  # ranks that see a loss: those of the last pipeline stage
     progress = _Progress(holders, on_step) if on_step else None
 
     def handle(msg: dict) -> None:

@@ -26,7 +26,7 @@ from .single import Trainer
 
 
 def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, device=None) -> Trainer:
-    """The trainer for ``cfg``'s layout: ``model`` transformed by each strategy in turn, on ``mesh`` (pp, dp, cp, tp)."""
+    """The trainer for ``cfg``'s layout: ``model`` transformed by each strategy in turn, on ``mesh`` (pp dp cp tp)."""
     device = device or next(model.parameters()).device
     rec = rec if rec is not None else Recorder(0, device, enabled=False)
     precision = Precision(cfg.precision, cfg.master_weights, device.type)

@@ -71,9 +71,10 @@ class TorchDDP(Trainer):
         # rebuild after the first step would count every one of them (an internal assert),
         # so there DDP searches the graph for each step's parameters instead of rebuilding.
         device = next(model.parameters()).device
+        under_pipeline = options.get("loop") is not None
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, process_group=group, device_ids=[device.index] if device.type == "cuda" else None,
-            bucket_cap_mb=25 if bucket_mb is None else bucket_mb, find_unused_parameters=options.get("loop") is not None)
+            bucket_cap_mb=25 if bucket_mb is None else bucket_mb, find_unused_parameters=under_pipeline)
         super().__init__(ddp, **options)
         ddp.register_comm_hook(state=(self.rec, group), hook=_recording_allreduce_hook)
 

@@ -146,7 +146,9 @@ class TorchZero1(TorchDDP):
     def make_optimizer(self, lr):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        optimizer_class, kwargs = self.optimizer_class or torch.optim.AdamW, self.optimizer_kwargs or ADAMW
+        optimizer_class, kwargs = self.optimizer_class, self.optimizer_kwargs
+        if optimizer_class is None:  # the course's AdamW
+            optimizer_class, kwargs = torch.optim.AdamW, ADAMW
         return ZeroRedundancyOptimizer(
             [p for p in self.model.parameters() if p.requires_grad], optimizer_class=optimizer_class,
             process_group=self.group, lr=lr, **kwargs)
