@@ -236,6 +236,27 @@ class _StartupStalled(Exception):
     """The ranks did not all join their process group in time."""
 
 
+def _children() -> set[int]:
+    """The pids of this process's children, found without waiting on any of them.
+
+    ``multiprocessing.active_children()`` would reap the ones that ended: from the
+    watchdog's thread that races the agent's own wait for its ranks, which then
+    finds no exit code to read (torch's ``ProcessContext.join`` fails on None).
+    """
+    if not os.path.isdir("/proc"):  # no /proc (macOS): there ranks are spawned, and reaping is the only way
+        return {p.pid for p in multiprocessing.active_children()}
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    if int(f.read().rsplit(b")", 1)[1].split()[1]) == me:
+                        found.add(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return found
+
+
 class _Watchdog:
     """Kills the group's processes if the launch outlives its timeout, or its ranks never finish starting.
 
@@ -275,10 +296,9 @@ class _Watchdog:
 
     def kill(self) -> None:
         # Only our own children that started during this launch: never a stranger's pid.
-        for proc in multiprocessing.active_children():
-            if proc.pid not in self._before:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(proc.pid, signal.SIGKILL)
+        for pid in _children() - self._before:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
 
     def cancel(self) -> None:
         self._done.set()
@@ -480,7 +500,7 @@ def _launch_once(fn, args, kwargs, world_size, left, timeout, plan, method, pg_t
     stop = threading.Event()
     drainer = threading.Thread(target=_drain, args=(channel, on_message, stop), daemon=True)
     drainer.start()
-    watchdog = _Watchdog(left, {p.pid for p in multiprocessing.active_children()}, run_dir, world_size,
+    watchdog = _Watchdog(left, _children(), run_dir, world_size,
                          _startup_s(method, world_size))
     global _forking_ranks
     _forking_ranks = method == "fork"
