@@ -178,8 +178,9 @@ class TrainConfig:
             raise ConfigError(f"checkpoints of {self.kind()} with impl={self.impl!r} are not written in this build "
                               f"(their shards would need their tp and pp place); save without zero, with "
                               f"impl='scratch'.")
-        if self.impl == "scratch" and self.zero == 3:
-            raise ConfigError("zero=3 is not written from scratch in this build; use impl='torch' (FSDP2).")
+        if (self.save or self.resume) and self.zero == 3 and self.impl == "scratch":
+            raise ConfigError("checkpoints of scratch ZeRO-3 are not written in this build; save with zero 1 or 2, "
+                              "or impl='torch' (FSDP2).")
         if self.impl == "torch":
             if self.pp > 1 and self.schedule == "naive":
                 raise ConfigError("torch.distributed.pipelining has no 'naive' schedule; use gpipe or 1f1b, "
@@ -208,7 +209,9 @@ class TrainConfig:
             parts.append("torch.distributed.pipelining" if torch_impl else f"pipeline, {self.schedule} schedule")
         if self.tp > 1:
             parts.append("DTensor tensor parallel" if torch_impl else "Megatron-style column/row parallel")
-        if self.zero and self.impl == "scratch":
+        if self.zero == 3 and self.impl == "scratch":
+            parts.append("ZeRO-3 (flat shards per block, each gathered just in time)")
+        elif self.zero and self.impl == "scratch":
             parts.append(f"ZeRO-{self.zero} (flat shards)")
         elif self.zero and self.impl == "torch":
             parts.append({1: "ZeroRedundancyOptimizer", 2: "FSDP2, parameters kept between forward and backward",

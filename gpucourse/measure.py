@@ -53,6 +53,11 @@ class ActivationMeter:
             p = p.to_local() if hasattr(p, "to_local") else p
             self._excluded.add(p.untyped_storage().data_ptr())
 
+    def forget(self, params) -> None:
+        """Undo :meth:`exclude` for tensors whose storage is about to be freed (its address may be reused)."""
+        for p in params:
+            self._excluded.discard(p.untyped_storage().data_ptr())
+
     def add(self, t: torch.Tensor) -> None:
         """Count ``t`` as saved by the microbatch whose forward is running."""
         if self._active is None:

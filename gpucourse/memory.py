@@ -63,15 +63,27 @@ def block_params(mc: GPTConfig) -> BlockParams:
     return BlockParams(sharded, replicated)
 
 
+def stage_units(mc: GPTConfig, pp: int, stage: int, tp: int) -> dict:
+    """Parameters one rank holds on stage ``stage`` of ``pp`` (its 1/tp share of the blocks), by unit.
+
+    The units are ZeRO-3's (``parallel/zero3.py``): each block (``blocks.i``), and
+    the rest (``root``: embeddings on the first stage, final norm and head on the last).
+    """
+    bp = block_params(mc)
+    units = {f"blocks.{i}": bp.sharded // tp + bp.replicated for i in stage_blocks(mc.n_layer, pp, stage)}
+    root = 0
+    if stage == 0:
+        root += mc.vocab_size * mc.n_embd + mc.block_size * mc.n_embd  # token and position embeddings
+    if stage == pp - 1:
+        root += 2 * mc.n_embd + mc.n_embd * mc.vocab_size             # final LayerNorm and head
+    if root:
+        units["root"] = root
+    return units
+
+
 def stage_params(mc: GPTConfig, pp: int, stage: int, tp: int) -> int:
     """Parameters one rank holds: stage ``stage`` of ``pp``, its 1/tp share of the blocks."""
-    bp = block_params(mc)
-    n = len(stage_blocks(mc.n_layer, pp, stage)) * (bp.sharded // tp + bp.replicated)
-    if stage == 0:
-        n += mc.vocab_size * mc.n_embd + mc.block_size * mc.n_embd  # token and position embeddings
-    if stage == pp - 1:
-        n += 2 * mc.n_embd + mc.n_embd * mc.vocab_size             # final LayerNorm and head
-    return n
+    return sum(stage_units(mc, pp, stage, tp).values())
 
 
 def num_params(mc: GPTConfig) -> int:
@@ -86,12 +98,18 @@ def _regime(cfg: TrainConfig) -> str:
 
 
 def estimate_params(num: int, dp: int = 1, zero: int = 0, precision: str = "fp32",
-                    master_weights: bool = False, scratch_padding: bool = True) -> dict:
-    """Weights, gradients and optimizer bytes per rank for ``num`` parameters on one rank's share."""
+                    master_weights: bool = False, scratch_padding: bool = True, units=None) -> dict:
+    """Weights, gradients and optimizer bytes per rank for ``num`` parameters on one rank's share.
+
+    ``units``: the parameter counts of ZeRO-3's units, each padded to a multiple of dp
+    on its own in the from-scratch ZeRO-3 (``scratch_padding``).
+    """
     half = precision != "fp32" and master_weights
     w = 2 if half else 4
     opt_per_param = 8 + (4 if half else 0)
     shard = math.ceil(num / dp)
+    if zero == 3 and scratch_padding and units:
+        shard = sum(math.ceil(n / dp) for n in units)
     padded = shard * dp if (zero in (1, 2) and scratch_padding) else num
     return {
         "weights": w * (shard if zero == 3 else padded),
@@ -141,17 +159,29 @@ def estimate(cfg: TrainConfig) -> dict:
     held = in_flight(cfg.schedule, cfg.pp, cfg.microbatches)
     per_stage = []
     for stage in range(cfg.pp):
-        n = stage_params(mc, cfg.pp, stage, cfg.tp)
+        units = stage_units(mc, cfg.pp, stage, cfg.tp)
+        n = sum(units.values())
         mem = estimate_params(n, cfg.dp, cfg.zero, cfg.precision, cfg.master_weights,
-                              scratch_padding=cfg.impl == "scratch")
+                              scratch_padding=cfg.impl == "scratch", units=units.values())
         mem["activations"] = _activation_bytes(cfg, mc, stage, held[stage])
-        per_stage.append((n, mem))
+        per_stage.append((n, mem, _gathered_bytes(cfg, units)))
     stage_ranks = cfg.world_size // cfg.pp  # the mesh is (pp, dp, cp, tp): each stage's ranks are contiguous
     per_rank = {r: dict(per_stage[r // stage_ranks][1]) for r in range(cfg.world_size)}
     worst = max(per_rank.values(), key=lambda m: sum(m.values()))
-    return {"config": cfg.to_dict(), "num_params": num_params(mc),
-            "params_per_rank": {r: per_stage[r // stage_ranks][0] for r in range(cfg.world_size)},
-            "per_rank": per_rank, "max": worst, "max_total": sum(worst.values())}
+    est = {"config": cfg.to_dict(), "num_params": num_params(mc),
+           "params_per_rank": {r: per_stage[r // stage_ranks][0] for r in range(cfg.world_size)},
+           "per_rank": per_rank, "max": worst, "max_total": sum(worst.values())}
+    if cfg.zero == 3 and cfg.impl == "scratch":
+        est["gathered"] = {r: per_stage[r // stage_ranks][2] for r in range(cfg.world_size)}
+    return est
+
+
+def _gathered_bytes(cfg: TrainConfig, units: dict) -> int:
+    """From-scratch ZeRO-3's most weights whole at once: the root unit and the largest block, each padded."""
+    if not (cfg.zero == 3 and cfg.impl == "scratch"):
+        return 0
+    from .parallel.zero3 import memory_formula
+    return memory_formula(units, cfg.dp, 2 if cfg.precision != "fp32" and cfg.master_weights else 4)["gathered"]
 
 
 def with_microbatch(cfg: TrainConfig, micro: int) -> TrainConfig:
@@ -200,4 +230,7 @@ def format_estimate(est: dict) -> str:
         label = f"{stage * group}-{stage * group + group - 1}" if group > 1 else str(stage)
         lines.append(f"  {label:<10}" + "".join(f"{human_bytes(mem[c], binary=True):>14}" for c in CATEGORIES)
                      + f"{human_bytes(sum(mem.values()), binary=True):>14}")
+    if "gathered" in est:
+        lines.append(f"  ZeRO-3 also holds up to {human_bytes(max(est['gathered'].values()), binary=True)} of "
+                     f"gathered weights while computing (the root unit and one block, whole).")
     return "\n".join(lines)

@@ -66,6 +66,7 @@ def train(strategy: str, steps: int = 4, optimizer: str | None = None, **kw) -> 
     from gpucourse.parallel.data_parallel_buckets import BucketedDataParallel
     from gpucourse.parallel.single import Trainer
     from gpucourse.parallel.zero import ZeroScratch
+    from gpucourse.parallel.zero3 import Zero3Scratch
 
     model = make_model()
     rank, world = (current().rank, dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -79,9 +80,10 @@ def train(strategy: str, steps: int = 4, optimizer: str | None = None, **kw) -> 
         "buckets": lambda: BucketedDataParallel(model, group, bucket_mb=kw.get("bucket_mb", 1e-4), lr=0.05, **opt),
         "zero1": lambda: ZeroScratch(model, group, stage=1, lr=0.05, **opt),
         "zero2": lambda: ZeroScratch(model, group, stage=2, lr=0.05, **opt),
+        "zero3": lambda: Zero3Scratch(model, group, lr=0.05, **opt),
     }[strategy]()
     for step in range(steps):
         x, y = batch(step)
         rows = x.shape[0] // world
         trainer.step(x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows])
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    return {k: v.clone() for k, v in trainer.local_state_dict().items()}  # ZeRO-3 gathers its shards for this

@@ -6,7 +6,9 @@ import pytest
 
 from gpucourse import TrainConfig, run
 from gpucourse.model import build_model
+from gpucourse.memory import stage_units
 from gpucourse.parallel.zero import memory_formula
+from gpucourse.parallel.zero3 import memory_formula as zero3_formula
 
 pytestmark = pytest.mark.timeout(240)
 BASE = dict(batch_size=12, seq_len=32, steps=3)
@@ -39,10 +41,30 @@ def test_zero_moves_what_its_algorithm_must(dp):
     assert ratio == pytest.approx(padded / P, rel=1e-9), "ZeRO-2 moves what data parallelism moves (ring count)"
 
 
-@pytest.mark.parametrize("dp,zero", [(1, 0), (2, 0), (2, 1), (2, 2), (3, 1), (3, 2)])
+@pytest.mark.parametrize("dp,grad_accum", [(2, 1), (3, 2)])
+def test_zero3_gathers_each_block_twice_and_reduce_scatters_it_once(dp, grad_accum):
+    result = _run(dp=dp, zero=3, grad_accum=grad_accum)
+    units = stage_units(TrainConfig().model_config(), 1, 0, 1)
+    padded = {name: -(-n // dp) * dp for name, n in units.items()}
+    blocks, root = sum(n for name, n in padded.items() if name != "root"), padded["root"]
+    # Per microbatch: each block gathered before forward and before backward, the root once (kept between);
+    # every unit's gradient reduce-scattered once. Counted per rank, summed over the dp ranks.
+    per_microbatch = 4 * (2 * blocks + root) + 4 * (blocks + root)
+    assert result.comm_bytes["per_step"] == [dp * grad_accum * per_microbatch] * BASE["steps"]
+    plain = _run(dp=dp)
+    ratio = _bus_per_step(result, 1) / _bus_per_step(plain, 1) / grad_accum
+    assert ratio == pytest.approx((1.5 * blocks + root) / P, rel=1e-9), "1.5× DP's bytes, less on the root"
+    assert ratio > 1.3
+
+
+@pytest.mark.parametrize("dp,zero", [(1, 0), (2, 0), (2, 1), (2, 2), (3, 1), (3, 2), (2, 3), (3, 3)])
 def test_memory_per_rank_equals_the_formula(dp, zero):
     result = _run(dp=dp, zero=zero)
-    expected = memory_formula(P, dp, zero)
+    if zero == 3:  # scratch ZeRO-3 pads each unit (block, root) to a multiple of dp on its own
+        expected = zero3_formula(stage_units(TrainConfig().model_config(), 1, 0, 1), dp)
+        assert result.extras["zero"]["gathered_peak_bytes"] == expected.pop("gathered")
+    else:
+        expected = memory_formula(P, dp, zero)
     assert len(result.memory) == dp
     for rank, measured in result.memory.items():
         assert {k: measured[k] for k in expected} == expected, f"rank {rank}"

@@ -17,7 +17,7 @@ def single():
     return awkward_models.train("single")
 
 
-@pytest.mark.parametrize("strategy", ["dp", "buckets", "zero1", "zero2"])
+@pytest.mark.parametrize("strategy", ["dp", "buckets", "zero1", "zero2", "zero3"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_awkward_model_matches_single_device(single, strategy, world_size):
     results = launch(awkward_models.train, strategy, world_size=world_size, timeout=60, quiet=True)
@@ -33,7 +33,7 @@ def test_awkward_model_matches_single_device(single, strategy, world_size):
 
 def test_a_learners_optimizer_with_its_own_settings_matches_single_device():
     # SGD with momentum and AdamW(betas=(0.9, 0.99), weight_decay=0.1), each strategy, in one launch of 2 ranks.
-    strategies, optimizers = ["dp", "buckets", "zero1", "zero2"], list(awkward_models.OPTIMIZERS)
+    strategies, optimizers = ["dp", "buckets", "zero1", "zero2", "zero3"], list(awkward_models.OPTIMIZERS)
     single = {o: awkward_models.train("single", optimizer=o) for o in optimizers}
     assert not torch.allclose(single["sgd"]["odd"], single["adamw"]["odd"]), "the two optimizers must differ"
     for rank, runs in enumerate(launch(awkward_models.train_each, strategies, optimizers, world_size=2, timeout=90,

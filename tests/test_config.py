@@ -14,7 +14,7 @@ from gpucourse import cli
     (dict(pp=2, microbatches=3), "microbatches=3 must divide the batch of each data-parallel rank"),
     (dict(microbatches=2), "needs pp > 1"),
     (dict(pp=2, grad_accum=2, microbatches=2), "set grad_accum=1"),
-    (dict(dp=2, zero=3), "zero=3 is not written from scratch"),
+    (dict(dp=2, zero=3, save="ckpt"), "checkpoints of scratch ZeRO-3 are not written"),
     (dict(dp=2, zero=2, impl="accelerate"), "offers DDP (zero=0) and FSDP (zero=3)"),
     (dict(tp=2, zero=1, dp=2, impl="torch"), "ZeRO-1 (ZeroRedundancyOptimizer) runs with data parallelism alone"),
     (dict(tp=2, zero=1, dp=2, save="ckpt"), "checkpoints of zero1×tp with impl='scratch' are not written"),
@@ -97,6 +97,7 @@ def test_the_list_of_what_runs_is_what_the_rules_accept():
     rows = {(layout, impl): changes for layout, impl, _, changes in supported()}
     # Every mesh is there in scratch, and the composed ones too.
     assert {("single", "scratch"), ("dp×tp×pp", "scratch"), ("zero1×tp×pp", "scratch"), ("zero3×tp×pp", "torch"),
+            ("zero3×tp×pp", "scratch"),
             ("dp×pp", "torch")} <= set(rows)
     # What validate() refuses is not listed: DDP over DTensor parameters, torch's ZeRO-1 beside tp, Accelerate with tp.
     assert not {("dp×tp", "torch"), ("zero1×tp", "torch"), ("tp", "accelerate")} & set(rows)

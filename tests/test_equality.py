@@ -75,7 +75,9 @@ def test_bucketed_data_parallel_equals_single(tmp_path, baselines, kw):
 
 @pytest.mark.parametrize("kw", [dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=3, zero=1), dict(dp=3, zero=2),
                                 dict(dp=2, zero=2, grad_accum=2), dict(dp=2, zero=1, impl="torch"),
-                                dict(dp=2, zero=2, impl="torch"), dict(dp=3, zero=3, impl="torch")], ids=str)
+                                dict(dp=2, zero=2, impl="torch"), dict(dp=3, zero=3, impl="torch"),
+                                dict(dp=2, zero=3), dict(dp=3, zero=3, grad_accum=2),
+                                dict(dp=2, zero=3, checkpoint_activations=True)], ids=str)
 def test_zero_equals_single(tmp_path, baselines, kw):
     result, weights = _run(tmp_path, "zero", steps=10, **kw)
     assert_equal_to_single(result, weights, baselines[10])

@@ -131,9 +131,11 @@ def train(tmp_path_factory, **layout):
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, impl="torch"), dict(tp=4), dict(dp=2, tp=2),
                                     dict(dp=2, tp=2, zero=1), dict(dp=2, tp=2, zero=2),
                                     dict(dp=2, tp=2, bucket_mb=0.02),
-                                    dict(dp=2, tp=2, zero=2, impl="torch"), dict(dp=2, tp=2, zero=3, impl="torch")],
+                                    dict(dp=2, tp=2, zero=2, impl="torch"), dict(dp=2, tp=2, zero=3, impl="torch"),
+                                    dict(dp=2, tp=2, zero=3)],
                          ids=["tp2-scratch", "tp2-torch", "tp4-scratch", "dp2xtp2-scratch", "dp2xtp2-zero1",
-                              "dp2xtp2-zero2", "dp2xtp2-buckets", "dp2xtp2-fsdp2-torch", "dp2xtp2-fsdp3-torch"])
+                              "dp2xtp2-zero2", "dp2xtp2-buckets", "dp2xtp2-fsdp2-torch", "dp2xtp2-fsdp3-torch",
+                              "dp2xtp2-zero3"])
 def test_tensor_parallel_equals_single_device(tmp_path_factory, layout):
     single, single_weights = train(tmp_path_factory)
     result, weights = train(tmp_path_factory, **layout)

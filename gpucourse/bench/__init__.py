@@ -204,6 +204,46 @@ def zero_memory_vs_formula() -> Reading:
     return Reading(worst, {"ratios": ratios}, f"worst measured/formula ratio {worst:.6f} over {len(ratios)}")
 
 
+@figure("zero3_memory_vs_formula", target="== 1.0", quick=dict(), full=dict())
+def zero3_memory_vs_formula() -> Reading:
+    """Measured weights, gradients, optimizer state and peak gathered bytes of scratch ZeRO-3 over its formula."""
+    from ..memory import stage_units
+    from ..parallel.zero3 import memory_formula
+
+    configs = [_bench_config(impl="scratch", dp=d, zero=3, batch_size=12, steps=1, **kw)
+               for d, kw in ((2, {}), (3, {}), (2, dict(tp=2)))]
+    ratios = {}
+    for cfg in configs:
+        result = run(cfg, timeout=RUN_TIMEOUT_S, quiet=True)
+        want = memory_formula(stage_units(cfg.model_config(), 1, 0, cfg.tp), cfg.dp)
+        for rank, mem in result.memory.items():
+            for k in ("weights", "gradients", "optimizer"):
+                ratios[f"{cfg.layout()} rank{rank} {k}"] = mem[k] / want[k]
+        ratios[f"{cfg.layout()} gathered"] = result.extras["zero"]["gathered_peak_bytes"] / want["gathered"]
+    worst = _worst(ratios)
+    return Reading(worst, {"ratios": ratios}, f"worst measured/formula ratio {worst:.6f} over {len(ratios)}")
+
+
+@figure("zero3_scratch_vs_fsdp2", target="<= 1.3", quick=dict(reps=2, steps=12), full=dict(reps=4, steps=30))
+def zero3_scratch_vs_fsdp2(reps: int, steps: int) -> Reading:
+    """Step time of ZeRO-3 from scratch (flat shards per block) over FSDP2's fully_shard, 2 data-parallel ranks."""
+    detail, med = compare_runs({"scratch": _bench_config(impl="scratch", zero=3, steps=steps),
+                                "fsdp2": _bench_config(impl="torch", zero=3, steps=steps)}, reps)
+    return Reading(ratio(med["scratch"], med["fsdp2"]), detail,
+                   f"scratch {med['scratch'] * 1e3:.1f} ms, FSDP2 {med['fsdp2'] * 1e3:.1f} ms per step")
+
+
+@figure("fsdp_tp_vs_scratch_dp_tp", quick=dict(reps=2, steps=10), full=dict(reps=3, steps=20))
+def fsdp_tp_vs_scratch_dp_tp(reps: int, steps: int) -> Reading:
+    """Step time of FSDP2 × DTensor TP (torchtitan's 2-D recipe) over scratch ZeRO-3 × tensor parallel, dp2 × tp2."""
+    base = dict(dp=2, tp=2, zero=3, steps=steps)
+    detail, med = compare_runs({"torch": _bench_config(impl="torch", **base),
+                                "scratch": _bench_config(impl="scratch", **base)}, reps)
+    return Reading(ratio(med["torch"], med["scratch"]), detail,
+                   f"FSDP2×DTensor {med['torch'] * 1e3:.1f} ms, scratch ZeRO-3×TP {med['scratch'] * 1e3:.1f} ms "
+                   f"per step (4 ranks)")
+
+
 @figure("memory_estimate_vs_measured", target="== 1.0", quick=dict(), full=dict())
 def memory_estimate_vs_measured() -> Reading:
     """Measured weights, gradients and optimizer bytes over ``gpucourse memory``'s estimate, several layouts."""

@@ -73,6 +73,9 @@ def _data_parallel(model, mesh, cfg: TrainConfig, **options) -> Trainer:
     """The trainer that synchronises ``model``'s gradients over the dp slice of the mesh (and steps the optimizer)."""
     group = mesh["dp"].get_group()
     if cfg.zero:
+        if cfg.impl == "scratch" and cfg.zero == 3:
+            from .zero3 import Zero3Scratch
+            return Zero3Scratch(model, group, **options)
         if cfg.impl == "scratch":
             from .zero import ZeroScratch
             return ZeroScratch(model, group, cfg.zero, **options)

@@ -15,8 +15,9 @@ copies in stages:
   gradient memory falls from 4·P to 4·P/dp. For clarity this file
   reduce-scatters after the whole backward, so the full gradient still exists
   once, briefly; production code does it bucket by bucket during backward.
-- **Stage 3** shards the weights too and gathers each layer just before use:
-  that is FSDP, here through PyTorch's ``fully_shard`` (``impl="torch"``).
+- **Stage 3** shards the weights too and gathers each block just before use:
+  that is FSDP; ``zero3.py`` writes it from scratch, and PyTorch's
+  ``fully_shard`` runs it with ``impl="torch"``.
 
 Memory kept per rank at the optimizer step, with S = ceil(P / dp) and padded
 P' = S·dp (see :func:`memory_formula`): weights 4·P' bytes; gradients 4·P'
