@@ -18,17 +18,18 @@ would need that rank to fit the whole model. ``torch.distributed.checkpoint``
   is written once;
 - a tensor cut between ranks is handed to DCP as a ``DTensor`` (its shard, plus
   where the shard sits in the whole), so the checkpoint stores the *whole*
-  tensor under its single-device name and each rank writes its own piece;
-- ``torch.distributed.checkpoint.state_dict``'s ``get_model_state_dict`` and
-  ``get_optimizer_state_dict`` (and their ``set_`` twins) name what a module and
-  its optimizer hold, plain or wrapped: DDP's replica, FSDP2's and DTensor tensor
-  parallel's shards. The from-scratch shards are made DTensors here, a few lines
-  each (:func:`trainer_state`): tensor-parallel slices of weights and moments, and
-  ZeRO's shard of Adam's moments in its flat buffer (:func:`_zero_shard`).
+  tensor under its single-device name and each rank writes its own piece.
 
-Loading is the mirror image: each rank builds the same dictionary from its
-freshly built trainer and DCP fills it in place, reading only the pieces that
-rank needs.
+What a rank holds, the trainer says itself: ``trainer.state_dict()`` is DCP's
+Stateful protocol, filled in by each strategy (``parallel/single.py``): weights
+under single-device names, optimizer state per parameter ("blocks.0.ln1.weight.exp_avg"),
+tensor parallel's slices as DTensors, ZeRO's flat shards cut back into
+parameters. Nothing in it depends on the layout, so **a checkpoint saved at one
+layout resumes at another** (dp2 ZeRO-2 → tp2 × pp2, dp4 → dp2): loading is the
+mirror image, each rank builds the same dictionary from its freshly built
+trainer and DCP fills it in place, reading from whichever files hold the pieces
+that rank needs now. This file keeps only folders, the random state and DCP's
+save and load.
 
 A crash in the middle of a save must never leave something that looks like a
 checkpoint. Every rank writes into ``DIR/step-000010.tmp``; after a barrier
@@ -41,8 +42,10 @@ and scripts). Resuming takes the newest *complete* folder: named
 
 Rules for ``resume=DIR`` (checked before any rank starts):
 
-- the checkpoint must come from the same layout and training settings; only
-  ``steps`` (and where the run saves, records and runs) may change;
+- the checkpoint must come from the same model and training settings; the
+  layout (dp, tp, pp, zero, impl, schedule, microbatches, grad_accum, ...) and
+  ``steps`` (and where the run saves, records and runs) may change. Each rank's
+  random state is restored when as many ranks resume as saved;
 - a folder with no complete checkpoint is refused — unless it is also the
   ``save`` folder: then the run starts from step 0. That is what a job that is
   restarted after a failure needs (``torchrun --max-restarts``): the same command
@@ -74,14 +77,16 @@ import torch.distributed as dist
 from . import comm
 from .config import ConfigError, TrainConfig
 from .measure import write_atomic
-from .parallel.tensor_parallel import shard_dims
-from .parallel.zero import ZeroScratch
 
 FAULT_ENV = "GPUCOURSE_FAULT"
 META = "meta.json"
 LATEST = "latest"
-# Config fields a resumed run may change: they say how long and where it runs, not what it computes.
+# Config fields a resumed run may change: they say how long and where it runs, not what it computes,
 RUN_OPTIONS = ("steps", "device", "record", "profile", "save", "save_every", "resume")
+# ...and how the same computation is laid out on ranks: every layout equals one device.
+LAYOUT_OPTIONS = ("dp", "tp", "pp", "cp", "zero", "impl", "schedule", "microbatches", "grad_accum", "bucket_mb",
+                  "checkpoint_activations")
+FORMAT = 2  # 2: state under single-device names, whatever the layout (1: each layout its own)
 _NAME = re.compile(r"step-(\d{6,})")
 
 
@@ -117,7 +122,7 @@ def read_meta(path: str | os.PathLike) -> dict:
 def _differences(saved: dict, cfg: TrainConfig) -> list[str]:
     now = cfg.to_dict()
     default = TrainConfig().to_dict()  # a field newer than the checkpoint had its default then
-    return [k for k in now if k not in RUN_OPTIONS and saved.get(k, default[k]) != now[k]]
+    return [k for k in now if k not in RUN_OPTIONS + LAYOUT_OPTIONS and saved.get(k, default[k]) != now[k]]
 
 
 def find_resume(cfg: TrainConfig) -> str | None:
@@ -146,119 +151,26 @@ def find_resume(cfg: TrainConfig) -> str | None:
                           f"the same folder.")
     step, path = found[-1]
     meta = read_meta(path)
+    if meta.get("format", 1) != FORMAT:
+        raise ConfigError(f"{path} was saved by an earlier gpucourse, whose checkpoints depend on their layout; "
+                          f"this one reads format {FORMAT}: train again from step 0 (or resume with that version).")
     diff = _differences(meta["config"], cfg)
     if diff:
         was = ", ".join(f"{k}={meta['config'].get(k)!r}" for k in diff)
         now = ", ".join(f"{k}={getattr(cfg, k)!r}" for k in diff)
-        raise ConfigError(f"{path} was saved by a run with {was} but this run has {now}; a run resumes only "
-                          f"the layout and settings it saved (only steps may change).")
+        raise ConfigError(f"{path} was saved by a run with {was} but this run has {now}; a run resumes the model "
+                          f"and training settings it saved (the layout and the number of steps may change).")
     if step >= cfg.steps:
         raise ConfigError(f"{path} is already at step {step}, so steps={cfg.steps} leaves nothing to train; "
                           f"ask for more steps.")
     return path
 
 
-# --- What each rank holds -----------------------------------------------------------------------
-
-def _options():
-    """Optimizer state under parameter names, one key per parameter ("state.blocks.0.ln1.weight.exp_avg").
-
-    Rather than torch's list of parameter groups: a pipeline stage or a ZeRO-1
-    rank then saves just the entries of its own parameters.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-    return StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def _torch_optimizer(trainer, cfg: TrainConfig):
-    """The torch optimizer whose state this rank holds."""
-    if cfg.impl == "torch" and cfg.zero == 1:
-        return trainer.optimizer.optim  # ZeroRedundancyOptimizer: the AdamW over this rank's own parameters
-    if cfg.impl == "accelerate":
-        return trainer.optimizer.optimizer  # Accelerate's wrapper around ours
-    return trainer.optimizer
-
-
-def _sharded(t: torch.Tensor, mesh, dim: int):
-    """This rank's piece ``t`` as a DTensor: DCP then stores the whole tensor, each rank writing its piece."""
-    from torch.distributed.tensor import DTensor, Shard
-    return DTensor.from_local(t, mesh, [Shard(dim)], run_check=False)
-
-
-def _local(tree):
-    """``tree`` with every DTensor in it turned back into this rank's piece (for those made by :func:`_sharded`)."""
-    from torch.distributed.tensor import DTensor
-    if isinstance(tree, dict):
-        return {k: _local(v) for k, v in tree.items()}
-    return tree.to_local() if isinstance(tree, DTensor) else tree
-
-
-def _adam_state(adamw: torch.optim.Optimizer, tensors: list) -> list[dict]:
-    """AdamW's state of each of ``tensors``; zeros of the right shape for a fresh optimizer, for DCP to fill."""
-    return [adamw.state.get(t) or {"step": torch.zeros(()), "exp_avg": torch.zeros_like(t),
-                                   "exp_avg_sq": torch.zeros_like(t)} for t in tensors]
-
-
-def _give_adam_state(adamw: torch.optim.Optimizer, states: list[dict]) -> None:
-    """Hand AdamW the (loaded) state of its parameters, in their order."""
-    groups = adamw.state_dict()["param_groups"]
-    adamw.load_state_dict({"state": dict(enumerate(states)), "param_groups": groups})
-
-
-def _zero_shard(trainer: ZeroScratch, mesh) -> dict:
-    # Weights: every rank holds them all (stages 1 and 2), each parameter a view into the flat
-    # buffer, so they are in "model". Here: this rank's shard of Adam's moments (and of the fp32
-    # master weights, with master_weights) — a DTensor over dp, so the checkpoint holds the whole flat.
-    masters = trainer.precision.master_weights
-    adamw = trainer.optimizer.inner if masters else trainer.optimizer
-    tensor = trainer.optimizer.masters[0] if masters else trainer.local
-    [adam] = _adam_state(adamw, [tensor])
-    shard = {"step": adam["step"], "exp_avg": _sharded(adam["exp_avg"], mesh["dp"], 0),
-             "exp_avg_sq": _sharded(adam["exp_avg_sq"], mesh["dp"], 0)}
-    if masters:
-        shard["master"] = _sharded(tensor, mesh["dp"], 0)
-    return shard
-
-
-def _master_names(trainer) -> list[str]:
-    name_of = {p: n.removeprefix("module.") for n, p in trainer.model.named_parameters()}
-    return [name_of[p] for p in trainer.optimizer.params]
-
-
-def trainer_state(trainer, mesh, cfg: TrainConfig) -> dict:
-    """This rank's part of the checkpoint, as DCP takes it: ``{"model", "optim", "rng"}`` (+ ``"loss_scale"``).
-
-    The tensors are the trainer's own (or views of them), so ``dcp.load`` into
-    this dictionary writes straight into the trainer; :func:`load_trainer_state`
-    then hands the optimizer its state.
-    """
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    # DDP, FSDP2 and DTensor say what they hold; under the single-device names, DDP's "module." removed.
-    model = get_model_state_dict(trainer.model)
-    cuts = shard_dims(trainer.model)
-    for name, dim in cuts.items():  # scratch tensor parallel: each tp rank holds a slice of these
-        model[name] = _sharded(model[name], mesh["tp"], dim)
-    if isinstance(trainer, ZeroScratch):
-        optim = {"flat_shard": _zero_shard(trainer, mesh)}
-    elif trainer.precision.master_weights:  # AdamW on fp32 copies of the (half-precision) weights
-        names, opt = _master_names(trainer), trainer.optimizer
-        optim = {"master": dict(zip(names, opt.masters)),
-                 "state": dict(zip(names, _adam_state(opt.inner, opt.masters)))}
-    else:
-        # A fresh optimizer has no state yet; this creates it (a step with lr 0) so DCP has tensors to fill.
-        optim = get_optimizer_state_dict(trainer.model, _torch_optimizer(trainer, cfg), options=_options())
-        for key, value in optim.items():  # "state.<name>.exp_avg": the moments are sliced like their weight
-            prefix, _, field = key.rpartition(".")
-            name = prefix.removeprefix("state.")
-            if key.startswith("state.") and name in cuts and field != "step":
-                optim[key] = _sharded(value, mesh["tp"], cuts[name])
-    state = {"model": model, "optim": optim, "rng": {f"rank{dist.get_rank()}": _rng_state()}}
-    scaler = trainer.precision.scaler
-    if scaler is not None:  # fp16: the loss scale and its count of good steps are state too
-        state["loss_scale"] = {"scale": scaler.scale, "good_steps": scaler.good_steps, "skipped": scaler.skipped}
-    return state
-
+# --- What each rank holds ------------------------------------------------------------------------
+#
+# The trainer says it itself: ``trainer.state_dict()`` / ``load_state_dict()`` (each strategy fills in
+# its part, see ``parallel/single.py``). Here only the random-number state is added, and at load the
+# keys the checkpoint lacks are left out (a parameter that never got a gradient has no optimizer state).
 
 def _rng_state() -> dict:
     state = {"cpu": torch.get_rng_state()}
@@ -267,28 +179,23 @@ def _rng_state() -> dict:
     return state
 
 
-def load_trainer_state(trainer, cfg: TrainConfig, state: dict) -> None:
-    """Give the trainer what ``dcp.load`` read into ``state`` (built by :func:`trainer_state`)."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
 
-    rng = state["rng"][f"rank{dist.get_rank()}"]
-    torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng:
-        torch.cuda.set_rng_state(rng["cuda"])
-    if "loss_scale" in state:
-        vars(trainer.precision.scaler).update(state["loss_scale"])
-    model, optim = state["model"], state["optim"]
-    if shard_dims(trainer.model):  # our tensor-parallel DTensors back to this rank's slices
-        model, optim = _local(model), _local(optim)
-    set_model_state_dict(trainer.model, model)
-    if isinstance(trainer, ZeroScratch):  # the master shard, if any, was loaded in place
-        shard, opt = _local(optim["flat_shard"]), trainer.optimizer
-        _give_adam_state(opt.inner if trainer.precision.master_weights else opt,
-                         [{k: shard[k] for k in ("step", "exp_avg", "exp_avg_sq")}])
-    elif trainer.precision.master_weights:  # the masters were loaded in place
-        _give_adam_state(trainer.optimizer.inner, [optim["state"][n] for n in _master_names(trainer)])
-    else:
-        set_optimizer_state_dict(trainer.model, _torch_optimizer(trainer, cfg), optim, options=_options())
+
+def _saved(tree: dict, keys: set, prefix: str = "") -> dict:
+    """``tree`` without the leaves the checkpoint lacks (DCP names a leaf by its keys joined with dots)."""
+    kept = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            inner = _saved(v, keys, f"{prefix}{k}.")
+            if inner:
+                kept[k] = inner
+        elif f"{prefix}{k}" in keys:
+            kept[k] = v
+    return kept
 
 
 # --- Saving and resuming, called by train._train on every rank ------------------------------------
@@ -303,7 +210,7 @@ def _uncounted(rec):
         comm.set_recorder(rec)
 
 
-def save(trainer, mesh, cfg: TrainConfig, step: int, rec=None) -> str:
+def save(trainer, cfg: TrainConfig, step: int, rec=None) -> str:
     """Write the checkpoint after ``step`` steps into ``cfg.save`` (collective: every rank calls it)."""
     import torch.distributed.checkpoint as dcp
 
@@ -315,11 +222,11 @@ def save(trainer, mesh, cfg: TrainConfig, step: int, rec=None) -> str:
             os.makedirs(cfg.save, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
         dist.barrier()
-        dcp.save(trainer_state(trainer, mesh, cfg), checkpoint_id=tmp)
+        dcp.save({**trainer.state_dict(), "rng": {f"rank{dist.get_rank()}": _rng_state()}}, checkpoint_id=tmp)
         dist.barrier()  # every rank has written its part
         if dist.get_rank() == 0:
             write_atomic(os.path.join(tmp, META), json.dumps({
-                "step": step, "config": cfg.to_dict(), "layout": cfg.layout(), "kind": cfg.kind(),
+                "format": FORMAT, "step": step, "config": cfg.to_dict(), "layout": cfg.layout(), "kind": cfg.kind(),
                 "world_size": dist.get_world_size(), "torch": torch.__version__, "time": time.time()}, indent=1))
             if os.path.isdir(final):  # the same step saved before, by an attempt that later failed
                 shutil.rmtree(final)
@@ -330,12 +237,15 @@ def save(trainer, mesh, cfg: TrainConfig, step: int, rec=None) -> str:
     return final
 
 
-def resume(trainer, mesh, cfg: TrainConfig, rec=None) -> int:
+def resume(trainer, cfg: TrainConfig, rec=None) -> int:
     """Load the newest complete checkpoint of ``cfg.resume`` into ``trainer``; return the step to start from.
 
     Rank 0 chooses the checkpoint and tells the others, so that every rank loads the same one.
+    The layout may differ from the one that saved: DCP reads each rank's pieces from whichever
+    files hold them. Each rank's random state comes back only on as many ranks as saved it.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
 
     with _uncounted(rec):
         chosen = [find_resume(cfg) if dist.get_rank() == 0 else None]
@@ -344,14 +254,20 @@ def resume(trainer, mesh, cfg: TrainConfig, rec=None) -> int:
         if path is None:
             return 0
         start = time.perf_counter()
-        state = trainer_state(trainer, mesh, cfg)
+        meta = read_meta(path)
+        state = trainer.state_dict()
+        if meta["world_size"] == dist.get_world_size():
+            state["rng"] = {f"rank{dist.get_rank()}": _rng_state()}
+        state = _saved(state, set(FileSystemReader(path).read_metadata().state_dict_metadata))
         dcp.load(state, checkpoint_id=path)
-        load_trainer_state(trainer, cfg, state)
-        step = read_meta(path)["step"]
+        trainer.load_state_dict(state)
+        if "rng" in state:
+            _set_rng_state(state["rng"][f"rank{dist.get_rank()}"])
         if dist.get_rank() == 0:
-            print(f"gpucourse: resumed from {path} at step {step} ({time.perf_counter() - start:.2f} s)",
-                  flush=True)
-    return step
+            moved = "" if meta["layout"] == cfg.layout() else f", saved at layout {meta['layout']}"
+            print(f"gpucourse: resumed from {path} at step {meta['step']}{moved} "
+                  f"({time.perf_counter() - start:.2f} s)", flush=True)
+    return meta["step"]
 
 
 def inject_fault(rank: int, step: int) -> None:

@@ -533,7 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=0, metavar="N",
                    help="with --save: a checkpoint every N steps, and one at the end (default 0: only at the end)")
     p.add_argument("--resume", metavar="DIR",
-                   help="go on from the newest complete checkpoint in DIR (same layout; more --steps is fine); "
+                   help="go on from the newest complete checkpoint in DIR (same model and settings; the layout and "
+                        "--steps may change); "
                         "if DIR is also --save and holds none yet, start from step 0")
     p.add_argument("--quiet", action="store_true", help="no progress or device line")
     p.add_argument("--list", action="store_true", help="list the layouts and impls this build supports")

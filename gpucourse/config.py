@@ -172,15 +172,6 @@ class TrainConfig:
         if self.impl == "torch" and self.tp > 1 and self.dp > 1 and not self.zero:
             raise ConfigError("PyTorch's DistributedDataParallel does not take DTensor (tensor-parallel) parameters; "
                               "use zero=2 or 3 (FSDP2 over dp, torchtitan's 2-D recipe), or impl='scratch'.")
-        hybrid = sum(d > 1 for d in (self.dp, self.tp, self.pp)) > 1
-        if (self.save or self.resume) and (self.tp > 1 or self.pp > 1) and (
-                (self.zero and self.impl == "scratch") or (hybrid and self.impl == "torch")):
-            raise ConfigError(f"checkpoints of {self.kind()} with impl={self.impl!r} are not written in this build "
-                              f"(their shards would need their tp and pp place); save without zero, with "
-                              f"impl='scratch'.")
-        if (self.save or self.resume) and self.zero == 3 and self.impl == "scratch":
-            raise ConfigError("checkpoints of scratch ZeRO-3 are not written in this build; save with zero 1 or 2, "
-                              "or impl='torch' (FSDP2).")
         if self.impl == "torch":
             if self.pp > 1 and self.schedule == "naive":
                 raise ConfigError("torch.distributed.pipelining has no 'naive' schedule; use gpipe or 1f1b, "

@@ -52,3 +52,24 @@ class MasterWeightsAdamW:
     def state_bytes(self) -> int:
         """Optimizer memory: the fp32 masters plus Adam's two moments."""
         return tensor_bytes(self.masters) + optimizer_state_bytes(self.inner)
+
+
+def init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter of a fresh ``optimizer`` its state (zeros), without changing any parameter.
+
+    A checkpoint is loaded *into* tensors, so a freshly built optimizer needs its
+    moments to exist first: one step with zero gradients and a learning rate of 0
+    makes them (torch.distributed.checkpoint's own ``get_optimizer_state_dict``
+    does the same). The loaded values replace them all.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is None]
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    for p in params:
+        p.grad = None

@@ -90,7 +90,7 @@ def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dic
     model = build_model(cfg.model_config(), cfg.seed).to(ctx.device)
     trainer = parallelize(model, mesh, cfg, rec, ctx.device)
     rec.activations.exclude(trainer.model.parameters())
-    start_step = checkpoint.resume(trainer, mesh, cfg, rec) if cfg.resume else 0
+    start_step = checkpoint.resume(trainer, cfg, rec) if cfg.resume else 0
     losses, step_times = [], []
     for step in range(start_step, cfg.steps):
         checkpoint.inject_fault(ctx.rank, step)
@@ -112,7 +112,7 @@ def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dic
         if cfg.record:  # what this rank did during the step, for a live view
             report({"kind": "activity", "step": step, "time_s": step_times[-1], "busy_s": rec.totals(first_span)})
         if cfg.save and (step + 1 == cfg.steps or cfg.save_every and (step + 1) % cfg.save_every == 0):
-            checkpoint.save(trainer, mesh, cfg, step + 1, rec)
+            checkpoint.save(trainer, cfg, step + 1, rec)
     comm.set_recorder(None)  # gathering the weights for export is not training traffic
     state = trainer.full_state_dict()
     if export_path and ctx.rank == 0:

@@ -14,12 +14,9 @@ from gpucourse import cli
     (dict(pp=2, microbatches=3), "microbatches=3 must divide the batch of each data-parallel rank"),
     (dict(microbatches=2), "needs pp > 1"),
     (dict(pp=2, grad_accum=2, microbatches=2), "set grad_accum=1"),
-    (dict(dp=2, zero=3, save="ckpt"), "checkpoints of scratch ZeRO-3 are not written"),
     (dict(dp=2, zero=2, impl="accelerate"), "offers DDP (zero=0) and FSDP (zero=3)"),
     (dict(tp=2, zero=1, dp=2, impl="torch"), "ZeRO-1 (ZeroRedundancyOptimizer) runs with data parallelism alone"),
-    (dict(tp=2, zero=1, dp=2, save="ckpt"), "checkpoints of zero1×tp with impl='scratch' are not written"),
     (dict(dp=2, tp=2, impl="torch"), "DistributedDataParallel does not take DTensor"),
-    (dict(dp=2, pp=2, zero=3, microbatches=2, impl="torch", save="ckpt"), "checkpoints of zero3×pp with impl='torch'"),
     (dict(pp=2, schedule="naive", microbatches=2, impl="torch"), "no 'naive' schedule"),
     (dict(pp=4, microbatches=2, impl="torch"), "Schedule1F1B needs microbatches >= pp"),
     (dict(tp=2, impl="accelerate"), "data parallelism only"),
@@ -88,7 +85,8 @@ def test_a_checkpoint_written_before_a_field_existed_still_matches(tmp_path):
     saved = cfg.to_dict()
     del saved["cp"]  # what a checkpoint written before the mesh had cp says
     assert checkpoint._differences(saved, cfg) == []
-    assert checkpoint._differences({**saved, "dp": 4}, cfg) == ["dp"]
+    assert checkpoint._differences({**saved, "lr": 0.1}, cfg) == ["lr"]
+    assert checkpoint._differences({**saved, "dp": 4, "zero": 2}, cfg) == [], "the layout may change"
 
 
 def test_the_list_of_what_runs_is_what_the_rules_accept():

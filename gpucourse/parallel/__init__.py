@@ -40,7 +40,7 @@ def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, devi
 
     # How this rank's weights become the whole model's: undone in reverse order
     # (tensor-parallel shards made whole first, then the pipeline's stages merged).
-    gathers, loop, extras = [], None, {}
+    gathers, placements, loop, extras = [], [], None, {}
     if cfg.pp > 1:
         from .pipeline import GPTStage, merge_stages, pipeline_extras
         model = GPTStage(model, mesh["pp"].get_local_rank(), cfg.pp)
@@ -53,6 +53,7 @@ def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, devi
         else:
             tensor_parallel.apply_tensor_parallel(model, mesh["tp"].get_group())
             gathers.insert(0, functools.partial(tensor_parallel.gather_shards, model, mesh["tp"].get_group()))
+            placements.append(tensor_parallel.ShardPlacement(model, mesh["tp"]))
     # cp: context parallelism keeps its place here; this build runs cp = 1.
     if cfg.checkpoint_activations:
         checkpoint_blocks(model)
@@ -64,7 +65,7 @@ def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, devi
             loop = PipelineSchedule(mesh["pp"].get_group(), cfg.schedule, cfg.microbatches,
                                     cfg.model_config().n_embd)
     trainer = _data_parallel(model, mesh, cfg, lr=cfg.lr, grad_accum=cfg.grad_accum, rec=rec, precision=precision,
-                             loop=loop, gathers=gathers)
+                             loop=loop, gathers=gathers, placements=placements)
     trainer.extras.update(extras)
     return trainer
 

@@ -74,5 +74,12 @@ class AccelerateTrainer(Trainer):
                            "gradients": tensor_bytes(p.grad for p in self.model.parameters() if p.grad is not None),
                            "optimizer": optimizer_state_bytes(self.optimizer.optimizer)}
 
+    @property
+    def module(self):
+        return self.accelerator.unwrap_model(self.model)
+
+    def torch_optimizer(self):
+        return self.optimizer.optimizer  # Accelerate's wrapper around ours
+
     def full_state_dict(self) -> dict:
         return cpu_state_dict(self.accelerator.get_state_dict(self.model))

@@ -82,8 +82,9 @@ class TorchDDP(Trainer):
         # Only the last microbatch's backward communicates; the others accumulate locally.
         return contextlib.nullcontext() if last else self.model.no_sync()
 
-    def local_state_dict(self) -> dict:
-        return self.model.module.state_dict()  # without DDP's "module." in the names
+    @property
+    def module(self):
+        return self.model.module  # without DDP's "module." in the names
 
 
 def _recording_allreduce_hook(state, bucket):

@@ -24,7 +24,7 @@ import torch
 
 from ..measure import Recorder, optimizer_state_bytes, tensor_bytes
 from ..model import loss_fn
-from ..optim import MasterWeightsAdamW, make_optimizer
+from ..optim import MasterWeightsAdamW, init_state, make_optimizer
 from .precision import Precision
 
 
@@ -57,6 +57,8 @@ class Trainer:
     - ``gathers`` turn this rank's weights into the whole model's, one function
       per strategy that cut them (tensor parallel's shards, then the pipeline's
       stages), for :meth:`full_state_dict`.
+    - ``placements`` say where this rank's pieces sit in the whole tensors, for
+      a checkpoint (:meth:`state_dict`): tensor parallel's slices.
     - ``precision`` (see ``precision.py``) chooses autocast or master weights and,
       for fp16, the loss scaler.
     - ``rec`` records spans, bytes and memory; without one nothing is recorded.
@@ -71,9 +73,10 @@ class Trainer:
     group = None  # the data-parallel group, where there is one: ranks agree on skipping a step over it
     loop = staticmethod(microbatch_loop)
     gathers: tuple = ()
+    placements: tuple = ()
 
     def __init__(self, model: torch.nn.Module, *, lr: float = 1e-3, grad_accum: int = 1, rec: Recorder | None = None,
-                 precision: Precision | None = None, loop=None, gathers=(), optimizer_class=None,
+                 precision: Precision | None = None, loop=None, gathers=(), placements=(), optimizer_class=None,
                  optimizer_kwargs: dict | None = None):
         self.model = model
         self.grad_accum = grad_accum
@@ -82,6 +85,7 @@ class Trainer:
         if loop is not None:
             self.loop = loop
         self.gathers = tuple(gathers)
+        self.placements = tuple(placements)
         self.memory: dict = {}
         self.extras: dict = {}  # what this trainer can say about the run (buckets, shards, the schedule)
         self.optimizer_class, self.optimizer_kwargs = optimizer_class, dict(optimizer_kwargs or {})
@@ -158,9 +162,93 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         return loss
 
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model without a wrapper that renames its parameters (DDP's ``module.``)."""
+        return self.model
+
     def local_state_dict(self) -> dict:
         """This rank's weights under the model's own names."""
-        return self.model.state_dict()
+        return self.module.state_dict()
+
+    # --- Checkpoints: the Stateful protocol of torch.distributed.checkpoint (DCP) -----------------
+    #
+    # state_dict() says what this rank holds, under single-device names; DCP writes it, each rank its
+    # part, and at load fills the same dictionary in place; load_state_dict() hands it back. Every
+    # tensor is either whole or a DTensor saying where its piece sits in the whole tensor, so what is
+    # saved does not depend on the layout: a checkpoint saved at one layout loads at another.
+
+    def state_dict(self) -> dict:
+        """``{"model": {name: weights}, "optim": {"name.field": optimizer state}}`` (+ ``"loss_scale"``).
+
+        With fp32 master weights, ``"name.master"`` too.
+        """
+        state = {"model": self.model_state(), "optim": self.optimizer_state()}
+        for placement in self.placements:
+            state = placement.place(state)
+        if self.precision.scaler is not None:  # fp16: the loss scale and its count of good steps are state too
+            scaler = self.precision.scaler
+            state["loss_scale"] = {"scale": scaler.scale, "good_steps": scaler.good_steps, "skipped": scaler.skipped}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take the state :meth:`state_dict` described, filled in by a load (keys it lacks stay fresh)."""
+        for placement in reversed(self.placements):
+            state = placement.local(state)
+        self.load_model_state(state["model"])
+        self.load_optimizer_state(state.get("optim", {}))
+        if "loss_scale" in state:
+            vars(self.precision.scaler).update(state["loss_scale"])
+
+    def model_state(self) -> dict:
+        return self.local_state_dict()
+
+    def load_model_state(self, state: dict) -> None:
+        self.module.load_state_dict(state)
+
+    def parameter_names(self) -> dict:
+        """``{parameter: its name}`` under the model's own names."""
+        return {p: name for name, p in self.module.named_parameters()}
+
+    def torch_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer holding the state: keyed by the parameters, or by their fp32 masters."""
+        return self.optimizer.inner if isinstance(self.optimizer, MasterWeightsAdamW) else self.optimizer
+
+    def _state_keys(self) -> dict:
+        """``{name: the tensor the optimizer keys its state by}`` (the parameter, or its fp32 master)."""
+        names = self.parameter_names()
+        if isinstance(self.optimizer, MasterWeightsAdamW):
+            return {names[p]: master for p, master in zip(self.optimizer.params, self.optimizer.masters)}
+        owned = {id(p) for group in self.torch_optimizer().param_groups for p in group["params"]}
+        return {name: p for p, name in names.items() if id(p) in owned}
+
+    def optimizer_state(self) -> dict:
+        optimizer = self.torch_optimizer()
+        if not optimizer.state:  # fresh (about to load): make the tensors a load fills in
+            init_state(optimizer)
+        state = {}
+        for name, key in self._state_keys().items():
+            for field, value in optimizer.state.get(key, {}).items():
+                state[f"{name}.{field}"] = value
+            if isinstance(self.optimizer, MasterWeightsAdamW):
+                state[f"{name}.master"] = key
+        return state
+
+    def load_optimizer_state(self, state: dict) -> None:
+        optimizer, by_name = self.torch_optimizer(), {}
+        for key, value in state.items():  # "blocks.0.ln1.weight.exp_avg" → ("blocks.0.ln1.weight", "exp_avg")
+            name, _, field = key.rpartition(".")
+            by_name.setdefault(name, {})[field] = value
+        for name, key in self._state_keys().items():
+            fields = by_name.get(name, {})
+            master = fields.pop("master", None)
+            if master is not None and master is not key:
+                with torch.no_grad():
+                    key.copy_(master)
+            if fields:
+                optimizer.state[key] = fields
+            else:  # not in the checkpoint: the parameter had no state there (it never got a gradient)
+                optimizer.state.pop(key, None)
 
     def full_state_dict(self) -> dict:
         """The whole model's weights under single-device names, on CPU (collective when strategies cut them)."""

@@ -187,6 +187,39 @@ def gather_shards(module: nn.Module, tp_group, state: dict) -> dict:
     return whole
 
 
+class ShardPlacement:
+    """Tensor parallel's part of a checkpoint: each slice a rank holds is a piece of a whole tensor.
+
+    ``place`` makes each slice (a weight, and the optimizer state shaped like it)
+    a DTensor over the tp mesh, cut along the dimension it was cut: the
+    checkpoint then stores the whole tensor under its single-device name, each
+    rank writing its piece, and any layout can load it. ``local`` undoes it.
+    """
+
+    def __init__(self, module: nn.Module, tp_mesh):
+        self.cuts, self.mesh = shard_dims(module), tp_mesh
+
+    def _dim(self, section: str, key: str, value) -> int | None:
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return None  # Adam's step count is not cut
+        return self.cuts.get(key if section == "model" else key.rpartition(".")[0])  # "name.exp_avg" → name
+
+    def place(self, state: dict) -> dict:
+        from torch.distributed.tensor import DTensor, Shard
+
+        def piece(section, key, value):
+            dim = self._dim(section, key, value)
+            return value if dim is None else DTensor.from_local(value, self.mesh, [Shard(dim)], run_check=False)
+        return {**state, **{section: {k: piece(section, k, v) for k, v in state[section].items()}
+                            for section in ("model", "optim")}}
+
+    def local(self, state: dict) -> dict:
+        def mine(section, key, value):
+            return value.to_local() if self._dim(section, key, value) is not None else value
+        return {**state, **{section: {k: mine(section, k, v) for k, v in state[section].items()}
+                            for section in ("model", "optim") if section in state}}
+
+
 def torch_block_plan() -> dict:
     """The same layout for DTensor's ``parallelize_module``, one block at a time.
 

@@ -45,7 +45,7 @@ from .. import comm
 from ..measure import optimizer_state_bytes, tensor_bytes
 from ..model import blocks_of
 from .data_parallel import TorchDDP, broadcast_parameters
-from ..optim import ADAMW
+from ..optim import ADAMW, MasterWeightsAdamW, init_state
 from .single import Trainer
 
 
@@ -56,6 +56,56 @@ def memory_formula(num_params: int, dp: int, stage: int) -> dict:
     shard = math.ceil(num_params / dp)
     padded = shard * dp
     return {"weights": 4 * padded, "gradients": 4 * (padded if stage == 1 else shard), "optimizer": 8 * shard}
+
+
+# --- Checkpoints: a flat shard's optimizer state, as every parameter's own ----------------------
+#
+# A checkpoint names optimizer state by parameter ("blocks.0.ln1.weight.exp_avg"), whole, so that
+# any layout can load it. A rank's flat shard holds pieces of several parameters, cut wherever the
+# shard boundary falls; saving all-gathers each field over dp and cuts it per parameter (every dp
+# rank then briefly holds its stage's whole moments; DCP writes each once); loading cuts this rank's
+# shard back out of the parameters' tensors.
+
+def _fields(trainer: Trainer, shard: torch.Tensor) -> dict:
+    """The optimizer state of ``shard`` by field (``exp_avg``, ``exp_avg_sq``, ``step``; ``master`` with masters)."""
+    optimizer = trainer.torch_optimizer()
+    if not optimizer.state:  # fresh (about to load): make the tensors a load fills in
+        init_state(optimizer)
+    if isinstance(trainer.optimizer, MasterWeightsAdamW):
+        master = dict(zip(map(id, trainer.optimizer.params), trainer.optimizer.masters))[id(shard)]
+        return {**optimizer.state[master], "master": master}
+    return dict(optimizer.state[shard])
+
+
+def sharded_optimizer_state(trainer: Trainer, shards, group) -> dict:
+    """``{"name.field": tensor}`` of every parameter in ``shards``: ``[(flat shard, [(name, offset, numel, shape)])]``."""
+    dp, state = dist.get_world_size(group), {}
+    for shard, entries in shards:
+        for field, value in _fields(trainer, shard).items():
+            if value.dim() == 0:  # Adam's step count: one for the whole shard
+                state.update({f"{name}.{field}": value.clone() for name, *_ in entries})
+                continue
+            whole = torch.empty(value.numel() * dp, dtype=value.dtype, device=value.device)
+            comm.all_gather_flat(whole, value.detach().contiguous(), group=group)
+            state.update({f"{name}.{field}": whole[offset:offset + n].view(shape) for name, offset, n, shape in entries})
+    return state
+
+
+def load_sharded_optimizer_state(trainer: Trainer, shards, state: dict, group) -> None:
+    """The reverse of :func:`sharded_optimizer_state`: this rank's shard of each field, cut from the parameters'."""
+    dp, rank = dist.get_world_size(group), dist.get_rank(group)
+    for shard, entries in shards:
+        for field, target in _fields(trainer, shard).items():
+            present = [(f"{name}.{field}", offset, n) for name, offset, n, _ in entries if f"{name}.{field}" in state]
+            with torch.no_grad():
+                if target.dim() == 0:
+                    if present:
+                        target.copy_(state[present[0][0]])
+                    continue
+                whole = torch.zeros(target.numel() * dp, dtype=target.dtype, device=target.device)
+                for key, offset, n in present:  # a parameter without state there: zeros (it never got a gradient)
+                    whole[offset:offset + n] = state[key].reshape(-1)
+                target.copy_(whole[rank * target.numel():(rank + 1) * target.numel()])
 
 
 class ZeroScratch(Trainer):
@@ -137,6 +187,16 @@ class ZeroScratch(Trainer):
     def weight_bytes(self) -> int:
         return tensor_bytes([self.flat])
 
+    def _shards(self) -> list:
+        names = self.parameter_names()
+        return [(self.local, [(names[p], offset, n, p.shape) for p, (offset, n) in zip(self.params, self.slices)])]
+
+    def optimizer_state(self) -> dict:
+        return sharded_optimizer_state(self, self._shards(), self.group)
+
+    def load_optimizer_state(self, state: dict) -> None:
+        load_sharded_optimizer_state(self, self._shards(), state, self.group)
+
     def gradient_bytes(self) -> int:
         return tensor_bytes([self._full_grad if self._full_grad is not None else self.local.grad])
 
@@ -156,6 +216,9 @@ class TorchZero1(TorchDDP):
 
     def optimizer_bytes(self) -> int:
         return optimizer_state_bytes(self.optimizer.optim)
+
+    def torch_optimizer(self):
+        return self.optimizer.optim  # the optimizer over this rank's own parameters: it holds their state
 
 
 class TorchFSDP(Trainer):

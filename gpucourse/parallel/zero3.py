@@ -55,6 +55,7 @@ from ..measure import tensor_bytes
 from ..model import blocks_of
 from .data_parallel import broadcast_parameters
 from .single import Trainer
+from .zero import load_sharded_optimizer_state, sharded_optimizer_state
 
 
 def memory_formula(units: dict[str, int], dp: int, value_bytes: int = 4) -> dict:
@@ -99,6 +100,12 @@ class Unit:
         comm.all_gather_into_tensor(self.flat, self.shard.detach(), group=self.group,
                                     name=f"all_gather {self.name}")
         self.gathered = True
+
+    def keep_shard(self) -> None:
+        """Copy this rank's shard out of the (gathered) flat buffer: after the weights were written whole."""
+        lo = dist.get_rank(self.group) * self.shard_size
+        with torch.no_grad():
+            self.shard.copy_(self.flat[lo:lo + self.shard_size])
 
     def free(self) -> None:
         self.flat.untyped_storage().resize_(0)  # every view (the module's weights) now points at nothing
@@ -256,12 +263,35 @@ class Zero3Scratch(Trainer):
 
     def local_state_dict(self) -> dict:
         """The whole (tensor-parallel-local) weights: every unit gathered once, copied, freed again."""
+        return self._whole(lambda: {k: v.detach().clone() for k, v in self.model.state_dict().items()})
+
+    def load_model_state(self, state: dict) -> None:
+        def load():
+            self.model.load_state_dict(state)
+            for unit in self.units:
+                unit.keep_shard()
+        self._whole(load)
+
+    def _whole(self, fn):
+        """``fn()`` with every unit gathered (a collective), each freed again after."""
         was = [u.gathered for u in self.units]
         for unit in self.units:
             if not unit.gathered:
                 unit.gather()
-        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        for unit, gathered in zip(self.units, was):
-            if not gathered:
-                unit.free()
-        return state
+        try:
+            return fn()
+        finally:
+            for unit, gathered in zip(self.units, was):
+                if not gathered:
+                    unit.free()
+
+    def _shards(self) -> list:
+        names = self.parameter_names()
+        return [(u.shard, [(names[p], offset, n, p.shape) for p, (offset, n) in zip(u.params, u.slices)])
+                for u in self.units]
+
+    def optimizer_state(self) -> dict:
+        return sharded_optimizer_state(self, self._shards(), self.group)
+
+    def load_optimizer_state(self, state: dict) -> None:
+        load_sharded_optimizer_state(self, self._shards(), state, self.group)
