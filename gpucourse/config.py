@@ -136,13 +136,11 @@ class TrainConfig:
             raise ConfigError(f"batch_size={self.batch_size} must be divisible by grad_accum × dp = "
                               f"{self.grad_accum} × {self.dp} = {per_step}.")
         if self.pp > 1:
-            if self.grad_accum != 1:
-                raise ConfigError("with pp > 1 the batch is split by microbatches=M, not grad_accum; "
-                                  "set grad_accum=1.")
-            per_dp = self.batch_size // self.dp
-            if per_dp % self.microbatches:
+            per_part = self.batch_size // per_step  # a pipeline runs its schedule once per accumulated part
+            if per_part % self.microbatches:
+                part = "rank" if self.grad_accum == 1 else "rank's accumulated part"
                 raise ConfigError(f"microbatches={self.microbatches} must divide the batch of each data-parallel "
-                                  f"rank, batch_size / dp = {per_dp} sequences.")
+                                  f"{part}, batch_size / (dp × grad_accum) = {per_part} sequences.")
         elif self.microbatches != 1:
             raise ConfigError("microbatches=M splits the batch between pipeline stages and needs pp > 1; "
                               "on one stage use grad_accum to split it.")
@@ -170,8 +168,13 @@ class TrainConfig:
             raise ConfigError("torch's ZeRO-1 (ZeroRedundancyOptimizer) runs with data parallelism alone (tp=1, pp=1); "
                               "use zero=2 or 3 (FSDP2), or impl='scratch'.")
         if self.impl == "torch" and self.tp > 1 and self.dp > 1 and not self.zero:
-            raise ConfigError("PyTorch's DistributedDataParallel does not take DTensor (tensor-parallel) parameters; "
-                              "use zero=2 or 3 (FSDP2 over dp, torchtitan's 2-D recipe), or impl='scratch'.")
+            if not has_replicate():
+                raise ConfigError(f"data parallelism over DTensor (tensor-parallel) parameters needs PyTorch's "
+                                  f"composable replicate, which torch {_torch_version()} lacks; use zero=2 or 3 "
+                                  f"(FSDP2), or impl='scratch'.")
+            if self.bucket_mb is not None:
+                raise ConfigError("bucket_mb sets DistributedDataParallel's buckets; with DTensor tensor parallelism "
+                                  "data parallelism is PyTorch's replicate, which all-reduces block by block.")
         if self.impl == "torch":
             if self.pp > 1 and self.schedule == "naive":
                 raise ConfigError("torch.distributed.pipelining has no 'naive' schedule; use gpipe or 1f1b, "
@@ -212,6 +215,8 @@ class TrainConfig:
         elif self.dp > 1 and self.impl == "scratch":
             parts.append("bucketed all-reduce overlapped with backward" if self.bucket_mb
                          else "one all-reduce per gradient after backward")
+        elif self.dp > 1 and self.impl == "torch" and self.tp > 1:
+            parts.append("replicate (DDP on FSDP2's machinery, for DTensor parameters)")
         elif self.dp > 1:
             parts.append("DistributedDataParallel" if self.impl == "torch" else "accelerate.Accelerator (DDP)")
         return " + ".join(parts) or "one device, the baseline"
@@ -222,6 +227,17 @@ class TrainConfig:
         if self.zero:
             names = [f"zero{self.zero}"] + [n for n in names if n != "dp"]
         return "×".join(names) or "single"
+
+
+def has_replicate() -> bool:
+    """Whether this torch has the composable ``replicate`` built on FSDP2 (DDP that takes DTensor parameters)."""
+    import importlib.util
+    return importlib.util.find_spec("torch.distributed._composable.replicate_with_fsdp") is not None
+
+
+def _torch_version() -> str:
+    import torch
+    return torch.__version__
 
 
 # The layouts ``gpucourse train --list`` tries, each dimension at degree 2: validate() decides which run.

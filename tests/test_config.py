@@ -13,10 +13,12 @@ from gpucourse import cli
     (dict(pp=5), "pp=5 is more than the 4 blocks"),
     (dict(pp=2, microbatches=3), "microbatches=3 must divide the batch of each data-parallel rank"),
     (dict(microbatches=2), "needs pp > 1"),
-    (dict(pp=2, grad_accum=2, microbatches=2), "set grad_accum=1"),
+    (dict(pp=2, grad_accum=2, microbatches=3), "microbatches=3 must divide the batch of each data-parallel rank's "
+                                                "accumulated part, batch_size / (dp × grad_accum) = 4 sequences"),
     (dict(dp=2, zero=2, impl="accelerate"), "offers DDP (zero=0) and FSDP (zero=3)"),
     (dict(tp=2, zero=1, dp=2, impl="torch"), "ZeRO-1 (ZeroRedundancyOptimizer) runs with data parallelism alone"),
-    (dict(dp=2, tp=2, impl="torch"), "DistributedDataParallel does not take DTensor"),
+    (dict(dp=2, tp=2, impl="torch", bucket_mb=1.0), "with DTensor tensor parallelism data parallelism is PyTorch's "
+                                                     "replicate"),
     (dict(pp=2, schedule="naive", microbatches=2, impl="torch"), "no 'naive' schedule"),
     (dict(pp=4, microbatches=2, impl="torch"), "Schedule1F1B needs microbatches >= pp"),
     (dict(tp=2, impl="accelerate"), "data parallelism only"),
@@ -97,8 +99,9 @@ def test_the_list_of_what_runs_is_what_the_rules_accept():
     assert {("single", "scratch"), ("dp×tp×pp", "scratch"), ("zero1×tp×pp", "scratch"), ("zero3×tp×pp", "torch"),
             ("zero3×tp×pp", "scratch"),
             ("dp×pp", "torch")} <= set(rows)
-    # What validate() refuses is not listed: DDP over DTensor parameters, torch's ZeRO-1 beside tp, Accelerate with tp.
-    assert not {("dp×tp", "torch"), ("zero1×tp", "torch"), ("tp", "accelerate")} & set(rows)
+    # What validate() refuses is not listed: torch's ZeRO-1 beside tp, Accelerate with tp.
+    assert not {("zero1×tp", "torch"), ("tp", "accelerate")} & set(rows)
+    assert ("dp×tp", "torch") in rows and ("dp×tp×pp", "torch") in rows  # replicate: DDP for DTensor parameters
     for changes in rows.values():
         TrainConfig(**changes).validate()
     assert len(MESHES) == 8 and len(rows) >= 30

@@ -61,8 +61,15 @@ def test_single_with_grad_accum_equals_single(tmp_path, baselines):
     assert_equal_to_single(result, weights, baselines[20])
 
 
-@pytest.mark.parametrize("kw", [dict(dp=2, bucket_mb=0.02), dict(dp=3, bucket_mb=0.1, grad_accum=2),
-                                dict(dp=2, impl="torch", bucket_mb=0.05)], ids=str)
+DATA_PARALLEL = [dict(dp=dp, impl=impl, grad_accum=ga) for dp in (2, 4) for impl in ("scratch", "torch") for ga in (1, 2)]
+BUCKETED = [dict(dp=2, bucket_mb=0.02), dict(dp=3, bucket_mb=0.1, grad_accum=2), dict(dp=2, impl="torch", bucket_mb=0.05)]
+ZERO = [dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=3, zero=1), dict(dp=3, zero=2), dict(dp=2, zero=2, grad_accum=2),
+        dict(dp=2, zero=1, impl="torch"), dict(dp=2, zero=2, impl="torch"), dict(dp=3, zero=3, impl="torch"),
+        dict(dp=2, zero=3), dict(dp=3, zero=3, grad_accum=2), dict(dp=2, zero=3, checkpoint_activations=True)]
+ACCELERATE = [dict(dp=2, impl="accelerate", grad_accum=ga) for ga in (1, 2)]
+
+
+@pytest.mark.parametrize("kw", BUCKETED, ids=str)
 def test_bucketed_data_parallel_equals_single(tmp_path, baselines, kw):
     result, weights = _run(tmp_path, "bucketed", steps=10, **kw)
     assert_equal_to_single(result, weights, baselines[10])
@@ -73,11 +80,7 @@ def test_bucketed_data_parallel_equals_single(tmp_path, baselines, kw):
         assert buckets[-1][-1] == "wte.weight", "the embedding's gradient is ready last"
 
 
-@pytest.mark.parametrize("kw", [dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=3, zero=1), dict(dp=3, zero=2),
-                                dict(dp=2, zero=2, grad_accum=2), dict(dp=2, zero=1, impl="torch"),
-                                dict(dp=2, zero=2, impl="torch"), dict(dp=3, zero=3, impl="torch"),
-                                dict(dp=2, zero=3), dict(dp=3, zero=3, grad_accum=2),
-                                dict(dp=2, zero=3, checkpoint_activations=True)], ids=str)
+@pytest.mark.parametrize("kw", ZERO, ids=str)
 def test_zero_equals_single(tmp_path, baselines, kw):
     result, weights = _run(tmp_path, "zero", steps=10, **kw)
     assert_equal_to_single(result, weights, baselines[10])

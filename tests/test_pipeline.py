@@ -51,6 +51,15 @@ LAYOUTS = {
     "dp2×pp2-gpipe-zero3-torch": dict(dp=2, pp=2, schedule="gpipe", microbatches=2, zero=3, impl="torch"),
     "tp2×pp2-1f1b-torch": dict(tp=2, pp=2, schedule="1f1b", microbatches=2, impl="torch"),
     "dp2×tp2×pp2-1f1b-zero2-torch": dict(dp=2, tp=2, pp=2, schedule="1f1b", microbatches=2, zero=2, impl="torch"),
+    "dp2×tp2×pp2-1f1b-torch": dict(dp=2, tp=2, pp=2, schedule="1f1b", microbatches=2, impl="torch"),  # replicate
+    "dp2×pp2-1f1b-zero2-torch": dict(dp=2, pp=2, schedule="1f1b", microbatches=2, zero=2, impl="torch"),
+    "dp2×tp2×pp2-gpipe-zero3-torch": dict(dp=2, tp=2, pp=2, schedule="gpipe", microbatches=2, zero=3, impl="torch"),
+    "dp2×tp2×pp2-1f1b-zero2": dict(dp=2, tp=2, pp=2, schedule="1f1b", microbatches=2, zero=2),
+    "dp2×tp2×pp2-1f1b-buckets": dict(dp=2, tp=2, pp=2, schedule="1f1b", microbatches=2, bucket_mb=0.02),
+    # Gradient accumulation: the schedule runs grad_accum times a step, data parallelism syncs once.
+    "pp2-1f1b-ga2": dict(pp=2, schedule="1f1b", microbatches=2, grad_accum=2),
+    "dp2×pp2-gpipe-ga2-zero3": dict(dp=2, pp=2, schedule="gpipe", microbatches=2, grad_accum=2, zero=3),
+    "dp2×pp2-gpipe-ga2-torch": dict(dp=2, pp=2, schedule="gpipe", microbatches=2, grad_accum=2, impl="torch"),
 }
 
 _RUNS: dict = {}
@@ -98,8 +107,9 @@ def _per_step(result, op: str) -> list[int]:
 def test_moves_one_activation_and_one_gradient_per_microbatch_and_boundary(name, tmp_path_factory):
     cfg, result, _ = _run(name, tmp_path_factory)
     mc = cfg.model_config()
-    microbatch = cfg.batch_size // cfg.dp // cfg.microbatches
-    expected = 2 * (cfg.pp - 1) * cfg.microbatches * microbatch * cfg.seq_len * mc.n_embd * 4 * cfg.dp * cfg.tp
+    count = cfg.microbatches * cfg.grad_accum  # the schedule runs once per accumulated part
+    microbatch = cfg.batch_size // cfg.dp // count
+    expected = 2 * (cfg.pp - 1) * count * microbatch * cfg.seq_len * mc.n_embd * 4 * cfg.dp * cfg.tp
     per_step = _per_step(result, "send")
     if cfg.impl == "torch":  # its first step also carries the neighbours' handshake
         assert expected <= per_step[0] <= expected + 4096
@@ -128,7 +138,8 @@ def test_timeline_has_every_microbatch_forward_and_backward_on_every_rank(name, 
     for rank in range(cfg.world_size):
         for step in range(cfg.steps):
             for kind in ("forward", "backward"):
-                assert sorted(seen[rank, step, kind]) == list(range(cfg.microbatches)), (rank, step, kind)
+                assert sorted(seen[rank, step, kind]) == list(range(cfg.microbatches * cfg.grad_accum)), \
+                    (rank, step, kind)
     if cfg.impl == "scratch":
         assert {s["rank"] for s in result.timeline if s["kind"] == "comm"} == set(range(cfg.world_size))
     stages = result.extras["stage_of_rank"]
@@ -144,7 +155,8 @@ def test_each_rank_computes_in_its_schedules_order(name, tmp_path_factory):
     cfg, result, _ = _run(name, tmp_path_factory)
     schedule = build(cfg.schedule, cfg.pp, cfg.microbatches)
     for rank, stage in result.extras["stage_of_rank"].items():
-        want = [str(op) for op in schedule[stage] if op.kind in ("F", "B")]
+        want = [f"{op.kind}{op.microbatch + part * cfg.microbatches}"  # once per accumulated part
+                for part in range(cfg.grad_accum) for op in schedule[stage] if op.kind in ("F", "B")]
         for step in (0, cfg.steps - 1):
             spans = sorted((s for s in result.timeline if s["rank"] == int(rank) and s["step"] == step
                             and s["kind"] in ("forward", "backward")), key=lambda s: s["start_s"])

@@ -128,14 +128,15 @@ def train(tmp_path_factory, **layout):
     return _RUNS[key]
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, impl="torch"), dict(tp=4), dict(dp=2, tp=2),
-                                    dict(dp=2, tp=2, zero=1), dict(dp=2, tp=2, zero=2),
-                                    dict(dp=2, tp=2, bucket_mb=0.02),
-                                    dict(dp=2, tp=2, zero=2, impl="torch"), dict(dp=2, tp=2, zero=3, impl="torch"),
-                                    dict(dp=2, tp=2, zero=3)],
-                         ids=["tp2-scratch", "tp2-torch", "tp4-scratch", "dp2xtp2-scratch", "dp2xtp2-zero1",
-                              "dp2xtp2-zero2", "dp2xtp2-buckets", "dp2xtp2-fsdp2-torch", "dp2xtp2-fsdp3-torch",
-                              "dp2xtp2-zero3"])
+LAYOUTS = {"tp2-scratch": dict(tp=2), "tp2-torch": dict(tp=2, impl="torch"), "tp4-scratch": dict(tp=4),
+           "dp2xtp2-scratch": dict(dp=2, tp=2), "dp2xtp2-zero1": dict(dp=2, tp=2, zero=1),
+           "dp2xtp2-zero2": dict(dp=2, tp=2, zero=2), "dp2xtp2-buckets": dict(dp=2, tp=2, bucket_mb=0.02),
+           "dp2xtp2-fsdp2-torch": dict(dp=2, tp=2, zero=2, impl="torch"),
+           "dp2xtp2-fsdp3-torch": dict(dp=2, tp=2, zero=3, impl="torch"), "dp2xtp2-zero3": dict(dp=2, tp=2, zero=3),
+           "dp2xtp2-replicate-torch": dict(dp=2, tp=2, impl="torch")}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS)
 def test_tensor_parallel_equals_single_device(tmp_path_factory, layout):
     single, single_weights = train(tmp_path_factory)
     result, weights = train(tmp_path_factory, **layout)
@@ -171,6 +172,18 @@ def test_memory_counts_local_shards(tmp_path_factory):
         result, _ = train(tmp_path_factory, **layout)
         for rank, mem in result.memory.items():
             assert mem["weights"] == mem["gradients"] == whole - cut + cut // TP, (layout, rank)
+
+
+def test_a_block_without_the_layers_tensor_parallelism_cuts_is_refused_in_one_sentence():
+    from gpucourse.parallel.tensor_parallel import apply_tensor_parallel
+
+    model = build_model(TrainConfig(**BASE).model_config(), seed=0)
+    model.blocks[1].mlp = torch.nn.Sequential(torch.nn.Linear(64, 64))  # an MLP of one's own, without fc and proj
+    with pytest.raises(TypeError) as info:
+        apply_tensor_parallel(model, None)
+    assert str(info.value) == ("Block has no nn.Linear mlp.fc, mlp.proj, so tensor parallelism cannot shard it "
+                               "(it cuts attn.q, attn.k, attn.v, attn.proj, mlp.fc, mlp.proj of every block).")
+    assert isinstance(model.blocks[0].attn.q, torch.nn.Linear), "nothing was changed before the refusal"
 
 
 def test_a_layout_that_splits_heads_is_refused():

@@ -36,7 +36,7 @@ def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, devi
         from .accelerate_dp import AccelerateTrainer
         if cfg.checkpoint_activations:
             checkpoint_blocks(model)
-        return AccelerateTrainer(model, cfg, rec)
+        return AccelerateTrainer(model, zero=cfg.zero, lr=cfg.lr, grad_accum=cfg.grad_accum, rec=rec)
 
     # How this rank's weights become the whole model's: undone in reverse order
     # (tensor-parallel shards made whole first, then the pipeline's stages merged).
@@ -87,6 +87,9 @@ def _data_parallel(model, mesh, cfg: TrainConfig, **options) -> Trainer:
         from .zero import TorchFSDP
         return TorchFSDP(model, mesh["dp"], cfg.zero, **options)
     if cfg.dp > 1:
+        if cfg.impl == "torch" and cfg.tp > 1:  # DDP takes no DTensor parameters; replicate does
+            from .data_parallel import TorchReplicate
+            return TorchReplicate(model, mesh["dp"], **options)
         if cfg.impl == "torch":
             from .data_parallel import TorchDDP
             return TorchDDP(model, group, cfg.bucket_mb, **options)

@@ -24,7 +24,7 @@ import contextlib
 import torch.distributed as dist
 
 from ..config import ConfigError
-from ..measure import optimizer_state_bytes, tensor_bytes
+from ..measure import Recorder, optimizer_state_bytes, tensor_bytes
 from ..model import loss_fn
 from ..optim import make_optimizer
 from .precision import Precision
@@ -34,11 +34,11 @@ from .single import Trainer, cpu_state_dict
 class AccelerateTrainer(Trainer):
     """Data parallel (zero=0: DDP) or FSDP (zero=3) driven by ``accelerate.Accelerator``."""
 
-    def __init__(self, model, cfg, rec):
+    def __init__(self, model, *, zero: int = 0, lr: float = 1e-3, grad_accum: int = 1, rec=None):
         from accelerate import Accelerator
 
         plugin = None
-        if cfg.zero == 3:
+        if zero == 3:
             from accelerate.utils import FullyShardedDataParallelPlugin
 
             plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True)
@@ -47,11 +47,11 @@ class AccelerateTrainer(Trainer):
         if self.accelerator.num_processes != dist.get_world_size():
             raise ConfigError(f"Accelerate sees {self.accelerator.num_processes} process(es) but "
                               f"{dist.get_world_size()} ranks are running: it did not go distributed.")
-        if cfg.zero == 3 and "FSDP" not in str(self.accelerator.distributed_type):
+        if zero == 3 and "FSDP" not in str(self.accelerator.distributed_type):
             raise ConfigError(f"Accelerate chose {self.accelerator.distributed_type}, not FSDP, for zero=3.")
-        self.rec = rec
-        self.grad_accum = cfg.grad_accum
-        optimizer = make_optimizer(model.parameters(), cfg.lr)
+        self.rec = rec if rec is not None else Recorder(0, next(model.parameters()).device, enabled=False)
+        self.grad_accum = grad_accum
+        optimizer = make_optimizer(model.parameters(), lr)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.precision = Precision()  # fp32: Accelerate's own mixed precision is not used here
         self.memory = {}

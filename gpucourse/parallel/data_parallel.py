@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..model import blocks_of
 from .single import Trainer
 
 
@@ -85,6 +86,29 @@ class TorchDDP(Trainer):
     @property
     def module(self):
         return self.model.module  # without DDP's "module." in the names
+
+
+class TorchReplicate(Trainer):
+    """Data parallel over DTensor (tensor-parallel) parameters: PyTorch's composable ``replicate``.
+
+    ``DistributedDataParallel`` takes plain tensors only. ``replicate`` does what
+    DDP does — a whole copy on every dp rank, gradients all-reduced during
+    backward — but is built on FSDP2's machinery, which understands DTensors, so
+    it composes with DTensor tensor parallelism. Each block is one unit: its
+    gradients are all-reduced as soon as its backward is done.
+    """
+
+    def __init__(self, model, dp_mesh, **options):
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        for block in blocks_of(model):
+            replicate(block, mesh=dp_mesh)
+        replicate(model, mesh=dp_mesh)
+        super().__init__(model, **options)
+
+    def accumulating(self, last: bool):
+        self.model.set_requires_gradient_sync(last)  # all-reduce during the last microbatch's backward only
+        return super().accumulating(last)
 
 
 def _recording_allreduce_hook(state, bucket):

@@ -113,23 +113,36 @@ class PipelineSchedule:
         self.hidden = hidden
 
     def __call__(self, trainer: Trainer, x: torch.Tensor, y: torch.Tensor):
-        """This stage's part of one step; returns the loss on the last stage, None on the others."""
+        """This stage's part of one step; returns the loss on the last stage, None on the others.
+
+        With gradient accumulation the schedule runs ``grad_accum`` times, one after
+        the other, on parts of the batch; gradients add up and data parallelism
+        communicates during the very last backward only.
+        """
+        parts = trainer.grad_accum
+        losses = [self._schedule(trainer, px, py, part, parts)
+                  for part, (px, py) in enumerate(zip(x.chunk(parts), y.chunk(parts)))]
+        return sum(losses) if self.next is None else None
+
+    def _schedule(self, trainer: Trainer, x: torch.Tensor, y: torch.Tensor, part: int, parts: int):
         model, rec = trainer.model, trainer.rec
         xs, ys = x.chunk(self.m), y.chunk(self.m)
+        first = part * self.m  # microbatches are numbered across the parts of the step
         # Every activation has the same, known shape: no shape exchange is needed.
         shape = (xs[0].shape[0], x.shape[1], self.hidden)
         inputs, outputs, grads = {}, {}, {}  # per microbatch: received input, output (or loss), output grad
         loss = torch.zeros((), device=x.device) if self.next is None else None
         for n, op in enumerate(self.ops):
             i = op.microbatch
+            mb = first + i  # the microbatch's number in the step (timeline, activations)
             if op.kind == RECV_F:
                 inputs[i] = self._recv(shape, x.device, self.prev, f"recv activation {i}").requires_grad_()
             elif op.kind == F:
-                with rec.span("forward", microbatch=i), rec.activations.forward(i):
+                with rec.span("forward", microbatch=mb), rec.activations.forward(mb):
                     out = model(xs[i] if self.prev is None else inputs[i])
                     if self.next is None:
-                        # Each microbatch's mean loss / m: the gradients add up to those of the mean.
-                        out = loss_fn(out, ys[i]) / self.m
+                        # Each microbatch's mean loss / (m · parts): the gradients add up to those of the mean.
+                        out = loss_fn(out, ys[i]) / (self.m * parts)
                         loss += out.detach()
                 outputs[i] = out
             elif op.kind == SEND_F:
@@ -138,10 +151,11 @@ class PipelineSchedule:
                 grads[i] = self._recv(shape, x.device, self.next, f"recv gradient {i}")
             elif op.kind == B:
                 # Data parallelism may communicate during the last backward only (its buckets).
-                with trainer.accumulating(last=n == self.last_backward), rec.span("backward", microbatch=i):
+                last = n == self.last_backward and part == parts - 1
+                with trainer.accumulating(last=last), rec.span("backward", microbatch=mb):
                     # pop: once backward has run, this microbatch's activations can be freed.
                     torch.autograd.backward(outputs.pop(i), grads.pop(i, None))
-                rec.activations.release(i)
+                rec.activations.release(mb)
             elif op.kind == SEND_B:
                 comm.send(inputs.pop(i).grad, self.prev, group=self.pp_group, name=f"send gradient {i}")
         return loss
@@ -157,11 +171,12 @@ class TorchPipelineSchedule:
 
     Like :class:`PipelineSchedule`, it is a trainer's loop.
 
-    Loss scaling: the schedule calls ``loss_fn`` on each microbatch (a mean) and,
-    with ``scale_grads=True`` (its default), divides the summed gradients by m
-    at the end — the gradient of the mean over microbatches, as in scratch. The
-    losses it hands back are the unscaled microbatch means; their mean is the
-    step's loss.
+    Loss scaling: the schedule calls its ``loss_fn`` on each microbatch; here that
+    is the microbatch's mean loss divided by m · grad_accum, so that the summed
+    gradients are those of the mean, as in scratch (``scale_grads=False``: torch
+    would otherwise divide every accumulated gradient by m at the end of each
+    ``step``). The losses it hands back are those scaled means; their sum is the
+    step's loss. With gradient accumulation ``step`` runs once per part of the batch.
 
     Measuring: torch sends with its own batched ``isend``/``irecv``, not through
     ``gpucourse.comm``; ``train_worker`` counts those at the dispatcher
@@ -176,6 +191,7 @@ class TorchPipelineSchedule:
         self.stage, self.pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
         self.first, self.last = self.stage == 0, self.stage == self.pp - 1
         self.schedule = None
+        self.first_microbatch = 0  # microbatches are numbered across the accumulated parts of a step
 
     def _build(self, trainer: Trainer) -> None:
         # Built from the trainer's model as data parallelism left it: PipelineStage itself
@@ -184,25 +200,30 @@ class TorchPipelineSchedule:
 
         pipe = PipelineStage(trainer.model, self.stage, self.pp, self.device, group=self.pp_group)
         for name, kind in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward")):
-            setattr(pipe, name, _spanning(getattr(pipe, name), trainer.rec, kind))
+            setattr(pipe, name, _spanning(getattr(pipe, name), trainer.rec, kind, lambda: self.first_microbatch))
         schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.schedule_name]
-        self.schedule = schedule_class(pipe, n_microbatches=self.m, loss_fn=loss_fn, scale_grads=True)
+        scale = self.m * trainer.grad_accum
+        self.schedule = schedule_class(pipe, n_microbatches=self.m, loss_fn=lambda out, y: loss_fn(out, y) / scale,
+                                       scale_grads=False)
 
     def __call__(self, trainer: Trainer, x: torch.Tensor, y: torch.Tensor):
         """This stage's part of one step; returns the loss on the last stage, None on the others."""
         if self.schedule is None:
             self._build(trainer)
         losses: list[torch.Tensor] = []
-        # The first stage feeds tokens, the last compares with targets; the middle ones receive.
-        self.schedule.step(*([x] if self.first else []), **({"target": y, "losses": losses} if self.last else {}))
-        return torch.stack(losses).mean().detach() if self.last else None
+        for n, (px, py) in enumerate(zip(x.chunk(trainer.grad_accum), y.chunk(trainer.grad_accum))):
+            self.first_microbatch, part = n * self.m, []  # (step() empties the list it is given)
+            # The first stage feeds tokens, the last compares with targets; the middle ones receive.
+            self.schedule.step(*([px] if self.first else []), **({"target": py, "losses": part} if self.last else {}))
+            losses += part
+        return torch.stack(losses).sum().detach() if self.last else None
 
 
-def _spanning(method, rec, kind: str):
+def _spanning(method, rec, kind: str, first_microbatch):
     """Wrap ``forward_one_chunk`` / ``backward_one_chunk`` (first argument: microbatch) in a span."""
     @functools.wraps(method)
     def wrapper(chunk_id, *args, **kwargs):
-        with rec.span(kind, microbatch=chunk_id):
+        with rec.span(kind, microbatch=first_microbatch() + chunk_id):
             return method(chunk_id, *args, **kwargs)
     return wrapper
 

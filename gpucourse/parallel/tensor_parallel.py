@@ -142,6 +142,27 @@ def _enter_region(group, module, args):
     return (CopyToTensorParallel.apply(args[0], group), *args[1:])
 
 
+SHARDED = ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc", "mlp.proj")  # the layers tensor parallelism cuts
+
+
+def check_shardable(module: nn.Module) -> list[nn.Module]:
+    """``module``'s blocks, if each has the Linear layers tensor parallelism cuts; else one sentence naming it."""
+    blocks = blocks_of(module)
+    for block in blocks:
+        missing = [path for path in SHARDED if not _is_linear(block, path)]
+        if missing:
+            raise TypeError(f"{type(block).__name__} has no nn.Linear {', '.join(missing)}, so tensor parallelism "
+                            f"cannot shard it (it cuts {', '.join(SHARDED)} of every block).")
+    return blocks
+
+
+def _is_linear(module: nn.Module, path: str) -> bool:
+    try:
+        return isinstance(module.get_submodule(path), nn.Linear)
+    except AttributeError:
+        return False
+
+
 def apply_tensor_parallel(module: nn.Module, tp_group) -> nn.Module:
     """Swap each block's Linear layers for this rank's shards, in place; return ``module``.
 
@@ -149,7 +170,7 @@ def apply_tensor_parallel(module: nn.Module, tp_group) -> nn.Module:
     mlp.proj row-parallel, and each attention and MLP sub-layer gets f at its
     entrance. Embeddings, LayerNorms and the head are left whole (replicated).
     """
-    for block in blocks_of(module):
+    for block in check_shardable(module):  # every block checked before any is changed
         attn, mlp = block.attn, block.mlp
         for name in ("q", "k", "v"):
             setattr(attn, name, ColumnParallelLinear(getattr(attn, name), tp_group))
@@ -250,6 +271,6 @@ def apply_dtensor_parallel(module: nn.Module, tp_mesh) -> nn.Module:
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
-    for block in blocks_of(module):
+    for block in check_shardable(module):
         parallelize_module(block, tp_mesh, torch_block_plan())
     return module
