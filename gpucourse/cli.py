@@ -49,6 +49,8 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
                    help="half-precision weights and gradients, fp32 master copy in the optimizer")
     p.add_argument("--checkpoint-activations", action="store_true",
                    help="recompute each block's activations in backward instead of keeping them")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: keep seq_len / tp tokens per rank between sub-layers (LayerNorm, residual)")
     p.add_argument("--impl", default=d.impl,
                    help="scratch (gpucourse's own), torch (PyTorch's) or accelerate (Hugging Face Accelerate)")
     p.add_argument("--bucket-mb", type=float, default=d.bucket_mb,

@@ -44,6 +44,7 @@ class TrainConfig:
     precision: str = "fp32"
     master_weights: bool = False
     checkpoint_activations: bool = False
+    sequence_parallel: bool = False  # with tp: activations between sub-layers cut along the sequence
     impl: str = "scratch"
     bucket_mb: float | None = None
     steps: int = 20
@@ -135,6 +136,13 @@ class TrainConfig:
         if self.batch_size % per_step:
             raise ConfigError(f"batch_size={self.batch_size} must be divisible by grad_accum × dp = "
                               f"{self.grad_accum} × {self.dp} = {per_step}.")
+        if self.sequence_parallel:
+            if self.tp == 1:
+                raise ConfigError("sequence_parallel cuts tensor parallelism's replicated activations along the "
+                                  "sequence; it needs tp > 1.")
+            if self.seq_len % self.tp:
+                raise ConfigError(f"seq_len={self.seq_len} must divide by tp={self.tp} under sequence "
+                                  f"parallelism: each rank keeps seq_len / tp tokens between sub-layers.")
         if self.pp > 1:
             per_part = self.batch_size // per_step  # a pipeline runs its schedule once per accumulated part
             if per_part % self.microbatches:
@@ -203,6 +211,8 @@ class TrainConfig:
             parts.append("torch.distributed.pipelining" if torch_impl else f"pipeline, {self.schedule} schedule")
         if self.tp > 1:
             parts.append("DTensor tensor parallel" if torch_impl else "Megatron-style column/row parallel")
+            if self.sequence_parallel:
+                parts.append("sequence parallel")
         if self.zero == 3 and self.impl == "scratch":
             parts.append("ZeRO-3 (flat shards per block, each gathered just in time)")
         elif self.zero and self.impl == "scratch":
@@ -226,7 +236,7 @@ class TrainConfig:
         names = [n for n, d in (("dp", self.dp), ("tp", self.tp), ("pp", self.pp)) if d > 1]
         if self.zero:
             names = [f"zero{self.zero}"] + [n for n in names if n != "dp"]
-        return "×".join(names) or "single"
+        return "×".join(names) + ("+sp" if self.sequence_parallel else "") or "single"
 
 
 def has_replicate() -> bool:
@@ -265,6 +275,11 @@ def supported() -> list[tuple[str, str, str, dict]]:
                     except ConfigError:
                         continue
                     rows.append((cfg.kind(), impl, cfg.describe(), changes))
+        if mesh == dict(tp=2):  # sequence parallelism: an option of tensor parallelism, shown on its own mesh
+            for impl in ("scratch", "torch"):
+                changes = {"tp": 2, "sequence_parallel": True, **({"impl": impl} if impl != "scratch" else {})}
+                cfg = TrainConfig(**changes).validate()
+                rows.append((cfg.kind(), impl, cfg.describe(), changes))
     return rows
 
 
@@ -276,4 +291,5 @@ def supported_table() -> list[dict]:
 
 def train_command(changes: dict) -> str:
     """The ``gpucourse train`` command line for a config that differs from the defaults by ``changes``."""
-    return " ".join(["gpucourse train", *(f"--{k.replace('_', '-')} {v}" for k, v in changes.items())])
+    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in changes.items() if v is not False]
+    return " ".join(["gpucourse train", *flags])

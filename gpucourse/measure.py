@@ -46,6 +46,9 @@ class ActivationMeter:
         self._by_microbatch: dict = {}
         self._excluded: set = set()
         self._active = None
+        self._region = None
+        self.regions: dict[str, int] = {}  # bytes saved inside each watched kind of module, per microbatch (most)
+        self._region_bytes: dict = {}
 
     def exclude(self, params) -> None:
         """Do not count tensors sharing storage with ``params``."""
@@ -71,6 +74,22 @@ class ActivationMeter:
             seen[key] = t.numel() * t.element_size()
             self.current += seen[key]
             self.peak = max(self.peak, self.current)
+            if self._region is not None:
+                mine = (self._active, self._region)
+                self._region_bytes[mine] = self._region_bytes.get(mine, 0) + seen[key]
+                self.regions[self._region] = max(self.regions.get(self._region, 0), self._region_bytes[mine])
+
+    def watch(self, modules, name: str) -> None:
+        """Also count, under ``regions[name]``, what ``modules`` save (e.g. the blocks' LayerNorms)."""
+        def enter(module, args):
+            self._region = name
+
+        def leave(module, args, out):
+            self._region = None
+
+        for module in modules:
+            module.register_forward_pre_hook(enter)
+            module.register_forward_hook(leave)
 
     @contextlib.contextmanager
     def forward(self, microbatch):
@@ -88,6 +107,8 @@ class ActivationMeter:
     def release(self, microbatch) -> None:
         """Backward of ``microbatch`` is done: its saved tensors are gone."""
         self.current -= sum(self._by_microbatch.pop(microbatch, {}).values())
+        for key in [k for k in self._region_bytes if k[0] == microbatch]:
+            del self._region_bytes[key]
 
 
 _METER: ActivationMeter | None = None

@@ -124,11 +124,15 @@ def _activation_bytes(cfg: TrainConfig, mc: GPTConfig, stage: int, in_flight: in
     regime = _regime(cfg)
     scale = 0.5 if regime == "half" else 1.0
     blocks = len(stage_blocks(mc.n_layer, cfg.pp, stage))
+    sp = tp if cfg.sequence_parallel else 1  # sequence parallelism: T/tp tokens between sub-layers
     if cfg.checkpoint_activations:
-        per_block = 4 * scale * b * T * C
+        per_block = 4 * scale * b * T * C / sp
     else:
         rep, shard = _BLOCK_BYTES[regime]
-        per_block = b * T * C * (rep + shard / tp) + scale * (16 * b * T + 4 * b * (mc.n_head // tp) * T)
+        # Under sequence parallelism the LayerNorms' inputs (half of ``rep``) and statistics hold T/tp
+        # tokens; their outputs, all-gathered for q, k, v and fc (which keep them), stay whole.
+        rep = rep / 2 / sp + rep / 2
+        per_block = b * T * C * (rep + shard / tp) + scale * (16 * b * T / sp + 4 * b * (mc.n_head // tp) * T)
     total = blocks * per_block
     if stage == 0:
         total += 8 * b * T + 8 * T                               # token ids, positions

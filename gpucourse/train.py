@@ -19,7 +19,7 @@ import torch
 from . import checkpoint, comm, data, profiling
 from .config import TrainConfig
 from .measure import Recorder, RunResult, merge, write_atomic
-from .model import build_model
+from .model import blocks_of, build_model
 from .parallel import parallelize
 from .runtime import current, launch, report
 from .runtime.launcher import in_place, plan_device
@@ -90,6 +90,9 @@ def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dic
     model = build_model(cfg.model_config(), cfg.seed).to(ctx.device)
     trainer = parallelize(model, mesh, cfg, rec, ctx.device)
     rec.activations.exclude(trainer.model.parameters())
+    # What the blocks' LayerNorms save: the region sequence parallelism cuts.
+    rec.activations.watch([m for block in blocks_of(trainer.module) for m in block.modules()
+                           if isinstance(m, torch.nn.LayerNorm)], "block layernorms")
     start_step = checkpoint.resume(trainer, cfg, rec) if cfg.resume else 0
     losses, step_times = [], []
     for step in range(start_step, cfg.steps):
@@ -126,6 +129,7 @@ def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dic
 
 def _extras(trainer) -> dict:
     extras = dict(getattr(trainer, "extras", {}))
+    extras["activations_by_region"] = dict(trainer.rec.activations.regions)
     if getattr(trainer, "precision", None) is not None:
         extras["precision"] = trainer.precision.extras()
     return extras

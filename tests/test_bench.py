@@ -77,7 +77,7 @@ def test_the_figures_are_registered_with_their_targets():
                      "allreduce_busbw_vs_copy": "report", "tour_quick_s": "report",
                      "course_smoke_s": "< 600", "first_check_s": "report",
                      "zero3_memory_vs_formula": "== 1.0", "zero3_scratch_vs_fsdp2": "<= 1.3",
-                     "fsdp_tp_vs_scratch_dp_tp": "report"}
+                     "fsdp_tp_vs_scratch_dp_tp": "report", "sp_activation_ratio": "== 0.5"}
     assert {k: targets[k] for k in issue_targets} == issue_targets
     for f in bench.FIGURES:
         bench.parse_target(f.target)  # every target parses

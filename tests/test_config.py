@@ -26,6 +26,9 @@ from gpucourse import cli
     (dict(master_weights=True), "choose precision bf16 or fp16"),
     (dict(bucket_mb=1.0), "bucket_mb sets the gradient buckets of plain data parallelism"),
     (dict(zero=4), "must be a ZeRO stage"),
+    (dict(sequence_parallel=True), "sequence_parallel cuts tensor parallelism's replicated activations along the "
+                                   "sequence; it needs tp > 1"),
+    (dict(tp=4, seq_len=30, sequence_parallel=True), "seq_len=30 must divide by tp=4 under sequence parallelism"),
     (dict(schedule="zigzag"), "is not one of naive, gpipe, 1f1b"),
     (dict(seq_len=4096), "is longer than model 'tiny'"),
     (dict(cp=2, dp=2), "cp=2: context parallelism is not in this build yet"),

@@ -30,7 +30,9 @@ def test_parameter_count_formula_matches_the_model(name):
 @pytest.mark.parametrize("kw", [dict(), dict(dp=2), dict(dp=2, zero=1), dict(dp=3, zero=2, batch_size=12),
                                 dict(tp=2), dict(pp=2, microbatches=4), dict(pp=4, microbatches=8, schedule="gpipe"),
                                 dict(dp=2, tp=2), dict(checkpoint_activations=True), dict(dp=2, grad_accum=2),
-                                dict(dp=2, tp=2, zero=3), dict(dp=2, pp=2, zero=3, microbatches=2)],
+                                dict(dp=2, tp=2, zero=3), dict(dp=2, pp=2, zero=3, microbatches=2),
+                                dict(tp=2, sequence_parallel=True),
+                                dict(tp=2, sequence_parallel=True, checkpoint_activations=True)],
                          ids=str)
 def test_estimate_equals_measurement(kw):
     cfg = TrainConfig(steps=1, seq_len=32, **kw)

@@ -13,6 +13,7 @@ import torch.nn as nn
 import gpucourse
 from gpucourse import ConfigError, TrainConfig, data
 from gpucourse.measure import Recorder
+from gpucourse.memory import estimate
 from gpucourse.model import build_model
 from gpucourse.parallel import parallelize
 from gpucourse.parallel.tensor_parallel import (ColumnParallelLinear, CopyToTensorParallel, ReduceFromTensorParallel,
@@ -133,7 +134,11 @@ LAYOUTS = {"tp2-scratch": dict(tp=2), "tp2-torch": dict(tp=2, impl="torch"), "tp
            "dp2xtp2-zero2": dict(dp=2, tp=2, zero=2), "dp2xtp2-buckets": dict(dp=2, tp=2, bucket_mb=0.02),
            "dp2xtp2-fsdp2-torch": dict(dp=2, tp=2, zero=2, impl="torch"),
            "dp2xtp2-fsdp3-torch": dict(dp=2, tp=2, zero=3, impl="torch"), "dp2xtp2-zero3": dict(dp=2, tp=2, zero=3),
-           "dp2xtp2-replicate-torch": dict(dp=2, tp=2, impl="torch")}
+           "dp2xtp2-replicate-torch": dict(dp=2, tp=2, impl="torch"),
+           # Sequence parallelism: the activations between sub-layers cut along the sequence.
+           "tp2-sp-scratch": dict(tp=2, sequence_parallel=True), "tp2-sp-torch": dict(tp=2, sequence_parallel=True,
+                                                                                       impl="torch"),
+           "dp2xtp2-sp-zero3": dict(dp=2, tp=2, zero=3, sequence_parallel=True)}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS)
@@ -161,6 +166,32 @@ def test_bytes_are_what_the_algorithm_moves(tmp_path_factory, layout):
     gradients = sum(m["weights"] for m in result.memory.values()) if cfg.dp > 1 else 0
     assert result.comm_bytes["per_step"] == [activations + gradients] * cfg.steps
     assert activations == 16 * mc.n_layer * cfg.batch_size * cfg.seq_len * mc.n_embd * cfg.tp
+
+
+@pytest.mark.parametrize("impl", ["scratch", "torch"])
+def test_sequence_parallelism_moves_what_tensor_parallelism_moves_and_keeps_1_over_tp_of_layernorm_inputs(
+        tmp_path_factory, impl):
+    tp_run, _ = train(tmp_path_factory, tp=2, **({"impl": "torch"} if impl == "torch" else {}))
+    sp_run, _ = train(tmp_path_factory, tp=2, sequence_parallel=True, **({"impl": "torch"} if impl == "torch" else {}))
+    cfg = TrainConfig(**BASE, tp=2, sequence_parallel=True)
+    mc = cfg.model_config()
+    whole = cfg.batch_size * cfg.seq_len * mc.n_embd * 4  # one (B, T, C) activation in fp32, bytes
+    for rank in ("0", "1"):
+        ops = {c["op"]: c for c in sp_run.comm if c["step"] == 1 and c["rank"] == int(rank)}
+        [all_reduce] = [c for c in tp_run.comm if c["step"] == 1 and c["rank"] == int(rank)]
+        # Per block 2 entries (all-gather) and 2 exits (reduce-scatter), forward and backward; plus the region's
+        # two ends: all-gathered after the last block, and the gradient at its start all-gathered in backward.
+        assert ops["all_gather"]["calls"] == 4 * mc.n_layer + 2 and ops["reduce_scatter"]["calls"] == 4 * mc.n_layer
+        edges = 2 * whole * (TP - 1) / TP
+        assert ops["all_gather"]["bus_bytes"] + ops["reduce_scatter"]["bus_bytes"] - edges == \
+            all_reduce["bus_bytes"], "an all-reduce is a reduce-scatter and an all-gather: the same bytes"
+        if impl == "scratch":  # LayerNorm weights and biases, row-layer biases: 6 vectors of C per block, summed
+            assert (ops["all_reduce"]["bytes"], ops["all_reduce"]["calls"]) == (6 * mc.n_embd * 4 * mc.n_layer,
+                                                                                 6 * mc.n_layer)
+    ratio = sp_run.extras["activations_by_region"]["block layernorms"] / \
+        tp_run.extras["activations_by_region"]["block layernorms"]
+    assert ratio == 1 / TP, "what the blocks' LayerNorms save shrinks by tp exactly"
+    assert sp_run.memory["0"]["activations"] == estimate(cfg)["per_rank"][0]["activations"]
 
 
 def test_memory_counts_local_shards(tmp_path_factory):

@@ -244,6 +244,18 @@ def fsdp_tp_vs_scratch_dp_tp(reps: int, steps: int) -> Reading:
                    f"per step (4 ranks)")
 
 
+@figure("sp_activation_ratio", target="== 0.5", quick=dict(), full=dict())
+def sp_activation_ratio() -> Reading:
+    """What the blocks' LayerNorms save per rank with sequence parallelism over without, tp = 2 (1/tp exactly)."""
+    saved = {}
+    for sp in (False, True):
+        result = run(_bench_config(impl="scratch", dp=1, tp=RANKS, steps=1, sequence_parallel=sp),
+                     timeout=RUN_TIMEOUT_S, quiet=True)
+        saved[sp] = result.extras["activations_by_region"]["block layernorms"]
+    return Reading(ratio(saved[True], saved[False]), {"tp_bytes": saved[False], "sp_bytes": saved[True]},
+                   f"{human_bytes(saved[True])} with sequence parallelism, {human_bytes(saved[False])} without")
+
+
 @figure("memory_estimate_vs_measured", target="== 1.0", quick=dict(), full=dict())
 def memory_estimate_vs_measured() -> Reading:
     """Measured weights, gradients and optimizer bytes over ``gpucourse memory``'s estimate, several layouts."""

@@ -92,6 +92,82 @@ class ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
+# --- Sequence parallelism (Korthikanti et al., 2022) ----------------------------------------------
+#
+# Between the sub-layers, tensor parallelism leaves every rank holding the same whole activations:
+# the residual stream, LayerNorm's inputs and outputs, dropout's masks — computed tp times over.
+# Sequence parallelism cuts those along the *sequence* instead: each rank keeps T/tp tokens of them.
+# Two collectives change:
+#
+#   entry of a sub-layer  (was f: identity, backward all-reduce)
+#       all-gather along the sequence; backward reduce-scatter          → the column layers see all tokens
+#   exit of a row layer   (was g: all-reduce, backward identity)
+#       reduce-scatter along the sequence; backward all-gather          → each rank keeps its tokens' sum
+#
+# An all-reduce is a reduce-scatter followed by an all-gather, so the bytes are the same as tensor
+# parallelism's. Where the region starts (before the first block) each rank takes its own tokens
+# (backward: all-gather); where it ends (after the last block) they are gathered again for the
+# replicated head (backward: each rank keeps its tokens' gradient). LayerNorm weights and the
+# row layers' biases now see only a rank's tokens, so their gradients are summed over tp.
+
+def gather_sequence(x: torch.Tensor, group, name: str) -> torch.Tensor:
+    """(B, T/n, C) on each of n ranks → (B, T, C), the ranks' pieces in rank order along the sequence."""
+    n = dist.get_world_size(group)
+    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather_into_tensor(out, x.contiguous(), group=group, name=name)
+    return out.view(n, *x.shape).transpose(0, 1).reshape(x.shape[0], n * x.shape[1], *x.shape[2:])
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group, name: str) -> torch.Tensor:
+    """(B, T, C) on each of n ranks → (B, T/n, C): this rank's tokens, summed over the ranks."""
+    n, B, T = dist.get_world_size(group), x.shape[0], x.shape[1]
+    pieces = x.reshape(B, n, T // n, *x.shape[2:]).transpose(0, 1).reshape(n * B, T // n, *x.shape[2:])
+    out = torch.empty(pieces.shape[0] // n, *pieces.shape[1:], dtype=x.dtype, device=x.device)
+    comm.reduce_scatter_tensor(out, pieces, group=group, name=name)
+    return out
+
+
+def my_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's T/n tokens of a whole (B, T, C) tensor."""
+    return x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
+
+
+def _conjugate(name: str, forward, backward, doc: str):
+    """An autograd Function that runs ``forward(x, group)`` forward and ``backward(grad, group)`` backward."""
+    def fwd(ctx, x, group):
+        ctx.group = group
+        return forward(x, group)
+
+    def bwd(ctx, grad):
+        return backward(grad, ctx.group), None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd),
+                                                   "__doc__": doc})
+
+
+# The four pairs, each forward beside its backward:
+GatherSequence = _conjugate(
+    "GatherSequence",
+    lambda x, group: gather_sequence(x, group, "sp all_gather forward (entry)"),
+    lambda grad, group: reduce_scatter_sequence(grad, group, "sp reduce_scatter backward (entry)"),
+    "Entry of a sub-layer under sequence parallelism: all-gather forward; reduce-scatter backward.")
+ReduceScatterSequence = _conjugate(
+    "ReduceScatterSequence",
+    lambda x, group: reduce_scatter_sequence(x, group, "sp reduce_scatter forward (exit)"),
+    lambda grad, group: gather_sequence(grad, group, "sp all_gather backward (exit)"),
+    "Exit of a row layer under sequence parallelism: reduce-scatter forward; all-gather backward.")
+SplitSequence = _conjugate(
+    "SplitSequence",
+    my_tokens,
+    lambda grad, group: gather_sequence(grad, group, "sp all_gather backward (region start)"),
+    "Into the region: keep this rank's tokens; backward all-gathers their gradients.")
+UnsplitSequence = _conjugate(
+    "UnsplitSequence",
+    lambda x, group: gather_sequence(x, group, "sp all_gather forward (region end)"),
+    my_tokens,  # every rank computed the same whole gradient in the replicated layers after the region
+    "Out of the region, into replicated layers: all-gather forward; backward keeps this rank's tokens.")
+
+
 def _shard(t: torch.Tensor, dim: int, group) -> nn.Parameter:
     """This rank's contiguous slice of ``t`` along ``dim``, as a new Parameter."""
     piece = t.detach().chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)]
@@ -124,15 +200,16 @@ class RowParallelLinear(nn.Module):
 
     shard_dims = {"weight": 1}  # the bias is whole on every rank
 
-    def __init__(self, full: nn.Linear, group):
+    def __init__(self, full: nn.Linear, group, sequence_parallel: bool = False):
         super().__init__()
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _shard(full.weight, 1, group)
         self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone(),
                                                                 requires_grad=full.bias.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ReduceFromTensorParallel.apply(F.linear(x, self.weight), self.group)
+        exit_region = ReduceScatterSequence if self.sequence_parallel else ReduceFromTensorParallel
+        y = exit_region.apply(F.linear(x, self.weight), self.group)
         # Added once, after the sum: added before it, it would count tp times.
         return y if self.bias is None else y + self.bias
 
@@ -140,6 +217,20 @@ class RowParallelLinear(nn.Module):
 def _enter_region(group, module, args):
     """Forward pre-hook of a sub-layer: its input passes f once, whoever reads it."""
     return (CopyToTensorParallel.apply(args[0], group), *args[1:])
+
+
+def _enter_sequence_region(group, module, args):
+    """The same under sequence parallelism: the sub-layer's input is all-gathered along the sequence once."""
+    return (GatherSequence.apply(args[0], group), *args[1:])
+
+
+def _sum_over(group, name: str):
+    """A gradient hook: the parameter's gradient summed over ``group`` (each rank saw only its tokens)."""
+    def hook(grad):
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, group=group, name=name)
+        return grad
+    return hook
 
 
 SHARDED = ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc", "mlp.proj")  # the layers tensor parallelism cuts
@@ -163,22 +254,36 @@ def _is_linear(module: nn.Module, path: str) -> bool:
         return False
 
 
-def apply_tensor_parallel(module: nn.Module, tp_group) -> nn.Module:
+def apply_tensor_parallel(module: nn.Module, tp_group, sequence_parallel: bool = False) -> nn.Module:
     """Swap each block's Linear layers for this rank's shards, in place; return ``module``.
 
     attn.q, attn.k, attn.v and mlp.fc become column-parallel, attn.proj and
     mlp.proj row-parallel, and each attention and MLP sub-layer gets f at its
     entrance. Embeddings, LayerNorms and the head are left whole (replicated).
+    With ``sequence_parallel`` the blocks' activations between sub-layers hold
+    this rank's T/tp tokens: entries all-gather, row layers reduce-scatter, the
+    first block takes this rank's tokens and the last gathers them again.
     """
-    for block in check_shardable(module):  # every block checked before any is changed
+    blocks = check_shardable(module)  # every block checked before any is changed
+    enter = _enter_sequence_region if sequence_parallel else _enter_region
+    for block in blocks:
         attn, mlp = block.attn, block.mlp
         for name in ("q", "k", "v"):
             setattr(attn, name, ColumnParallelLinear(getattr(attn, name), tp_group))
-        attn.proj = RowParallelLinear(attn.proj, tp_group)
+        attn.proj = RowParallelLinear(attn.proj, tp_group, sequence_parallel)
         mlp.fc = ColumnParallelLinear(mlp.fc, tp_group)
-        mlp.proj = RowParallelLinear(mlp.proj, tp_group)
+        mlp.proj = RowParallelLinear(mlp.proj, tp_group, sequence_parallel)
         for sub in (attn, mlp):
-            sub.register_forward_pre_hook(functools.partial(_enter_region, tp_group))
+            sub.register_forward_pre_hook(functools.partial(enter, tp_group))
+        if sequence_parallel:
+            partial = [p for m in (block.ln1, block.ln2) for p in m.parameters()] + \
+                      [layer.bias for layer in (attn.proj, mlp.proj) if layer.bias is not None]
+            for p in partial:
+                if p.requires_grad:
+                    p.register_hook(_sum_over(tp_group, "sp all_reduce gradients (layernorm, row bias)"))
+    if sequence_parallel and blocks:
+        blocks[0].register_forward_pre_hook(lambda m, args: (SplitSequence.apply(args[0], tp_group), *args[1:]))
+        blocks[-1].register_forward_hook(lambda m, args, out: UnsplitSequence.apply(out, tp_group))
     return module
 
 
@@ -241,7 +346,7 @@ class ShardPlacement:
                             for section in ("model", "optim") if section in state}}
 
 
-def torch_block_plan() -> dict:
+def torch_block_plan(sequence_parallel: bool = False) -> dict:
     """The same layout for DTensor's ``parallelize_module``, one block at a time.
 
     Colwise layers take a Replicate input and Rowwise layers sum their partial
@@ -249,19 +354,32 @@ def torch_block_plan() -> dict:
     Replicate DTensor (``PrepareModuleInput``) shared by q, k and v, so that their
     three partial input gradients add up locally and are all-reduced once, at
     that boundary: f, once per sub-layer, as in scratch.
+
+    With ``sequence_parallel`` the activations between sub-layers are
+    ``Shard(1)`` (cut along the sequence): ``SequenceParallel`` runs each
+    LayerNorm on its tokens (its weights' gradients are summed over tp by
+    DTensor), the sub-layer entry turns Shard(1) into Replicate (an all-gather;
+    backward a reduce-scatter) and the Rowwise layers hand back Shard(1) (a
+    reduce-scatter; backward an all-gather).
     """
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    between = Shard(1) if sequence_parallel else Replicate()
 
     def enter():
-        return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
+        return PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),))
 
-    return {"attn": enter(), "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
-            "attn.v": ColwiseParallel(), "attn.proj": RowwiseParallel(),
-            "mlp": enter(), "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
+    plan = {"attn": enter(), "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+            "attn.v": ColwiseParallel(), "attn.proj": RowwiseParallel(output_layouts=between),
+            "mlp": enter(), "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(output_layouts=between)}
+    if sequence_parallel:
+        plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel()})
+    return plan
 
 
-def apply_dtensor_parallel(module: nn.Module, tp_mesh) -> nn.Module:
+def apply_dtensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool = False) -> nn.Module:
     """DTensor tensor parallel: ``parallelize_module`` with Colwise/RowwiseParallel on each block; returns ``module``.
 
     Colwise layers hand back plain local tensors (``use_local_output=True``), so
@@ -269,8 +387,15 @@ def apply_dtensor_parallel(module: nn.Module, tp_mesh) -> nn.Module:
     Parameters become DTensors and AdamW updates them shard by shard; memory is
     counted from their local shards.
     """
-    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
 
-    for block in check_shardable(module):
-        parallelize_module(block, tp_mesh, torch_block_plan())
+    blocks = check_shardable(module)
+    for block in blocks:
+        parallelize_module(block, tp_mesh, torch_block_plan(sequence_parallel))
+    if sequence_parallel and blocks:  # into the region: this rank's tokens; out of it: all of them again
+        parallelize_module(blocks[0], tp_mesh, PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
+        parallelize_module(blocks[-1], tp_mesh, PrepareModuleOutput(
+            output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))
     return module
