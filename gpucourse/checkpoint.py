@@ -85,7 +85,8 @@ LATEST = "latest"
 RUN_OPTIONS = ("steps", "device", "record", "profile", "save", "save_every", "resume")
 # ...and how the same computation is laid out on ranks: every layout equals one device.
 LAYOUT_OPTIONS = ("dp", "tp", "pp", "cp", "zero", "impl", "schedule", "microbatches", "grad_accum", "bucket_mb",
-                  "checkpoint_activations", "sequence_parallel")
+                  "checkpoint_activations", "sequence_parallel", "cp_algo",
+                  "zigzag")
 FORMAT = 2  # 2: state under single-device names, whatever the layout (1: each layout its own)
 _NAME = re.compile(r"step-(\d{6,})")
 

@@ -40,6 +40,10 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, default=d.dp, help="data-parallel degree")
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=d.pp, help="pipeline-parallel degree (stages)")
+    p.add_argument("--cp", type=int, default=d.cp, help="context-parallel degree: seq_len / cp tokens per rank")
+    p.add_argument("--cp-algo", default=d.cp_algo, help="context-parallel attention: ring, allgather or ulysses")
+    p.add_argument("--zigzag", action="store_true",
+                   help="context parallel: 2·cp chunks, rank i holding i and 2·cp-1-i (causal load balance)")
     p.add_argument("--zero", type=int, default=d.zero, help="ZeRO stage 0-3")
     p.add_argument("--schedule", default=d.schedule, help=f"pipeline schedule: {', '.join(SCHEDULES)}")
     p.add_argument("--microbatches", type=int, default=d.microbatches, help="pipeline microbatches per step")

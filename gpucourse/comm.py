@@ -35,6 +35,7 @@ RING_FACTOR = {
     "broadcast": lambda n: 1.0 if n > 1 else 0.0,
     "send": lambda n: 1.0,
     "recv": lambda n: 0.0,
+    "all_to_all": lambda n: (n - 1) / n,  # each rank keeps 1/n of what it holds and sends the rest
 }
 
 
@@ -72,6 +73,7 @@ _C10D_OPS = {
     "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
     "broadcast_": ("broadcast", 0), "send": ("send", 0), "recv_": ("recv", 0),
+    "alltoall_base_": ("all_to_all", 1),
 }
 
 
@@ -138,7 +140,10 @@ class Pending:
         self._start = self._rec.mark() if self._rec else None
         self._done = None
         if self._rec is not None and not self._rec._cuda:
-            work.get_future().then(self._completed)
+            try:
+                work.get_future().then(self._completed)
+            except RuntimeError:  # gloo's point-to-point work has no future: the wait is the end
+                pass
 
     def _completed(self, fut):
         self._done = self._rec.now()
@@ -217,3 +222,20 @@ def send(tensor, dst, group=None, name="send"):
 def recv(tensor, src, group=None, name="recv"):
     """Receive into ``tensor`` from global rank ``src``."""
     return _run("recv", name, lambda async_op: dist.recv(tensor, src=src, group=group), tensor, group, False)
+
+
+def isend(tensor, dst, group=None, name="send"):
+    """Start sending ``tensor`` to global rank ``dst``; ``wait()`` on the handle before reusing it."""
+    return _run("send", name, lambda async_op: dist.isend(tensor, dst=dst, group=group), tensor, group, True)
+
+
+def irecv(tensor, src, group=None, name="recv"):
+    """Start receiving into ``tensor`` from global rank ``src``; ``wait()`` on the handle before reading it."""
+    return _run("recv", name, lambda async_op: dist.irecv(tensor, src=src, group=group), tensor, group, True)
+
+
+def all_to_all_single(output, input, group=None, name="all_to_all"):
+    """Rank i's chunk j of ``input`` (cut into n equal chunks along dim 0) becomes chunk i of rank j's ``output``."""
+    return _run("all_to_all", name,
+                lambda async_op: dist.all_to_all_single(output, input, group=group, async_op=async_op),
+                input, group, False)

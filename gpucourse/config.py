@@ -36,7 +36,7 @@ class TrainConfig:
     dp: int = 1
     tp: int = 1
     pp: int = 1
-    cp: int = 1  # context parallel: the mesh keeps its place (pp, dp, cp, tp); this build runs cp=1
+    cp: int = 1  # context parallel: each rank holds seq_len / cp tokens of every sequence
     zero: int = 0
     schedule: str = "1f1b"
     microbatches: int = 1
@@ -45,6 +45,8 @@ class TrainConfig:
     master_weights: bool = False
     checkpoint_activations: bool = False
     sequence_parallel: bool = False  # with tp: activations between sub-layers cut along the sequence
+    cp_algo: str = "ring"  # how context-parallel attention meets the other ranks' keys: ring, allgather, ulysses
+    zigzag: bool = False  # context parallel: 2·cp chunks, rank i holding i and 2·cp-1-i (causal load balance)
     impl: str = "scratch"
     bucket_mb: float | None = None
     steps: int = 20
@@ -100,9 +102,6 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a whole number of at least 1.")
-        if self.cp > 1:
-            raise ConfigError(f"cp={self.cp}: context parallelism is not in this build yet; use cp=1 "
-                              f"(the mesh keeps its place: pp, dp, cp, tp).")
         if self.model not in MODELS:
             raise ConfigError(f"model={self.model!r} is not one of {', '.join(MODELS)}.")
         if self.impl not in IMPLS:
@@ -136,13 +135,17 @@ class TrainConfig:
         if self.batch_size % per_step:
             raise ConfigError(f"batch_size={self.batch_size} must be divisible by grad_accum × dp = "
                               f"{self.grad_accum} × {self.dp} = {per_step}.")
+        if self.cp > 1 or self.zigzag:
+            self._check_context_parallel(mc)
         if self.sequence_parallel:
             if self.tp == 1:
                 raise ConfigError("sequence_parallel cuts tensor parallelism's replicated activations along the "
                                   "sequence; it needs tp > 1.")
-            if self.seq_len % self.tp:
-                raise ConfigError(f"seq_len={self.seq_len} must divide by tp={self.tp} under sequence "
-                                  f"parallelism: each rank keeps seq_len / tp tokens between sub-layers.")
+            local = self.seq_len // self.cp  # the tokens a context-parallel rank holds
+            if local % self.tp:
+                held = f"seq_len={self.seq_len}" if self.cp == 1 else f"seq_len / cp = {local}"
+                raise ConfigError(f"{held} must divide by tp={self.tp} under sequence parallelism: each rank "
+                                  f"keeps 1/tp of its tokens between sub-layers.")
         if self.pp > 1:
             per_part = self.batch_size // per_step  # a pipeline runs its schedule once per accumulated part
             if per_part % self.microbatches:
@@ -196,6 +199,28 @@ class TrainConfig:
             if self.zero not in (0, 3):
                 raise ConfigError(f"impl='accelerate' offers DDP (zero=0) and FSDP (zero=3), not zero={self.zero}.")
 
+    def _check_context_parallel(self, mc) -> None:
+        from .parallel.context_parallel import ALGORITHMS
+
+        if self.cp_algo not in ALGORITHMS:
+            raise ConfigError(f"cp_algo={self.cp_algo!r} is not one of {', '.join(ALGORITHMS)}.")
+        if self.cp == 1:
+            raise ConfigError("zigzag orders the tokens of context-parallel ranks; it needs cp > 1.")
+        chunks = 2 * self.cp if self.zigzag else self.cp
+        if self.seq_len % chunks:
+            split = f"2 × cp = {chunks} zig-zag chunks" if self.zigzag else f"cp = {chunks} chunks"
+            raise ConfigError(f"seq_len={self.seq_len} must divide into {split} of equal length.")
+        heads = mc.n_head // self.tp
+        if self.cp_algo == "ulysses" and heads % self.cp:
+            raise ConfigError(f"ulysses gives each of cp={self.cp} ranks whole heads: cp must divide the "
+                              f"{heads} heads each tensor-parallel rank holds (n_head={mc.n_head}, tp={self.tp}).")
+        if self.dropout:
+            raise ConfigError(f"dropout={self.dropout} inside context-parallel attention is not written: "
+                              f"use dropout=0 with cp > 1.")
+        if self.impl != "scratch":
+            raise ConfigError(f"context parallelism is written from scratch in this build (impl='scratch'), "
+                              f"not impl={self.impl!r}.")
+
     def validate_on(self, device: str) -> "TrainConfig":
         """The checks that depend on where the ranks run (``cpu`` or ``cuda``)."""
         if device == "cpu" and self.impl == "accelerate" and self.zero == 3:
@@ -213,6 +238,8 @@ class TrainConfig:
             parts.append("DTensor tensor parallel" if torch_impl else "Megatron-style column/row parallel")
             if self.sequence_parallel:
                 parts.append("sequence parallel")
+        if self.cp > 1:
+            parts.append(f"context parallel, {self.cp_algo} attention{' (zig-zag)' if self.zigzag else ''}")
         if self.zero == 3 and self.impl == "scratch":
             parts.append("ZeRO-3 (flat shards per block, each gathered just in time)")
         elif self.zero and self.impl == "scratch":
@@ -222,7 +249,7 @@ class TrainConfig:
                           3: "FSDP2 fully_shard"}[self.zero])
         elif self.zero:
             parts.append("accelerate.Accelerator (FSDP; CUDA only)")
-        elif self.dp > 1 and self.impl == "scratch":
+        elif self.dp * self.cp > 1 and self.impl == "scratch":
             parts.append("bucketed all-reduce overlapped with backward" if self.bucket_mb
                          else "one all-reduce per gradient after backward")
         elif self.dp > 1 and self.impl == "torch" and self.tp > 1:
@@ -233,7 +260,7 @@ class TrainConfig:
 
     def kind(self) -> str:
         """The layout's name in the ``--list`` table (``single``, ``dp``, ``zero1``, ``dp×tp``...)."""
-        names = [n for n, d in (("dp", self.dp), ("tp", self.tp), ("pp", self.pp)) if d > 1]
+        names = [n for n, d in (("dp", self.dp), ("cp", self.cp), ("tp", self.tp), ("pp", self.pp)) if d > 1]
         if self.zero:
             names = [f"zero{self.zero}"] + [n for n in names if n != "dp"]
         return "×".join(names) + ("+sp" if self.sequence_parallel else "") or "single"
@@ -252,7 +279,7 @@ def _torch_version() -> str:
 
 # The layouts ``gpucourse train --list`` tries, each dimension at degree 2: validate() decides which run.
 MESHES = [dict(), dict(dp=2), dict(tp=2), dict(pp=2), dict(dp=2, tp=2), dict(dp=2, pp=2), dict(tp=2, pp=2),
-          dict(dp=2, tp=2, pp=2)]
+          dict(dp=2, tp=2, pp=2), dict(cp=2), dict(dp=2, cp=2)]
 
 
 def supported() -> list[tuple[str, str, str, dict]]:

@@ -84,7 +84,25 @@ def shard(t: torch.Tensor, index: int, count: int) -> torch.Tensor:
     return t[index * rows:(index + 1) * rows]
 
 
-def rank_batch(step: int, batch_size: int, seq_len: int, seed: int, dp_rank: int, dp: int):
-    """This data-parallel rank's share of the global batch of ``step``."""
+def rank_batch(step: int, batch_size: int, seq_len: int, seed: int, dp_rank: int, dp: int,
+               positions: torch.Tensor | None = None):
+    """This data-parallel rank's share of the global batch of ``step`` (only ``positions`` of each sequence, if given)."""
     x, y = global_batch(step, batch_size, seq_len, seed)
-    return shard(x, dp_rank, dp), shard(y, dp_rank, dp)
+    x, y = shard(x, dp_rank, dp), shard(y, dp_rank, dp)
+    if positions is not None:  # context parallelism: this rank's tokens of every sequence, targets alike
+        x, y = x[:, positions], y[:, positions]
+    return x, y
+
+
+def context_positions(seq_len: int, cp_rank: int, cp: int, zigzag: bool = False) -> torch.Tensor:
+    """The token positions context-parallel rank ``cp_rank`` of ``cp`` holds, in order.
+
+    Plain: chunk ``cp_rank`` of ``cp`` equal chunks. Zig-zag (causal load balance):
+    the sequence cut into 2·cp chunks, rank i holding chunks i and 2·cp − 1 − i —
+    an early chunk (few keys to attend to) with a late one (many), so every rank
+    does the same attention work under a causal mask.
+    """
+    if not zigzag:
+        return torch.arange(seq_len).chunk(cp)[cp_rank]
+    chunks = torch.arange(seq_len).chunk(2 * cp)
+    return torch.cat([chunks[cp_rank], chunks[2 * cp - 1 - cp_rank]])

@@ -120,7 +120,8 @@ def estimate_params(num: int, dp: int = 1, zero: int = 0, precision: str = "fp32
 
 def _activation_bytes(cfg: TrainConfig, mc: GPTConfig, stage: int, in_flight: int) -> int:
     b = cfg.batch_size // (cfg.dp * cfg.grad_accum * (cfg.microbatches if cfg.pp > 1 else 1))
-    T, C, V, tp = cfg.seq_len, mc.n_embd, mc.vocab_size, cfg.tp
+    # Context parallelism: a rank holds T/cp tokens of each sequence all the way through.
+    T, C, V, tp = cfg.seq_len // cfg.cp, mc.n_embd, mc.vocab_size, cfg.tp
     regime = _regime(cfg)
     scale = 0.5 if regime == "half" else 1.0
     blocks = len(stage_blocks(mc.n_layer, cfg.pp, stage))
@@ -133,12 +134,29 @@ def _activation_bytes(cfg: TrainConfig, mc: GPTConfig, stage: int, in_flight: in
         # tokens; their outputs, all-gathered for q, k, v and fc (which keep them), stay whole.
         rep = rep / 2 / sp + rep / 2
         per_block = b * T * C * (rep + shard / tp) + scale * (16 * b * T / sp + 4 * b * (mc.n_head // tp) * T)
+        per_block += _context_attention_bytes(cfg, b, T, C / tp)
     total = blocks * per_block
     if stage == 0:
         total += 8 * b * T + 8 * T                               # token ids, positions
     if stage == cfg.pp - 1:
         total += scale * (8 * b * T * C + 4 * b * T * V) + 16 * b * T + 4   # norm/head inputs, logits, targets
     return int(total * in_flight)
+
+
+def _context_attention_bytes(cfg: TrainConfig, b: int, t: int, width: float) -> float:
+    """What context-parallel attention keeps beyond one device's (fp32; t tokens a rank holds, width = C/tp).
+
+    ring: nothing more (its blocks are recomputed in backward from the saved log-sum-exp);
+    allgather: the whole sequence's K and V in place of the rank's own, and the mask as floats;
+    ulysses: the mask over the whole sequence as floats. (A ulysses run measures one more
+    (b, t, C) tensor per block than this finds, about 1.4 % of the tiny model's activations.)
+    """
+    if cfg.cp == 1 or cfg.cp_algo == "ring":
+        return 0
+    T = t * cfg.cp
+    if cfg.cp_algo == "allgather":
+        return 2 * 4 * b * (T - t) * width + 4 * t * T
+    return 4 * T * T
 
 
 def in_flight(schedule: str, pp: int, m: int) -> list[int]:

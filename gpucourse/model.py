@@ -64,9 +64,17 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape
         # (B, T, heads·head_dim) -> (B, heads, T, head_dim); heads = whatever this rank holds.
         q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = self.attend(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of (B, heads, T, head_dim) queries over keys and values of the same shape.
+
+        A method of its own so that a strategy can replace it for one layer
+        (context parallelism attends over keys other ranks hold).
+        """
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
 
 
 class MLP(nn.Module):

@@ -87,6 +87,9 @@ def train_worker(cfg_dict: dict, export_path: str | None = None) -> dict:
 def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dict:
     mesh = build_mesh(cfg, ctx.device)
     dp_rank = mesh["dp"].get_local_rank()
+    # Context parallelism: this rank's tokens of every sequence (None: all of them).
+    positions = data.context_positions(cfg.seq_len, mesh["cp"].get_local_rank(), cfg.cp, cfg.zigzag) \
+        if cfg.cp > 1 else None
     model = build_model(cfg.model_config(), cfg.seed).to(ctx.device)
     trainer = parallelize(model, mesh, cfg, rec, ctx.device)
     rec.activations.exclude(trainer.model.parameters())
@@ -98,7 +101,7 @@ def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dic
     for step in range(start_step, cfg.steps):
         checkpoint.inject_fault(ctx.rank, step)
         rec.step = step - start_step  # what a RunResult counts from: its losses[0] is step start_step
-        x, y = data.rank_batch(step, cfg.batch_size, cfg.seq_len, cfg.seed, dp_rank, cfg.dp)
+        x, y = data.rank_batch(step, cfg.batch_size, cfg.seq_len, cfg.seed, dp_rank, cfg.dp, positions)
         first_span = len(rec.spans)
         start = time.perf_counter()
         with rec.span("step"):

@@ -121,3 +121,50 @@ if __name__ == "__main__":
 
     mode, arg = sys.argv[1], sys.argv[2]
     {"repeat": rankfns._repeat, "block": rankfns._block, "in-place": rankfns._in_place}[mode](arg)
+
+
+def train_several(cfg_dicts: list[dict], export_paths: list[str]) -> list[dict]:
+    """Train each config in turn in this one launch (every one of the same world size): one output per config."""
+    from gpucourse.train import train_worker
+
+    return [train_worker(cfg, path) for cfg, path in zip(cfg_dicts, export_paths)]
+
+
+def attention_against_full(cases: int, seed: int) -> list[dict]:
+    """Ring, all-gather and Ulysses attention against full causal attention, on random shapes and token orders.
+
+    Every rank draws the same whole q, k, v and the same random assignment of positions to ranks, runs each
+    context-parallel algorithm on its own tokens, and compares its output and the gradients of its q, k, v
+    with those of full attention (autograd on the whole tensors), restricted to its tokens.
+    """
+    import math
+
+    import torch.nn.functional as F
+
+    from gpucourse.parallel.context_parallel import RingAttention, allgather_attention, ulysses_attention
+
+    group, n, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(seed)
+    worst = []
+    for _ in range(cases):
+        B, H, d = (int(torch.randint(1, 4, (), generator=gen)), n * int(torch.randint(1, 3, (), generator=gen)),
+                   int(torch.randint(2, 9, (), generator=gen)))
+        T = n * int(torch.randint(1, 6, (), generator=gen))
+        q, k, v = (torch.randn(B, H, T, d, generator=gen, dtype=torch.float64) for _ in range(3))
+        grad = torch.randn(B, H, T, d, generator=gen, dtype=torch.float64)
+        every = list(torch.randperm(T, generator=gen).chunk(n))  # any tokens on any rank, in any order
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        mask = torch.arange(T)[None, :] <= torch.arange(T)[:, None]
+        full = F.scaled_dot_product_attention(*whole, attn_mask=mask)
+        full.backward(grad)
+        mine = every[rank]
+        for name, attend in (("ring", RingAttention.apply), ("allgather", allgather_attention),
+                             ("ulysses", ulysses_attention)):
+            local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+            out = attend(*local, group, every)
+            out.backward(grad[:, :, mine])
+            diffs = [(out - full[:, :, mine]).abs().max().item()]
+            diffs += [(t.grad - w.grad[:, :, mine]).abs().max().item() for t, w in zip(local, whole)]
+            worst.append({"algo": name, "shape": [B, H, T, d], "diff": max(diffs),
+                          "finite": all(math.isfinite(x) for x in diffs)})
+    return worst

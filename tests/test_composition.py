@@ -13,6 +13,7 @@ from __future__ import annotations
 from gpucourse import TrainConfig
 from gpucourse.config import supported
 
+import test_context_parallel
 import test_equality
 import test_pipeline
 import test_tensor_parallel
@@ -23,13 +24,15 @@ def checked() -> list[TrainConfig]:
     by_file = [(test_equality, [*test_equality.DATA_PARALLEL, *test_equality.BUCKETED, *test_equality.ZERO,
                                 *test_equality.ACCELERATE]),
                (test_tensor_parallel, test_tensor_parallel.LAYOUTS.values()),
-               (test_pipeline, test_pipeline.LAYOUTS.values())]
+               (test_pipeline, test_pipeline.LAYOUTS.values()),
+               (test_context_parallel, test_context_parallel.LAYOUTS.values())]
     return [TrainConfig(**{**module.BASE, **kw}) for module, layouts in by_file for kw in layouts]
 
 
 def _key(cfg: TrainConfig) -> tuple:
-    return (cfg.dp, cfg.tp, cfg.pp, cfg.zero, cfg.impl, cfg.bucket_mb is not None, cfg.grad_accum > 1,
-            cfg.checkpoint_activations, cfg.schedule if cfg.pp > 1 else None)
+    return (cfg.dp, cfg.cp, cfg.tp, cfg.pp, cfg.zero, cfg.impl, cfg.bucket_mb is not None, cfg.grad_accum > 1,
+            cfg.checkpoint_activations, cfg.schedule if cfg.pp > 1 else None, cfg.sequence_parallel,
+            cfg.cp_algo if cfg.cp > 1 else None, cfg.zigzag)
 
 
 def test_at_least_30_distinct_layouts_up_to_8_ranks():

@@ -29,9 +29,15 @@ from gpucourse import cli
     (dict(sequence_parallel=True), "sequence_parallel cuts tensor parallelism's replicated activations along the "
                                    "sequence; it needs tp > 1"),
     (dict(tp=4, seq_len=30, sequence_parallel=True), "seq_len=30 must divide by tp=4 under sequence parallelism"),
+    (dict(cp=2, tp=4, seq_len=36, sequence_parallel=True), "seq_len / cp = 18 must divide by tp=4"),
+    (dict(cp=4, seq_len=30), "seq_len=30 must divide into cp = 4 chunks of equal length"),
+    (dict(cp=2, seq_len=34, zigzag=True), "seq_len=34 must divide into 2 × cp = 4 zig-zag chunks"),
+    (dict(cp=3, seq_len=48, cp_algo="ulysses"), "cp must divide the 4 heads each tensor-parallel rank holds"),
+    (dict(cp=2, cp_algo="spiral"), "cp_algo='spiral' is not one of ring, allgather, ulysses"),
+    (dict(zigzag=True), "zigzag orders the tokens of context-parallel ranks; it needs cp > 1"),
+    (dict(cp=2, dropout=0.1), "use dropout=0 with cp > 1"),
     (dict(schedule="zigzag"), "is not one of naive, gpipe, 1f1b"),
     (dict(seq_len=4096), "is longer than model 'tiny'"),
-    (dict(cp=2, dp=2), "cp=2: context parallelism is not in this build yet"),
     (dict(cp=0), "cp=0 must be a whole number of at least 1"),
 ], ids=lambda v: str(v) if isinstance(v, dict) else "")
 def test_refused_with_one_sentence(kw, says):
@@ -107,4 +113,4 @@ def test_the_list_of_what_runs_is_what_the_rules_accept():
     assert ("dp×tp", "torch") in rows and ("dp×tp×pp", "torch") in rows  # replicate: DDP for DTensor parameters
     for changes in rows.values():
         TrainConfig(**changes).validate()
-    assert len(MESHES) == 8 and len(rows) >= 30
+    assert len(MESHES) == 10 and len(rows) >= 30

@@ -32,7 +32,8 @@ def test_parameter_count_formula_matches_the_model(name):
                                 dict(dp=2, tp=2), dict(checkpoint_activations=True), dict(dp=2, grad_accum=2),
                                 dict(dp=2, tp=2, zero=3), dict(dp=2, pp=2, zero=3, microbatches=2),
                                 dict(tp=2, sequence_parallel=True),
-                                dict(tp=2, sequence_parallel=True, checkpoint_activations=True)],
+                                dict(tp=2, sequence_parallel=True, checkpoint_activations=True),
+                                dict(cp=2), dict(cp=2, cp_algo="allgather", zigzag=True), dict(cp=2, cp_algo="ulysses")],
                          ids=str)
 def test_estimate_equals_measurement(kw):
     cfg = TrainConfig(steps=1, seq_len=32, **kw)

@@ -54,7 +54,9 @@ def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, devi
             tensor_parallel.apply_tensor_parallel(model, mesh["tp"].get_group(), cfg.sequence_parallel)
             gathers.insert(0, functools.partial(tensor_parallel.gather_shards, model, mesh["tp"].get_group()))
             placements.append(tensor_parallel.ShardPlacement(model, mesh["tp"]))
-    # cp: context parallelism keeps its place here; this build runs cp = 1.
+    if cfg.cp > 1:  # each rank attends over the other cp ranks' keys
+        from .context_parallel import apply_context_parallel
+        apply_context_parallel(model, mesh["cp"].get_group(), cfg.seq_len, cfg.cp_algo, cfg.zigzag)
     if cfg.checkpoint_activations:
         checkpoint_blocks(model)
     if cfg.pp > 1:
@@ -71,8 +73,13 @@ def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, devi
 
 
 def _data_parallel(model, mesh, cfg: TrainConfig, **options) -> Trainer:
-    """The trainer that synchronises ``model``'s gradients over the dp slice of the mesh (and steps the optimizer)."""
-    group = mesh["dp"].get_group()
+    """The trainer that synchronises ``model``'s gradients over the dp slice of the mesh (and steps the optimizer).
+
+    With context parallelism the dp and cp ranks hold the same weights and average their gradients together:
+    the slice is the flattened dp × cp mesh.
+    """
+    dp_mesh = mesh["dp", "cp"]._flatten() if cfg.cp > 1 else mesh["dp"]
+    group = dp_mesh.get_group()
     if cfg.zero:
         if cfg.impl == "scratch" and cfg.zero == 3:
             from .zero3 import Zero3Scratch
@@ -85,11 +92,11 @@ def _data_parallel(model, mesh, cfg: TrainConfig, **options) -> Trainer:
             from .zero import TorchZero1
             return TorchZero1(model, group, **options)
         from .zero import TorchFSDP
-        return TorchFSDP(model, mesh["dp"], cfg.zero, **options)
-    if cfg.dp > 1:
+        return TorchFSDP(model, dp_mesh, cfg.zero, **options)
+    if cfg.dp * cfg.cp > 1:
         if cfg.impl == "torch" and cfg.tp > 1:  # DDP takes no DTensor parameters; replicate does
             from .data_parallel import TorchReplicate
-            return TorchReplicate(model, mesh["dp"], **options)
+            return TorchReplicate(model, dp_mesh, **options)
         if cfg.impl == "torch":
             from .data_parallel import TorchDDP
             return TorchDDP(model, group, cfg.bucket_mb, **options)

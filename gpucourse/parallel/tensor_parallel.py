@@ -127,45 +127,38 @@ def reduce_scatter_sequence(x: torch.Tensor, group, name: str) -> torch.Tensor:
     return out
 
 
-def my_tokens(x: torch.Tensor, group) -> torch.Tensor:
-    """This rank's T/n tokens of a whole (B, T, C) tensor."""
+def my_tokens(x: torch.Tensor, group, name: str = "") -> torch.Tensor:
+    """This rank's T/n tokens of a whole (B, T, C) tensor (no communication: ``name`` is unused)."""
     return x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
 
 
-def _conjugate(name: str, forward, backward, doc: str):
-    """An autograd Function that runs ``forward(x, group)`` forward and ``backward(grad, group)`` backward."""
-    def fwd(ctx, x, group):
-        ctx.group = group
-        return forward(x, group)
+def conjugate(name: str, forward, backward, doc: str):
+    """An autograd Function: ``forward(x, group, label)`` forward, ``backward(grad, group, label)`` backward.
+
+    ``Function.apply(x, group, label)``: the label names its collectives on the timeline.
+    """
+    def fwd(ctx, x, group, label=name):
+        ctx.group, ctx.label = group, label
+        return forward(x, group, f"{label} (forward)")
 
     def bwd(ctx, grad):
-        return backward(grad, ctx.group), None
+        return backward(grad, ctx.group, f"{ctx.label} (backward)"), None, None
 
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd),
-                                                   "__doc__": doc})
+    cls = "".join(word.capitalize() for word in name.split())  # "sp entry" → SpEntry
+    return type(cls, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd),
+                                                  "__doc__": doc})
 
 
-# The four pairs, each forward beside its backward:
-GatherSequence = _conjugate(
-    "GatherSequence",
-    lambda x, group: gather_sequence(x, group, "sp all_gather forward (entry)"),
-    lambda grad, group: reduce_scatter_sequence(grad, group, "sp reduce_scatter backward (entry)"),
-    "Entry of a sub-layer under sequence parallelism: all-gather forward; reduce-scatter backward.")
-ReduceScatterSequence = _conjugate(
-    "ReduceScatterSequence",
-    lambda x, group: reduce_scatter_sequence(x, group, "sp reduce_scatter forward (exit)"),
-    lambda grad, group: gather_sequence(grad, group, "sp all_gather backward (exit)"),
-    "Exit of a row layer under sequence parallelism: reduce-scatter forward; all-gather backward.")
-SplitSequence = _conjugate(
-    "SplitSequence",
-    my_tokens,
-    lambda grad, group: gather_sequence(grad, group, "sp all_gather backward (region start)"),
-    "Into the region: keep this rank's tokens; backward all-gathers their gradients.")
-UnsplitSequence = _conjugate(
-    "UnsplitSequence",
-    lambda x, group: gather_sequence(x, group, "sp all_gather forward (region end)"),
-    my_tokens,  # every rank computed the same whole gradient in the replicated layers after the region
-    "Out of the region, into replicated layers: all-gather forward; backward keeps this rank's tokens.")
+# The four pairs, each forward beside its backward.
+GatherSequence = conjugate("sp entry", gather_sequence, reduce_scatter_sequence,
+                           "Entry of a sub-layer: all-gather along the sequence forward; reduce-scatter backward.")
+ReduceScatterSequence = conjugate("sp exit", reduce_scatter_sequence, gather_sequence,
+                                  "Exit of a row layer: reduce-scatter along the sequence forward; all-gather backward.")
+SplitSequence = conjugate("sp region start", my_tokens, gather_sequence,
+                          "Into the region: keep this rank's tokens; backward all-gathers their gradients.")
+UnsplitSequence = conjugate("sp region end", gather_sequence, my_tokens,  # backward: every rank has the whole gradient
+                            "Out of the region, into replicated layers: all-gather forward; backward keeps this "
+                            "rank's tokens.")
 
 
 def _shard(t: torch.Tensor, dim: int, group) -> nn.Parameter:
