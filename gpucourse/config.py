@@ -218,8 +218,9 @@ class TrainConfig:
             raise ConfigError(f"dropout={self.dropout} inside context-parallel attention is not written: "
                               f"use dropout=0 with cp > 1.")
         if self.impl != "scratch":
-            raise ConfigError(f"context parallelism is written from scratch in this build (impl='scratch'), "
-                              f"not impl={self.impl!r}.")
+            raise ConfigError(f"context parallelism runs from scratch in this build (impl='scratch'), not "
+                              f"impl={self.impl!r}: PyTorch's context_parallel shards CUDA's attention kernels "
+                              f"only (on CPU its SDPA has no sharding strategy).")
 
     def validate_on(self, device: str) -> "TrainConfig":
         """The checks that depend on where the ranks run (``cpu`` or ``cuda``)."""

@@ -38,6 +38,8 @@ class GPTConfig:
 # the 124M-parameter GPT-2 for real GPUs.
 MODELS = {
     "tiny": GPTConfig(vocab_size=64, block_size=128, n_layer=4, n_head=4, n_embd=64),
+    # tiny's width with room for 4 k tokens: long-context runs (context parallelism) on a laptop.
+    "tiny-long": GPTConfig(vocab_size=64, block_size=4096, n_layer=2, n_head=4, n_embd=64),
     "small": GPTConfig(vocab_size=64, block_size=256, n_layer=6, n_head=6, n_embd=192),
     "medium": GPTConfig(vocab_size=64, block_size=512, n_layer=8, n_head=8, n_embd=512),
     "gpt2-small": GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),

@@ -36,6 +36,7 @@ from gpucourse import cli
     (dict(cp=2, cp_algo="spiral"), "cp_algo='spiral' is not one of ring, allgather, ulysses"),
     (dict(zigzag=True), "zigzag orders the tokens of context-parallel ranks; it needs cp > 1"),
     (dict(cp=2, dropout=0.1), "use dropout=0 with cp > 1"),
+    (dict(cp=2, impl="torch"), "PyTorch's context_parallel shards CUDA's attention kernels only"),
     (dict(schedule="zigzag"), "is not one of naive, gpipe, 1f1b"),
     (dict(seq_len=4096), "is longer than model 'tiny'"),
     (dict(cp=0), "cp=0 must be a whole number of at least 1"),

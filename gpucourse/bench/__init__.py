@@ -256,6 +256,65 @@ def sp_activation_ratio() -> Reading:
                    f"{human_bytes(saved[True])} with sequence parallelism, {human_bytes(saved[False])} without")
 
 
+def ring_work_times(seq_len: int, cp: int, zigzag: bool, reps: int, heads: int = 4, head_dim: int = 64) -> list:
+    """Seconds each of ``cp`` ring-attention ranks computes per layer (forward and backward of its blocks).
+
+    Each rank's own queries against every block of keys its mask lets it see, with the
+    ring's block function — the compute of ``RingAttention`` without its transfers (a
+    rank that finishes early waits in the ring, so wall time alone would hide the
+    imbalance). Ranks are timed in turn in this process, each on one thread; the least disturbed
+    of its runs counts.
+    """
+    from ..data import context_positions
+    from ..parallel.context_parallel import attention_block
+
+    every = [context_positions(seq_len, r, cp, zigzag) for r in range(cp)]
+    gen = torch.Generator().manual_seed(0)
+    t = seq_len // cp
+    qkv = [[torch.randn(1, heads, t, head_dim, generator=gen, requires_grad=True) for _ in range(3)]
+           for _ in range(cp)]
+
+    def work(rank: int) -> float:
+        q, k, v = qkv[rank]
+        start = time.perf_counter()
+        for owner in range(cp):
+            _, cols, scores = attention_block(q, k, every[rank], every[owner], head_dim ** -0.5)
+            if scores is not None:
+                (torch.softmax(scores, dim=-1) @ v.index_select(-2, cols)).sum().backward()
+        return time.perf_counter() - start
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core, as each rank of a launch has
+    try:
+        for rank in range(cp):
+            work(rank)  # warm-up
+        runs = [[work(rank) for rank in range(cp)] for _ in range(reps)]  # ranks interleaved: load hits all alike
+    finally:
+        torch.set_num_threads(threads)
+    return [min(r[rank] for r in runs) for rank in range(cp)]  # the least disturbed of each rank's runs
+
+
+@figure("cp_zigzag_imbalance", target="<= 1.15", quick=dict(reps=5), full=dict(reps=9))
+def cp_zigzag_imbalance(reps: int) -> Reading:
+    """Ring attention's busiest over least busy rank, causal, 4 ranks of a 4096-token sequence, zig-zag split."""
+    plain = ring_work_times(4096, 4, zigzag=False, reps=reps)
+    zigzag = ring_work_times(4096, 4, zigzag=True, reps=reps)
+    return Reading(ratio(max(zigzag), min(zigzag)),
+                   {"plain_s": plain, "zigzag_s": zigzag, "plain_ratio": max(plain) / min(plain)},
+                   f"zig-zag {max(zigzag) / min(zigzag):.2f}, plain chunks {max(plain) / min(plain):.2f} "
+                   f"(busiest over least busy rank)")
+
+
+@figure("cp_ring_vs_allgather", quick=dict(reps=2, steps=10), full=dict(reps=3, steps=20))
+def cp_ring_vs_allgather(reps: int, steps: int) -> Reading:
+    """Step time of context parallelism with ring attention over all-gather attention, cp = 2, 1024 tokens."""
+    base = dict(model="tiny-long", dp=1, cp=RANKS, seq_len=1024, batch_size=2, steps=steps)
+    detail, med = compare_runs({"ring": _bench_config(impl="scratch", cp_algo="ring", **base),
+                                "allgather": _bench_config(impl="scratch", cp_algo="allgather", **base)}, reps)
+    return Reading(ratio(med["ring"], med["allgather"]), detail,
+                   f"ring {med['ring'] * 1e3:.1f} ms, all-gather {med['allgather'] * 1e3:.1f} ms per step")
+
+
 @figure("memory_estimate_vs_measured", target="== 1.0", quick=dict(), full=dict())
 def memory_estimate_vs_measured() -> Reading:
     """Measured weights, gradients and optimizer bytes over ``gpucourse memory``'s estimate, several layouts."""

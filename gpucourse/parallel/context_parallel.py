@@ -132,12 +132,21 @@ def ulysses_attention(q, k, v, group, every: list[torch.Tensor]) -> torch.Tensor
 
 # --- ring: K and V blocks passed around, partial results merged -----------------------------------
 
-def _block(q, k, q_pos, k_pos, scale):
-    """Masked scores of this rank's queries against one block of keys (None: the mask hides all of it)."""
+def attention_block(q, k, q_pos, k_pos, scale):
+    """Masked scores of the queries that see any key of this block, against the keys any query sees.
+
+    Returns ``(rows, cols, scores)``: the indices of those queries and keys and their
+    (rows × cols) scores, masked; ``scores`` is None when the mask hides the whole
+    block (keys all in the future: the causal imbalance). Only that part is
+    computed: under the zig-zag split a block away from the diagonal is half of one.
+    """
     mask = causal_mask(q_pos, k_pos).to(q.device)
-    if not mask.any():
-        return None, mask  # a block entirely in the future: nothing to compute (the causal imbalance)
-    return (q @ k.transpose(-2, -1) * scale).masked_fill(~mask, float("-inf")), mask
+    rows, cols = mask.any(1).nonzero()[:, 0], mask.any(0).nonzero()[:, 0]
+    if len(rows) == 0:
+        return rows, cols, None
+    part = mask[rows][:, cols]
+    scores = q.index_select(-2, rows) @ k.index_select(-2, cols).transpose(-2, -1) * scale
+    return rows, cols, scores.masked_fill(~part, float("-inf"))
 
 
 def _pass(tensors: list[torch.Tensor], group, name: str) -> tuple[list[torch.Tensor], list]:
@@ -175,14 +184,16 @@ class RingAttention(torch.autograd.Function):
             owner = (rank - step) % n  # whose block this rank holds now
             if step < n - 1:  # the next block is on its way while this one is computed
                 (k_next, v_next), handles = _pass([k_cur, v_cur], group, "K/V")
-            scores, _ = _block(q, k_cur, q_pos, every[owner], scale)
-            if scores is not None:
+            rows, cols, scores = attention_block(q, k_cur, q_pos, every[owner], scale)
+            if scores is not None:  # every row here sees at least one key: lse_j is finite
                 lse_j = torch.logsumexp(scores, dim=-1)
-                o_j = torch.exp(scores - torch.where(lse_j.isinf(), 0.0, lse_j)[..., None]) @ v_cur
-                new = torch.logaddexp(lse, lse_j)
-                safe = torch.where(new.isinf(), 0.0, new)  # rows that have seen no key yet stay at zero
-                out = out * torch.exp(lse - safe)[..., None] + o_j * torch.exp(lse_j - safe)[..., None]
-                lse = new
+                o_j = torch.exp(scores - lse_j[..., None]) @ v_cur.index_select(-2, cols)
+                seen = lse.index_select(-1, rows)
+                new = torch.logaddexp(seen, lse_j)  # (a row that has seen nothing yet: -inf, e^-inf = 0)
+                merged = out.index_select(-2, rows) * torch.exp(seen - new)[..., None] + \
+                    o_j * torch.exp(lse_j - new)[..., None]
+                out.index_copy_(-2, rows, merged)
+                lse.index_copy_(-1, rows, new)
             if step < n - 1:
                 for h in handles:
                     h.wait()
@@ -205,13 +216,14 @@ class RingAttention(torch.autograd.Function):
             owner = (rank - step) % n
             if step < n - 1:
                 (k_next, v_next), kv_handles = _pass([k_cur, v_cur], group, "K/V (backward)")
-            scores, mask = _block(q, k_cur, q_pos, every[owner], scale)
+            rows, cols, scores = attention_block(q, k_cur, q_pos, every[owner], scale)
             if scores is not None:
-                p = torch.exp(scores - lse[..., None])  # this block's softmax probabilities (0 where masked)
-                dv_cur = dv_cur + p.transpose(-2, -1) @ grad_out
-                ds = p * (grad_out @ v_cur.transpose(-2, -1) - delta)
-                dq = dq + ds @ k_cur * scale
-                dk_cur = dk_cur + ds.transpose(-2, -1) @ q * scale
+                p = torch.exp(scores - lse.index_select(-1, rows)[..., None])  # softmax probabilities (0: masked)
+                g = grad_out.index_select(-2, rows)
+                dv_cur = dv_cur.index_add(-2, cols, p.transpose(-2, -1) @ g)
+                ds = p * (g @ v_cur.index_select(-2, cols).transpose(-2, -1) - delta.index_select(-2, rows))
+                dq = dq.index_add(-2, rows, ds @ k_cur.index_select(-2, cols) * scale)
+                dk_cur = dk_cur.index_add(-2, cols, ds.transpose(-2, -1) @ q.index_select(-2, rows) * scale)
             (dk_cur, dv_cur), grad_handles = _pass([dk_cur, dv_cur], group, "K/V gradients")
             for h in grad_handles + (kv_handles if step < n - 1 else []):
                 h.wait()
