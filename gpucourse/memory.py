@@ -183,7 +183,8 @@ def estimate(cfg: TrainConfig) -> dict:
     for stage in range(cfg.pp):
         units = stage_units(mc, cfg.pp, stage, cfg.tp)
         n = sum(units.values())
-        mem = estimate_params(n, cfg.dp, cfg.zero, cfg.precision, cfg.master_weights,
+        # ZeRO shards over every rank holding the same weights: dp × cp (context-parallel ranks too).
+        mem = estimate_params(n, cfg.dp * cfg.cp, cfg.zero, cfg.precision, cfg.master_weights,
                               scratch_padding=cfg.impl == "scratch", units=units.values())
         mem["activations"] = _activation_bytes(cfg, mc, stage, held[stage])
         per_stage.append((n, mem, _gathered_bytes(cfg, units)))
@@ -203,7 +204,7 @@ def _gathered_bytes(cfg: TrainConfig, units: dict) -> int:
     if not (cfg.zero == 3 and cfg.impl == "scratch"):
         return 0
     from .parallel.zero3 import memory_formula
-    return memory_formula(units, cfg.dp, 2 if cfg.precision != "fp32" and cfg.master_weights else 4)["gathered"]
+    return memory_formula(units, cfg.dp * cfg.cp, 2 if cfg.precision != "fp32" and cfg.master_weights else 4)["gathered"]
 
 
 def with_microbatch(cfg: TrainConfig, micro: int) -> TrainConfig:

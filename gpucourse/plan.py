@@ -20,6 +20,21 @@ real runs here — and timed with a simple model:
   the weights once more for backward: 1.5×), at the intra-node bandwidth when
   a data-parallel group fits in one server, else at the network's.
 
+From ``LONG_SEQUENCE`` tokens on, layouts also use **sequence parallelism**
+(with tp > 1) and **context parallelism** (cp ranks each holding T/cp tokens,
+ring attention with the zig-zag split); cp·dp·tp·pp = G, tp·cp within a server
+where they fit. Their communication:
+
+- **context-parallel ring**: per block and microbatch, cp − 1 hops of a rank's
+  K and V forward, cp − 1 again and cp hops of their gradients backward, at
+  the intra-node bandwidth when tp·cp GPUs fit in one server, else the network's;
+- sequence parallelism moves what tensor parallelism moves (an all-gather and
+  a reduce-scatter are one all-reduce); it only shrinks activations.
+
+The compute model counts 6·N FLOPs per token and leaves attention's own
+(which grow with T) out: at very long sequences every layout pays them alike,
+but the step times are then too short.
+
 Communication is assumed not to overlap compute, so step times are upper
 bounds; the ranking is what matters. A layout that does not fit in the GPU's
 memory is never ranked as fitting.
@@ -51,30 +66,38 @@ def shape_for_params(num_params: float) -> dict:
     return {"n_layer": n_layer, "n_embd": n_embd, "n_head": n_embd // 128, "vocab_size": 32000}
 
 
+LONG_SEQUENCE = 16384  # from here on the planner also tries sequence and context parallelism
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def candidates(shape: dict, gpus: int, gpus_per_node: int, batch_size: int, seq_len: int, precision: str):
     """Every layout worth sizing, as TrainConfigs (not necessarily runnable in this build)."""
+    long = seq_len >= LONG_SEQUENCE
     for tp in _divisors(gpus):
         if tp > gpus_per_node or shape["n_head"] % tp:
             continue
-        for pp in _divisors(gpus // tp):
-            dp = gpus // (tp * pp)
-            if pp > shape["n_layer"] or batch_size % dp:
+        for cp in _divisors(gpus // tp) if long else [1]:
+            if seq_len % (2 * cp) and cp > 1:
                 continue
-            # One sequence per microbatch on a pipeline keeps its bubble small.
-            micro = batch_size // dp if pp > 1 else 1
-            grad_accum = 1 if pp > 1 else batch_size // dp
-            for zero in (0, 1, 2, 3):
-                if zero and dp == 1:
+            for pp in _divisors(gpus // (tp * cp)):
+                dp = gpus // (tp * cp * pp)
+                if pp > shape["n_layer"] or batch_size % dp:
                     continue
-                for ckpt in (False, True):
-                    yield TrainConfig(model="gpt2-small", overrides={**shape, "block_size": seq_len}, dp=dp, tp=tp,
-                                      pp=pp, zero=zero, microbatches=micro, grad_accum=grad_accum,
-                                      schedule="1f1b", batch_size=batch_size, seq_len=seq_len, precision=precision,
-                                      master_weights=precision != "fp32", checkpoint_activations=ckpt)
+                # One sequence per microbatch on a pipeline keeps its bubble small.
+                micro = batch_size // dp if pp > 1 else 1
+                grad_accum = 1 if pp > 1 else batch_size // dp
+                for zero in (0, 1, 2, 3):
+                    if zero and dp * cp == 1:
+                        continue
+                    for ckpt in (False, True):
+                        yield TrainConfig(model="gpt2-small", overrides={**shape, "block_size": seq_len}, dp=dp,
+                                          tp=tp, pp=pp, cp=cp, zigzag=cp > 1, sequence_parallel=long and tp > 1,
+                                          zero=zero, microbatches=micro, grad_accum=grad_accum, schedule="1f1b",
+                                          batch_size=batch_size, seq_len=seq_len, precision=precision,
+                                          master_weights=precision != "fp32", checkpoint_activations=ckpt)
 
 
 def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, efficiency: float) -> dict:
@@ -96,15 +119,22 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
     if cfg.pp > 1:
         link = intra if cfg.tp * cfg.dp * cfg.pp <= gpus_per_node else inter
         pp_comm = 2 * m * micro_tokens * mc.n_embd * elem / link
+    cp_comm = 0.0
+    if cfg.cp > 1:
+        link = intra if cfg.tp * cfg.cp <= gpus_per_node else inter
+        block = 2 * micro_tokens / cfg.cp * mc.n_embd / cfg.tp * elem  # a rank's K and V of one microbatch
+        cp_comm = (mc.n_layer / cfg.pp) * m * (3 * (cfg.cp - 1) + cfg.cp) * block / link
     dp_comm = 0.0
-    if cfg.dp > 1:
-        link = intra if cfg.tp * cfg.dp <= gpus_per_node else inter
+    replicas = cfg.dp * cfg.cp  # the ranks that average the gradients
+    if replicas > 1:
+        link = intra if cfg.tp * replicas <= gpus_per_node else inter
         grads = num_params / (cfg.tp * cfg.pp) * elem
-        dp_comm = (1.5 if cfg.zero == 3 else 1.0) * 2 * (cfg.dp - 1) / cfg.dp * grads / link
-    total = compute + bubble + tp_comm + pp_comm + dp_comm
+        dp_comm = (1.5 if cfg.zero == 3 else 1.0) * 2 * (replicas - 1) / replicas * grads / link
+    total = compute + bubble + tp_comm + pp_comm + cp_comm + dp_comm
     return {"step_s": total, "compute_s": compute, "bubble_s": bubble,
-            "communication_s": tp_comm + pp_comm + dp_comm,
-            "tp_comm_s": tp_comm, "pp_comm_s": pp_comm, "dp_comm_s": dp_comm, "tokens_per_s": tokens / total}
+            "communication_s": tp_comm + pp_comm + cp_comm + dp_comm,
+            "tp_comm_s": tp_comm, "pp_comm_s": pp_comm, "cp_comm_s": cp_comm, "dp_comm_s": dp_comm,
+            "tokens_per_s": tokens / total}
 
 
 def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: int = 8, batch_size: int = 1024,
@@ -135,7 +165,8 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
         except ConfigError:
             continue
         n = mem["num_params"]
-        row = {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "zero": cfg.zero, "microbatches": cfg.microbatches,
+        row = {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "cp": cfg.cp, "sp": cfg.sequence_parallel, "zero": cfg.zero,
+               "microbatches": cfg.microbatches,
                "grad_accum": cfg.grad_accum, "checkpoint_activations": cfg.checkpoint_activations,
                "memory": mem["max"], "memory_total": mem["max_total"],
                "fits": mem["max_total"] <= spec.memory_gb * 1e9, "config": cfg.to_dict(),
@@ -154,15 +185,17 @@ def format_plan(result: dict, top: int = 10) -> str:
     """The ranked table ``gpucourse plan`` prints."""
     fitting = [r for r in result["layouts"] if r["fits"]]
     gpu = result["gpu"]
+    cp_head = f" {'cp':>3} {'sp':>3}" if result["seq_len"] >= LONG_SEQUENCE else ""  # long sequences: cp and sp too
     lines = [f"{result['params'] / 1e9:.1f} B parameters (as {result['shape']['n_layer']} blocks of width "
              f"{result['shape']['n_embd']}) on {result['gpus']} × {gpu['name']} ({gpu['memory_gb']:g} GB, "
              f"{result['gpus_per_node']} per node), batch {result['batch_size']} × {result['seq_len']} tokens, "
              f"{result['precision']} with fp32 master weights",
              f"{len(fitting)} of {len(result['layouts'])} layouts fit; the fastest, by the timing model:",
-             f"  {'dp':>4} {'tp':>3} {'pp':>3} {'zero':>4} {'ckpt':>4} {'memory/GPU':>11} {'step':>8} "
+             f"  {'dp':>4} {'tp':>3} {'pp':>3}{cp_head} {'zero':>4} {'ckpt':>4} {'memory/GPU':>11} {'step':>8} "
              f"{'compute':>8} {'comm':>8} {'bubble':>8} {'tokens/s':>10}"]
     for r in fitting[:top]:
-        lines.append(f"  {r['dp']:>4} {r['tp']:>3} {r['pp']:>3} {r['zero']:>4} "
+        cp = f" {r.get('cp', 1):>3} {'yes' if r.get('sp') else 'no':>3}" if cp_head else ""
+        lines.append(f"  {r['dp']:>4} {r['tp']:>3} {r['pp']:>3}{cp} {r['zero']:>4} "
                      f"{'yes' if r['checkpoint_activations'] else 'no':>4} {human_bytes(r['memory_total']):>11} "
                      f"{r['step_s']:>7.2f}s {r['compute_s']:>7.2f}s {r['communication_s']:>7.2f}s "
                      f"{r['bubble_s']:>7.2f}s {r['tokens_per_s']:>10,.0f}")

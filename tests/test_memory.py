@@ -33,7 +33,8 @@ def test_parameter_count_formula_matches_the_model(name):
                                 dict(dp=2, tp=2, zero=3), dict(dp=2, pp=2, zero=3, microbatches=2),
                                 dict(tp=2, sequence_parallel=True),
                                 dict(tp=2, sequence_parallel=True, checkpoint_activations=True),
-                                dict(cp=2), dict(cp=2, cp_algo="allgather", zigzag=True), dict(cp=2, cp_algo="ulysses")],
+                                dict(cp=2), dict(cp=2, cp_algo="allgather", zigzag=True), dict(cp=2, cp_algo="ulysses"),
+                                dict(dp=2, cp=2, zero=2), dict(cp=2, zero=3, batch_size=8)],
                          ids=str)
 def test_estimate_equals_measurement(kw):
     cfg = TrainConfig(steps=1, seq_len=32, **kw)
@@ -130,6 +131,20 @@ def test_plan_agrees_with_memory_and_never_ranks_a_misfit_as_fitting():
         assert estimate(TrainConfig.from_dict(r["config"]))["max"] == r["memory"]
     fitting = [r for r in rows if r["fits"]]
     assert fitting == sorted(fitting, key=lambda r: r["step_s"])
+
+
+def test_for_long_sequences_the_planner_also_tries_context_and_sequence_parallelism():
+    rows = plan(70e9, 64, "h100", gpus_per_node=8, batch_size=64, seq_len=131072)["layouts"]
+    assert {r["cp"] for r in rows} >= {1, 2, 4, 8} and all(r["sp"] == (r["tp"] > 1) for r in rows)
+    for r in rows:
+        assert r["dp"] * r["cp"] * r["tp"] * r["pp"] == 64
+        assert (r["cp_comm_s"] > 0) == (r["cp"] > 1)
+    by_cp = {cp: min(r["memory_total"] for r in rows if r["cp"] == cp and r["tp"] == 8 and r["pp"] == 1)
+             for cp in (1, 2, 4, 8)}
+    assert by_cp[8] < by_cp[4] < by_cp[2] < by_cp[1], "each rank's activations fall with cp"
+    for r in [r for r in rows if r["cp"] > 1][:3]:
+        assert estimate(TrainConfig.from_dict(r["config"]))["max"] == r["memory"]
+    assert {r["cp"] for r in plan(70e9, 64, "h100", batch_size=64, seq_len=4096)["layouts"]} == {1}
 
 
 @pytest.mark.parametrize("params", [1.3e9, 7e9, 13e9, 70e9, 175e9, 405e9])

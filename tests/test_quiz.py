@@ -16,6 +16,7 @@ from gpucourse import cli, progress, quiz
 from gpucourse.bandwidth import bus_factor
 from gpucourse.comm import RING_FACTOR
 from gpucourse.config import TrainConfig
+from gpucourse.data import context_positions
 from gpucourse.gpus import get_gpu
 from gpucourse.memory import estimate_params, with_microbatch
 from gpucourse.parallel import schedules
@@ -80,6 +81,22 @@ def dp_degree(gpus: int, tp: int, pp: int) -> int:
 MEGATRON_SUBLAYERS = 2            # attention and MLP, each one column → row region
 ALLREDUCES_PER_REGION = 1 + 1     # g in forward, f in backward
 
+
+def korthikanti_mib(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False) -> float:
+    """One transformer layer's 16-bit activations (Korthikanti et al. 2022), in MiB per GPU.
+
+    Replicated between sub-layers (LayerNorms, dropout, residual): 10·s·b·h bytes, divided by t only with sequence
+    parallelism; the tensor-parallel part 24·s·b·h and attention's 5·a·s²·b bytes are divided by t either way.
+    """
+    per_token_hidden = (10 / t if sp else 10) + 24 / t + 5 * a * s / (h * t)
+    return s * b * h * per_token_hidden / 2**20
+
+
+def ulysses_forward_mib(seq_len: int, cp: int, hidden: int, layers: int = 1, micro: int = 1) -> float:
+    """Bytes each rank sends in DeepSpeed-Ulysses' four all-to-alls (q, k, v, output) per layer, forward, bf16."""
+    one = micro * (seq_len // cp) * hidden * torch.empty(0, dtype=torch.bfloat16).element_size()
+    return layers * 4 * one * RING_FACTOR["all_to_all"](cp) / 2**20
+
 NUMERIC = {
     "setup-ring-allreduce-bytes": lambda: RING_FACTOR["all_reduce"](8) * 1.0,
     "setup-allgather-bytes": lambda: RING_FACTOR["all_gather"](4) * 400,
@@ -111,6 +128,8 @@ NUMERIC = {
     "prof-tflops-per-gpu": lambda: 6 * 13e9 * 2.5e5 / 64 / 1e12,
     "prof-scaling-efficiency": lambda: (68_000 / 8) / (10_000 / 1),
     "prof-profile-shares": exposed_comm_ms,
+    "mem-sp-activation-per-layer": lambda: korthikanti_mib(2048, 1, 8192, 64, t=8, sp=True),
+    "par-cp-ulysses-bytes": lambda: ulysses_forward_mib(131_072, 8, 4096),
 }
 
 
@@ -134,6 +153,143 @@ def test_choice_facts_hold():
     assert fp16["choices"][fp16["answer"]] == str(torch.tensor(70000.0).half().item())
     heads = BY_ID["par-tp-heads"]
     assert [c for c in heads["choices"] if 12 % int(c)] == [heads["choices"][heads["answer"]]]
+
+
+# --- sequence and context parallelism: every figure the questions state ---------------------------------
+
+SP_CP = "12_sequence_context_parallel"
+
+
+def span(positions: torch.Tensor) -> str:
+    """Positions as the questions write them: '512–1023 and 3072–3583' (contiguous runs joined by 'and')."""
+    pos = positions.tolist()
+    runs, start = [], pos[0]
+    for prev, cur in zip(pos, pos[1:] + [None]):
+        if cur != prev + 1:
+            runs.append(f"{start}–{prev}")
+            start = cur
+    return " and ".join(runs)
+
+
+def visible_key_chunks(seq_len: int, cp: int, rank: int) -> int:
+    """How many of cp contiguous key chunks rank's queries see any key of, under a causal mask."""
+    q = context_positions(seq_len, rank, cp)
+    return sum(bool((context_positions(seq_len, r, cp)[None, :] <= q[:, None]).any()) for r in range(cp))
+
+
+def causal_pairs(seq_len: int, cp: int, rank: int, zigzag: bool) -> int:
+    """(query, key) pairs a rank computes under a causal mask: its attention work."""
+    q = context_positions(seq_len, rank, cp, zigzag)
+    return int((torch.arange(seq_len)[None, :] <= q[:, None]).sum())
+
+
+def test_sequence_parallel_figures():
+    # par-sp-what-it-cuts: 512 of 4096 tokens on each of 8 ranks; attention on 512 tokens would be 8× less.
+    assert 4096 // 8 == 512 and 4096 / 512 == 8
+    # par-sp-comm-bytes: an all-reduce is a reduce-scatter plus an all-gather, in bytes too.
+    ar, ag, rs = (RING_FACTOR[op](8) for op in ("all_reduce", "all_gather", "reduce_scatter"))
+    assert ar == 2 * 7 / 8 == 1.75 and ag == rs == 7 / 8 and ag + rs == ar and rs / ar == 0.5
+    # mem-sp-activation-per-layer: s·b·h = 16 MiB, 5·a·s/h = 80, 14.25 / 23 / 114 times it.
+    s, b, h, a, t = 2048, 1, 8192, 64, 8
+    assert s * b * h == 16 * 2**20 and 5 * a * s / h == 80 and 34 / t + 80 / t == 14.25
+    assert korthikanti_mib(s, b, h, a, t, sp=True) == 16 * 14.25 == 228
+    assert korthikanti_mib(s, b, h, a, t) == 16 * (10 + 3 + 10) == 368
+    assert korthikanti_mib(s, b, h, a) == korthikanti_mib(s, b, h, a, sp=True) == 16 * 114 == 1824
+    # With SP everything is divided by t (Korthikanti's 34/t form).
+    assert korthikanti_mib(s, b, h, a, t, sp=True) == pytest.approx(korthikanti_mib(s, b, h, a) / t)
+
+
+def test_context_parallel_figures():
+    # par-cp-positions: cp=4 of 4096 tokens, 1024 each; rank 2 holds 2048–3071.
+    assert span(context_positions(4096, 2, 4)) == "2048–3071" and 4096 // 4 == 1024
+    # par-cp-zigzag-fix: plain chunks, rank r sees r + 1 chunks (4 to 1 on cp=4; 8 to 1 on cp=8); zig-zag is even.
+    assert [visible_key_chunks(4096, 4, r) for r in range(4)] == [1, 2, 3, 4]
+    assert [visible_key_chunks(4096, 8, r) for r in (0, 7)] == [1, 8]
+    plain = [causal_pairs(4096, 4, r, False) for r in range(4)]
+    zigzag = [causal_pairs(4096, 4, r, True) for r in range(4)]
+    assert plain == sorted(plain) and plain[0] < plain[-1] and len(set(zigzag)) == 1
+    # par-cp-ring-backward-home: a K/V block visits every rank in cp − 1 hops; its gradient is home after cp.
+    cp = 8
+    for owner in range(cp):
+        holders = [(owner + hop) % cp for hop in range(cp + 1)]
+        assert set(holders[:cp]) == set(range(cp)) and len(set(holders[:cp])) == cp
+        assert holders[cp] == owner and owner not in holders[1:cp]
+    # par-cp-ring-overlap: from 8k to 128k tokens a block's compute grows 256×, its transfer 16×.
+    assert (131_072 // 8) ** 2 / (8192 // 8) ** 2 == 256 and (131_072 // 8) / (8192 // 8) == 16
+    # par-cp-ulysses-heads: 32 heads over tp=8 leave 4 per tp rank: cp=8 cannot share them, cp=4 can.
+    assert 32 // 8 == 4 and (32 // 8) % 8 and (32 // 8) % 4 == 0
+    # par-cp-ulysses-bytes: one rank's tensor is 128 MiB, 7/8 of it leaves, four times: 448 MiB.
+    assert 131_072 // 8 == 16_384 and 1 * 16_384 * 4096 * 2 / 2**20 == 128
+    assert RING_FACTOR["all_to_all"](8) * 128 == 112 and ulysses_forward_mib(131_072, 8, 4096) == 4 * 112 == 448
+    # par-cp-grad-group: dp=4 × cp=2 is 8 ranks.
+    assert TrainConfig(dp=4, cp=2).world_size == 4 * 2 == 8
+    # par-cp-loss-tokens: 2048 tokens at 2.0 and 512 at 3.0: 2.2 over 2560 tokens; the mean of means is 2.5.
+    counts, means = torch.tensor([2048.0, 512.0]), torch.tensor([2.0, 3.0])
+    assert counts.sum() == 2560 and means.mean() == 2.5
+    assert (counts * means).sum() / counts.sum() == pytest.approx(2.2)
+    # par-cp-sp-layout: tp=8 × cp=4 leaves dp=2 on 64 GPUs; dp=8 would need 256.
+    assert 64 // (8 * 4) == 2 and TrainConfig(dp=2, cp=4, tp=8).world_size == 64 and 8 * 4 * 8 == 256
+
+
+def test_zigzag_positions_choices():
+    q = BY_ID["par-cp-zigzag-positions"]
+    rank1 = context_positions(4096, 1, 4, zigzag=True)
+    assert q["choices"][q["answer"]] == span(rank1) == "512–1023 and 3072–3583"
+    assert torch.equal(rank1, torch.cat([torch.arange(512, 1024), torch.arange(3072, 3584)]))
+    chunks = torch.arange(4096).chunk(8)                 # 8 chunks of 512 tokens
+    assert all(len(c) == 512 for c in chunks)
+    others = {span(context_positions(4096, 1, 4)).replace("1024–2047", "1024–1535 and 1536–2047"),
+              span(torch.cat([chunks[1], chunks[5]])),   # chunks i and i + cp: not zig-zag
+              span(torch.cat([chunks[2], chunks[5]]))}   # chunks 2i and 2·cp − 1 − 2i: not zig-zag
+    assert others == {c for i, c in enumerate(q["choices"]) if i != q["answer"]}
+    assert span(context_positions(4096, 1, 4)) == "1024–2047"
+
+
+def test_ring_merge_by_log_sum_exp_is_full_attention():
+    """par-cp-ring-merge: lse = log(e^lse + e^lse_j), weights e^(lse_j − lse): full attention; averaging is not."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(6, n, 8, generator=gen, dtype=torch.float64) for n in (16, 32, 32))
+    scores = q @ k.transpose(-1, -2) / 8 ** 0.5
+    full = torch.softmax(scores, -1) @ v
+    parts = []
+    for cols in torch.arange(32).chunk(4):              # four K/V blocks, as on cp=4 ranks
+        s_j = scores[..., cols]
+        parts.append((torch.softmax(s_j, -1) @ v[..., cols, :], torch.logsumexp(s_j, -1)))
+    lse = torch.full(scores.shape[:-1], float("-inf"), dtype=torch.float64)
+    out = torch.zeros_like(full)
+    for o_j, lse_j in parts:                             # the running merge, block by block
+        new = torch.log(torch.exp(lse) + torch.exp(lse_j))
+        out = out * torch.exp(lse - new)[..., None] + o_j * torch.exp(lse_j - new)[..., None]
+        lse = new
+    assert torch.allclose(out, full) and torch.allclose(lse, torch.logsumexp(scores, -1))
+    closed = sum(o_j * torch.exp(lse_j - lse)[..., None] for o_j, lse_j in parts)
+    assert torch.allclose(closed, full)
+    assert not torch.allclose(sum(o for o, _ in parts) / 4, full)
+    assert not torch.allclose(sum(o for o, _ in parts), full)
+
+
+def test_sequence_context_questions_are_not_gameable():
+    """The SP/CP questions: mostly scenarios, the right choice never the longest, letters spread, few numerics."""
+    qs = quiz.load_bank(notebook=SP_CP)
+    assert len(qs) >= 16 and {q["topic"] for q in qs} <= {"parallelism", "memory-batch"}
+    kinds = Counter(q["kind"] for q in qs)
+    assert kinds["numeric"] <= 2 and 2 <= kinds["multiple"] <= 3 and kinds["single"] >= 12
+    assert sum(len(q["question"]) > 150 for q in qs) >= 12
+    singles = [q for q in qs if q["kind"] == "single"]
+    for q in singles:
+        lengths = [len(c) for c in q["choices"]]
+        right = lengths[q["answer"]]
+        assert right < max(lengths), f"{q['id']}: the right choice is the longest"
+        assert min(lengths) >= 0.7 * max(lengths), f"{q['id']}: choices of very different lengths"
+    shortest = sum(len(q["choices"][q["answer"]]) < min(len(c) for i, c in enumerate(q["choices"]) if i != q["answer"])
+                   for q in singles)
+    assert shortest <= len(singles) / 4, "the right choice must not be the shortest either"
+    positions = Counter(q["answer"] for q in singles)
+    assert set(positions) == {0, 1, 2, 3} and max(positions.values()) <= 0.4 * len(singles), positions
+    for q in qs:
+        if q["kind"] == "multiple":
+            assert sorted(q["answer"]) != list(range(len(q["answer"]))), f"{q['id']}: the right ones lead"
+            assert len(q["answer"]) < len(q["choices"])
 
 
 # --- the bank is well formed --------------------------------------------------------------------------
