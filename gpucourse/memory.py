@@ -119,7 +119,7 @@ def estimate_params(num: int, dp: int = 1, zero: int = 0, precision: str = "fp32
 
 
 def _activation_bytes(cfg: TrainConfig, mc: GPTConfig, stage: int, in_flight: int) -> int:
-    b = cfg.batch_size // (cfg.dp * cfg.grad_accum * (cfg.microbatches if cfg.pp > 1 else 1))
+    b = cfg.batch_size // _forwards(cfg)
     # Context parallelism: a rank holds T/cp tokens of each sequence all the way through.
     T, C, V, tp = cfg.seq_len // cfg.cp, mc.n_embd, mc.vocab_size, cfg.tp
     regime = _regime(cfg)
@@ -141,6 +141,27 @@ def _activation_bytes(cfg: TrainConfig, mc: GPTConfig, stage: int, in_flight: in
     if stage == cfg.pp - 1:
         total += scale * (8 * b * T * C + 4 * b * T * V) + 16 * b * T + 4   # norm/head inputs, logits, targets
     return int(total * in_flight)
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, tp: int = 1, sp: bool = False,
+                            recompute: str = "none") -> float:
+    """One transformer layer's activation bytes per GPU by Korthikanti et al. (2022), 16-bit activations.
+
+    s tokens per sequence, b sequences, hidden size h, a heads, tensor parallelism tp:
+
+    - no recompute: s·b·h·(34 + 5·a·s/h) on one GPU; with tp, s·b·h·(10 + 24/tp + 5·a·s/(h·tp)) — the 10 is
+      what stays replicated between sub-layers (LayerNorms, dropout, residual); with tp and sequence
+      parallelism s·b·h·(34/tp + 5·a·s/(h·tp)): everything divided by tp;
+    - ``recompute="selective"``: attention's softmax, dropout and score terms (the 5·a·s/h) recomputed;
+    - ``recompute="full"``: each layer keeps only its input, 2·s·b·h (divided by tp under sequence parallelism).
+
+    Their count is for Megatron's GPT in 16 bit; ``estimate`` counts what this course's model keeps.
+    """
+    if recompute == "full":
+        return 2 * s * b * h / (tp if sp else 1)
+    attention = 0.0 if recompute == "selective" else 5 * a * s / h / tp
+    between = 10 / tp if sp else 10  # LayerNorms, dropout and the residual: replicated unless SP
+    return s * b * h * (between + 24 / tp + attention)
 
 
 def _context_attention_bytes(cfg: TrainConfig, b: int, t: int, width: float) -> float:
@@ -204,13 +225,18 @@ def _gathered_bytes(cfg: TrainConfig, units: dict) -> int:
     if not (cfg.zero == 3 and cfg.impl == "scratch"):
         return 0
     from .parallel.zero3 import memory_formula
-    return memory_formula(units, cfg.dp * cfg.cp, 2 if cfg.precision != "fp32" and cfg.master_weights else 4)["gathered"]
+    value_bytes = 2 if cfg.precision != "fp32" and cfg.master_weights else 4
+    return memory_formula(units, cfg.dp * cfg.cp, value_bytes)["gathered"]
+
+
+def _forwards(cfg: TrainConfig) -> int:
+    """How many forwards share a step's batch: dp ranks × accumulated parts × pipeline microbatches."""
+    return cfg.dp * cfg.grad_accum * (cfg.microbatches if cfg.pp > 1 else 1)
 
 
 def with_microbatch(cfg: TrainConfig, micro: int) -> TrainConfig:
     """``cfg`` with its global batch set so each forward sees ``micro`` sequences."""
-    per = cfg.dp * cfg.grad_accum * (cfg.microbatches if cfg.pp > 1 else 1)
-    return dataclasses.replace(cfg, batch_size=micro * per)
+    return dataclasses.replace(cfg, batch_size=micro * _forwards(cfg))
 
 
 def largest_microbatch(cfg: TrainConfig, budget_bytes: float, fits=None, limit: int = 1 << 16) -> dict:
@@ -253,6 +279,11 @@ def format_estimate(est: dict) -> str:
         label = f"{stage * group}-{stage * group + group - 1}" if group > 1 else str(stage)
         lines.append(f"  {label:<10}" + "".join(f"{human_bytes(mem[c], binary=True):>14}" for c in CATEGORIES)
                      + f"{human_bytes(sum(mem.values()), binary=True):>14}")
+    mc = cfg.model_config()
+    paper = korthikanti_layer_bytes(cfg.seq_len // cfg.cp, cfg.batch_size // _forwards(cfg), mc.n_embd, mc.n_head,
+                                    cfg.tp, cfg.sequence_parallel, "full" if cfg.checkpoint_activations else "none")
+    lines.append(f"  Korthikanti et al.'s count for one layer at this shape (16-bit activations, per GPU): "
+                 f"{human_bytes(paper, binary=True)}")
     if "gathered" in est:
         lines.append(f"  ZeRO-3 also holds up to {human_bytes(max(est['gathered'].values()), binary=True)} of "
                      f"gathered weights while computing (the root unit and one block, whole).")

@@ -167,3 +167,15 @@ def test_plan_takes_a_real_models_shape():
     assert any(r["fits"] and r["tp"] > 1 for r in result["layouts"])
     with pytest.raises(ValueError, match="divisible by n_head"):
         plan(None, gpus=8, shape={"n_layer": 4, "n_embd": 1000, "n_head": 64})
+
+
+def test_korthikanti_per_layer_formulas():
+    from gpucourse.memory import korthikanti_layer_bytes as layer
+
+    s, b, h, a, t = 2048, 1, 12288, 96, 8          # a GPT-3 175B layer on tp = 8
+    sbh = s * b * h
+    assert layer(s, b, h, a) == sbh * (34 + 5 * a * s / h)
+    assert layer(s, b, h, a, t) == sbh * (10 + 24 / t + 5 * a * s / (h * t))
+    assert layer(s, b, h, a, t, sp=True) == pytest.approx(layer(s, b, h, a) / t), "SP: everything divided by tp"
+    assert layer(s, b, h, a, t, sp=True, recompute="selective") == pytest.approx(sbh * 34 / t)
+    assert layer(s, b, h, a, t, recompute="full") == 2 * sbh and layer(s, b, h, a, t, True, "full") == 2 * sbh / t

@@ -456,7 +456,8 @@ def test_terminal_quiz_with_piped_answers(tmp_path, progress_file):
     qs = quiz.ask(count=2, seed=0)
     typed = ["zzz"] + [typed_answer(q) for q in qs]  # unreadable first: asked again
     run = subprocess.run([sys.executable, "-m", "gpucourse", "quiz", "--count", "2", "--seed", "0"],
-                         check=False, input="\n".join(typed) + "\n", capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                         check=False, input="\n".join(typed) + "\n", capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path,
                          env=clean_env(GPUCOURSE_PROGRESS=str(progress_file)))
     assert run.returncode == 0, run.stderr
     assert "score: 2/2 (100%)" in run.stdout and run.stdout.count("✓ Correct.") == 2

@@ -49,7 +49,8 @@ def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, devi
     if cfg.tp > 1:
         from . import tensor_parallel
         if cfg.impl == "torch":
-            tensor_parallel.apply_dtensor_parallel(model, mesh["tp"], cfg.sequence_parallel)  # DTensors gather themselves
+            # DTensors gather themselves
+            tensor_parallel.apply_dtensor_parallel(model, mesh["tp"], cfg.sequence_parallel)
         else:
             tensor_parallel.apply_tensor_parallel(model, mesh["tp"].get_group(), cfg.sequence_parallel)
             gathers.insert(0, functools.partial(tensor_parallel.gather_shards, model, mesh["tp"].get_group()))

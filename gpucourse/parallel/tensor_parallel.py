@@ -153,7 +153,8 @@ def conjugate(name: str, forward, backward, doc: str):
 GatherSequence = conjugate("sp entry", gather_sequence, reduce_scatter_sequence,
                            "Entry of a sub-layer: all-gather along the sequence forward; reduce-scatter backward.")
 ReduceScatterSequence = conjugate("sp exit", reduce_scatter_sequence, gather_sequence,
-                                  "Exit of a row layer: reduce-scatter along the sequence forward; all-gather backward.")
+                                  "Exit of a row layer: reduce-scatter along the sequence forward; all-gather "
+                                  "backward.")
 SplitSequence = conjugate("sp region start", my_tokens, gather_sequence,
                           "Into the region: keep this rank's tokens; backward all-gathers their gradients.")
 UnsplitSequence = conjugate("sp region end", gather_sequence, my_tokens,  # backward: every rank has the whole gradient

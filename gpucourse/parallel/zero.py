@@ -78,7 +78,10 @@ def _fields(trainer: Trainer, shard: torch.Tensor) -> dict:
 
 
 def sharded_optimizer_state(trainer: Trainer, shards, group) -> dict:
-    """``{"name.field": tensor}`` of every parameter in ``shards``: ``[(flat shard, [(name, offset, numel, shape)])]``."""
+    """``{"name.field": tensor}`` of every parameter in ``shards``.
+
+    ``shards``: ``[(flat shard, [(name, offset, numel, shape)])]``.
+    """
     dp, state = dist.get_world_size(group), {}
     for shard, entries in shards:
         for field, value in _fields(trainer, shard).items():
@@ -87,7 +90,8 @@ def sharded_optimizer_state(trainer: Trainer, shards, group) -> dict:
                 continue
             whole = torch.empty(value.numel() * dp, dtype=value.dtype, device=value.device)
             comm.all_gather_flat(whole, value.detach().contiguous(), group=group)
-            state.update({f"{name}.{field}": whole[offset:offset + n].view(shape) for name, offset, n, shape in entries})
+            state.update({f"{name}.{field}": whole[offset:offset + n].view(shape)
+                          for name, offset, n, shape in entries})
     return state
 
 
