@@ -428,3 +428,17 @@ def test_viz_imports_no_plotly_until_drawing():
             "from gpucourse.viz import simulate_collective; simulate_collective('all_reduce', 3);"
             "bad = [m for m in ('plotly', 'ipywidgets', 'IPython') if m in sys.modules]; print(bad); assert not bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_ring_animation_follows_the_blocks_of_a_real_ring_run():
+    result = run(TrainConfig(cp=3, **{**QUICK, "seq_len": 48}), timeout=120, quiet=True)
+    fig = viz.ring(result)
+    assert len(fig.frames) == 3 and fig.layout.meta["hops"] == 2
+    for hop, frame in enumerate(fig.frames):
+        for rank, label in enumerate(frame.data[0].text):
+            assert label.startswith(f"rank {rank}<br>holds block {(rank - hop) % 3}<br>")
+    # Each rank sent K and V once per hop in every block's forward: 4 blocks × 2 hops × 2 tensors.
+    assert all(len(times) == 4 * 2 * 2 and min(times) > 0 for times in fig.layout.meta["send_s"].values())
+    assert {t.type for t in fig.data} <= DRAWN_TYPES
+    with pytest.raises(ValueError, match="cp_algo='ring'"):
+        viz.ring(run(TrainConfig(cp=2, cp_algo="allgather", **QUICK), timeout=120, quiet=True))

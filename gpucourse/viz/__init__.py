@@ -18,10 +18,10 @@ keeps its colour in every figure. plotly is imported only when a figure is drawn
 """
 
 from .collectives import CollectiveSimulation, bandwidth, collective, simulate_collective
-from .gantt import rank_activity, schedule, timeline
+from .gantt import rank_activity, ring, schedule, timeline
 from .live import LiveView, final_figure, watch
 from .runs import compare, memory, scaling
 from .style import PALETTE
 
 __all__ = ["PALETTE", "CollectiveSimulation", "LiveView", "bandwidth", "collective", "compare", "final_figure",
-           "memory", "rank_activity", "scaling", "schedule", "simulate_collective", "timeline", "watch"]
+           "memory", "rank_activity", "ring", "scaling", "schedule", "simulate_collective", "timeline", "watch"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 
-from .style import PALETTE, kind_color, load_result, rank_label, run_label
+from .style import PALETTE, kind_color, load_result, rank_color, rank_label, run_label
 
 LANE = 0.7          # height of a span bar, in lanes
 STEP_LANE = 0.1     # the thin bar under each lane that marks a rank's whole step
@@ -268,5 +268,67 @@ def schedule(result=None, *, pp: int = 4, microbatches: int = 8, schedule: str =
                                              transition=dict(duration=0))]) for f in frames])],
             height=fig.layout.height + 90)
     fig.layout.meta = {"bubble_fraction": sims[counts[-1]].bubble_fraction, "makespan": sims[counts[-1]].makespan}
+    return fig
+
+
+
+def _hop_text(sends: list[float], hop: int, hops: int) -> str:
+    """What a rank did with the block of ``hop``: sent its K and V on (their measured time), or kept it (last hop)."""
+    if hop >= hops:
+        return "the last block: not sent on"
+    if len(sends) < 2 * hop + 2:
+        return "sent on"
+    return f"sent K, V on: {1e3 * max(sends[2 * hop:2 * hop + 2]):.2f} ms"
+
+
+def ring(result, step: int | None = None):
+    """Ring attention, hop by hop, from a context-parallel run: which rank holds whose K/V block, and for how long.
+
+    ``result``: a run with ``cp_algo="ring"``. One frame per hop of the first
+    layer's forward in ``step`` (the last by default): the cp ranks on a circle,
+    each labelled with the block it attends to at that hop (its own first,
+    then its neighbours', passed along the arrows), and the hop's measured
+    transfer time on each rank — the span of its K/V send in the run's timeline.
+    A slider and a play button step through the hops.
+    """
+    import math
+
+    import plotly.graph_objects as go
+
+    r = load_result(result)
+    cp = r.config.get("cp", 1)
+    if cp < 2 or r.config.get("cp_algo") != "ring":
+        raise ValueError("ring() draws a context-parallel run with cp_algo='ring' (cp > 1).")
+    step = max(s["step"] for s in r.timeline) if step is None else step
+    hops = cp - 1  # K/V sends per layer in forward
+    sends = {}
+    for s in sorted(r.timeline, key=lambda s: s["start_s"]):
+        if s["step"] == step and s["kind"] == "comm" and s["name"] == "cp send K/V":
+            sends.setdefault(s["rank"], []).append(s["end_s"] - s["start_s"])
+    angle = [math.pi / 2 - 2 * math.pi * k / cp for k in range(cp)]
+    xs, ys = [math.cos(a) for a in angle], [math.sin(a) for a in angle]
+
+    def frame(hop: int) -> list:
+        owners = [(rank - hop) % cp for rank in range(cp)]
+        text = [f"rank {rank}<br>holds block {owners[rank]}<br>" + _hop_text(sends.get(rank, []), hop, hops)
+                for rank in range(cp)]
+        return [go.Scatter(x=xs, y=ys, mode="markers+text", text=text, textposition="middle center",
+                           marker=dict(size=90, color=[rank_color(o) for o in owners]),
+                           hoverinfo="text", showlegend=False)]
+
+    arrows = [dict(x=xs[(k + 1) % cp] * 0.72, y=ys[(k + 1) % cp] * 0.72, ax=xs[k] * 0.72, ay=ys[k] * 0.72,
+                   xref="x", yref="y", axref="x", ayref="y", showarrow=True, arrowhead=3, arrowwidth=2)
+              for k in range(cp)]
+    frames = [go.Frame(data=frame(h), name=str(h)) for h in range(cp)]
+    fig = go.Figure(data=frame(0), frames=frames)
+    fig.update_layout(
+        title=f"ring attention on {cp} ranks: the K/V blocks travel one hop per step (step {step}, first layer)",
+        xaxis=dict(visible=False, range=[-1.6, 1.6]), yaxis=dict(visible=False, range=[-1.5, 1.5], scaleanchor="x"),
+        height=420, margin=dict(t=50), annotations=arrows,
+        sliders=[dict(steps=[dict(method="animate", label=f"hop {h}", args=[[str(h)], dict(mode="immediate")])
+                             for h in range(cp)])],
+        updatemenus=[dict(type="buttons", showactive=False, buttons=[dict(label="Play", method="animate",
+                                                                          args=[None, dict(frame=dict(duration=900))])])],
+        meta={"hops": hops, "send_s": sends})
     return fig
 
