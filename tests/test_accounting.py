@@ -15,8 +15,15 @@ BASE = dict(batch_size=12, seq_len=32, steps=3)
 P = sum(p.numel() for p in build_model(TrainConfig().model_config(), 0).parameters())
 
 
+_RUNS: dict = {}
+
+
 def _run(**kw):
-    return run(TrainConfig(**BASE, **kw), timeout=180, quiet=True)
+    """Each layout trains once per session; the tests that read it share the result."""
+    key = tuple(sorted(kw.items()))
+    if key not in _RUNS:
+        _RUNS[key] = run(TrainConfig(**BASE, **kw), timeout=180, quiet=True)
+    return _RUNS[key]
 
 
 def _bus_per_step(result, step):

@@ -63,10 +63,10 @@ def assert_continues(resumed, weights, full, full_weights, start: int):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_save_at_10_then_resume_to_20_equals_20_steps(tmp_path, layout):
+def test_save_at_10_then_resume_to_20_equals_20_steps(tmp_path, tmp_path_factory, layout):
     kw = LAYOUTS[layout]
     folder = tmp_path / "ckpt"
-    full, full_weights = _run(tmp_path, "full", steps=20, **kw)
+    full, full_weights = one_device(tmp_path_factory) if not kw else _run(tmp_path, "full", steps=20, **kw)
     first, _ = _run(tmp_path, "first", steps=10, save=str(folder), **kw)
     assert first.losses == pytest.approx(full.losses[:10], rel=1e-6), "saving changed the training"
     assert sorted(os.listdir(folder)) == [LATEST, "step-000010"], "a save left a temporary folder behind"
@@ -83,11 +83,21 @@ MOVES = {
 }
 
 
+_ONE_DEVICE: dict = {}
+
+
+def one_device(tmp_path_factory):
+    """The uninterrupted single-device run of 20 steps (trained once per session)."""
+    if not _ONE_DEVICE:
+        _ONE_DEVICE["run"] = _run(tmp_path_factory.mktemp("single"), "full", steps=20)
+    return _ONE_DEVICE["run"]
+
+
 @pytest.mark.parametrize("move", MOVES)
-def test_resume_at_another_layout_equals_the_uninterrupted_run(tmp_path, move):
+def test_resume_at_another_layout_equals_the_uninterrupted_run(tmp_path, tmp_path_factory, move):
     before, after = MOVES[move]
     folder = tmp_path / "ckpt"
-    full, full_weights = _run(tmp_path, "full", steps=20)  # one device: what every layout equals
+    full, full_weights = one_device(tmp_path_factory)  # what every layout equals
     _run(tmp_path, "first", steps=10, save=str(folder), **before)
     resumed, weights = _run(tmp_path, "resumed", steps=20, resume=str(folder), **after)
     assert resumed.start_step == 10 and resumed.world_size == TrainConfig(**after).world_size
