@@ -31,8 +31,7 @@ def test_parameter_count_formula_matches_the_model(name):
                                 dict(tp=2), dict(pp=2, microbatches=4), dict(pp=4, microbatches=8, schedule="gpipe"),
                                 dict(dp=2, tp=2), dict(checkpoint_activations=True), dict(dp=2, grad_accum=2),
                                 dict(dp=2, tp=2, zero=3), dict(dp=2, pp=2, zero=3, microbatches=2),
-                                dict(tp=2, sequence_parallel=True),
-                                dict(tp=2, sequence_parallel=True, checkpoint_activations=True),
+                                dict(tp=2, sequence_parallel=True, checkpoint_activations=True),  # (plain SP: test_tp)
                                 dict(cp=2), dict(cp=2, cp_algo="allgather", zigzag=True), dict(cp=2, cp_algo="ulysses"),
                                 dict(dp=2, cp=2, zero=2), dict(cp=2, zero=3, batch_size=8)],
                          ids=str)
