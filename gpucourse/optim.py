@@ -60,8 +60,11 @@ def init_state(optimizer: torch.optim.Optimizer) -> None:
     A checkpoint is loaded *into* tensors, so a freshly built optimizer needs its
     moments to exist first: one step with zero gradients and a learning rate of 0
     makes them (torch.distributed.checkpoint's own ``get_optimizer_state_dict``
-    does the same). The loaded values replace them all.
+    does the same). The loaded values replace them all. An optimizer that has
+    state already is left as it is.
     """
+    if optimizer.state:
+        return
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is None]
     lrs = [group["lr"] for group in optimizer.param_groups]
     for p in params:

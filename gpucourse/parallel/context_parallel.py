@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from .. import comm
 from ..data import context_positions
 from ..model import blocks_of
-from .tensor_parallel import GatherSequence, conjugate
+from .sequence_parallel import GatherSequence, conjugate
 
 ALGORITHMS = ("ring", "allgather", "ulysses")
 

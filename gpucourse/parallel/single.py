@@ -224,8 +224,7 @@ class Trainer:
 
     def optimizer_state(self) -> dict:
         optimizer = self.torch_optimizer()
-        if not optimizer.state:  # fresh (about to load): make the tensors a load fills in
-            init_state(optimizer)
+        init_state(optimizer)  # fresh (about to load): make the tensors a load fills in
         state = {}
         for name, key in self._state_keys().items():
             for field, value in optimizer.state.get(key, {}).items():

@@ -69,8 +69,7 @@ def memory_formula(num_params: int, dp: int, stage: int) -> dict:
 def _fields(trainer: Trainer, shard: torch.Tensor) -> dict:
     """The optimizer state of ``shard`` by field (``exp_avg``, ``exp_avg_sq``, ``step``; ``master`` with masters)."""
     optimizer = trainer.torch_optimizer()
-    if not optimizer.state:  # fresh (about to load): make the tensors a load fills in
-        init_state(optimizer)
+    init_state(optimizer)  # fresh (about to load): make the tensors a load fills in
     if isinstance(trainer.optimizer, MasterWeightsAdamW):
         master = dict(zip(map(id, trainer.optimizer.params), trainer.optimizer.masters))[id(shard)]
         return {**optimizer.state[master], "master": master}
