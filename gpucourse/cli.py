@@ -44,6 +44,15 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp-algo", default=d.cp_algo, help="context-parallel attention: ring, allgather or ulysses")
     p.add_argument("--zigzag", action="store_true",
                    help="context parallel: 2·cp chunks, rank i holding i and 2·cp-1-i (causal load balance)")
+    p.add_argument("--moe-experts", type=int, default=d.moe_experts,
+                   help="mixture of experts: E expert MLPs in place of each MoE block's MLP (0: dense)")
+    p.add_argument("--moe-top-k", type=int, default=d.moe_top_k, help="mixture of experts: experts per token (2)")
+    p.add_argument("--moe-every", type=int, default=d.moe_every,
+                   help="mixture of experts in every block (1) or every n-th block (n)")
+    p.add_argument("--moe-capacity", type=float, default=d.moe_capacity,
+                   help="capacity factor: an expert takes at most c·tokens·top_k/E choices (default: no dropping)")
+    p.add_argument("--moe-aux", type=float, default=d.moe_aux, help="weight of the load-balancing loss (0.01)")
+    p.add_argument("--ep", type=int, default=d.ep, help="expert-parallel degree: experts spread over ep dp ranks")
     p.add_argument("--zero", type=int, default=d.zero, help="ZeRO stage 0-3")
     p.add_argument("--schedule", default=d.schedule, help=f"pipeline schedule: {', '.join(SCHEDULES)}")
     p.add_argument("--microbatches", type=int, default=d.microbatches, help="pipeline microbatches per step")

@@ -159,6 +159,10 @@ class Pending:
 
 def _run(op: str, name: str, fn, tensor: torch.Tensor, group, async_op: bool):
     count(op, tensor, group)
+    return _call(name, fn, async_op)
+
+
+def _call(name: str, fn, async_op: bool):
     if async_op:
         return Pending(fn(async_op=True), name)
     if _RECORDER is None:
@@ -239,3 +243,21 @@ def all_to_all_single(output, input, group=None, name="all_to_all"):
     return _run("all_to_all", name,
                 lambda async_op: dist.all_to_all_single(output, input, group=group, async_op=async_op),
                 input, group, False)
+
+
+def all_to_all_uneven(output, input, output_splits: list[int], input_splits: list[int], group=None,
+                      name="all_to_all"):
+    """As :func:`all_to_all_single`, the chunks cut by size: ``input_splits[j]`` rows of ``input`` go to rank j,
+    ``output_splits[i]`` rows of ``output`` come from rank i (each rank learns its ``output_splits`` first).
+
+    Counted exactly, not by the ring factor: the payload is ``input``, and what this rank sends is every row
+    of it but those it keeps for itself.
+    """
+    me = dist.get_rank(group)
+    row = input[0].numel() * input.element_size() if input.shape[0] else 0
+    if _RECORDER is not None:
+        _RECORDER.count_comm("all_to_all", input.numel() * input.element_size(),
+                             row * (sum(input_splits) - input_splits[me]))
+    return _call(name, lambda async_op: dist.all_to_all_single(
+        output, input, output_split_sizes=output_splits, input_split_sizes=input_splits, group=group,
+        async_op=async_op), False)

@@ -47,6 +47,13 @@ class TrainConfig:
     sequence_parallel: bool = False  # with tp: activations between sub-layers cut along the sequence
     cp_algo: str = "ring"  # how context-parallel attention meets the other ranks' keys: ring, allgather, ulysses
     zigzag: bool = False  # context parallel: 2·cp chunks, rank i holding i and 2·cp-1-i (causal load balance)
+    # Mixture of experts (model.MoE): E experts per MoE block; None keeps the model's own setting.
+    moe_experts: int = 0
+    moe_top_k: int | None = None      # experts per token (2)
+    moe_every: int | None = None      # an MoE in every block (1) or every n-th (n)
+    moe_capacity: float | None = None  # capacity factor; None: no token dropped
+    moe_aux: float | None = None      # weight of the load-balancing loss (0.01)
+    ep: int = 1  # expert parallel: experts spread over ep of the dp ranks (ep divides dp)
     impl: str = "scratch"
     bucket_mb: float | None = None
     steps: int = 20
@@ -76,13 +83,17 @@ class TrainConfig:
 
     def layout(self) -> str:
         """A short name for the layout, e.g. ``dp2`` or ``single``."""
-        parts = [f"{k}{v}" for k, v in (("dp", self.dp), ("cp", self.cp), ("tp", self.tp), ("pp", self.pp)) if v > 1]
+        parts = [f"{k}{v}" for k, v in (("dp", self.dp), ("ep", self.ep), ("cp", self.cp), ("tp", self.tp),
+                                         ("pp", self.pp)) if v > 1]
         return "×".join(parts) or "single"
 
     def model_config(self) -> GPTConfig:
         """The GPT size this run trains, with ``overrides`` and dropout applied."""
         base = MODELS[self.model]
-        return dataclasses.replace(base, dropout=self.dropout, **self.overrides)
+        moe = {name: value for name, value in (("moe_experts", self.moe_experts), ("moe_top_k", self.moe_top_k),
+                                               ("moe_every", self.moe_every), ("moe_capacity", self.moe_capacity),
+                                               ("moe_aux", self.moe_aux)) if value is not None}
+        return dataclasses.replace(base, dropout=self.dropout, **moe, **self.overrides)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -98,7 +109,7 @@ class TrainConfig:
         ``runnable=False`` checks only that the layout makes sense (for estimates
         on paper), not that this build can train it.
         """
-        for name in ("dp", "tp", "pp", "cp", "grad_accum", "microbatches", "steps", "batch_size", "seq_len"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "grad_accum", "microbatches", "steps", "batch_size", "seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a whole number of at least 1.")
@@ -137,6 +148,7 @@ class TrainConfig:
                               f"{self.grad_accum} × {self.dp} = {per_step}.")
         if self.cp > 1 or self.zigzag:
             self._check_context_parallel(mc)
+        self._check_experts(mc)
         if self.sequence_parallel:
             if self.tp == 1:
                 raise ConfigError("sequence_parallel cuts tensor parallelism's replicated activations along the "
@@ -222,6 +234,60 @@ class TrainConfig:
                               f"impl={self.impl!r}: PyTorch's context_parallel shards CUDA's attention kernels "
                               f"only (on CPU its SDPA has no sharding strategy).")
 
+    def _check_experts(self, mc) -> None:
+        given = [f"moe_{n}" for n in ("top_k", "every", "capacity", "aux") if getattr(self, f"moe_{n}") is not None]
+        if not isinstance(self.moe_experts, int) or isinstance(self.moe_experts, bool) or self.moe_experts < 0:
+            raise ConfigError(f"moe_experts={self.moe_experts!r} must be a whole number of experts (0: none).")
+        if not mc.moe_experts:
+            if given:
+                raise ConfigError(f"{given[0]} sets up a mixture of experts; give moe_experts (how many) with it.")
+            if self.ep > 1:
+                raise ConfigError(f"ep={self.ep} spreads the experts of a mixture of experts; give moe_experts "
+                                  f"with it.")
+            return
+        E, k = mc.moe_experts, mc.moe_top_k
+        if E < 2:
+            raise ConfigError(f"moe_experts={E}: a mixture needs at least 2 experts.")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= E:
+            raise ConfigError(f"moe_top_k={k!r} must be between 1 and the {E} experts.")
+        if not isinstance(mc.moe_every, int) or not 1 <= mc.moe_every <= mc.n_layer:
+            raise ConfigError(f"moe_every={mc.moe_every!r} must be between 1 (every block) and the "
+                              f"{mc.n_layer} blocks.")
+        if self.moe_capacity is not None and not self.moe_capacity > 0:
+            raise ConfigError(f"moe_capacity={self.moe_capacity} must be a positive capacity factor "
+                              f"(leave it out to drop no token).")
+        if self.moe_aux is not None and self.moe_aux < 0:
+            raise ConfigError(f"moe_aux={self.moe_aux} must be at least 0.")
+        if self.ep > 1:
+            if self.dp % self.ep:
+                raise ConfigError(f"ep={self.ep} must divide dp={self.dp}: expert parallelism is carved out of "
+                                  f"the data-parallel ranks.")
+            if E % self.ep:
+                raise ConfigError(f"ep={self.ep} must divide moe_experts={E}: each rank holds E/ep experts.")
+        if self.cp > 1:
+            raise ConfigError("a mixture of experts with cp > 1 is not written: its balance loss is computed over "
+                              "whole sequences, which context parallelism cuts.")
+        if self.sequence_parallel:
+            raise ConfigError("a mixture of experts with sequence_parallel is not written: route whole sequences "
+                              "(leave sequence_parallel off).")
+        if self.checkpoint_activations:
+            raise ConfigError("checkpoint_activations with a mixture of experts is not written: recomputing a "
+                              "block would route its tokens, and count them, twice.")
+        if self.precision == "fp16":
+            raise ConfigError("fp16's loss scaling does not scale the experts' balance loss here; use bf16 or "
+                              "fp32 with a mixture of experts.")
+        if self.impl != "scratch":
+            raise ConfigError(f"a mixture of experts runs from scratch in this build (impl='scratch'), not "
+                              f"impl={self.impl!r}: PyTorch has no mixture-of-experts layer of its own.")
+        if self.ep > 1 and self.zero == 3:
+            raise ConfigError("ep > 1 with zero=3 is not written: use zero 1 or 2 (experts get shards of their "
+                              "own), or ep=1.")
+        if self.ep > 1 and self.bucket_mb is not None:
+            raise ConfigError("bucket_mb with ep > 1 is not written: experts' gradients are averaged over a "
+                              "group of their own.")
+        if self.ep > 1 and (self.save or self.resume):
+            raise ConfigError("checkpoints of expert-parallel runs are not written yet; save with ep=1.")
+
     def validate_on(self, device: str) -> "TrainConfig":
         """The checks that depend on where the ranks run (``cpu`` or ``cuda``)."""
         if device == "cpu" and self.impl == "accelerate" and self.zero == 3:
@@ -241,6 +307,11 @@ class TrainConfig:
                 parts.append("sequence parallel")
         if self.cp > 1:
             parts.append(f"context parallel, {self.cp_algo} attention{' (zig-zag)' if self.zigzag else ''}")
+        if self.ep > 1:
+            parts.append(f"expert parallel, {self.moe_experts // self.ep} of {self.moe_experts} experts per rank "
+                         f"(all-to-all dispatch)")
+        elif self.moe_experts:
+            parts.append(f"mixture of {self.moe_experts} experts, replicated")
         if self.zero == 3 and self.impl == "scratch":
             parts.append("ZeRO-3 (flat shards per block, each gathered just in time)")
         elif self.zero and self.impl == "scratch":
@@ -261,10 +332,12 @@ class TrainConfig:
 
     def kind(self) -> str:
         """The layout's name in the ``--list`` table (``single``, ``dp``, ``zero1``, ``dp×tp``...)."""
-        names = [n for n, d in (("dp", self.dp), ("cp", self.cp), ("tp", self.tp), ("pp", self.pp)) if d > 1]
+        names = [n for n, d in (("dp", self.dp), ("ep", self.ep), ("cp", self.cp), ("tp", self.tp), ("pp", self.pp))
+                 if d > 1]
         if self.zero:
             names = [f"zero{self.zero}"] + [n for n in names if n != "dp"]
-        return "×".join(names) + ("+sp" if self.sequence_parallel else "") or "single"
+        moe = "+moe" if self.moe_experts and self.ep == 1 else ""
+        return "×".join(names) + ("+sp" if self.sequence_parallel else "") + moe if names else "single" + moe
 
 
 def has_replicate() -> bool:
@@ -303,6 +376,14 @@ def supported() -> list[tuple[str, str, str, dict]]:
                     except ConfigError:
                         continue
                     rows.append((cfg.kind(), impl, cfg.describe(), changes))
+        if mesh in (dict(), dict(dp=2), dict(dp=2, tp=2), dict(dp=2, pp=2)):  # a mixture of 4 experts on it
+            for ep, zero in ((1, 0), (2, 0), (2, 1), (2, 2)) if "dp" in mesh else [(1, 0)]:
+                if zero and mesh != dict(dp=2):
+                    continue
+                changes = {**mesh, **({"microbatches": 2} if "pp" in mesh else {}), "moe_experts": 4,
+                           **({"ep": ep} if ep > 1 else {}), **({"zero": zero} if zero else {})}
+                cfg = TrainConfig(**changes).validate()
+                rows.append((cfg.kind(), "scratch", cfg.describe(), changes))
         if mesh == dict(tp=2):  # sequence parallelism: an option of tensor parallelism, shown on its own mesh
             for impl in ("scratch", "torch"):
                 changes = {"tp": 2, "sequence_parallel": True, **({"impl": impl} if impl != "scratch" else {})}

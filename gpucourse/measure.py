@@ -364,6 +364,35 @@ def merge(config: dict, rank_outputs: list[dict], device: str, backend: str) -> 
         comm_bytes={"total": sum(per_op.values()), "per_op": per_op, "per_rank": per_rank, "per_step": per_step,
                     "bus_total": sum(c["bus_bytes"] for c in comm)},
         comm=comm, memory=memory,
-        extras={k: v for o in rank_outputs for k, v in o.get("extras", {}).items()},
+        extras={**{k: v for o in rank_outputs for k, v in o.get("extras", {}).items()},
+                **_merge_moe(config, rank_outputs)},
         start_step=rank_outputs[0].get("start_step", 0),
     )
+
+
+def _merge_moe(config: dict, rank_outputs: list[dict]) -> dict:
+    """Each rank's router counts as the whole batch's: ``{"moe": {"layers", "tokens_per_expert", "dropped", "aux"}}``.
+
+    Per MoE block (by name) and step: token choices per expert and dropped choices
+    summed over the ranks that routed different tokens (tensor-parallel ranks route
+    the same ones: one of them counts), the balance loss averaged over them.
+    """
+    tp = config.get("tp", 1)
+    seen = {}  # layer name -> list of that layer's per-rank {"tokens", "dropped", "aux"} over steps
+    for o in rank_outputs:
+        m = o.get("extras", {}).get("moe")
+        if not m or o["rank"] % tp:
+            continue
+        for i, name in enumerate(m["layers"]):
+            seen.setdefault(name, []).append([(s["tokens"][i], s["dropped"][i], s["aux"][i]) for s in m["steps"]])
+    if not seen:
+        return {}
+    names = sorted(seen, key=lambda n: [int(p) if p.isdigit() else p for p in n.split(".")])
+    steps = len(seen[names[0]][0])
+
+    def total(name, s, j):
+        return [sum(r[s][j][e] for r in seen[name]) for e in range(len(seen[name][0][s][j]))]
+    return {"moe": {"layers": names,
+                    "tokens_per_expert": [[total(n, s, 0) for n in names] for s in range(steps)],
+                    "dropped": [[sum(r[s][1] for r in seen[n]) for n in names] for s in range(steps)],
+                    "aux": [[sum(r[s][2] for r in seen[n]) / len(seen[n]) for n in names] for s in range(steps)]}}

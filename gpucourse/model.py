@@ -28,10 +28,20 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 64
     dropout: float = 0.0
+    # Mixture of experts (0: a dense MLP in every block). See :class:`MoE`.
+    moe_experts: int = 0       # E expert MLPs in each MoE block
+    moe_top_k: int = 2         # experts each token goes to
+    moe_every: int = 1         # an MoE in every block (1), every other block (2), ...
+    moe_capacity: float = 0.0  # capacity factor; 0: no token is ever dropped
+    moe_aux: float = 0.01      # weight of the load-balancing loss
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    def is_moe(self, block: int) -> bool:
+        """Whether block ``block`` (counted from 0) has a mixture of experts in place of its MLP."""
+        return self.moe_experts > 0 and (block + 1) % self.moe_every == 0
 
 
 # Named sizes. ``tiny`` takes a CPU step in a few milliseconds; ``gpt2-small`` is
@@ -92,15 +102,115 @@ class MLP(nn.Module):
         return self.drop(self.proj(F.gelu(self.fc(x))))
 
 
-class Block(nn.Module):
-    """One transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+class AttachAuxLoss(torch.autograd.Function):
+    """Returns ``y`` unchanged; backward also sends ``weight`` as the gradient of ``aux``.
+
+    That adds ``weight · aux`` to whatever loss ``y`` flows into, without the loss
+    having to know the term exists: a pipeline stage's router gets its share of
+    the load-balancing gradient though the loss is computed on the last stage.
+    """
+
+    @staticmethod
+    def forward(ctx, y, aux, weight: float):
+        ctx.weight = weight
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.weight, dtype=torch.float32, device=grad.device), None
+
+
+class MoE(nn.Module):
+    """A mixture of experts in place of the MLP: a router sends each token to ``top_k`` of E expert MLPs.
+
+    The router is one Linear layer to E scores; a softmax makes them probabilities
+    p, each token goes to its top_k experts, and its output is their outputs
+    weighted by their p renormalised to sum to 1 (Mixtral's routing). Total
+    parameters grow with E; the compute per token grows only with top_k.
+
+    **Load balance.** Left alone, a router sends most tokens to a few experts.
+    The Switch Transformer's auxiliary loss E · Σᵢ fᵢ · Pᵢ — fᵢ the fraction of
+    token choices that went to expert i, Pᵢ the mean probability the router gave
+    it — is smallest when both are uniform (value 1 then). It is computed over
+    each sequence's tokens and averaged over the sequences (as DeepSeek-V3's
+    sequence-wise balance loss), so its value does not depend on how a batch is
+    cut into ranks and microbatches: every layout can equal one device. Its
+    gradient is added with weight ``aux_coef × aux_weight`` (``aux_weight`` is
+    1 / microbatches per step, set by the trainer, as a loss is divided).
+
+    **Capacity.** With ``capacity`` c > 0 an expert takes at most
+    ceil(c · tokens · top_k / E) token choices of each forward (first come, first
+    served); the others are dropped — that choice adds nothing, the residual
+    carries the token on. 0: nothing is dropped.
+
+    :meth:`dispatch` computes the experts' part: here every expert on this
+    device, one after the other. Expert parallelism replaces it with an
+    all-to-all to the ranks that hold the experts (``parallel/expert_parallel.py``).
+    """
 
     def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.router = nn.Linear(cfg.n_embd, cfg.moe_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.moe_experts))
+        self.num_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
+        self.capacity, self.aux_coef, self.aux_weight = cfg.moe_capacity, cfg.moe_aux, 1.0
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Start counting afresh: token choices per expert, dropped choices, the aux loss of each forward."""
+        self.tokens = torch.zeros(self.num_experts, dtype=torch.long)
+        self.dropped, self.aux_values = 0, []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        flat = x.reshape(B * T, C)
+        probs = torch.softmax(self.router(flat).float(), dim=-1)       # (tokens, E)
+        weights, chosen = probs.topk(self.top_k, dim=-1)                # (tokens, top_k) each
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        keep = self.within_capacity(chosen)
+        aux = balance_loss(probs.view(B, T, -1), chosen.view(B, T, -1))
+        with torch.no_grad():
+            self.tokens += torch.bincount(chosen.flatten(), minlength=self.num_experts).cpu()
+            self.dropped += int((~keep).sum())
+            self.aux_values.append(float(aux))
+        y = self.dispatch(flat, chosen, weights, keep)
+        return AttachAuxLoss.apply(y, aux, self.aux_coef * self.aux_weight).view(B, T, C)
+
+    def within_capacity(self, chosen: torch.Tensor) -> torch.Tensor:
+        """(tokens, top_k) booleans: the choices each expert takes, in token order, up to its capacity."""
+        if not self.capacity:
+            return torch.ones_like(chosen, dtype=torch.bool)
+        limit = math.ceil(self.capacity * chosen.numel() / self.num_experts)
+        onehot = F.one_hot(chosen.flatten(), self.num_experts)
+        place = (onehot.cumsum(0) * onehot).sum(-1) - 1               # each choice's place in its expert's queue
+        return (place < limit).view_as(chosen)
+
+    def dispatch(self, x, chosen, weights, keep) -> torch.Tensor:
+        """Σ over each token's kept choices of weight × expert(token): every expert here, in turn."""
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = ((chosen == e) & keep).nonzero(as_tuple=True)
+            out = out.index_add(0, token, expert(x[token]) * weights[token, slot, None])
+        return out
+
+
+def balance_loss(probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Switch's E · Σᵢ fᵢ · Pᵢ per sequence, averaged over sequences: probs (B, T, E), chosen (B, T, top_k)."""
+    E = probs.shape[-1]
+    f = F.one_hot(chosen, E).sum(2).float().mean(1) / chosen.shape[-1]  # (B, E): share of the choices
+    P = probs.mean(1)                                                  # (B, E): mean probability
+    return E * (f * P).sum(-1).mean()
+
+
+class Block(nn.Module):
+    """One transformer block: x + attn(ln(x)), then x + mlp(ln(x)) (a mixture of experts in MoE blocks)."""
+
+    def __init__(self, cfg: GPTConfig, index: int = 0):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe(index) else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -120,7 +230,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.apply(self._init)
@@ -159,6 +269,12 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def active_params(self) -> int:
+        """Parameters one token's forward uses: all but the experts it is not routed to."""
+        unused = sum(sum(p.numel() for p in next(m.experts.children()).parameters()) * (m.num_experts - m.top_k)
+                     for m in self.modules() if isinstance(m, MoE))
+        return self.num_params() - unused
 
 
 def blocks_of(module: nn.Module) -> list[nn.Module]:

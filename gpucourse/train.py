@@ -19,7 +19,7 @@ import torch
 from . import checkpoint, comm, data, profiling
 from .config import TrainConfig
 from .measure import Recorder, RunResult, merge, write_atomic
-from .model import blocks_of, build_model
+from .model import MoE, blocks_of, build_model
 from .parallel import parallelize
 from .runtime import current, launch, report
 from .runtime.launcher import in_place, plan_device
@@ -97,6 +97,9 @@ def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dic
     rec.activations.watch([m for block in blocks_of(trainer.module) for m in block.modules()
                            if isinstance(m, torch.nn.LayerNorm)], "block layernorms")
     start_step = checkpoint.resume(trainer, cfg, rec) if cfg.resume else 0
+    # Mixture of experts: what each router did, step by step (summed over the ranks by merge()).
+    experts = [(name, m) for name, m in trainer.module.named_modules() if isinstance(m, MoE)]
+    moe_steps = []
     losses, step_times = [], []
     for step in range(start_step, cfg.steps):
         checkpoint.inject_fault(ctx.rank, step)
@@ -110,6 +113,8 @@ def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dic
         if value is not None:
             check_finite(value, step, ctx.rank)  # stop at the first NaN, where it started
         step_times.append(time.perf_counter() - start)
+        if experts:
+            moe_steps.append(_router_counts(experts))
         rec.flush()
         profiling.step()
         losses.append(value)
@@ -127,7 +132,19 @@ def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dic
         write_atomic(export_path, buf.getvalue())
     return {"rank": ctx.rank, "start_step": start_step, "losses": None if losses[0] is None else losses,
             "step_times_s": step_times,
-            "memory": trainer.memory, "extras": _extras(trainer), **rec.export()}
+            "memory": trainer.memory,
+            "extras": {**_extras(trainer), **({"moe": {"layers": [n for n, _ in experts], "steps": moe_steps}}
+                                              if experts else {})},
+            **rec.export()}
+
+
+def _router_counts(experts: list) -> dict:
+    """This step's token choices per expert, dropped choices and mean balance loss of each MoE block; reset."""
+    out = {"tokens": [m.tokens.tolist() for _, m in experts], "dropped": [m.dropped for _, m in experts],
+           "aux": [sum(m.aux_values) / max(len(m.aux_values), 1) for _, m in experts]}
+    for _, m in experts:
+        m.reset_stats()
+    return out
 
 
 def _extras(trainer) -> dict:

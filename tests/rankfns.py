@@ -168,3 +168,72 @@ def attention_against_full(cases: int, seed: int) -> list[dict]:
             worst.append({"algo": name, "shape": [B, H, T, d], "diff": max(diffs),
                           "finite": all(math.isfinite(x) for x in diffs)})
     return worst
+
+
+def dispatch_against_local(cases: int, seed: int) -> list[dict]:
+    """Expert-parallel dispatch against every expert on one device, on random and on lopsided routing.
+
+    Every rank builds the same MoE layer and draws the same random inputs; each
+    case fixes the router's scores (random; every token to expert 0, so the other
+    ranks' experts get nothing; every token to the last rank's experts; skewed), and
+    each rank runs its own tokens through the expert-parallel layer (ep = every
+    rank) and through the whole layer, forward and backward, comparing the output,
+    the input's gradient and the gradients of the experts it holds.
+    """
+    import copy
+
+    from gpucourse.model import GPTConfig, MoE
+    from gpucourse.parallel.expert_parallel import apply_expert_parallel
+
+    class Fixed(torch.nn.Module):
+        """A router whose scores are given: (tokens, E)."""
+
+        def __init__(self, scores):
+            super().__init__()
+            self.scores = scores
+
+        def forward(self, x):
+            return self.scores + 0 * x.sum()
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(seed)
+    worst = []
+    for case in range(cases):
+        E = n * int(torch.randint(1, 3, (), generator=gen))
+        k = int(torch.randint(1, min(E, 3) + 1, (), generator=gen))
+        tokens = int(torch.randint(1, 7, (), generator=gen))  # per rank
+        cfg = GPTConfig(n_embd=8, moe_experts=E, moe_top_k=k)
+        torch.manual_seed(seed + case)
+        whole = MoE(cfg).double()
+        x = torch.randn(n, 1, tokens, 8, generator=gen, dtype=torch.float64)
+        kind = ["random", "all to expert 0", "all to the last rank", "skewed"][case % 4]
+        scores = torch.randn(n, tokens, E, generator=gen, dtype=torch.float64)
+        if kind == "all to expert 0":
+            scores[..., 0] += 100
+        elif kind == "all to the last rank":
+            scores[..., E - E // n:] += 100
+        elif kind == "skewed":
+            scores[..., 1 % E] += 3
+        ep = copy.deepcopy(whole)
+        holder = torch.nn.Module()  # apply_expert_parallel works on a model's blocks: a one-block model
+        holder.blocks = torch.nn.ModuleList([torch.nn.Module()])
+        holder.blocks[0].mlp = ep
+        apply_expert_parallel(holder, dist.group.WORLD, None)
+        whole.router, ep.router = Fixed(scores[rank]), Fixed(scores[rank])
+        mine = x[rank].clone().requires_grad_()
+        theirs = x[rank].clone().requires_grad_()
+        probe = torch.randn(x[rank].shape, generator=gen, dtype=torch.float64)
+        (whole(mine) * probe).sum().backward()
+        (ep(theirs) * probe).sum().backward()
+        diffs = [(ep(theirs.detach()) - whole(mine.detach())).abs().max().item(),
+                 (theirs.grad - mine.grad).abs().max().item()]
+        # Each expert's gradient, summed over ranks on one device, against the holder's (summed by the ep group).
+        for name, p in whole.experts.named_parameters():
+            g = p.grad.clone()
+            dist.all_reduce(g)
+            held = dict(ep.experts.named_parameters()).get(name)
+            if held is not None:
+                diffs.append((held.grad - g).abs().max().item())
+        worst.append({"kind": kind, "E": E, "k": k, "tokens": tokens, "diff": max(diffs),
+                      "held": sorted(ep.experts.keys())})
+    return worst

@@ -15,6 +15,7 @@ from gpucourse.config import supported
 
 import test_context_parallel
 import test_equality
+import test_experts
 import test_pipeline
 import test_tensor_parallel
 
@@ -25,14 +26,15 @@ def checked() -> list[TrainConfig]:
                                 *test_equality.ACCELERATE]),
                (test_tensor_parallel, test_tensor_parallel.LAYOUTS.values()),
                (test_pipeline, test_pipeline.LAYOUTS.values()),
-               (test_context_parallel, test_context_parallel.LAYOUTS.values())]
+               (test_context_parallel, test_context_parallel.LAYOUTS.values()),
+               (test_experts, test_experts.LAYOUTS.values())]
     return [TrainConfig(**{**module.BASE, **kw}) for module, layouts in by_file for kw in layouts]
 
 
 def _key(cfg: TrainConfig) -> tuple:
     return (cfg.dp, cfg.cp, cfg.tp, cfg.pp, cfg.zero, cfg.impl, cfg.bucket_mb is not None, cfg.grad_accum > 1,
             cfg.checkpoint_activations, cfg.schedule if cfg.pp > 1 else None, cfg.sequence_parallel,
-            cfg.cp_algo if cfg.cp > 1 else None, cfg.zigzag)
+            cfg.cp_algo if cfg.cp > 1 else None, cfg.zigzag, cfg.ep, cfg.moe_experts > 0)
 
 
 def test_at_least_30_distinct_layouts_up_to_8_ranks():
@@ -48,7 +50,7 @@ def test_every_row_of_the_list_that_runs_on_cpu_is_checked():
     missing = []
     for layout, impl, _, changes in supported():
         cfg = TrainConfig(**changes)
-        if impl == "accelerate" and cfg.zero == 3 or layout == "single":
+        if impl == "accelerate" and cfg.zero == 3 or layout.startswith("single"):
             continue  # Accelerate's FSDP runs on GPUs only (scripts/gpu-check); one device is the oracle itself
         if (layout, impl, cfg.bucket_mb is not None) not in seen:
             missing.append(f"{layout} {impl}{' buckets' if cfg.bucket_mb else ''}")

@@ -4,7 +4,7 @@
 strategies to the plain model in one fixed order, as torchtitan's
 ``parallelize_llama`` does, each given only its own slice of the device mesh:
 
-    pipeline split (pp)  →  tensor parallel (tp)  →  context parallel (cp, kept for it)
+    pipeline split (pp)  →  tensor parallel (tp)  →  context parallel (cp)  →  experts (ep)
       →  activation checkpointing  →  data parallel / ZeRO / FSDP (dp)  →  precision  →  optimizer
 
 A pipeline split replaces the model by this rank's stage and the trainer's
@@ -20,6 +20,7 @@ import functools
 
 from ..config import TrainConfig
 from ..measure import Recorder
+from ..model import MoE
 from .activation_checkpointing import checkpoint_blocks
 from .precision import Precision
 from .single import Trainer
@@ -58,6 +59,13 @@ def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, devi
     if cfg.cp > 1:  # each rank attends over the other cp ranks' keys
         from .context_parallel import apply_context_parallel
         apply_context_parallel(model, mesh["cp"].get_group(), cfg.seq_len, cfg.cp_algo, cfg.zigzag)
+    if cfg.ep > 1:  # each rank keeps E/ep experts of every MoE block; tokens travel to the others by all-to-all
+        from . import expert_parallel
+        ep_group, edp_group = expert_parallel.expert_groups(mesh, cfg.ep)
+        expert_parallel.apply_expert_parallel(model, ep_group, edp_group)
+        gathers.insert(len(gathers) - (cfg.pp > 1), functools.partial(expert_parallel.gather_experts, model,
+                                                                       ep_group))
+    set_aux_weight(model, 1 / (cfg.grad_accum * (cfg.microbatches if cfg.pp > 1 else 1)))
     if cfg.checkpoint_activations:
         checkpoint_blocks(model)
     if cfg.pp > 1:
@@ -71,6 +79,13 @@ def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, devi
                              loop=loop, gathers=gathers, placements=placements)
     trainer.extras.update(extras)
     return trainer
+
+
+def set_aux_weight(model, weight: float) -> None:
+    """Give each mixture of experts' balance loss the weight its microbatch's loss gets (1 / microbatches)."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.aux_weight = weight
 
 
 def _data_parallel(model, mesh, cfg: TrainConfig, **options) -> Trainer:

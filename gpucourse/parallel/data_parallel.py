@@ -33,21 +33,32 @@ from ..model import blocks_of
 from .single import Trainer
 
 
+def replica_group(p: torch.nn.Parameter, group):
+    """The ranks holding copies of ``p``: ``group``, or for an expert's weight under expert parallelism the
+    expert-data-parallel group it carries (``expert_parallel.py``)."""
+    return getattr(p, "expert_group", group)
+
+
 def broadcast_parameters(model: torch.nn.Module, group) -> None:
-    """Copy the weights of ``group``'s first rank to every rank of ``group``."""
-    src = dist.get_global_rank(group, 0)  # broadcast names its source by global rank
+    """Copy the weights of ``group``'s first rank to every rank of ``group`` (each expert's, of its replicas')."""
     with torch.no_grad():
         for p in model.parameters():
-            comm.broadcast(p.data, src=src, group=group, name="broadcast weights")
+            replicas = replica_group(p, group)
+            src = dist.get_global_rank(replicas, 0)  # broadcast names its source by global rank
+            comm.broadcast(p.data, src=src, group=replicas, name="broadcast weights")
 
 
 def allreduce_gradients(module: torch.nn.Module, group) -> None:
-    """Average every gradient over ``group``: one all-reduce (sum, then / size) per parameter."""
+    """Average every gradient over ``group``: one all-reduce (sum, then / size) per parameter.
+
+    An expert's weight sums over its replicas only, and is divided by the size of
+    ``group`` too: its gradient already holds its ep group's share of the batch.
+    """
     size = dist.get_world_size(group)
     for name, p in module.named_parameters():
         if p.grad is None:  # frozen, or unused in this step on every rank
             continue
-        comm.all_reduce(p.grad, group=group, name=f"all_reduce {name}")
+        comm.all_reduce(p.grad, group=replica_group(p, group), name=f"all_reduce {name}")
         p.grad /= size
 
 

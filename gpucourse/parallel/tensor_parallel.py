@@ -151,11 +151,26 @@ def _enter_region(group, module, args):
 SHARDED = ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc", "mlp.proj")  # the layers tensor parallelism cuts
 
 
+def _sharded_paths(block: nn.Module) -> list[str]:
+    """SHARDED, with a mixture of experts' every expert in place of ``mlp`` (each expert cut as the MLP is)."""
+    experts = getattr(block.get_submodule("mlp"), "experts", None) if hasattr(block, "mlp") else None
+    if experts is None:
+        return list(SHARDED)
+    return [*SHARDED[:4], *(f"mlp.experts.{name}.{layer}" for name, _ in experts.named_children()
+                            for layer in ("fc", "proj"))]
+
+
+def _mlps(block: nn.Module) -> list[nn.Module]:
+    """The MLPs of a block tensor parallelism cuts: its own, or each of its experts."""
+    experts = getattr(block.mlp, "experts", None)
+    return list(experts.children()) if experts is not None else [block.mlp]
+
+
 def check_shardable(module: nn.Module) -> list[nn.Module]:
     """``module``'s blocks, if each has the Linear layers tensor parallelism cuts; else one sentence naming it."""
     blocks = blocks_of(module)
     for block in blocks:
-        missing = [path for path in SHARDED if not _is_linear(block, path)]
+        missing = [path for path in _sharded_paths(block) if not _is_linear(block, path)]
         if missing:
             raise TypeError(f"{type(block).__name__} has no nn.Linear {', '.join(missing)}, so tensor parallelism "
                             f"cannot shard it (it cuts {', '.join(SHARDED)} of every block).")
@@ -182,13 +197,16 @@ def apply_tensor_parallel(module: nn.Module, tp_group, sequence_parallel: bool =
     blocks = check_shardable(module)  # every block checked before any is changed
     enter = enter_sequence_region if sequence_parallel else _enter_region
     for block in blocks:
-        attn, mlp = block.attn, block.mlp
+        attn = block.attn
         for name in ("q", "k", "v"):
             setattr(attn, name, ColumnParallelLinear(getattr(attn, name), tp_group))
         attn.proj = RowParallelLinear(attn.proj, tp_group, sequence_parallel)
-        mlp.fc = ColumnParallelLinear(mlp.fc, tp_group)
-        mlp.proj = RowParallelLinear(mlp.proj, tp_group, sequence_parallel)
-        for sub in (attn, mlp):
+        # A mixture of experts: each expert is cut as the MLP is, with f at its own entrance (not the block's:
+        # the router, replicated, already gets its whole input gradient on every rank).
+        for mlp in _mlps(block):
+            mlp.fc = ColumnParallelLinear(mlp.fc, tp_group)
+            mlp.proj = RowParallelLinear(mlp.proj, tp_group, sequence_parallel)
+        for sub in (attn, *_mlps(block)):
             sub.register_forward_pre_hook(functools.partial(enter, tp_group))
     if sequence_parallel:
         mark_sequence_region(blocks, tp_group)

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from .. import comm
 from ..measure import optimizer_state_bytes, tensor_bytes
 from ..model import blocks_of
-from .data_parallel import TorchDDP, broadcast_parameters
+from .data_parallel import TorchDDP, broadcast_parameters, replica_group
 from ..optim import ADAMW, MasterWeightsAdamW, init_state
 from .single import Trainer
 
@@ -111,97 +111,140 @@ def load_sharded_optimizer_state(trainer: Trainer, shards, state: dict, group) -
                 target.copy_(whole[rank * target.numel():(rank + 1) * target.numel()])
 
 
+class FlatShards:
+    """Trainable parameters replicated over one group, in one flat buffer cut into that group's equal shards.
+
+    Each parameter becomes a view into the buffer, so an all-gather into the buffer
+    updates the model at once; ``local`` is this rank's shard (a view too, so Adam
+    updates the buffer in place).
+    """
+
+    def __init__(self, params: list, group):
+        self.params, self.group = params, group
+        n, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.numel = sum(p.numel() for p in params)
+        self.shard_size = math.ceil(self.numel / n)
+        self.flat = torch.zeros(self.shard_size * n, dtype=params[0].dtype, device=params[0].device)
+        self.slices, offset = [], 0
+        for p in params:
+            self.flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.flat[offset:offset + p.numel()].view_as(p)
+            self.slices.append((offset, p.numel()))
+            offset += p.numel()
+        self.lo = self.rank * self.shard_size
+        self.local = torch.nn.Parameter(self.flat[self.lo:self.lo + self.shard_size])
+        self.full_grad = None
+        self.no_grad: list[tuple[int, int]] = []
+
+    def flat_gradient(self) -> torch.Tensor:
+        """Every parameter's gradient copied into one flat buffer (zeros where there is none); .grad released."""
+        flat_grad = torch.zeros_like(self.flat)
+        self.no_grad = []  # parameters that got no gradient (on any rank, as DDP assumes too)
+        for p, (offset, n) in zip(self.params, self.slices):
+            if p.grad is not None:
+                flat_grad[offset:offset + n].copy_(p.grad.reshape(-1))
+            else:
+                self.no_grad.append((offset, n))
+            p.grad = None  # the flat buffer now holds it
+        return flat_grad
+
+    def untouched(self) -> list:
+        """``(start, values)`` of the parts of this shard that got no gradient, to put back after the step."""
+        kept = []
+        for offset, n in self.no_grad:  # the part of each such parameter that lies in this rank's shard
+            start, end = max(offset - self.lo, 0), min(offset + n - self.lo, self.shard_size)
+            if start < end:
+                kept.append((start, self.local[start:end].clone()))
+        return kept
+
+
 class ZeroScratch(Trainer):
-    """ZeRO stage 1 or 2 over the data-parallel ``group``, from scratch."""
+    """ZeRO stage 1 or 2 over the data-parallel ``group``, from scratch.
+
+    Under expert parallelism the experts' weights are replicated over a smaller
+    group (``expert_group``): they get a flat buffer of their own, sharded over
+    that group, beside the one for everything else — as Megatron-Core's
+    distributed optimizer keeps separate expert buffers.
+    """
 
     def __init__(self, model, group, stage: int = 1, **options):
         self.group, self.stage = group, stage
         self.dp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         broadcast_parameters(model, group)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        numel = sum(p.numel() for p in self.params)
-        self.shard_size = math.ceil(numel / self.dp)
-        # One flat buffer holds every trainable weight; each parameter becomes a
-        # view into it, so an all-gather into the buffer updates the model at once.
-        self.flat = torch.zeros(self.shard_size * self.dp, dtype=self.params[0].dtype,
-                                device=self.params[0].device)
-        self.slices, offset = [], 0
-        for p in self.params:
-            self.flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
-            p.data = self.flat[offset:offset + p.numel()].view_as(p)
-            self.slices.append((offset, p.numel()))
-            offset += p.numel()
-        lo = self.rank * self.shard_size
-        # This rank's shard of the weights: a view, so Adam updates the buffer in place.
-        self.local = torch.nn.Parameter(self.flat[lo:lo + self.shard_size])
-        self._full_grad = None
-        self._no_grad: list[tuple[int, int]] = []
+        by_group = {}
+        for p in model.parameters():
+            if p.requires_grad:
+                replicas = replica_group(p, group)
+                by_group.setdefault(id(replicas), (replicas, []))[1].append(p)
+        self.parts = [FlatShards(params, replicas) for replicas, params in by_group.values()]
         super().__init__(model, **options)
-        self.extras["zero"] = {"stage": stage, "num_params": numel, "shard_size": self.shard_size}
+        dense = self.parts[0]
+        self.extras["zero"] = {"stage": stage, "num_params": dense.numel, "shard_size": dense.shard_size}
+        if len(self.parts) > 1:
+            self.extras["zero"]["expert_shards"] = [{"num_params": part.numel, "shard_size": part.shard_size}
+                                                    for part in self.parts[1:]]
 
     def make_optimizer(self, lr):
-        return self.optimizer_for([self.local], lr)
+        return self.optimizer_for([part.local for part in self.parts], lr)
 
     def gradients(self):
-        return [self.local.grad]
+        return [part.local.grad for part in self.parts]
 
     def sync_gradients(self) -> None:
-        flat_grad = torch.zeros_like(self.flat)
-        self._no_grad = []  # parameters that got no gradient (on any rank, as DDP assumes too)
-        for p, (offset, n) in zip(self.params, self.slices):
-            if p.grad is not None:
-                flat_grad[offset:offset + n].copy_(p.grad.reshape(-1))
+        for part in self.parts:
+            flat_grad = part.flat_gradient()
+            if self.stage == 1:
+                comm.all_reduce(flat_grad, group=part.group, name="all_reduce gradients")
+                part.full_grad = flat_grad  # stage 1 keeps the whole (averaged) gradient
+                part.local.grad = flat_grad[part.lo:part.lo + part.shard_size]
             else:
-                self._no_grad.append((offset, n))
-            p.grad = None  # the flat buffer now holds it
-        if self.stage == 1:
-            comm.all_reduce(flat_grad, group=self.group, name="all_reduce gradients")
-            lo = self.rank * self.shard_size
-            self._full_grad = flat_grad  # stage 1 keeps the whole (averaged) gradient
-            self.local.grad = flat_grad[lo:lo + self.shard_size]
-        else:
-            shard_grad = torch.empty(self.shard_size, dtype=flat_grad.dtype, device=flat_grad.device)
-            comm.reduce_scatter_tensor(shard_grad, flat_grad, group=self.group, name="reduce_scatter gradients")
-            self.local.grad = shard_grad
-        self.local.grad /= self.dp
+                shard_grad = torch.empty(part.shard_size, dtype=flat_grad.dtype, device=flat_grad.device)
+                comm.reduce_scatter_tensor(shard_grad, flat_grad, group=part.group, name="reduce_scatter gradients")
+                part.local.grad = shard_grad
+            part.local.grad /= self.dp  # the mean over every dp rank's tokens, experts' included
 
     def optimizer_step(self) -> None:
         # On one device the optimizer skips a parameter without a gradient; inside the shard it
         # cannot (weight decay would still shrink it), so those values are put back after the step.
-        lo, kept = self.rank * self.shard_size, []
-        for offset, n in self._no_grad:  # the part of each such parameter that lies in this rank's shard
-            start, end = max(offset - lo, 0), min(offset + n - lo, self.shard_size)
-            if start < end:
-                kept.append((start, self.local[start:end].clone()))
+        kept = [part.untouched() for part in self.parts]
         with self.rec.span("optimizer"):
             self.optimizer.step()
+        masters = getattr(self.optimizer, "masters", [None] * len(self.parts))  # fp32 master weights
         with torch.no_grad():
-            for start, values in kept:
-                self.local[start:start + len(values)] = values
-                for master in getattr(self.optimizer, "masters", ()):  # fp32 master weights: the same
-                    master[start:start + len(values)] = values
-        # The all-gather's input must not alias its output, so send a copy of our shard.
-        comm.all_gather_into_tensor(self.flat, self.local.detach().clone(), group=self.group,
-                                    name="all_gather weights")
+            for part, master, values_kept in zip(self.parts, masters, kept):
+                for start, values in values_kept:
+                    part.local[start:start + len(values)] = values
+                    if master is not None:
+                        master[start:start + len(values)] = values
+        for part in self.parts:
+            # The all-gather's input must not alias its output, so send a copy of our shard.
+            comm.all_gather_into_tensor(part.flat, part.local.detach().clone(), group=part.group,
+                                        name="all_gather weights")
         self.measure_memory()
         self.optimizer.zero_grad(set_to_none=True)
-        self._full_grad = None
+        for part in self.parts:
+            part.full_grad = None
 
     def weight_bytes(self) -> int:
-        return tensor_bytes([self.flat])
+        return tensor_bytes([part.flat for part in self.parts])
 
-    def _shards(self) -> list:
+    def _shards(self, part: FlatShards) -> list:
         names = self.parameter_names()
-        return [(self.local, [(names[p], offset, n, p.shape) for p, (offset, n) in zip(self.params, self.slices)])]
+        return [(part.local, [(names[p], offset, n, p.shape) for p, (offset, n) in zip(part.params, part.slices)])]
 
     def optimizer_state(self) -> dict:
-        return sharded_optimizer_state(self, self._shards(), self.group)
+        state = {}
+        for part in self.parts:
+            state.update(sharded_optimizer_state(self, self._shards(part), part.group))
+        return state
 
     def load_optimizer_state(self, state: dict) -> None:
-        load_sharded_optimizer_state(self, self._shards(), state, self.group)
+        for part in self.parts:
+            load_sharded_optimizer_state(self, self._shards(part), state, part.group)
 
     def gradient_bytes(self) -> int:
-        return tensor_bytes([self._full_grad if self._full_grad is not None else self.local.grad])
+        return tensor_bytes([part.full_grad if part.full_grad is not None else part.local.grad
+                             for part in self.parts])
 
 
 class TorchZero1(TorchDDP):
