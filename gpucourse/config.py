@@ -93,7 +93,7 @@ class TrainConfig:
         moe = {name: value for name, value in (("moe_experts", self.moe_experts), ("moe_top_k", self.moe_top_k),
                                                ("moe_every", self.moe_every), ("moe_capacity", self.moe_capacity),
                                                ("moe_aux", self.moe_aux)) if value is not None}
-        return dataclasses.replace(base, dropout=self.dropout, **moe, **self.overrides)
+        return dataclasses.replace(base, **{"dropout": self.dropout, **moe, **self.overrides})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

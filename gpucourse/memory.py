@@ -63,14 +63,32 @@ def block_params(mc: GPTConfig) -> BlockParams:
     return BlockParams(sharded, replicated)
 
 
-def stage_units(mc: GPTConfig, pp: int, stage: int, tp: int) -> dict:
+def expert_params(mc: GPTConfig, tp: int = 1) -> int:
+    """Parameters of one expert (an MLP) on one rank: fc and proj weights and fc's bias cut tp ways, proj's bias whole."""
+    C = mc.n_embd
+    return (4 * C * C + 4 * C + 4 * C * C) // tp + C
+
+
+def moe_block_params(mc: GPTConfig, tp: int = 1, ep: int = 1) -> tuple[int, int]:
+    """(everything but the experts, the experts) one rank holds of a mixture-of-experts block: the attention,
+    norms and router (replicated), and E/ep experts."""
+    bp = block_params(mc)
+    C = mc.n_embd
+    mlp = (4 * C * C + 4 * C + 4 * C * C) // tp + C
+    dense = bp.sharded // tp + bp.replicated - mlp + C * mc.moe_experts  # the router: C × E, no bias
+    return dense, mc.moe_experts // ep * expert_params(mc, tp)
+
+
+def stage_units(mc: GPTConfig, pp: int, stage: int, tp: int, ep: int = 1) -> dict:
     """Parameters one rank holds on stage ``stage`` of ``pp`` (its 1/tp share of the blocks), by unit.
 
     The units are ZeRO-3's (``parallel/zero3.py``): each block (``blocks.i``), and
     the rest (``root``: embeddings on the first stage, final norm and head on the last).
+    A mixture-of-experts block holds its E/ep experts.
     """
     bp = block_params(mc)
-    units = {f"blocks.{i}": bp.sharded // tp + bp.replicated for i in stage_blocks(mc.n_layer, pp, stage)}
+    units = {f"blocks.{i}": sum(moe_block_params(mc, tp, ep)) if mc.is_moe(i) else bp.sharded // tp + bp.replicated
+             for i in stage_blocks(mc.n_layer, pp, stage)}
     root = 0
     if stage == 0:
         root += mc.vocab_size * mc.n_embd + mc.block_size * mc.n_embd  # token and position embeddings
@@ -81,9 +99,35 @@ def stage_units(mc: GPTConfig, pp: int, stage: int, tp: int) -> dict:
     return units
 
 
-def stage_params(mc: GPTConfig, pp: int, stage: int, tp: int) -> int:
-    """Parameters one rank holds: stage ``stage`` of ``pp``, its 1/tp share of the blocks."""
-    return sum(stage_units(mc, pp, stage, tp).values())
+def stage_params(mc: GPTConfig, pp: int, stage: int, tp: int, ep: int = 1) -> int:
+    """Parameters one rank holds: stage ``stage`` of ``pp``, its 1/tp share of the blocks (E/ep experts)."""
+    return sum(stage_units(mc, pp, stage, tp, ep).values())
+
+
+def stage_expert_params(mc: GPTConfig, pp: int, stage: int, tp: int, ep: int) -> int:
+    """Of :func:`stage_params`, the experts' (replicated over dp/ep ranks, not dp)."""
+    return sum(moe_block_params(mc, tp, ep)[1] for i in stage_blocks(mc.n_layer, pp, stage) if mc.is_moe(i))
+
+
+def active_params(mc: GPTConfig) -> int:
+    """Parameters one token's forward uses: all but the experts it is not routed to."""
+    blocks = sum(mc.is_moe(i) for i in range(mc.n_layer))
+    return num_params(mc) - blocks * (mc.moe_experts - mc.moe_top_k) * expert_params(mc)
+
+
+def moe_activation_bytes(mc: GPTConfig, b: int, T: int, tp: int = 1, ep: int = 1) -> float:
+    """What one mixture-of-experts block saves beyond its attention (fp32), for b sequences of T tokens.
+
+    Counted on the model and checked against runs: per token choice (N·k of them, N = b·T tokens, assuming the
+    choices spread evenly over the experts' ranks under ep) the expert's input and output, fc's output and
+    GELU's (4 + 4 + 16 + 16 bytes per channel), the weighted output again (4) and 32 bytes of indices and
+    weights; per token the router's probabilities (4·E) and 4 bytes; per sequence the balance loss's
+    fractions (4·E). Tensor parallelism cuts the hidden layer (the 32 bytes per channel of fc and GELU).
+    Expert parallelism keeps one more row per choice and its index and mask (4·C + 9 bytes, measured).
+    """
+    N, C, E, k = b * T, mc.n_embd, mc.moe_experts, mc.moe_top_k
+    dispatch = N * k * (4 * C + 9) if ep > 1 else 0
+    return N * k * (12 * C + 32 * C / tp + 32) + N * (4 * E + 4) + 4 * b * E + dispatch
 
 
 def num_params(mc: GPTConfig) -> int:
@@ -124,7 +168,8 @@ def _activation_bytes(cfg: TrainConfig, mc: GPTConfig, stage: int, in_flight: in
     T, C, V, tp = cfg.seq_len // cfg.cp, mc.n_embd, mc.vocab_size, cfg.tp
     regime = _regime(cfg)
     scale = 0.5 if regime == "half" else 1.0
-    blocks = len(stage_blocks(mc.n_layer, cfg.pp, stage))
+    in_stage = stage_blocks(mc.n_layer, cfg.pp, stage)
+    blocks = len(in_stage)
     sp = tp if cfg.sequence_parallel else 1  # sequence parallelism: T/tp tokens between sub-layers
     if cfg.checkpoint_activations:
         per_block = 4 * scale * b * T * C / sp
@@ -136,6 +181,9 @@ def _activation_bytes(cfg: TrainConfig, mc: GPTConfig, stage: int, in_flight: in
         per_block = b * T * C * (rep + shard / tp) + scale * (16 * b * T / sp + 4 * b * (mc.n_head // tp) * T)
         per_block += _context_attention_bytes(cfg, b, T, C / tp)
     total = blocks * per_block
+    moe_blocks = sum(mc.is_moe(i) for i in in_stage)
+    if moe_blocks and not cfg.checkpoint_activations:  # the MLP's 32 bytes per channel (fp32) become the experts'
+        total += moe_blocks * scale * (moe_activation_bytes(mc, b, T, tp, cfg.ep) - 32 * b * T * C / tp)
     if stage == 0:
         total += 8 * b * T + 8 * T                               # token ids, positions
     if stage == cfg.pp - 1:
@@ -202,11 +250,17 @@ def estimate(cfg: TrainConfig) -> dict:
     held = in_flight(cfg.schedule, cfg.pp, cfg.microbatches)
     per_stage = []
     for stage in range(cfg.pp):
-        units = stage_units(mc, cfg.pp, stage, cfg.tp)
+        units = stage_units(mc, cfg.pp, stage, cfg.tp, cfg.ep)
         n = sum(units.values())
-        # ZeRO shards over every rank holding the same weights: dp × cp (context-parallel ranks too).
-        mem = estimate_params(n, cfg.dp * cfg.cp, cfg.zero, cfg.precision, cfg.master_weights,
+        # ZeRO shards over every rank holding the same weights: dp × cp (context-parallel ranks too); under
+        # expert parallelism the experts' weights over their dp/ep replicas, in a flat buffer of their own.
+        experts = stage_expert_params(mc, cfg.pp, stage, cfg.tp, cfg.ep) if cfg.ep > 1 else 0
+        mem = estimate_params(n - experts, cfg.dp * cfg.cp, cfg.zero, cfg.precision, cfg.master_weights,
                               scratch_padding=cfg.impl == "scratch", units=units.values())
+        if experts:
+            mem = {c: v + w for (c, v), w in zip(mem.items(), estimate_params(
+                experts, cfg.dp // cfg.ep, cfg.zero, cfg.precision, cfg.master_weights,
+                scratch_padding=cfg.impl == "scratch").values())}
         mem["activations"] = _activation_bytes(cfg, mc, stage, held[stage])
         per_stage.append((n, mem, _gathered_bytes(cfg, units)))
     stage_ranks = cfg.world_size // cfg.pp  # the mesh is (pp, dp, cp, tp): each stage's ranks are contiguous
@@ -217,7 +271,39 @@ def estimate(cfg: TrainConfig) -> dict:
            "per_rank": per_rank, "max": worst, "max_total": sum(worst.values())}
     if cfg.zero == 3 and cfg.impl == "scratch":
         est["gathered"] = {r: per_stage[r // stage_ranks][2] for r in range(cfg.world_size)}
+    if mc.moe_experts:
+        est["moe"] = moe_summary(cfg)
     return est
+
+
+def all_to_all_bytes(cfg: TrainConfig) -> int:
+    """Expert parallelism's all-to-all payload per step, summed over every rank (``expert_parallel.py``).
+
+    Per MoE block and forward, each rank of a stage sends E token counts (8 bytes each) and, out and back, its
+    kept token choices (N·k rows of C fp32); backward sends the rows out and back again. With no dropping the
+    rows are exactly the batch's tokens × k, whatever the routing; every tensor-parallel rank sends them too.
+    """
+    if cfg.ep == 1:
+        return 0
+    mc = cfg.model_config()
+    blocks = sum(mc.is_moe(i) for i in range(mc.n_layer))
+    forwards = cfg.grad_accum * (cfg.microbatches if cfg.pp > 1 else 1)
+    counts = cfg.world_size // cfg.pp * mc.moe_experts * 8 * forwards
+    rows = cfg.tp * 4 * cfg.batch_size * cfg.seq_len * mc.moe_top_k * mc.n_embd * 4
+    return blocks * (counts + rows)
+
+
+def moe_summary(cfg: TrainConfig) -> dict:
+    """Total and active parameters, the experts' weights per rank, and the all-to-all per step."""
+    mc = cfg.model_config()
+    blocks = sum(mc.is_moe(i) for i in range(mc.n_layer))
+    per_expert = expert_params(mc, cfg.tp)
+    return {"experts": mc.moe_experts, "top_k": mc.moe_top_k, "moe_blocks": blocks,
+            "total_params": num_params(mc), "active_params": active_params(mc),
+            "experts_per_rank": mc.moe_experts // cfg.ep,
+            "expert_params_per_rank": blocks * mc.moe_experts // cfg.ep * per_expert,
+            "expert_params_replicated": blocks * mc.moe_experts * per_expert,
+            "all_to_all_bytes_per_step": all_to_all_bytes(cfg)}
 
 
 def _gathered_bytes(cfg: TrainConfig, units: dict) -> int:
@@ -284,6 +370,16 @@ def format_estimate(est: dict) -> str:
                                     cfg.tp, cfg.sequence_parallel, "full" if cfg.checkpoint_activations else "none")
     lines.append(f"  Korthikanti et al.'s count for one layer at this shape (16-bit activations, per GPU): "
                  f"{human_bytes(paper, binary=True)}")
+    if "moe" in est:
+        m = est["moe"]
+        lines.append(f"  mixture of {m['experts']} experts, top-{m['top_k']}, in {m['moe_blocks']} blocks: "
+                     f"{m['total_params'] / 1e6:,.1f} M parameters in all, {m['active_params'] / 1e6:,.1f} M used "
+                     f"per token; each rank holds {m['experts_per_rank']} experts per block, "
+                     f"{m['expert_params_per_rank'] / 1e6:,.2f} M expert parameters "
+                     f"({m['expert_params_replicated'] / 1e6:,.2f} M without expert parallelism)")
+        if m["all_to_all_bytes_per_step"]:
+            lines.append(f"  expert parallelism's all-to-all: {human_bytes(m['all_to_all_bytes_per_step'])} per "
+                         f"step over all ranks (no dropping; about (ep - 1)/ep of it leaves each rank)")
     if "gathered" in est:
         lines.append(f"  ZeRO-3 also holds up to {human_bytes(max(est['gathered'].values()), binary=True)} of "
                      f"gathered weights while computing (the root unit and one block, whole).")

@@ -4,22 +4,25 @@ own functions where it has them; grading, the mock exam's marking, the export an
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from gpucourse import cli, progress, quiz
+from gpucourse import ConfigError, cli, progress, quiz
 from gpucourse.bandwidth import bus_factor
 from gpucourse.comm import RING_FACTOR
 from gpucourse.config import TrainConfig
 from gpucourse.data import context_positions
 from gpucourse.gpus import get_gpu
 from gpucourse.memory import estimate_params, with_microbatch
-from gpucourse.parallel import schedules
+from gpucourse.model import GPTConfig, MoE, balance_loss, build_model
+from gpucourse.parallel import expert_parallel, schedules
 from gpucourse.parallel.precision import DynamicLossScaler
 from gpucourse.profiling import time_shares
 from gpucourse.quiz import bank as bank_module
@@ -531,3 +534,215 @@ def test_exam_widget_marks_on_hand_in():
     hand_in.click()
     assert "score: 4/4 (100%)" in report.value and hand_in.disabled
     assert progress.load()["quizzes"][0]["topic"] == "mock-exam"
+
+
+# --- mixture of experts and expert parallelism: every figure the questions state ------------------------
+
+MOE_NOTEBOOK = "13_mixture_of_experts"
+
+
+def expert_numel(moe: MoE) -> int:
+    """The parameters of one expert MLP of an MoE block."""
+    return sum(p.numel() for p in moe.experts[0].parameters())
+
+
+def moe_counts(**kw) -> tuple[int, int, int, int]:
+    """(total, active, one expert MLP, one router) parameters of the course's GPT with a mixture of experts."""
+    model = build_model(GPTConfig(**kw), 0)
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    return model.num_params(), model.active_params(), expert_numel(moe), moe.router.weight.numel()
+
+
+def ep_expert_grad(dp: int, ep: int, divide_by: int, tokens: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """(one GPU's gradient, expert parallelism's) of one expert every token is routed to, each rank's loss its mean.
+
+    On each ep group the expert's one copy receives the tokens of the group's ep ranks, so its gradient is the sum
+    of their per-rank mean losses' gradients; its dp/ep replicas (one per group) are summed, then divided.
+    """
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(dp, tokens, 4, generator=gen, dtype=torch.float64)
+    w0 = torch.randn(4, 4, generator=gen, dtype=torch.float64)
+
+    def grad(loss_of):
+        w = w0.clone().requires_grad_()
+        loss_of(w).backward()
+        return w.grad
+
+    def rank_loss(w, r):
+        return (x[r] @ w).square().mean()
+
+    single = grad(lambda w: (x.reshape(-1, 4) @ w).square().mean())
+    replicas = [grad(lambda w, g=g: sum(rank_loss(w, r) for r in range(g * ep, (g + 1) * ep)))
+                for g in range(dp // ep)]
+    return single, sum(replicas) / divide_by
+
+
+def test_moe_figures():
+    # moe-active-params: 8 × 7B and 2 × 7B are 56B and 14B; S + 8X = 47B, S + 2X = 13B give X ≈ 5.7B, S ≈ 1.7B.
+    assert 8 * 7 == 56 and 2 * 7 == 14
+    X = (47 - 13) / (8 - 2)
+    S = 13 - 2 * X
+    assert round(X, 1) == 5.7 and round(S, 1) == 1.7 and S + 8 * X == pytest.approx(47)
+    #   and in the course's GPT: only the MLPs are per expert, so the total is far below 8 dense models and the
+    #   active count is the dense model plus one more MLP and a router per block.
+    dense = build_model(GPTConfig(), 0).num_params()
+    total, active, mlp, router = moe_counts(moe_experts=8, moe_top_k=2)
+    layers = GPTConfig().n_layer
+    assert total == dense + layers * (7 * mlp + router) and active == dense + layers * (mlp + router)
+    assert total - active == layers * (8 - 2) * mlp and total < 8 * dense and active < 2 * dense
+    # moe-more-experts: 16 experts top-2 adds parameters (8 MLPs a block) and only the router's 8 outputs of
+    # compute; top-4 adds 2 MLPs a block of compute and no parameter.
+    total16, active16, _, router16 = moe_counts(moe_experts=16, moe_top_k=2)
+    total_k4, active_k4, _, _ = moe_counts(moe_experts=8, moe_top_k=4)
+    assert total16 - total == layers * (8 * mlp + router16 - router) and router16 - router == GPTConfig().n_embd * 8
+    assert active16 - active == layers * (router16 - router)
+    assert total_k4 == total and active_k4 - active == layers * 2 * mlp
+    assert (16 - 2) * mlp == 2 * ((8 - 2) * mlp) + 2 * mlp  # 16 experts: the experts' parameters double
+    # moe-balance-collapse: the default coefficient is 0.01; uniform routing reads E·E·(1/E)² = 1; every token to
+    # expert 0 with mean probability 0.7 reads 4 × 1 × 0.7 = 2.8; with probability 1 it reads E = 4.
+    assert GPTConfig().moe_aux == 0.01 and 4 * 4 * (1 / 4) ** 2 == 1
+    uniform = balance_loss(torch.full((1, 4, 4), 0.25), torch.arange(4).view(1, 4, 1))
+    collapsed = balance_loss(torch.tensor([0.7, 0.1, 0.1, 0.1]).expand(1, 4, 4), torch.zeros(1, 4, 1, dtype=torch.long))
+    onehot = balance_loss(torch.tensor([1.0, 0, 0, 0]).expand(1, 4, 4), torch.zeros(1, 4, 1, dtype=torch.long))
+    assert float(uniform) == pytest.approx(1) and float(collapsed) == pytest.approx(4 * 1 * 0.7) == 2.8
+    assert float(onehot) == pytest.approx(4)
+    # moe-balance-per-sequence: 8 sequences, dp=4 ranks of 2; per sequence, any cut gives the one-GPU value; taken
+    # over each rank's batch and averaged over ranks, it does not.
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(8, 16, 4, generator=gen) * 2, -1)
+    chosen = probs.topk(2, dim=-1).indices
+    assert 8 // 4 == 2
+    per_rank = [balance_loss(p, c) for p, c in zip(probs.chunk(4), chosen.chunk(4))]
+    assert float(balance_loss(probs, chosen)) == pytest.approx(float(sum(per_rank) / 4))
+
+    def batch_level(p, c):  # fᵢ and Pᵢ over the whole batch: one long "sequence"
+        return float(balance_loss(p.reshape(1, -1, 4), c.reshape(1, -1, 2)))
+
+    ranks_mean = sum(batch_level(p, c) for p, c in zip(probs.chunk(4), chosen.chunk(4))) / 4
+    assert abs(batch_level(probs, chosen) - ranks_mean) > 1e-3
+    assert abs(batch_level(probs, chosen) - 4 * ranks_mean) > 1e-3
+    assert abs(batch_level(probs, chosen) - batch_level(probs[:2], chosen[:2])) > 1e-3
+    # moe-capacity-drop: 16 tokens, 7 to expert 0 and 3 to each other one; capacity ceil(1.0 × 16 × 1 / 4) = 4:
+    # expert 0 keeps its first 4, drops its last 3, whose MoE output is zero (the residual carries them on).
+    moe = MoE(GPTConfig(n_embd=8, moe_experts=4, moe_top_k=1, moe_capacity=1.0))
+    chosen = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 0, 0, 0]).view(16, 1)
+    assert torch.bincount(chosen.flatten()).tolist() == [7, 3, 3, 3] and 7 + 3 * 3 == 16
+    assert math.ceil(1.0 * 16 * 1 / 4) == 4
+    keep = moe.within_capacity(chosen)
+    assert (~keep).flatten().nonzero().flatten().tolist() == [13, 14, 15]  # the last 3 of expert 0's 7
+    assert keep[chosen == 0].tolist() == [True] * 4 + [False] * 3 and keep[chosen != 0].all()
+    with torch.no_grad():
+        out = moe.dispatch(torch.randn(16, 8, generator=gen), chosen, torch.ones(16, 1), keep)
+    assert (out[13:] == 0).all() and (out[:13].abs().sum(-1) > 0).all()
+    # moe-capacity-size: 4 × 1024 = 4096 tokens, 8192 choices, 1024 each evenly; ceil(1.25 × 4096 × 2 / 8) = 1280;
+    # without top_k 640 (512 without the factor too); 25% headroom.
+    assert 4 * 1024 == 4096 and 4096 * 2 == 8192 and 8192 // 8 == 1024
+    assert math.ceil(1.25 * 4096 * 2 / 8) == 1280 and 1.25 * 4096 / 8 == 640 and 4096 // 8 == 512
+    assert 1280 / 1024 == 1.25
+    moe = MoE(GPTConfig(n_embd=8, moe_experts=8, moe_top_k=2, moe_capacity=1.25))
+    hot = torch.stack([torch.zeros(4096, dtype=torch.long), torch.ones(4096, dtype=torch.long)], 1)
+    assert moe.within_capacity(hot).sum(0).tolist() == [1280, 1280]
+    # moe-ep-what-each-holds: ep=8 of dp=8, E/ep = 1 whole expert per GPU.
+    TrainConfig(dp=8, ep=8, moe_experts=8, batch_size=8).validate()
+    assert 8 // 8 == 1
+    # moe-ep-degree: ep must divide dp=16 and E=12: 1, 2, 4; ep=4 gives 3 experts per GPU, each on 4 GPUs.
+    accepted = []
+    for ep in range(1, 17):
+        try:
+            TrainConfig(dp=16, ep=ep, moe_experts=12, batch_size=16).validate()
+            accepted.append(ep)
+        except ConfigError:
+            pass
+    assert accepted == [1, 2, 4] and 12 // 4 == 3 and 16 // 4 == 4
+    assert 16 % 12 and 12 % 8 and 16 - 12 == 4 and 16 // 8 == 2 and 12 / 16 == 3 / 4
+    # moe-ep-grad-divide: dp=8, ep=4: 2 replicas; their sum divided by dp = 8 is the one-GPU gradient, by 2 it is
+    # ep = 4 times too big.
+    assert 8 // 4 == 2
+    single, right = ep_expert_grad(8, 4, divide_by=8)
+    _, wrong = ep_expert_grad(8, 4, divide_by=2)
+    assert torch.allclose(right, single) and torch.allclose(wrong, 4 * single)
+    # moe-ep-alltoall-bytes: 4 × 4096 × 2 = 32,768 rows × 4096 bf16 values = 256 MiB; 3/4 of it leaves: 192 MiB;
+    # dispatch + combine 384 MiB; without the local quarter 512; with the backward 768.
+    rows = 4 * 4096 * 2
+    payload = rows * 4096 * torch.empty(0, dtype=torch.bfloat16).element_size() / 2**20
+    sent = RING_FACTOR["all_to_all"](4) * payload
+    assert rows == 32_768 and payload == 256 and sent == 192 and 2 * sent == 384
+    assert 2 * payload == 512 and 2 * (2 * sent) == 768
+    # moe-counts-first: 8 int64 counts = 64 bytes per rank, 48 of them leave on ep=4.
+    counts = torch.bincount(torch.tensor([0, 5]), minlength=8)
+    assert counts.numel() * counts.element_size() == 64 and RING_FACTOR["all_to_all"](4) * 64 == 48
+    # moe-ep-step-comm: dp=8, ep=4: each expert on dp/ep = 2 ranks; the router over all 8.
+    TrainConfig(dp=8, ep=4, moe_experts=8, batch_size=8).validate()
+    assert 8 // 4 == 2
+    # moe-hot-expert-remedies: capacity 1.25 caps a hot expert at 1.25× the even share.
+    moe = MoE(GPTConfig(n_embd=8, moe_experts=8, moe_top_k=1, moe_capacity=1.25))
+    kept = int(moe.within_capacity(torch.zeros(64, 1, dtype=torch.long)).sum())
+    assert kept == math.ceil(1.25 * 64 * 1 / 8) == 10 and kept / (64 // 8) == 1.25
+    # moe-straggler: ep=8 with one expert per GPU; the other 7 ranks wait.  moe-pytorch-support: 64 experts over
+    # 8-GPU nodes, 8 each; torch.nn has no mixture-of-experts layer.
+    assert 64 // 8 == 8 and 8 - 1 == 7
+    assert not any("expert" in name.lower() or name.lower() == "moe" for name in dir(torch.nn))
+
+
+def test_moe_router_weights_are_renormalised():
+    """moe-router-weights: probabilities 0.5, 0.3, 0.1, 0.1, top-2: the outputs weighted 0.625 and 0.375."""
+    p = torch.tensor([0.5, 0.3, 0.1, 0.1])
+    moe = MoE(GPTConfig(n_embd=4, moe_experts=4, moe_top_k=2))
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[:, 0] = p.log()  # the token e₀ gets the logits log p: its softmax is p
+    seen = {}
+
+    def capture(x, chosen, weights, keep):
+        seen.update(chosen=chosen, weights=weights)
+        return torch.zeros_like(x)
+
+    moe.dispatch = capture
+    moe(torch.eye(4)[0].view(1, 1, 4))
+    assert seen["chosen"].tolist() == [[0, 1]]
+    assert torch.allclose(seen["weights"], torch.tensor([[0.625, 0.375]]))
+    assert 0.5 + 0.3 == pytest.approx(0.8) and 1 - 0.8 == pytest.approx(0.2)  # 0.2 went to experts that did not run
+    assert 0.5 / 0.8 == pytest.approx(0.625) and 0.3 / 0.8 == pytest.approx(0.375)
+    assert torch.allclose(torch.softmax(p.log()[:2], -1), torch.tensor([0.625, 0.375]))  # softmax over the chosen
+
+
+def test_moe_ep_groups_stay_inside_a_node(monkeypatch):
+    """moe-ep-placement: dp=64, ep=8 on 8-GPU nodes: each ep group is one node's 8 GPUs, each expert's 64/8 = 8
+    replicas lie one per node (the course numbers ranks node by node and groups adjacent ones)."""
+    mesh = SimpleNamespace(mesh=torch.arange(64).view(1, 64, 1, 1))
+    monkeypatch.setattr(expert_parallel.dist, "new_group", lambda members: tuple(members))
+    for rank in range(64):
+        monkeypatch.setattr(expert_parallel.dist, "get_rank", lambda group=None, r=rank: r)
+        ep_group, edp_group = expert_parallel.expert_groups(mesh, 8)
+        assert rank in ep_group and rank in edp_group
+        assert len(ep_group) == 8 and {r // 8 for r in ep_group} == {rank // 8}
+        assert len(edp_group) == 64 // 8 == 8 and {r // 8 for r in edp_group} == set(range(8))
+
+
+def test_moe_questions_are_not_gameable():
+    """The MoE questions: scenarios, choices of like length, the right one rarely the longest, letters spread."""
+    qs = [q for q in BANK if q["id"].startswith("moe-")]
+    assert len(qs) >= 14 and all(q["notebook"] == MOE_NOTEBOOK for q in qs)
+    assert quiz.load_bank(notebook=MOE_NOTEBOOK) == qs
+    kinds = Counter(q["kind"] for q in qs)
+    assert kinds["numeric"] == 0 and kinds["multiple"] <= 2
+    assert Counter(q["topic"] for q in qs).most_common(1)[0][0] == "parallelism"
+    assert sum(len(q["question"]) > 150 for q in qs) >= 0.8 * len(qs)
+    for q in qs:
+        lengths = [len(c) for c in q["choices"]]
+        assert min(lengths) >= 0.8 * max(lengths), f"{q['id']}: choices of very different lengths"
+        if q["kind"] == "multiple":
+            assert sorted(q["answer"]) != list(range(len(q["answer"]))), f"{q['id']}: the right ones lead"
+            assert len(q["answer"]) < len(q["choices"])
+    singles = [q for q in qs if q["kind"] == "single"]
+
+    def strictly(q, pick) -> bool:
+        lengths = [len(c) for c in q["choices"]]
+        return all(pick(lengths[q["answer"]], n) for i, n in enumerate(lengths) if i != q["answer"])
+
+    longest = sum(strictly(q, lambda right, other: right > other) for q in singles)
+    shortest = sum(strictly(q, lambda right, other: right < other) for q in singles)
+    assert longest <= 0.25 * len(singles), f"the right choice is the longest in {longest} of {len(singles)}"
+    assert shortest <= 0.25 * len(singles), f"the right choice is the shortest in {shortest} of {len(singles)}"
+    positions = Counter(q["answer"] for q in singles)
+    assert len(positions) >= 3 and max(positions.values()) <= 0.4 * len(singles), positions
