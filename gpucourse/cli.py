@@ -333,8 +333,11 @@ def cmd_plan(args) -> int:
 
     if args.json:
         _check_writable(args.json, "--json")
+    if args.params is None and args.shape is None:
+        raise UsageError("plan needs --params (a parameter count) or --shape (one of "
+                         f"{', '.join(plan.SHAPES)}).")
     result = plan.plan(args.params, args.gpus, args.gpu, args.gpus_per_node, args.batch_size, args.seq_len,
-                       args.precision, args.efficiency)
+                       args.precision, args.efficiency, shape=args.shape)
     print(plan.format_plan(result, top=args.top))
     _write_json(args.json, result)
     return 0
@@ -593,7 +596,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_memory)
 
     p = sub.add_parser("plan", help="rank the layouts of a large model on many GPUs, on paper")
-    p.add_argument("--params", type=float, required=True, help="parameters, e.g. 70e9")
+    p.add_argument("--params", type=float, help="parameters, e.g. 70e9 (a plausible dense GPT shape is assumed)")
+    p.add_argument("--shape", help="a named model shape instead: llama2-70b, or mixtral-8x7b (a mixture of experts)")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     p.add_argument("--gpu", default="h100", help="GPU kind from the table (gpucourse.gpus), e.g. h100, a100")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per server (tensor parallelism stays inside)")

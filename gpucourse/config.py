@@ -148,7 +148,7 @@ class TrainConfig:
                               f"{self.grad_accum} × {self.dp} = {per_step}.")
         if self.cp > 1 or self.zigzag:
             self._check_context_parallel(mc)
-        self._check_experts(mc)
+        self._check_experts(mc, runnable)
         if self.sequence_parallel:
             if self.tp == 1:
                 raise ConfigError("sequence_parallel cuts tensor parallelism's replicated activations along the "
@@ -234,7 +234,7 @@ class TrainConfig:
                               f"impl={self.impl!r}: PyTorch's context_parallel shards CUDA's attention kernels "
                               f"only (on CPU its SDPA has no sharding strategy).")
 
-    def _check_experts(self, mc) -> None:
+    def _check_experts(self, mc, runnable: bool) -> None:
         given = [f"moe_{n}" for n in ("top_k", "every", "capacity", "aux") if getattr(self, f"moe_{n}") is not None]
         if not isinstance(self.moe_experts, int) or isinstance(self.moe_experts, bool) or self.moe_experts < 0:
             raise ConfigError(f"moe_experts={self.moe_experts!r} must be a whole number of experts (0: none).")
@@ -264,6 +264,10 @@ class TrainConfig:
                                   f"the data-parallel ranks.")
             if E % self.ep:
                 raise ConfigError(f"ep={self.ep} must divide moe_experts={E}: each rank holds E/ep experts.")
+        if runnable:
+            self._check_experts_supported()
+
+    def _check_experts_supported(self) -> None:
         if self.cp > 1:
             raise ConfigError("a mixture of experts with cp > 1 is not written: its balance loss is computed over "
                               "whole sequences, which context parallelism cuts.")

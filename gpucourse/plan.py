@@ -52,7 +52,7 @@ import math
 
 from .config import ConfigError, TrainConfig
 from .gpus import get_gpu
-from .memory import estimate
+from .memory import active_params, estimate, expert_params
 from .memory import num_params as num_params_of
 from .readable import human_bytes
 
@@ -68,6 +68,18 @@ def shape_for_params(num_params: float) -> dict:
 
 LONG_SEQUENCE = 16384  # from here on the planner also tries sequence and context parallelism
 
+# Named shapes to plan (``gpucourse plan --shape NAME``). Each is the real model's depth, width, heads and
+# vocabulary with this course's block (a 4×-wide GELU MLP, or E of them with a router), so its counts are
+# near, not equal to, the original's.
+SHAPES = {
+    "llama2-70b": {"n_layer": 80, "n_embd": 8192, "n_head": 64, "vocab_size": 32000},
+    # Mixtral 8x7B (Jiang et al., 2024): 32 blocks of 4096, 32 heads, 8 experts, top-2. Its experts are
+    # SwiGLU MLPs of width 14336 (47 B parameters, 13 B active); this course's 4×-wide GELU experts make it
+    # 36.8 B and 11.0 B.
+    "mixtral-8x7b": {"n_layer": 32, "n_embd": 4096, "n_head": 32, "vocab_size": 32000, "moe_experts": 8,
+                     "moe_top_k": 2},
+}
+
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -76,6 +88,7 @@ def _divisors(n: int) -> list[int]:
 def candidates(shape: dict, gpus: int, gpus_per_node: int, batch_size: int, seq_len: int, precision: str):
     """Every layout worth sizing, as TrainConfigs (not necessarily runnable in this build)."""
     long = seq_len >= LONG_SEQUENCE
+    experts = shape.get("moe_experts", 0)
     for tp in _divisors(gpus):
         if tp > gpus_per_node or shape["n_head"] % tp:
             continue
@@ -89,15 +102,18 @@ def candidates(shape: dict, gpus: int, gpus_per_node: int, batch_size: int, seq_
                 # One sequence per microbatch on a pipeline keeps its bubble small.
                 micro = batch_size // dp if pp > 1 else 1
                 grad_accum = 1 if pp > 1 else batch_size // dp
-                for zero in (0, 1, 2, 3):
-                    if zero and dp * cp == 1:
+                # A mixture of experts: expert parallelism over ep of the dp ranks (ep divides the experts).
+                eps = [ep for ep in _divisors(dp) if experts % ep == 0] if experts else [1]
+                for ep, zero in ((ep, zero) for ep in eps for zero in (0, 1, 2, 3)):
+                    if zero and dp * cp == 1 or zero == 3 and ep > 1:
                         continue
                     for ckpt in (False, True):
                         yield TrainConfig(model="gpt2-small", overrides={**shape, "block_size": seq_len}, dp=dp,
-                                          tp=tp, pp=pp, cp=cp, zigzag=cp > 1, sequence_parallel=long and tp > 1,
-                                          zero=zero, microbatches=micro, grad_accum=grad_accum, schedule="1f1b",
-                                          batch_size=batch_size, seq_len=seq_len, precision=precision,
-                                          master_weights=precision != "fp32", checkpoint_activations=ckpt)
+                                          tp=tp, pp=pp, cp=cp, ep=ep, zigzag=cp > 1,
+                                          sequence_parallel=long and tp > 1, zero=zero, microbatches=micro,
+                                          grad_accum=grad_accum, schedule="1f1b", batch_size=batch_size,
+                                          seq_len=seq_len, precision=precision, master_weights=precision != "fp32",
+                                          checkpoint_activations=ckpt)
 
 
 def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, efficiency: float) -> dict:
@@ -105,7 +121,8 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
     mc = cfg.model_config()
     tokens = cfg.batch_size * cfg.seq_len
     elem = 2 if cfg.precision != "fp32" else 4
-    flops = (8 if cfg.checkpoint_activations else 6) * num_params * tokens
+    # A mixture of experts computes with the parameters a token uses (active), not all of them.
+    flops = (8 if cfg.checkpoint_activations else 6) * (active_params(mc) if mc.moe_experts else num_params) * tokens
     compute = flops / (cfg.world_size * gpu.peak_flops(cfg.precision) * efficiency)
     m = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
     bubble = compute * (cfg.pp - 1) / m if cfg.pp > 1 else 0.0
@@ -124,17 +141,33 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
         link = intra if cfg.tp * cfg.cp <= gpus_per_node else inter
         block = 2 * micro_tokens / cfg.cp * mc.n_embd / cfg.tp * elem  # a rank's K and V of one microbatch
         cp_comm = (mc.n_layer / cfg.pp) * m * (3 * (cfg.cp - 1) + cfg.cp) * block / link
+    ep_comm = 0.0
+    if cfg.ep > 1:  # per MoE block and microbatch: dispatch and combine forward, both again backward
+        link = intra if cfg.tp * cfg.cp * cfg.ep <= gpus_per_node else inter
+        blocks = sum(mc.is_moe(i) for i in range(mc.n_layer)) / cfg.pp
+        rows = micro_tokens / cfg.cp * mc.moe_top_k * mc.n_embd * elem
+        ep_comm = blocks * m * 4 * (cfg.ep - 1) / cfg.ep * rows / link
     dp_comm = 0.0
     replicas = cfg.dp * cfg.cp  # the ranks that average the gradients
+    experts = _expert_params(mc) if cfg.ep > 1 else 0  # averaged over their dp/ep replicas instead
     if replicas > 1:
         link = intra if cfg.tp * replicas <= gpus_per_node else inter
-        grads = num_params / (cfg.tp * cfg.pp) * elem
+        grads = (num_params - experts) / (cfg.tp * cfg.pp) * elem
         dp_comm = (1.5 if cfg.zero == 3 else 1.0) * 2 * (replicas - 1) / replicas * grads / link
-    total = compute + bubble + tp_comm + pp_comm + cp_comm + dp_comm
+    if experts and cfg.dp > cfg.ep:
+        link = intra if cfg.tp * replicas <= gpus_per_node else inter
+        n = cfg.dp // cfg.ep
+        dp_comm += 2 * (n - 1) / n * experts / (cfg.tp * cfg.pp * cfg.ep) * elem / link
+    total = compute + bubble + tp_comm + pp_comm + cp_comm + ep_comm + dp_comm
     return {"step_s": total, "compute_s": compute, "bubble_s": bubble,
-            "communication_s": tp_comm + pp_comm + cp_comm + dp_comm,
-            "tp_comm_s": tp_comm, "pp_comm_s": pp_comm, "cp_comm_s": cp_comm, "dp_comm_s": dp_comm,
-            "tokens_per_s": tokens / total}
+            "communication_s": tp_comm + pp_comm + cp_comm + ep_comm + dp_comm,
+            "tp_comm_s": tp_comm, "pp_comm_s": pp_comm, "cp_comm_s": cp_comm, "ep_comm_s": ep_comm,
+            "dp_comm_s": dp_comm, "tokens_per_s": tokens / total}
+
+
+def _expert_params(mc) -> int:
+    """Every expert's parameters, over all MoE blocks."""
+    return sum(mc.is_moe(i) for i in range(mc.n_layer)) * mc.moe_experts * expert_params(mc)
 
 
 def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: int = 8, batch_size: int = 1024,
@@ -146,6 +179,10 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
     """
     if gpus < 1 or gpus_per_node < 1:
         raise ConfigError(f"gpus={gpus} and gpus_per_node={gpus_per_node} must be at least 1.")
+    if isinstance(shape, str):
+        if shape not in SHAPES:
+            raise ConfigError(f"shape {shape!r} is not one of {', '.join(SHAPES)}.")
+        shape = SHAPES[shape]
     if shape is None:
         if num_params is None or num_params < 1e5:
             raise ConfigError(f"params={num_params} is too small to plan; give at least 1e5 (or a shape).")
@@ -165,7 +202,8 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
         except ConfigError:
             continue
         n = mem["num_params"]
-        row = {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "cp": cfg.cp, "sp": cfg.sequence_parallel, "zero": cfg.zero,
+        row = {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "cp": cfg.cp, "ep": cfg.ep, "sp": cfg.sequence_parallel,
+               "zero": cfg.zero,
                "microbatches": cfg.microbatches,
                "grad_accum": cfg.grad_accum, "checkpoint_activations": cfg.checkpoint_activations,
                "memory": mem["max"], "memory_total": mem["max_total"],
@@ -176,7 +214,9 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
     model = TrainConfig(model="gpt2-small", overrides={**shape, "block_size": seq_len}).model_config()
     if num_params is None:
         num_params = num_params_of(model)
-    return {"params": num_params, "model_params": num_params_of(model), "shape": shape, "gpus": gpus, "gpu": dataclasses.asdict(spec), "gpus_per_node": gpus_per_node,
+    moe = {"active_params": active_params(model)} if model.moe_experts else {}
+    return {"params": num_params, "model_params": num_params_of(model), **moe, "shape": shape, "gpus": gpus,
+            "gpu": dataclasses.asdict(spec), "gpus_per_node": gpus_per_node,
             "batch_size": batch_size, "seq_len": seq_len, "precision": precision, "efficiency": efficiency,
             "layouts": rows}
 
@@ -186,16 +226,21 @@ def format_plan(result: dict, top: int = 10) -> str:
     fitting = [r for r in result["layouts"] if r["fits"]]
     gpu = result["gpu"]
     cp_head = f" {'cp':>3} {'sp':>3}" if result["seq_len"] >= LONG_SEQUENCE else ""  # long sequences: cp and sp too
-    lines = [f"{result['params'] / 1e9:.1f} B parameters (as {result['shape']['n_layer']} blocks of width "
-             f"{result['shape']['n_embd']}) on {result['gpus']} × {gpu['name']} ({gpu['memory_gb']:g} GB, "
+    ep_head = f" {'ep':>3}" if "active_params" in result else ""  # a mixture of experts: expert parallelism too
+    shape = result["shape"]
+    experts = (f", {shape['moe_experts']} experts top-{shape.get('moe_top_k', 2)}: "
+               f"{result['active_params'] / 1e9:.1f} B active per token" if ep_head else "")
+    lines = [f"{result['params'] / 1e9:.1f} B parameters (as {shape['n_layer']} blocks of width "
+             f"{shape['n_embd']}{experts}) on {result['gpus']} × {gpu['name']} ({gpu['memory_gb']:g} GB, "
              f"{result['gpus_per_node']} per node), batch {result['batch_size']} × {result['seq_len']} tokens, "
              f"{result['precision']} with fp32 master weights",
              f"{len(fitting)} of {len(result['layouts'])} layouts fit; the fastest, by the timing model:",
-             f"  {'dp':>4} {'tp':>3} {'pp':>3}{cp_head} {'zero':>4} {'ckpt':>4} {'memory/GPU':>11} {'step':>8} "
+             f"  {'dp':>4}{ep_head} {'tp':>3} {'pp':>3}{cp_head} {'zero':>4} {'ckpt':>4} {'memory/GPU':>11} {'step':>8} "
              f"{'compute':>8} {'comm':>8} {'bubble':>8} {'tokens/s':>10}"]
     for r in fitting[:top]:
         cp = f" {r.get('cp', 1):>3} {'yes' if r.get('sp') else 'no':>3}" if cp_head else ""
-        lines.append(f"  {r['dp']:>4} {r['tp']:>3} {r['pp']:>3}{cp} {r['zero']:>4} "
+        ep = f" {r.get('ep', 1):>3}" if ep_head else ""
+        lines.append(f"  {r['dp']:>4}{ep} {r['tp']:>3} {r['pp']:>3}{cp} {r['zero']:>4} "
                      f"{'yes' if r['checkpoint_activations'] else 'no':>4} {human_bytes(r['memory_total']):>11} "
                      f"{r['step_s']:>7.2f}s {r['compute_s']:>7.2f}s {r['communication_s']:>7.2f}s "
                      f"{r['bubble_s']:>7.2f}s {r['tokens_per_s']:>10,.0f}")

@@ -178,3 +178,30 @@ def test_korthikanti_per_layer_formulas():
     assert layer(s, b, h, a, t, sp=True) == pytest.approx(layer(s, b, h, a) / t), "SP: everything divided by tp"
     assert layer(s, b, h, a, t, sp=True, recompute="selective") == pytest.approx(sbh * 34 / t)
     assert layer(s, b, h, a, t, recompute="full") == 2 * sbh and layer(s, b, h, a, t, True, "full") == 2 * sbh / t
+
+
+def test_plan_a_mixtral_like_mixture_of_experts_on_64_gpus():
+    from gpucourse.memory import active_params
+    from gpucourse.plan import SHAPES
+
+    result = plan(None, gpus=64, shape="mixtral-8x7b")
+    model = TrainConfig(model="gpt2-small", overrides={**SHAPES["mixtral-8x7b"], "block_size": 4096}).model_config()
+    # The comment in plan.SHAPES: 36.8 B parameters, 11.0 B active per token (top-2 of 8 experts).
+    assert round(result["model_params"] / 1e9, 1) == 36.8 and round(result["active_params"] / 1e9, 1) == 11.0
+    assert result["active_params"] == active_params(model)
+    rows = result["layouts"]
+    assert {r["ep"] for r in rows} == {1, 2, 4, 8}
+    for r in rows:
+        assert r["dp"] * r["tp"] * r["pp"] == 64 and r["dp"] % r["ep"] == 0
+        assert (r["ep_comm_s"] > 0) == (r["ep"] > 1)
+    for r in [r for r in rows if r["ep"] > 1][:3]:
+        assert estimate(TrainConfig.from_dict(r["config"]))["max"] == r["memory"]
+    # Expert parallelism shrinks the experts' weights per rank: the same layout, ep 1 against 8.
+    same = {r["ep"]: r for r in rows if (r["dp"], r["tp"], r["pp"], r["zero"], r["checkpoint_activations"])
+            == (64, 1, 1, 0, False)}
+    assert same[8]["memory"]["weights"] < same[1]["memory"]["weights"] / 3
+    # Compute follows the active parameters, not all of them.
+    dense_flops = 6 * result["model_params"] * 1024 * 4096
+    assert same[1]["compute_s"] < dense_flops / (64 * 0.5 * 989e12) / 3
+    with pytest.raises(ValueError, match="mixtral-8x7b"):
+        plan(None, gpus=64, shape="mixtral")
