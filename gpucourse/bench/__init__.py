@@ -315,6 +315,45 @@ def cp_ring_vs_allgather(reps: int, steps: int) -> Reading:
                    f"ring {med['ring'] * 1e3:.1f} ms, all-gather {med['allgather'] * 1e3:.1f} ms per step")
 
 
+@figure("moe_a2a_bytes_vs_formula", target="== 1.0", quick=dict(), full=dict())
+def moe_a2a_bytes_vs_formula() -> Reading:
+    """Expert parallelism's all-to-all bytes per step, measured over ``memory.all_to_all_bytes``, ep = 2."""
+    from ..memory import all_to_all_bytes
+
+    cfg = _bench_config(impl="scratch", moe_experts=4, ep=RANKS, steps=3)
+    result = run(cfg, timeout=RUN_TIMEOUT_S, quiet=True)
+    sent = [sum(c["bytes"] for c in result.comm if c["op"] == "all_to_all" and c["step"] == s)
+            for s in range(cfg.steps)]
+    want = all_to_all_bytes(cfg)
+    worst = max(sent, key=lambda b: abs(b - want))  # the step furthest from the formula
+    return Reading(ratio(worst, want),
+                   {"per_step": sent, "formula": want},
+                   f"{human_bytes(sent[0])} per step measured, {human_bytes(want)} by the formula")
+
+
+@figure("ep_vs_replicated_moe", quick=dict(reps=2, steps=10), full=dict(reps=3, steps=30))
+def ep_vs_replicated_moe(reps: int, steps: int) -> Reading:
+    """Step time of expert parallelism (ep = 2, 8 experts) over the same mixture replicated on both ranks."""
+    base = dict(impl="scratch", moe_experts=8, steps=steps)
+    detail, med = compare_runs({"ep": _bench_config(ep=RANKS, **base), "replicated": _bench_config(**base)}, reps)
+    return Reading(ratio(med["ep"], med["replicated"]), detail,
+                   f"ep {med['ep'] * 1e3:.1f} ms, replicated {med['replicated'] * 1e3:.1f} ms per step")
+
+
+@figure("moe_imbalance_aux_vs_none", quick=dict(steps=100), full=dict(steps=200))
+def moe_imbalance_aux_vs_none(steps: int) -> Reading:
+    """Most over mean tokens per expert over the last 20 steps, with the balance loss (0.1) over without."""
+    loads = {}
+    for name, aux in (("aux", 0.1), ("none", 0.0)):
+        result = run(_bench_config(impl="scratch", dp=1, moe_experts=4, moe_aux=aux, steps=steps),
+                     timeout=RUN_TIMEOUT_S, quiet=True)
+        last = result.extras["moe"]["tokens_per_expert"][-20:]
+        loads[name] = statistics.mean(max(layer) / statistics.mean(layer) for step in last for layer in step)
+    return Reading(ratio(loads["aux"], loads["none"]), loads,
+                   f"max/mean tokens per expert {loads['aux']:.2f} with the balance loss, {loads['none']:.2f} "
+                   f"without")
+
+
 @figure("memory_estimate_vs_measured", target="== 1.0", quick=dict(), full=dict())
 def memory_estimate_vs_measured() -> Reading:
     """Measured weights, gradients and optimizer bytes over ``gpucourse memory``'s estimate, several layouts."""
