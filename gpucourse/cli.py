@@ -433,7 +433,7 @@ def cmd_tour(args) -> int:
     plan_device(args.device, 1)  # a bad --device is refused before anything runs
     from . import tour
 
-    return tour.main(quick=args.quick, out=args.out, device=args.device)
+    return tour.main(quick=args.quick, out=args.out, device=args.device, only=args.only)
 
 
 def cmd_grade(args) -> int:
@@ -585,6 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="FILE", default="gpucourse-tour.html",
                    help="the HTML report (default: gpucourse-tour.html)")
     p.add_argument("--quick", action="store_true", help="tiny runs: 3 steps of 32 tokens (a few minutes on 2 cores)")
+    p.add_argument("--only", action="append", metavar="LAYOUT",
+                   help="only this layout, as 'layout impl' from 'gpucourse train --list' (repeat for more)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.set_defaults(func=cmd_tour)
 

@@ -60,6 +60,12 @@ def relative_difference(losses, baseline) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(losses, baseline))
 
 
+def _model(cfg: TrainConfig) -> tuple:
+    """What makes two layouts the same model (and so the same single-device run)."""
+    mc = cfg.model_config()
+    return mc.moe_experts, mc.moe_top_k, mc.moe_every
+
+
 def _check(row: TourRow) -> bool:
     """Refuse, before starting anything, what this build or this machine cannot run; the sentence says why."""
     try:
@@ -144,21 +150,24 @@ def run_tour(quick: bool = True, only=None, device: str = "auto", stream=sys.std
     """
     preimport()  # what every rank's first AdamW imports, once, before ranks are forked
     rows = layouts(QUICK if quick else FULL, device)
-    base = next(r for r in rows if r.layout == "single")
+    # One single-device run per model: the dense one, and the mixture of experts' (each runs before its layouts).
+    bases = {_model(r.config): r for r in rows if r.config.world_size == 1}
     if only is not None:
         names = set(only)
         unknown = names - {r.name for r in rows}
         if unknown:
             raise ConfigError(f"{', '.join(sorted(unknown))} is not a layout of this build; see gpucourse train --list.")
-        rows = [r for r in rows if r is base or r.name in names]
-    baseline = None
+        needed = {id(bases[_model(r.config)]) for r in rows if r.name in names}
+        rows = [r for r in rows if id(r) in needed or r.name in names]
+    baselines = {}
     for i, row in enumerate(rows, start=1):
-        if row is not base and baseline is None:
+        base = bases[_model(row.config)]
+        if row is not base and baselines.get(id(base)) is None:
             row.status, row.note = "failed", "not run: the single-device run it is checked against failed"
         elif _check(row):
-            _train(row, baseline, RUN_TIMEOUT_S[quick])
+            _train(row, baselines.get(id(base)), RUN_TIMEOUT_S[quick])
             if row is base:
-                baseline = row.result
+                baselines[id(base)] = row.result
         stream.write(f"tour {i:>2}/{len(rows)}  {row.name:<18} {row.status:<8} {row.seconds:5.1f} s"
                      + (f"  ({row.note.splitlines()[0][:90]})" if row.note else "") + "\n")
         stream.flush()

@@ -95,17 +95,27 @@ def test_an_unknown_layout_is_refused():
         tour.run_tour(only=["dp magic"])
 
 
+# One layout of each kind the tour draws from (a pipeline, ZeRO, a mixture of experts and its own baseline):
+# every layout of the list is trained and compared with one device by the equality tests already.
+EACH_KIND = ["dp scratch", "pp scratch", "zero2 scratch", "dp×tp torch", "cp scratch", "dp×ep scratch"]
+
+
 @pytest.mark.timeout(600)
 def test_tour_quick_command(tmp_path):
-    """The real ``gpucourse tour --quick``: every layout. About 25 s on a quiet 2-core machine."""
+    """The real ``gpucourse tour --quick`` on some layouts of each kind, each against its own model's baseline."""
     out = tmp_path / "tour.html"
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "gpucourse", "tour", "--quick", "--out", str(out)],
+    only = [arg for name in EACH_KIND for arg in ("--only", name)]
+    proc = subprocess.run([sys.executable, "-m", "gpucourse", "tour", "--quick", *only, "--out", str(out)],
                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=580)
     took = time.perf_counter() - start
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "every layout that ran matches the single-device run" in proc.stdout
-    assert len(re.findall(r"\s ok$", proc.stdout, re.M)) >= 17
+    # Each, and the two single-device runs they are compared with (dense, and the mixture of experts).
+    progress = re.findall(r"^tour +\d+/\d+ +(\S+ \S+) +(\S+)", proc.stderr, re.M)
+    assert {name for name, _ in progress} == {*EACH_KIND, "single scratch", "single+moe scratch"}
+    assert all(status == "ok" for _, status in progress), progress
+    assert re.search(r"^single MoE 4×top2 .* ok$", proc.stdout, re.M)
     _check_report(out)
     print(f"tour --quick took {took:.0f} s")
 

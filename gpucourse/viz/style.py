@@ -108,6 +108,9 @@ def layout_label(config) -> str:
         parts.append(f"{cfg.schedule} m={cfg.microbatches}")
     if cfg.bucket_mb:
         parts.append(f"buckets {cfg.bucket_mb:g} MB")
+    mc = cfg.model_config()
+    if mc.moe_experts:
+        parts.append(f"MoE {mc.moe_experts}×top{mc.moe_top_k}")
     return " ".join(parts)
 
 
