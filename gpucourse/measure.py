@@ -373,13 +373,13 @@ def merge(config: dict, rank_outputs: list[dict], device: str, backend: str) -> 
 def _merge_moe(config: dict, rank_outputs: list[dict]) -> dict:
     """Each rank's router counts as the whole batch's: ``{"moe": {"layers", "tokens_per_expert", "dropped", "aux"}}``.
 
-    Per MoE block (by name) and step: token choices per expert and dropped choices
-    summed over the ranks that routed different tokens (tensor-parallel ranks route
+    Per MoE block (by name) and step: token choices per expert (also each rank's own,
+    ``tokens_by_rank``) and dropped choices summed over the ranks that routed different tokens (tensor-parallel ranks route
     the same ones: one of them counts), the balance loss averaged over them.
     """
     tp = config.get("tp", 1)
     seen = {}  # layer name -> list of that layer's per-rank {"tokens", "dropped", "aux"} over steps
-    for o in rank_outputs:
+    for o in sorted(rank_outputs, key=lambda o: o["rank"]):
         m = o.get("extras", {}).get("moe")
         if not m or o["rank"] % tp:
             continue
@@ -394,5 +394,7 @@ def _merge_moe(config: dict, rank_outputs: list[dict]) -> dict:
         return [sum(r[s][j][e] for r in seen[name]) for e in range(len(seen[name][0][s][j]))]
     return {"moe": {"layers": names,
                     "tokens_per_expert": [[total(n, s, 0) for n in names] for s in range(steps)],
+                    # Each routing rank's own counts (in rank order): who sent how many rows to which expert.
+                    "tokens_by_rank": [[[r[s][0] for r in seen[n]] for n in names] for s in range(steps)],
                     "dropped": [[sum(r[s][1] for r in seen[n]) for n in names] for s in range(steps)],
                     "aux": [[sum(r[s][2] for r in seen[n]) / len(seen[n]) for n in names] for s in range(steps)]}}

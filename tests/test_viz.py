@@ -442,3 +442,21 @@ def test_ring_animation_follows_the_blocks_of_a_real_ring_run():
     assert {t.type for t in fig.data} <= DRAWN_TYPES
     with pytest.raises(ValueError, match="cp_algo='ring'"):
         viz.ring(run(TrainConfig(cp=2, cp_algo="allgather", **QUICK), timeout=120, quiet=True))
+
+
+def test_expert_figures_draw_a_real_runs_router_counts():
+    result = run(TrainConfig(dp=2, ep=2, moe_experts=4, moe_every=2, **QUICK), timeout=120, quiet=True)
+    moe = result.extras["moe"]
+    fig = viz.all_to_all(result)
+    rows, counts = fig.layout.meta["rows"], fig.layout.meta["counts"]
+    # Rank i sends rank j the token choices for j's experts (2 each): every choice goes somewhere, once.
+    assert rows == [[sum(counts[i][2 * j:2 * j + 2]) for j in range(2)] for i in range(2)]
+    assert sum(map(sum, rows)) == sum(moe["tokens_per_expert"][-1][0]) == 8 * 32 * 2  # batch × seq × top-2
+    assert [f.name for f in fig.frames] == ["route", "counts", "dispatch", "compute", "combine"]
+    load = viz.expert_load(result)
+    want = [[max(c) / (sum(c) / len(c)) for c in step] for step in moe["tokens_per_expert"]]
+    assert load.layout.meta["imbalance"] == want and len(moe["layers"]) == 2  # blocks 1 and 3
+    with pytest.raises(ValueError, match="ep > 1"):
+        viz.all_to_all(run(TrainConfig(moe_experts=4, **QUICK), timeout=120, quiet=True))
+    with pytest.raises(ValueError, match="no mixture of experts"):
+        viz.expert_load(run(TrainConfig(**QUICK), timeout=120, quiet=True))

@@ -7,6 +7,7 @@
     viz.compare([single, dp, tp])                          # loss curves and their largest difference
     viz.memory(r, predicted=estimate)                      # stacked bytes per rank, measured beside predicted
     viz.collective("all_reduce", world_size=4)             # the ring algorithm, step by step
+    viz.expert_load(r); viz.all_to_all(r)                  # a mixture of experts: the router, the dispatch
     viz.scaling(results)                                   # throughput and efficiency against world size
     viz.bandwidth(rows)                                    # bus bandwidth against message size
 
@@ -18,10 +19,12 @@ keeps its colour in every figure. plotly is imported only when a figure is drawn
 """
 
 from .collectives import CollectiveSimulation, bandwidth, collective, simulate_collective
+from .experts import all_to_all, expert_load
 from .gantt import rank_activity, ring, schedule, timeline
 from .live import LiveView, final_figure, watch
 from .runs import compare, memory, scaling
 from .style import PALETTE
 
-__all__ = ["PALETTE", "CollectiveSimulation", "LiveView", "bandwidth", "collective", "compare", "final_figure",
-           "memory", "rank_activity", "ring", "scaling", "schedule", "simulate_collective", "timeline", "watch"]
+__all__ = ["PALETTE", "CollectiveSimulation", "LiveView", "all_to_all", "bandwidth", "collective", "compare",
+           "expert_load", "final_figure", "memory", "rank_activity", "ring", "scaling", "schedule",
+           "simulate_collective", "timeline", "watch"]
