@@ -374,7 +374,7 @@ def format_estimate(est: dict) -> str:
         m = est["moe"]
         lines.append(f"  mixture of {m['experts']} experts, top-{m['top_k']}, in {m['moe_blocks']} blocks: "
                      f"{m['total_params'] / 1e6:,.1f} M parameters in all, {m['active_params'] / 1e6:,.1f} M used "
-                     f"per token; each rank holds {m['experts_per_rank']} experts per block, "
+                     f"per token; each rank holds {m['experts_per_rank']} expert{'s' * (m['experts_per_rank'] > 1)} per block, "
                      f"{m['expert_params_per_rank'] / 1e6:,.2f} M expert parameters "
                      f"({m['expert_params_replicated'] / 1e6:,.2f} M without expert parallelism)")
         if m["all_to_all_bytes_per_step"]:
