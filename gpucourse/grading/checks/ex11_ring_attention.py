@@ -209,35 +209,6 @@ def ring_two(ctx):
     _forward(ctx, 3, causal=True, zigzag=False, key="causal")
 
 
-@EXERCISE.check("causal, plain and zig-zag split (3 ranks)", points=2, world_size=3, hint=(
-    "The mask comes from positions, never from rank numbers: with the zig-zag split a rank holds an early "
-    "chunk and a late one, so a block can be half hidden, and some queries see none of it (block_attention "
-    "gives them lse -inf, which the merge must leave alone). After s hops a rank holds rank − s's block "
-    "(modulo n): mask it with positions[(rank − s) % n]."))
-def ring_three(ctx):
-    _forward(ctx, 4, causal=True, zigzag=True, key="zigzag")
-    _forward(ctx, 2, causal=True, zigzag=False, key="plain")
-
-
-@EXERCISE.check("K and V go round the ring: n − 1 hops to rank + 1 (4 ranks)", points=1, world_size=4, hint=(
-    "Each rank sends exactly the blocks it holds, K and V, to rank + 1 only, n − 1 times: (n − 1)/n of the "
-    "sequence's K and V in all, the same bytes as an all-gather, in n − 1 steps a computation can hide. "
-    "Sending your own block to every rank, or sending to rank − 1, is not a ring."))
-def ring_traffic(ctx):
-    n = ctx.world_size
-    block = B * H * 4 * D * 4  # a (B, H, t=4, D) float32 block
-    for o in _forward(ctx, 4, causal=True, zigzag=True, key="traffic"):
-        sends = [c for c in o.comm if c["op"] == "send"]
-        sizes = sorted(c["bytes"] for c in sends)
-        if sizes != [block] * (2 * (n - 1)):
-            raise Fail(f"rank {o.rank} sent {len(sends)} messages of {sizes} bytes; the ring sends K and V, "
-                       f"{block} bytes each, {n - 1} times: {2 * (n - 1)} messages")
-        others = sorted({c.get("peer") for c in sends} - {(o.rank + 1) % n})
-        if others:
-            raise Fail(f"rank {o.rank} sent to rank{'s' * (len(others) > 1)} {', '.join(map(str, others))}; "
-                       f"in a ring each rank sends only to the next one, rank {(o.rank + 1) % n}")
-
-
 def _backward(ctx, t: int, causal: bool, zigzag: bool, key) -> None:
     n = ctx.world_size
     per_rank, positions, (q, k, v) = _blocks(ctx, n, t, key, zigzag)
@@ -275,6 +246,35 @@ def _backward(ctx, t: int, causal: bool, zigzag: bool, key) -> None:
 def backward_two(ctx):
     _backward(ctx, 3, causal=False, zigzag=False, key="plain")
     _backward(ctx, 3, causal=True, zigzag=False, key="causal")
+
+
+@EXERCISE.check("causal, plain and zig-zag split (3 ranks)", points=2, world_size=3, hint=(
+    "The mask comes from positions, never from rank numbers: with the zig-zag split a rank holds an early "
+    "chunk and a late one, so a block can be half hidden, and some queries see none of it (block_attention "
+    "gives them lse -inf, which the merge must leave alone). After s hops a rank holds rank − s's block "
+    "(modulo n): mask it with positions[(rank − s) % n]."))
+def ring_three(ctx):
+    _forward(ctx, 4, causal=True, zigzag=True, key="zigzag")
+    _forward(ctx, 2, causal=True, zigzag=False, key="plain")
+
+
+@EXERCISE.check("K and V go round the ring: n − 1 hops to rank + 1 (4 ranks)", points=1, world_size=4, hint=(
+    "Each rank sends exactly the blocks it holds, K and V, to rank + 1 only, n − 1 times: (n − 1)/n of the "
+    "sequence's K and V in all, the same bytes as an all-gather, in n − 1 steps a computation can hide. "
+    "Sending your own block to every rank, or sending to rank − 1, is not a ring."))
+def ring_traffic(ctx):
+    n = ctx.world_size
+    block = B * H * 4 * D * 4  # a (B, H, t=4, D) float32 block
+    for o in _forward(ctx, 4, causal=True, zigzag=True, key="traffic"):
+        sends = [c for c in o.comm if c["op"] == "send"]
+        sizes = sorted(c["bytes"] for c in sends)
+        if sizes != [block] * (2 * (n - 1)):
+            raise Fail(f"rank {o.rank} sent {len(sends)} messages of {sizes} bytes; the ring sends K and V, "
+                       f"{block} bytes each, {n - 1} times: {2 * (n - 1)} messages")
+        others = sorted({c.get("peer") for c in sends} - {(o.rank + 1) % n})
+        if others:
+            raise Fail(f"rank {o.rank} sent to rank{'s' * (len(others) > 1)} {', '.join(map(str, others))}; "
+                       f"in a ring each rank sends only to the next one, rank {(o.rank + 1) % n}")
 
 
 @EXERCISE.check("causal backward, zig-zag split (4 ranks)", points=1, world_size=4, hint=(
