@@ -6,8 +6,11 @@ stage, with and without activation checkpointing, is sized with
 :func:`gpucourse.memory.estimate` — the same formulas the tests check against
 real runs here — and timed with a simple model:
 
-- **compute**: 6·N FLOPs per token (8·N with checkpointing: one more forward),
-  spread over the G GPUs at ``efficiency`` × the GPU's peak;
+- **compute**: 6·N FLOPs per token for the weights' matmuls, plus 12·L·C·T for attention's
+  scores and weighted sum (PaLM's count, Chowdhery et al. 2022, appendix B: L blocks of
+  width C, T tokens per sequence; it grows with T and rules long sequences); with
+  checkpointing one more forward, 8·N + 16·L·C·T; spread over the G GPUs at
+  ``efficiency`` × the GPU's peak (a mixture of experts: N its active parameters);
 - **bubble**: a pipeline of p stages and m microbatches idles (p−1)/m of its
   compute time (1F1B and GPipe alike);
 - **tensor-parallel communication**: per block and microbatch, two all-reduces
@@ -30,10 +33,6 @@ where they fit. Their communication:
   the intra-node bandwidth when tp·cp GPUs fit in one server, else the network's;
 - sequence parallelism moves what tensor parallelism moves (an all-gather and
   a reduce-scatter are one all-reduce); it only shrinks activations.
-
-The compute model counts 6·N FLOPs per token and leaves attention's own
-(which grow with T) out: at very long sequences every layout pays them alike,
-but the step times are then too short.
 
 Communication is assumed not to overlap compute, so step times are upper
 bounds; the ranking is what matters. A layout that does not fit in the GPU's
@@ -116,6 +115,15 @@ def candidates(shape: dict, gpus: int, gpus_per_node: int, batch_size: int, seq_
                                           checkpoint_activations=ckpt)
 
 
+def attention_flops(n_layer: int, n_embd: int, seq_len: int, recompute: bool = False) -> float:
+    """Attention's own FLOPs per token, forward and backward: 12·L·C·T (16·L·C·T recomputing the forward).
+
+    Per block and token, forward: q·kᵀ against T keys and the weighted sum of T values, 2 · 2·C·T; backward
+    twice that. Counted without the causal mask's saving, as PaLM's MFU formula does.
+    """
+    return (16 if recompute else 12) * n_layer * n_embd * seq_len
+
+
 def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, efficiency: float) -> dict:
     """The timing model above for one layout: seconds per step, by part."""
     mc = cfg.model_config()
@@ -123,6 +131,7 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
     elem = 2 if cfg.precision != "fp32" else 4
     # A mixture of experts computes with the parameters a token uses (active), not all of them.
     flops = (8 if cfg.checkpoint_activations else 6) * (active_params(mc) if mc.moe_experts else num_params) * tokens
+    flops += attention_flops(mc.n_layer, mc.n_embd, cfg.seq_len, cfg.checkpoint_activations) * tokens
     compute = flops / (cfg.world_size * gpu.peak_flops(cfg.precision) * efficiency)
     m = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
     bubble = compute * (cfg.pp - 1) / m if cfg.pp > 1 else 0.0

@@ -205,3 +205,26 @@ def test_plan_a_mixtral_like_mixture_of_experts_on_64_gpus():
     assert same[1]["compute_s"] < dense_flops / (64 * 0.5 * 989e12) / 3
     with pytest.raises(ValueError, match="mixtral-8x7b"):
         plan(None, gpus=64, shape="mixtral")
+
+
+def test_the_planner_counts_attentions_flops_which_rule_long_sequences():
+    from gpucourse.plan import attention_flops, step_time
+    from gpucourse.gpus import get_gpu
+
+    # PaLM's count: 6·N + 12·L·C·T per token. At 4 k tokens a 70 B model's attention adds a few per cent; at
+    # 128 k it is several times the weights' FLOPs.
+    n, L, C = 70e9, 80, 8192
+    assert attention_flops(L, C, 4096) / (6 * n) == pytest.approx(12 * 80 * 8192 * 4096 / 420e9)
+    assert attention_flops(L, C, 4096) < 0.1 * 6 * n < attention_flops(L, C, 131072) / 5
+    assert attention_flops(L, C, 4096, recompute=True) == 16 * L * C * 4096
+    cfg = TrainConfig(model="gpt2-small", overrides={"n_layer": L, "n_embd": C, "n_head": 64, "vocab_size": 32000,
+                                                     "block_size": 8192}, dp=64, seq_len=8192, batch_size=64,
+                      precision="bf16", master_weights=True)
+    gpu = get_gpu("h100")
+    t = step_time(cfg, int(n), gpu, 8, 0.5)
+    want = (6 * n + 12 * L * C * 8192) * 64 * 8192 / (64 * gpu.peak_flops("bf16") * 0.5)
+    assert t["compute_s"] == pytest.approx(want)
+    # Notebook 06: "at 4096 tokens attention adds about 8 % for this 70 B shape" (the planner's shape for 70e9).
+    from gpucourse.plan import shape_for_params
+    shape = shape_for_params(70e9)
+    assert round(100 * attention_flops(shape["n_layer"], shape["n_embd"], 4096) / (6 * 70e9)) == 8
