@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -332,6 +333,99 @@ def test_right_answers_are_spread_over_positions():
     assert max(positions.values()) <= 0.4 * sum(positions.values()), positions
 
 
+def right_indices(q: dict) -> list[int]:
+    return [q["answer"]] if q["kind"] == "single" else list(q["answer"])
+
+
+def test_the_longest_choice_is_not_a_tell():
+    """Over the whole bank, picking the longest choice must not pass: the right choice is rarely the strictly longest,
+    and right choices are about as long as wrong ones."""
+    singles = [q for q in BANK if q["kind"] == "single"]
+    longest = [q["id"] for q in singles
+               if all(len(q["choices"][q["answer"]]) > len(c) for i, c in enumerate(q["choices"]) if i != q["answer"])]
+    right, wrong = [], []
+    for q in BANK:
+        if q["kind"] != "numeric":
+            for i, c in enumerate(q["choices"]):
+                (right if i in right_indices(q) else wrong).append(len(c))
+    ratio = (sum(right) / len(right)) / (sum(wrong) / len(wrong))
+    measured = (f"right choice strictly longest in {len(longest)} of {len(singles)} single-choice questions "
+                f"({len(longest) / len(singles):.0%}); mean right/wrong length {ratio:.2f}")
+    assert len(longest) <= 0.30 * len(singles), measured + f": {', '.join(longest)}"
+    assert ratio <= 1.25, measured
+
+
+def test_select_all_answers_do_not_lead():
+    """In select-all questions the right choices are not simply the first ones, and they sit at every position."""
+    multiple = [q for q in BANK if q["kind"] == "multiple"]
+    leading = [q["id"] for q in multiple if sorted(q["answer"]) == list(range(len(q["answer"])))]
+    spread = Counter(i for q in multiple for i in q["answer"])
+    measured = f"{len(leading)} of {len(multiple)} select-all questions have their right choices first; {spread}"
+    assert len(leading) <= 0.25 * len(multiple), measured + f": {', '.join(leading)}"
+    assert set(spread) == set(range(max(len(q["choices"]) for q in multiple))), measured
+    assert all(len(q["answer"]) < len(q["choices"]) for q in multiple)
+
+
+POSITION_WORDS = [r"(?<!, )\b[A-D]\)", r"\([a-dA-D]\)", r"\b(?i:option|choice)s? *[A-D1-4]\b", r"\b(?i:answer) [A-D]\b",
+                  r"(?i)\b(first|second|third|fourth|last|other) (option|choice|answer)s?\b",
+                  r"(?i)\b(all|none|both) of the (above|others|options|choices)\b", r"(?i)\bthe (above|previous) (option|choice)"]
+
+
+def test_position_words_are_caught():
+    examples = ["B) is wrong", "unlike (c)", "so option A", "choice 2 is", "answer D", "the first choice", "Option 3",
+                "the last answer", "the other options", "all of the above", "none of the others", "the previous choice"]
+    assert [e for e in examples if not any(re.search(p, e) for p in POSITION_WORDS)] == []
+    assert not any(re.search(p, "a (b, T/cp, C) tensor; the answer is 2.2") for p in POSITION_WORDS)
+
+
+@pytest.mark.parametrize("pattern", POSITION_WORDS)
+def test_explanations_name_choices_by_content_not_position(pattern):
+    """Choices are shuffled when shown, so neither an explanation nor a choice may point at a letter or a position."""
+    found = {q["id"]: m.group(0) for q in BANK for text in [q["explanation"], *q.get("choices", [])]
+             for m in [re.search(pattern, text)] if m}
+    assert not found, found
+
+
+CHOICE_QUESTIONS = [q for q in BANK if q["kind"] != "numeric"]
+
+
+def test_shuffled_is_reproducible_and_keeps_the_answer():
+    for q in CHOICE_QUESTIONS:
+        for seed in (0, 1, 12345):
+            s = bank_module.shuffled(q, seed)
+            assert s == bank_module.shuffled(q, seed), q["id"]
+            assert sorted(s["choices"]) == sorted(q["choices"])
+            assert sorted(s["choices"][i] for i in right_indices(s)) == sorted(q["choices"][i] for i in right_indices(q))
+            assert quiz.grade(s, s["answer"])[0]
+            assert {**s, "choices": q["choices"], "answer": q["answer"]} == q  # nothing else changes
+    assert quiz.load_bank() == BANK  # the bank itself is never reordered
+    numeric = BY_ID["par-bubble-gpipe"]
+    assert bank_module.shuffled(numeric, 3) == numeric
+
+
+def test_shuffled_orders_differ_across_seeds():
+    moved = sum(bank_module.shuffled(q, 1)["choices"] != bank_module.shuffled(q, 2)["choices"] for q in CHOICE_QUESTIONS)
+    assert moved >= 0.8 * len(CHOICE_QUESTIONS), f"{moved} of {len(CHOICE_QUESTIONS)} orders differ between seeds"
+    unseeded = sum(bank_module.shuffled(q, None)["choices"] != q["choices"] for q in CHOICE_QUESTIONS)
+    assert unseeded >= 0.5 * len(CHOICE_QUESTIONS)
+    q = BY_ID["setup-nvlink"]
+    assert {bank_module.shuffled(q, seed)["answer"] for seed in range(100)} == {0, 1, 2, 3}
+
+
+def test_quizzes_and_exams_show_the_seeds_choice_order():
+    """ask and mock_exam shuffle through the same function: one seed, one order per question, wherever it is drawn."""
+    drawn = quiz.ask(count=1000, seed=7)
+    assert drawn == quiz.ask(count=1000, seed=7)
+    assert all(q == bank_module.shuffled(BY_ID[q["id"]], 7) for q in drawn)
+    assert sum(q["choices"] != BY_ID[q["id"]]["choices"] for q in drawn if "choices" in q) >= 0.8 * len(CHOICE_QUESTIONS)
+    exam = quiz.mock_exam(40, seed=7)
+    assert exam.questions == quiz.mock_exam(40, seed=7).questions
+    assert all(q == bank_module.shuffled(BY_ID[q["id"]], 7) for q in exam)
+    other = {q["id"]: q for q in quiz.mock_exam(40, seed=8)}
+    both = [q for q in exam if q["id"] in other and "choices" in q]
+    assert sum(q["choices"] != other[q["id"]]["choices"] for q in both) >= 0.6 * len(both)
+
+
 def test_a_malformed_question_is_refused():
     good = dict(BY_ID["setup-nvlink"])
     for change, words in [({"answer": 9}, "does not index"), ({"notebook": "99_x"}, "notebook"),
@@ -358,8 +452,9 @@ def test_ask_is_reproducible_and_filters_by_topic():
 def test_grade_reads_typed_answers():
     single, multiple, numeric = BY_ID["setup-nvlink"], BY_ID["par-fsdp-true"], BY_ID["par-bubble-gpipe"]
     assert quiz.grade(single, "abcd"[single["answer"]].upper())[0]
-    assert quiz.grade(multiple, "a, b c")[0] and quiz.grade(multiple, "cba")[0]
-    assert not quiz.grade(multiple, "ab")[0]  # one right answer missing
+    assert multiple["answer"] == [1, 2, 3]
+    assert quiz.grade(multiple, "b, c d")[0] and quiz.grade(multiple, "dcb")[0]
+    assert not quiz.grade(multiple, "bc")[0]  # one right answer missing
     for text in ("0.2", "20%", "3/15", " 0.2 "):
         assert quiz.grade(numeric, text)[0], text
     ok, why = quiz.grade(numeric, 0.25)
@@ -524,7 +619,8 @@ def test_exam_widget_marks_on_hand_in():
     sheet = quiz.mock_exam(4, seed=9)
     for card, q in zip(box.children[1:-2], sheet):
         widget = _answer_widget(card)
-        if q["kind"] == "single":
+        if q["kind"] == "single":  # the choices in the sheet's shuffled order, lettered afresh
+            assert [label for label, _ in widget.options] == [f"{'abcdefgh'[j]}) {c}" for j, c in enumerate(q["choices"])]
             widget.value = q["answer"]
         elif q["kind"] == "multiple":
             for j, b in enumerate(widget.children):

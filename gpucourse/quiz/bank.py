@@ -12,6 +12,10 @@ question is a plain dict:
 - ``question``, ``choices`` (for single and multiple), ``explanation``;
 - ``answer``: the index of the right choice, the list of right indices, or
   the number; a numeric question also has ``tolerance`` (absolute) and ``unit``.
+
+The bank stores each question's choices in one fixed order; a drawn quiz or
+mock exam presents them in an order of its own (:func:`shuffled`), so that a
+choice's letter says nothing about whether it is right.
 """
 
 from __future__ import annotations
@@ -109,12 +113,35 @@ def ask(topic: str | None = None, count: int = 10, seed: int | None = None, note
     """``count`` questions drawn at random (all of them if the bank has fewer), from one topic or all.
 
     ``notebook`` ("03_zero_fsdp") keeps only the questions that notebook teaches.
-    The same ``seed`` draws the same questions in the same order, on any machine.
+    Each question's choices are shuffled (see :func:`shuffled`). The same
+    ``seed`` draws the same questions in the same order, with the same choice
+    orders, on any machine.
     """
     if count < 1:
         raise ValueError(f"count={count} must be at least 1.")
     pool = load_bank(topic, notebook)
-    return random.Random(seed).sample(pool, min(count, len(pool)))
+    return [shuffled(q, seed) for q in random.Random(seed).sample(pool, min(count, len(pool)))]
+
+
+def shuffled(question: dict, seed: int | str | None) -> dict:
+    """A copy of ``question`` with its choices in an order drawn from ``seed`` and its id, the answer remapped.
+
+    The order depends only on the seed and the question's id, so a question
+    reads the same in every quiz or mock exam drawn with that seed, on any
+    machine; ``seed=None`` gives a fresh random order. The answer still names
+    the same choice texts. A numeric question has no choices: it comes back as
+    a plain copy.
+    """
+    q = copy.deepcopy(question)
+    if q["kind"] == "numeric":
+        return q
+    rng = random.Random(None if seed is None else f"{seed}:{q['id']}")
+    order = rng.sample(range(len(q["choices"])), len(q["choices"]))
+    position = {old: new for new, old in enumerate(order)}
+    q["choices"] = [question["choices"][i] for i in order]
+    q["answer"] = (position[q["answer"]] if q["kind"] == "single"
+                   else sorted(position[i] for i in q["answer"]))
+    return q
 
 
 def letter(i: int) -> str:

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from .bank import TOPICS, format_answer, format_response, is_correct, load_bank
+from .bank import TOPICS, format_answer, format_response, is_correct, load_bank, shuffled
 
 SECONDS_PER_QUESTION = 90
 
@@ -55,8 +55,10 @@ def quotas(count: int, sizes: dict[str, int]) -> dict[str, int]:
 def mock_exam(count: int = 40, seed: int | None = None) -> Exam:
     """A mock exam of ``count`` questions spanning all topics, proportionally, in shuffled order.
 
+    Each question's choices are shuffled too (see :func:`~gpucourse.quiz.bank.shuffled`).
     The time limit is :data:`SECONDS_PER_QUESTION` per question (60 minutes for
-    40); the clock starts now. The same ``seed`` draws the same exam.
+    40); the clock starts now. The same ``seed`` draws the same exam, choice
+    orders included.
     """
     bank = load_bank()
     if not 1 <= count <= len(bank):
@@ -67,7 +69,7 @@ def mock_exam(count: int = 40, seed: int | None = None) -> Exam:
     for t, n in quotas(count, {t: len(qs) for t, qs in by_topic.items()}).items():
         questions += rng.sample(by_topic[t], n)
     rng.shuffle(questions)
-    return Exam(questions, time_limit_s=count * SECONDS_PER_QUESTION, seed=seed)
+    return Exam([shuffled(q, seed) for q in questions], time_limit_s=count * SECONDS_PER_QUESTION, seed=seed)
 
 
 def _minutes(seconds: float) -> str:

@@ -62,8 +62,9 @@ def quiz(topic: str | None = None, count: int = 5, seed: int | None = None, note
 
     Each Check marks the question at once and explains the answer; when every
     question is checked the score is shown and recorded in your progress file
-    (see ``gpucourse progress``). Returns the widget: put the call last in a
-    cell, or pass it to ``display()``.
+    (see ``gpucourse progress``). Each question's choices are shuffled; the
+    same ``seed`` draws the same questions with the same choice orders.
+    Returns the widget: put the call last in a cell, or pass it to ``display()``.
     """
     import ipywidgets as w
 
