@@ -159,6 +159,30 @@ WRONG_ANSWERS = {
                                            "causal backward, zig-zag split (4 ranks)"], "one more hop"),
     "ex11_ring_attention/no_delta": (["the ring backward gives autograd's dq, dk, dv (2 ranks)",
                                      "causal backward, zig-zag split (4 ranks)"], "rowsum term is missing"),
+    "ex12_expert_dispatch/unstable_sort": (["permute sorts choices by expert, stably",
+                                            "dispatch sends each row to its expert's rank (2 ranks)"], "not stable"),
+    "ex12_expert_dispatch/round_robin_owner": (["dispatch sends each row to its expert's rank (2 ranks)",
+                                                "forward and backward equal every expert on one device (4 ranks, "
+                                                "skewed routing)", "an expert that gets no token (4 ranks)"],
+                                               "not on rank e % n"),
+    "ex12_expert_dispatch/splits_from_own_counts": (["dispatch sends each row to its expert's rank (2 ranks)",
+                                                     "combine weights and sums into tokens (2 ranks)",
+                                                     "forward and backward equal every expert on one device "
+                                                     "(4 ranks, skewed routing)",
+                                                     "an expert that gets no token (4 ranks)",
+                                                     "bytes: each row crosses once each way (4 ranks)"],
+                                                    "not from this rank's own"),
+    "ex12_expert_dispatch/unweighted_combine": (["combine weights and sums into tokens (2 ranks)",
+                                                 "forward and backward equal every expert on one device (4 ranks, "
+                                                 "skewed routing)", "an expert that gets no token (4 ranks)"],
+                                                "unweighted"),
+    "ex12_expert_dispatch/same_splits_backward": (["forward and backward equal every expert on one device (4 ranks, "
+                                                   "skewed routing)", "an expert that gets no token (4 ranks)",
+                                                   "bytes: each row crosses once each way (4 ranks)"],
+                                                  "split sizes swapped"),
+    "ex12_expert_dispatch/empty_expert_crash": (["an expert that gets no token (4 ranks)"], "non-empty list"),
+    "ex12_expert_dispatch/counts_exchanged_again": (["bytes: each row crosses once each way (4 ranks)"],
+                                                    "exchanged 3 times"),
 }
 
 
