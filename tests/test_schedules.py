@@ -161,3 +161,90 @@ def test_cli_bad_input_is_one_sentence_and_exit_2(argv, message, capsys):
     out, err = capsys.readouterr()
     assert err.strip() == f"gpucourse: error: {message}"
     assert out == ""
+
+
+# --- virtual stages and the split backward (schedules_virtual.py): simulated, no ranks -------------------------
+
+from gpucourse.parallel import schedules  # noqa: E402
+from gpucourse.parallel import schedules_virtual as virtual  # noqa: E402
+
+
+def _awaiting_b_peak(sim, layout, rank: int) -> int:
+    """Most (microbatch, chunk)s forwarded but not yet B'd on ``rank`` at once."""
+    held = peak = 0
+    for op, _, _ in sim.timeline[rank]:
+        held += 1 if op.kind == schedules.F else -1 if op.kind == schedules.B else 0
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("pp, m", [(2, 2), (2, 6), (3, 6), (4, 4), (4, 8), (4, 12), (6, 12), (8, 16)])
+def test_interleaving_divides_the_bubble_by_v(pp, m):
+    one = schedules.simulate(schedules.one_f_one_b(pp, m), pp, m, 1.0, 2.0, 0.0)
+    # The two definitions, side by side: idle over total time, and the same idle over compute time.
+    assert one.bubble_fraction == pytest.approx((pp - 1) / (m + pp - 1))
+    assert one.bubble_ratio == pytest.approx((pp - 1) / m) == pytest.approx(schedules.formula_bubble_ratio("1f1b", pp, m))
+    assert one.bubble_ratio == pytest.approx(one.bubble_fraction / (1 - one.bubble_fraction))
+    for v in (2, 3):
+        ops, layout = virtual.build("interleaved-1f1b", pp, m, v)
+        virtual.validate(ops, layout, m)
+        sim = virtual.simulate(ops, layout, m, cost_f=1.0, cost_b=2.0, cost_w=0.0)
+        assert sim.bubble_ratio == pytest.approx((pp - 1) / (v * m))
+        assert sim.bubble_ratio == pytest.approx(virtual.formula_bubble_ratio("interleaved-1f1b", pp, m, v))
+        # v times the transfers: every chunk boundary but the model's two ends crosses ranks.
+        sends = sum(op.kind in (schedules.SEND_F, schedules.SEND_B) for row in ops for op in row)
+        assert sends == 2 * m * (pp * v - 1)
+
+
+@pytest.mark.parametrize("pp, m", [(2, 2), (3, 6), (4, 8), (4, 5), (8, 16), (5, 20)])
+def test_zero_bubble_h1_cuts_1f1bs_bubble_to_a_third_at_its_memory(pp, m):
+    ops, layout = virtual.build("zb-h1", pp, m)
+    virtual.validate(ops, layout, m)
+    sim = virtual.simulate(ops, layout, m, cost_f=1.0, cost_b=1.0, cost_w=1.0)
+    one = schedules.simulate(schedules.one_f_one_b(pp, m), pp, m, 1.0, 2.0, 0.0)  # B + W in one backward
+    # Zero Bubble's (p−1)(F + B − W) against 1F1B's (p−1)(F + B + W), over the compute 3m.
+    assert sim.bubble_ratio == pytest.approx((pp - 1) / (3 * m)) == pytest.approx(one.bubble_ratio / 3)
+    for rank in range(pp):
+        assert _awaiting_b_peak(sim, layout, rank) <= one.peak_in_flight[rank]  # 1F1B's p − s
+        assert sum(op.kind == schedules.W for op in ops[rank]) == m
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (8, 16)])
+def test_the_v_schedule_turns_at_the_last_rank_without_a_transfer(pp, m):
+    ops, layout = virtual.build("zbv", pp, m)
+    assert [(layout.virtual(s, 0), layout.virtual(s, 1)) for s in range(pp)] == [(s, 2 * pp - 1 - s) for s in range(pp)]
+    virtual.validate(ops, layout, m)
+    sim = virtual.simulate(ops, layout, m, 1.0, 1.0, 1.0)
+    h1 = virtual.simulate(*virtual.build("zb-h1", pp, m), m, 1.0, 1.0, 1.0)
+    assert sim.bubble_ratio <= h1.bubble_ratio
+    last = ops[pp - 1]  # chunk 0 ends and chunk 1 starts on the last rank: no send, no receive between them
+    assert not [op for op in last if op.kind == schedules.SEND_F and op.chunk == 0]
+    assert not [op for op in last if op.kind == schedules.RECV_F and op.chunk == 1]
+
+
+def test_virtual_schedules_that_cannot_run_say_where():
+    ops, layout = virtual.build("interleaved-1f1b", 2, 4, 2)
+    swapped = [list(row) for row in ops]
+    first_b = next(n for n, op in enumerate(swapped[0]) if op.kind == schedules.B)
+    del swapped[0][first_b]
+    with pytest.raises(schedules.ScheduleError, match=r"rank 0, op \d+ \(SEND_B0\.1\): comes before B0\.1"):
+        virtual.validate(swapped, layout, 4)  # the gradient it would send was never computed
+    # Receive a gradient before the forward it belongs to has run anywhere: the receive waits forever.
+    stuck = [list(row) for row in ops]
+    recv = next(op for op in stuck[0] if op.kind == schedules.RECV_B)
+    stuck[0].remove(recv)
+    stuck[0].insert(0, recv)
+    with pytest.raises(schedules.ScheduleError, match="comes before|deadlock"):
+        virtual.validate(stuck, layout, 4)
+    with pytest.raises(schedules.ScheduleError, match="multiple of pp=4"):
+        virtual.build("interleaved-1f1b", 4, 6, 2)
+    with pytest.raises(schedules.ScheduleError, match="is not one of"):
+        virtual.build("dualpipe", 4, 8)
+
+
+def test_virtual_schedules_far_past_one_machine_are_quick():
+    start = time.perf_counter()
+    ops, layout = virtual.build("interleaved-1f1b", 32, 128, 4)
+    sim = virtual.simulate(ops, layout, 128, 1.0, 2.0, 0.0)
+    assert sim.bubble_ratio == pytest.approx(31 / (4 * 128))
+    assert time.perf_counter() - start < 20

@@ -46,25 +46,30 @@ from typing import NamedTuple
 
 from ..readable import Readable
 
-F, B = "F", "B"
+F, B, W = "F", "B", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-KINDS = (F, B, SEND_F, RECV_F, SEND_B, RECV_B)
+KINDS = (F, B, W, SEND_F, RECV_F, SEND_B, RECV_B)
+COMPUTE = (F, B, W)
 # Each communication op: which neighbour it talks to (+1 next, -1 previous), and the op it pairs with there.
 PEER = {SEND_F: +1, RECV_F: -1, SEND_B: -1, RECV_B: +1}
 PARTNER = {SEND_F: RECV_F, RECV_F: SEND_F, SEND_B: RECV_B, RECV_B: SEND_B}
 
 
 class Op(NamedTuple):
-    """One step of a stage: ``kind`` (F, B, SEND_F, RECV_F, SEND_B, RECV_B) on ``microbatch``.
+    """One step of a stage: ``kind`` (F, B, W, SEND_F, RECV_F, SEND_B, RECV_B) on ``microbatch``.
 
-    A named tuple: immutable, compared by value, and cheap to make by the million.
+    ``chunk``: which of the rank's model chunks (0 unless the schedule gives each
+    rank several, see ``schedules_virtual.py``). ``W`` is a weight gradient, for
+    schedules that split the backward in two. A named tuple: immutable, compared
+    by value, and cheap to make by the million.
     """
 
     kind: str
     microbatch: int
+    chunk: int = 0
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}"
+        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
 
 class ScheduleError(Readable, ValueError):
@@ -138,12 +143,18 @@ class Simulation:
     - ``timeline[s]``: stage s's ops as ``(op, start, end)``; a communication op
       starts when both sides have reached it.
     - ``makespan``: when the last stage finishes.
-    - ``busy[s]`` / ``comm[s]`` / ``idle[s]``: time stage s computes (F, B), transfers,
+    - ``busy[s]`` / ``comm[s]`` / ``idle[s]``: time stage s computes (F, B, W), transfers,
       and waits; the three add up to ``makespan``.
     - ``bubble_fraction``: ``(sum(idle) + sum(comm)) / (pp × makespan)``, the share
-      of stage-time not spent computing.
+      of stage-time not spent computing — idle over *total* time, the (p−1)/(m+p−1)
+      of GPipe and 1F1B.
+    - ``bubble_ratio``: the same idle time over the *compute* time,
+      ``(sum(idle) + sum(comm)) / sum(busy)`` — Megatron-LM's definition, (p−1)/m
+      for GPipe and 1F1B, (p−1)/(v·m) interleaved. The two say the same thing:
+      ratio = fraction / (1 − fraction).
     - ``peak_in_flight[s]``: most microbatches forwarded but not yet backwarded on
-      stage s — how many microbatches' activations it holds at once.
+      stage s — how many microbatches' activations it holds at once (a chunk's
+      microbatch counts as one; with W ops, held until its W).
     """
 
     timeline: list[list[tuple[Op, float, float]]]
@@ -153,9 +164,10 @@ class Simulation:
     idle: list[float]
     bubble_fraction: float
     peak_in_flight: list[int]
+    bubble_ratio: float = 0.0
 
 
-def _per_stage(cost, pp: int, name: str) -> list[float]:
+def per_stage_costs(cost, pp: int, name: str) -> list[float]:
     costs = [float(cost)] * pp if isinstance(cost, (int, float)) else [float(c) for c in cost]
     if len(costs) != pp or any(c < 0 for c in costs):
         raise ScheduleError(f"{name} must be one non-negative number or one per stage ({pp}).")
@@ -171,35 +183,67 @@ def simulate(schedule: list[list[Op]], pp: int, m: int, cost_f=1.0, cost_b=2.0, 
     microbatches take about a second.
     """
     _check_ops(schedule, pp, m)
-    return _clock(schedule, pp, _per_stage(cost_f, pp, "cost_f"), _per_stage(cost_b, pp, "cost_b"), float(cost_comm))
+    return run_clock(schedule, pp, per_stage_costs(cost_f, pp, "cost_f"), per_stage_costs(cost_b, pp, "cost_b"),
+                     float(cost_comm))
 
 
-def _clock(schedule, pp: int, cost_f: list[float], cost_b: list[float], cost_comm: float) -> Simulation:
+def _neighbour(s: int, op: Op) -> tuple[int, Op]:
+    """The stage a communication op talks to, and the op it pairs with there (one chunk per stage)."""
+    return s + PEER[op.kind], Op(PARTNER[op.kind], op.microbatch, op.chunk)
+
+
+def run_clock(schedule, pp: int, cost_f: list[float], cost_b: list[float], cost_comm: float,
+              cost_w: list[float] | None = None, route=_neighbour, share: float = 1.0,
+              async_sends: bool = False) -> Simulation:
+    """Lay ``schedule`` out on a clock. ``route(stage, op) -> (peer, partner op)`` pairs the transfers;
+    each compute op costs ``share`` × its stage's cost (a chunk's share of the stage's blocks).
+
+    ``async_sends``: a send is posted and the stage goes on (an ``isend``); its data
+    reaches the receiver ``cost_comm`` later, and only a receive waits. Otherwise
+    every send is a rendezvous with its receive.
+    """
+    cost_w = cost_w or [0.0] * pp
     pc = [0] * pp                   # index of each stage's next op
     clock = [0.0] * pp              # when each stage is free again
     busy, comm = [0.0] * pp, [0.0] * pp
     timeline: list[list] = [[] for _ in range(pp)]
     in_flight, peak = [0] * pp, [0] * pp
+    posted: dict = {}               # async: (receiving stage, its receive op) -> when the data arrives
+    # Activations are freed by a microbatch's last use on that stage: its W where the backward is split.
+    frees = [W if any(op.kind == W for op in ops) else B for ops in schedule]
     ready = list(range(pp))         # stages that may be able to move
     while ready:
         s = ready.pop()
         ops, row = schedule[s], timeline[s]
         while pc[s] < len(ops):
             op = ops[pc[s]]
-            if op.kind == F or op.kind == B:
-                cost = cost_f[s] if op.kind == F else cost_b[s]
-                in_flight[s] += 1 if op.kind == F else -1
+            if op.kind in COMPUTE:
+                cost = share * {F: cost_f, B: cost_b, W: cost_w}[op.kind][s]
+                in_flight[s] += 1 if op.kind == F else -1 if op.kind == frees[s] else 0
                 peak[s] = max(peak[s], in_flight[s])
                 row.append((op, clock[s], clock[s] + cost))
                 clock[s] += cost
                 busy[s] += cost
                 pc[s] += 1
                 continue
-            peer = s + PEER[op.kind]
+            if async_sends:
+                if op.kind in (SEND_F, SEND_B):
+                    posted[route(s, op)] = clock[s] + cost_comm
+                    row.append((op, clock[s], clock[s]))
+                    ready.append(route(s, op)[0])
+                elif (s, op) in posted:
+                    start = max(clock[s], posted.pop((s, op)))
+                    row.append((op, start, start))  # the wait, if any, is idle time
+                    clock[s] = start
+                else:
+                    break               # the data has not been sent yet
+                pc[s] += 1
+                continue
+            peer, partner = route(s, op)
             if pc[peer] >= len(schedule[peer]):
                 break                   # the peer has finished: this op can never pair (a deadlock)
             theirs = schedule[peer][pc[peer]]
-            if theirs.kind != PARTNER[op.kind] or theirs.microbatch != op.microbatch:
+            if theirs != partner:
                 break                   # blocked; the peer will pair with us when it gets here
             start = max(clock[s], clock[peer])
             for stage, o in ((s, op), (peer, theirs)):
@@ -215,7 +259,8 @@ def _clock(schedule, pp: int, cost_f: list[float], cost_b: list[float], cost_com
     makespan = max(clock)
     idle = [makespan - busy[s] - comm[s] for s in range(pp)]
     bubble = 1 - sum(busy) / (pp * makespan) if makespan > 0 else 0.0
-    return Simulation(timeline, makespan, busy, comm, idle, bubble, peak)
+    ratio = (pp * makespan - sum(busy)) / sum(busy) if sum(busy) > 0 else 0.0
+    return Simulation(timeline, makespan, busy, comm, idle, bubble, peak, ratio)
 
 
 def _check_ops(schedule: list[list[Op]], pp: int, m: int) -> None:
@@ -225,7 +270,7 @@ def _check_ops(schedule: list[list[Op]], pp: int, m: int) -> None:
     for s, ops in enumerate(schedule):
         # What must already have happened on this stage for an op to have its data.
         needs = {F: (RECV_F,) if s > 0 else (), SEND_F: (F,), RECV_B: (F,),
-                 B: (F, RECV_B) if s < pp - 1 else (F,), SEND_B: (B,), RECV_F: ()}
+                 B: (F, RECV_B) if s < pp - 1 else (F,), SEND_B: (B,), RECV_F: (), W: (B,)}
         done: set[Op] = set()
         for n, op in enumerate(ops):
             if op.kind not in KINDS or not 0 <= op.microbatch < m:
@@ -236,10 +281,10 @@ def _check_ops(schedule: list[list[Op]], pp: int, m: int) -> None:
             if op in done:
                 raise ScheduleError(f"stage {s}, op {n} ({op}): done twice.")
             for need in needs[op.kind]:
-                if (need, op.microbatch) not in done:
+                if Op(need, op.microbatch) not in done:
                     raise ScheduleError(f"stage {s}, op {n} ({op}): comes before {Op(need, op.microbatch)}.")
             done.add(op)
-        for kind in (F, B):
+        for kind in (F, B, W) if any(op.kind == W for op in ops) else (F, B):
             missing = [i for i in range(m) if Op(kind, i) not in done]
             if missing:
                 raise ScheduleError(f"stage {s} never runs {kind} of microbatch{'es' * (len(missing) > 1)} "
@@ -267,12 +312,18 @@ def validate(schedule: list[list[Op]], pp: int, m: int) -> None:
                 says = [f"microbatch {seq[n]}" if n < len(seq) else "nothing" for seq in (sent, got)]
                 raise ScheduleError(f"transfer {n} from stage {a} to stage {b} does not match: stage {a}'s "
                                     f"{send} sends {says[0]} but stage {b}'s {recv} expects {says[1]}.")
-    _clock(schedule, pp, [1.0] * pp, [1.0] * pp, 0.0)
+    run_clock(schedule, pp, [1.0] * pp, [1.0] * pp, 0.0)
 
 
 def formula_bubble(name: str, pp: int, m: int) -> float:
-    """The textbook bubble fraction with equal stage costs and free communication."""
+    """The textbook bubble fraction (idle over total time) with equal stage costs and free communication."""
     return (pp - 1) / pp if name == "naive" else (pp - 1) / (m + pp - 1)
+
+
+def formula_bubble_ratio(name: str, pp: int, m: int) -> float:
+    """The same idle time over the compute time (Megatron-LM's definition): (p−1)/m for GPipe and 1F1B."""
+    fraction = formula_bubble(name, pp, m)
+    return fraction / (1 - fraction)
 
 
 def gantt(sim: Simulation, max_cells: int = 160) -> str:
@@ -283,7 +334,7 @@ def gantt(sim: Simulation, max_cells: int = 160) -> str:
     line up. Past ``max_cells`` time units each row lists its F and B ops in
     order instead, the middle left out.
     """
-    compute = [[(o, b, e) for o, b, e in row if o.kind in (F, B)] for row in sim.timeline]
+    compute = [[(o, b, e) for o, b, e in row if o.kind in COMPUTE] for row in sim.timeline]
     cell = max([2] + [len(str(o)) for row in compute for o, _, _ in row])
     label = [f"stage {s:>{len(str(len(compute) - 1))}} | " for s in range(len(compute))]
     slots = round(sim.makespan)
@@ -297,6 +348,6 @@ def gantt(sim: Simulation, max_cells: int = 160) -> str:
         cells = ["..".ljust(cell)] * slots
         for op, start, end in row:
             for t in range(round(start), round(end)):
-                cells[t] = (str(op) if op.kind in (F, B) else "<>").ljust(cell)
+                cells[t] = (str(op) if op.kind in COMPUTE else "<>").ljust(cell)
         lines.append(label[s] + " ".join(cells).rstrip())
     return "\n".join(lines)
