@@ -363,7 +363,7 @@ def censored_schedules(source: str) -> None:
 
 # The reference schedules and what builds them: removed from the censored module.
 REFERENCE_SCHEDULE_NAMES = ("naive", "gpipe", "one_f_one_b", "_forward", "_backward", "SCHEDULES", "build",
-                            "formula_bubble")
+                            "formula_bubble", "formula_bubble_ratio")
 
 
 def main(control_fd: int, schedules_source: str) -> int:

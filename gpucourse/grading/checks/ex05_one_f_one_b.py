@@ -28,9 +28,12 @@ def _cases(ctx) -> list[tuple[int, int]]:
 
 
 def _op(op) -> Op:
-    """One op as the sandbox sent it back: an Op comes as a (kind, microbatch) tuple, an object as a dict."""
+    """One op as the sandbox sent it back: an Op comes as a (kind, microbatch, chunk) tuple (chunk 0: this
+    schedule gives each stage one chunk), a plain (kind, microbatch) tuple is accepted, an object as a dict."""
     if isinstance(op, dict) and "kind" in op and "microbatch" in op:
         op = (op["kind"], op["microbatch"])
+    if isinstance(op, (tuple, list)) and len(op) == 3 and op[2] == 0 and not isinstance(op[2], bool):
+        op = op[:2]
     if not isinstance(op, (tuple, list)) or len(op) != 2 or not isinstance(op[0], str) \
             or not isinstance(op[1], int) or isinstance(op[1], bool):
         raise TypeError
