@@ -258,13 +258,20 @@ def cmd_troubleshoot(args) -> int:
 
 def cmd_schedule(args) -> int:
     from .measure import write_atomic
-    from .parallel import schedules
+    from .parallel import schedules, schedules_virtual
 
-    if args.schedule not in schedules.SCHEDULES:
-        raise UsageError(f"--schedule {args.schedule!r} is not one of {', '.join(schedules.SCHEDULES)}.")
-    for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches)):
+    known = [*schedules.SCHEDULES, *schedules_virtual.SCHEDULES]
+    if args.schedule not in known:
+        raise UsageError(f"--schedule {args.schedule!r} is not one of {', '.join(known)}.")
+    for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches),
+                        ("--virtual-stages", args.virtual_stages)):
         if value < 1:
             raise UsageError(f"{flag} {value} must be at least 1.")
+    if args.virtual_stages != 2 and args.schedule != "interleaved-1f1b":
+        raise UsageError("--virtual-stages sets the chunks per rank of interleaved-1f1b (zbv has 2, the others 1).")
+    if args.schedule == "interleaved-1f1b" and args.microbatches % args.pp:
+        raise UsageError(f"interleaved-1f1b needs --microbatches a multiple of --pp ({args.microbatches} is not a "
+                         f"multiple of {args.pp}).")
     if args.pp * args.microbatches > 1 << 20:
         raise UsageError(f"--pp {args.pp} × --microbatches {args.microbatches} is over a million "
                          f"microbatch-stages, too many to simulate quickly; use fewer.")
@@ -274,16 +281,33 @@ def cmd_schedule(args) -> int:
     if args.json:
         _check_writable(args.json, "--json")
     pp, m = args.pp, args.microbatches
-    ops = schedules.build(args.schedule, pp, m)
-    schedules.validate(ops, pp, m)
-    sim = schedules.simulate(ops, pp, m, args.cost_f, args.cost_b, args.cost_comm)
-    formula = schedules.formula_bubble(args.schedule, pp, m)
+    if args.schedule in schedules.SCHEDULES:
+        ops = schedules.build(args.schedule, pp, m)
+        schedules.validate(ops, pp, m)
+        sim = schedules.simulate(ops, pp, m, args.cost_f, args.cost_b, args.cost_comm)
+        formula = schedules.formula_bubble(args.schedule, pp, m)
+        costs = f"F costs {args.cost_f:g}, B {args.cost_b:g}"
+        rule = f"equal-cost formula {'(p-1)/p' if args.schedule == 'naive' else '(p-1)/(m+p-1)'} = {formula:.1%}"
+        ratio_rule = "" if args.schedule == "naive" else f"; (p-1)/m = {(pp - 1) / m:.1%}"
+    else:
+        # Zero-bubble schedules split the backward: B, then W. The others' B is the whole backward.
+        split = args.schedule != "interleaved-1f1b"
+        cost_b, cost_w = (args.cost_b / 2, args.cost_b / 2) if split else (args.cost_b, 0.0)
+        ops, layout = schedules_virtual.build(args.schedule, pp, m, args.virtual_stages)
+        schedules_virtual.validate(ops, layout, m)
+        sim = schedules_virtual.simulate(ops, layout, m, args.cost_f, cost_b, cost_w, args.cost_comm)
+        formula = None
+        costs = (f"{layout.v} chunk{'s' * (layout.v > 1)} per rank ({layout.shape} placement), a rank's F costs "
+                 f"{args.cost_f:g}, B {cost_b:g}" + (f", W {cost_w:g}" if split else ""))
+        rule = "transfers asynchronous"
+        interleaved = schedules_virtual.formula_bubble_ratio(args.schedule, pp, m, layout.v)
+        ratio_rule = f"; (p-1)/(v·m) = {interleaved:.1%}" if interleaved is not None else ""
     print(f"{args.schedule}: {pp} stage{'s' * (pp > 1)}, {m} microbatch{'es' * (m > 1)}; "
-          f"F costs {args.cost_f:g}, B {args.cost_b:g}, a transfer {args.cost_comm:g}")
+          f"{costs}, a transfer {args.cost_comm:g}")
     print(schedules.gantt(sim))
     print(f"  makespan        {sim.makespan:g} time units")
-    print(f"  bubble          {sim.bubble_fraction:.1%} of stage-time not computing "
-          f"(equal-cost formula {'(p-1)/p' if args.schedule == 'naive' else '(p-1)/(m+p-1)'} = {formula:.1%})")
+    print(f"  bubble          {sim.bubble_fraction:.1%} of stage-time not computing ({rule})")
+    print(f"                  {sim.bubble_ratio:.1%} of the compute time (Megatron-LM's definition{ratio_rule})")
     print(f"  peak in flight  {' '.join(map(str, sim.peak_in_flight))} microbatches held, stage 0 to {pp - 1}")
     if args.json:
         write_atomic(args.json, json.dumps({
@@ -292,6 +316,7 @@ def cmd_schedule(args) -> int:
             "ops": [[str(op) for op in row] for row in ops],
             "timeline": [[{"op": str(op), "start": b, "end": e} for op, b, e in row] for row in sim.timeline],
             "makespan": sim.makespan, "bubble_fraction": sim.bubble_fraction, "formula_bubble": formula,
+            "bubble_ratio": sim.bubble_ratio,
             "peak_in_flight": sim.peak_in_flight, "busy": sim.busy, "comm": sim.comm, "idle": sim.idle,
         }, indent=1))
         print(f"  written to {args.json}")
@@ -570,7 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print a pipeline schedule's per-stage timeline, bubble and activations held.")
     p.add_argument("--pp", type=int, default=4, help="pipeline stages")
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per step")
-    p.add_argument("--schedule", default="1f1b", help="naive, gpipe or 1f1b")
+    p.add_argument("--schedule", default="1f1b",
+                   help="naive, gpipe, 1f1b, interleaved-1f1b, zb-h1 (B and W split) or zbv (V-shaped)")
+    p.add_argument("--virtual-stages", type=int, default=2, help="interleaved-1f1b: model chunks per rank")
     p.add_argument("--cost-f", type=float, default=1.0, help="time of one stage's forward of one microbatch")
     p.add_argument("--cost-b", type=float, default=2.0, help="time of one stage's backward of one microbatch")
     p.add_argument("--cost-comm", type=float, default=0.0, help="time of one activation or gradient transfer")

@@ -153,8 +153,13 @@ def test_cli_prints_the_gantt_and_the_numbers(capsys, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--pp", "0"], "--pp 0 must be at least 1."),
-    (["--schedule", "zero-bubble"], "--schedule 'zero-bubble' is not one of naive, gpipe, 1f1b."),
+    (["--schedule", "zero-bubble"],
+     "--schedule 'zero-bubble' is not one of naive, gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv."),
     (["--microbatches", "-3"], "--microbatches -3 must be at least 1."),
+    (["--schedule", "interleaved-1f1b", "--microbatches", "6"],
+     "interleaved-1f1b needs --microbatches a multiple of --pp (6 is not a multiple of 4)."),
+    (["--schedule", "zb-h1", "--virtual-stages", "3"],
+     "--virtual-stages sets the chunks per rank of interleaved-1f1b (zbv has 2, the others 1)."),
 ])
 def test_cli_bad_input_is_one_sentence_and_exit_2(argv, message, capsys):
     assert cli.main(["schedule", *argv]) == 2
@@ -248,3 +253,17 @@ def test_virtual_schedules_far_past_one_machine_are_quick():
     sim = virtual.simulate(ops, layout, 128, 1.0, 2.0, 0.0)
     assert sim.bubble_ratio == pytest.approx(31 / (4 * 128))
     assert time.perf_counter() - start < 20
+
+
+def test_cli_lays_out_the_new_schedules_with_both_bubble_definitions(capsys):
+    assert cli.main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b", "--cost-b", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "27.3% of stage-time not computing" in out and "37.5% of the compute time" in out  # 3/11 and 3/8
+    assert cli.main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "interleaved-1f1b",
+                     "--virtual-stages", "2", "--cost-b", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "18.8% of the compute time (Megatron-LM's definition; (p-1)/(v·m) = 18.8%)" in out  # 3/16
+    assert cli.main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "zb-h1"]) == 0
+    out = capsys.readouterr().out
+    assert "B 1, W 1" in out and "12.5% of the compute time" in out  # (p-1)/(3m) = 3/24, a third of 1F1B's
+    assert "stage 3 | .. .. .. F0 B0 F1 B1" in out
