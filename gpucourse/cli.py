@@ -54,7 +54,10 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-aux", type=float, default=d.moe_aux, help="weight of the load-balancing loss (0.01)")
     p.add_argument("--ep", type=int, default=d.ep, help="expert-parallel degree: experts spread over ep dp ranks")
     p.add_argument("--zero", type=int, default=d.zero, help="ZeRO stage 0-3")
-    p.add_argument("--schedule", default=d.schedule, help=f"pipeline schedule: {', '.join(SCHEDULES)}")
+    p.add_argument("--schedule", default=d.schedule,
+                   help=f"pipeline schedule: {', '.join(SCHEDULES)}, interleaved-1f1b or zb-h1")
+    p.add_argument("--virtual-stages", type=int, default=d.virtual_stages,
+                   help="interleaved-1f1b: model chunks per pipeline rank")
     p.add_argument("--microbatches", type=int, default=d.microbatches, help="pipeline microbatches per step")
     p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="gradient-accumulation microbatches")
     p.add_argument("--precision", default=d.precision, help="fp32, bf16 or fp16 (autocast unless --master-weights)")

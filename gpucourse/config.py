@@ -39,6 +39,7 @@ class TrainConfig:
     cp: int = 1  # context parallel: each rank holds seq_len / cp tokens of every sequence
     zero: int = 0
     schedule: str = "1f1b"
+    virtual_stages: int = 2  # interleaved-1f1b: model chunks per pipeline rank
     microbatches: int = 1
     grad_accum: int = 1
     precision: str = "fp32"
@@ -120,9 +121,11 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}.")
         from .parallel.schedules import SCHEDULES  # the schedules' own table (imported late: parallel reads configs)
+        from .parallel.schedules_virtual import SCHEDULES as VIRTUAL
 
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}.")
+        known = [*SCHEDULES, *VIRTUAL]
+        if self.schedule not in known:
+            raise ConfigError(f"schedule={self.schedule!r} is not one of {', '.join(known)}.")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"zero={self.zero!r} must be a ZeRO stage: 0, 1, 2 or 3.")
         if not 0.0 <= self.dropout < 1.0:
@@ -148,6 +151,8 @@ class TrainConfig:
                               f"{self.grad_accum} × {self.dp} = {per_step}.")
         if self.cp > 1 or self.zigzag:
             self._check_context_parallel(mc)
+        if self.schedule in VIRTUAL:
+            self._check_virtual_schedule(mc, runnable)
         self._check_experts(mc, runnable)
         if self.sequence_parallel:
             if self.tp == 1:
@@ -210,6 +215,31 @@ class TrainConfig:
                 raise ConfigError("impl='accelerate' runs data parallelism only (tp=1, pp=1).")
             if self.zero not in (0, 3):
                 raise ConfigError(f"impl='accelerate' offers DDP (zero=0) and FSDP (zero=3), not zero={self.zero}.")
+
+    def _check_virtual_schedule(self, mc, runnable: bool) -> None:
+        if self.pp == 1:
+            raise ConfigError(f"schedule={self.schedule!r} is a pipeline schedule; it needs pp > 1.")
+        v = self.virtual_stages if self.schedule == "interleaved-1f1b" else 2 if self.schedule == "zbv" else 1
+        if self.schedule == "interleaved-1f1b":
+            if not isinstance(self.virtual_stages, int) or self.virtual_stages < 2:
+                raise ConfigError(f"virtual_stages={self.virtual_stages!r}: interleaving needs at least 2 chunks "
+                                  f"per rank (1 is the plain 1f1b schedule).")
+            if self.microbatches % self.pp:
+                raise ConfigError(f"interleaved-1f1b sends microbatches through a chunk pp at a time: "
+                                  f"microbatches={self.microbatches} must be a multiple of pp={self.pp}.")
+        if self.pp * v > mc.n_layer:
+            raise ConfigError(f"{self.schedule} cuts the model into pp × {v} = {self.pp * v} chunks, more than the "
+                              f"{mc.n_layer} blocks of model {self.model!r}.")
+        if not runnable:
+            return
+        if self.impl != "scratch":
+            raise ConfigError(f"schedule={self.schedule!r} runs from scratch in this build (impl='scratch'); "
+                              f"PyTorch's own is not wired in yet.")
+        if self.zero == 3 or self.bucket_mb is not None or self.cp > 1 or self.moe_experts \
+                or self.checkpoint_activations or self.precision != "fp32":
+            raise ConfigError(f"schedule={self.schedule!r} runs with data parallelism (ZeRO 1 or 2 too) and "
+                              f"tensor parallelism in fp32 in this build; not with zero=3, buckets, cp, a mixture "
+                              f"of experts, activation checkpointing or half precision.")
 
     def _check_context_parallel(self, mc) -> None:
         from .parallel.context_parallel import ALGORITHMS

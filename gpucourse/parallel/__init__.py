@@ -42,11 +42,18 @@ def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, devi
     # How this rank's weights become the whole model's: undone in reverse order
     # (tensor-parallel shards made whole first, then the pipeline's stages merged).
     gathers, placements, loop, extras = [], [], None, {}
+    virtual = cfg.pp > 1 and cfg.schedule not in ("naive", "gpipe", "1f1b")  # several chunks a rank, or W split
     if cfg.pp > 1:
         from .pipeline import GPTStage, merge_stages, pipeline_extras
-        model = GPTStage(model, mesh["pp"].get_local_rank(), cfg.pp)
+        if virtual:
+            from .pipeline_virtual import GPTChunks
+            from .schedules_virtual import build as build_virtual
+            layout = build_virtual(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)[1]
+            model = GPTChunks(model, mesh["pp"].get_local_rank(), layout)
+        else:
+            model = GPTStage(model, mesh["pp"].get_local_rank(), cfg.pp)
         gathers.append(functools.partial(merge_stages, mesh["pp"].get_group()))
-        extras = pipeline_extras(mesh, cfg.schedule, cfg.microbatches)
+        extras = pipeline_extras(mesh, cfg.schedule, cfg.microbatches, cfg.virtual_stages)
     if cfg.tp > 1:
         from . import tensor_parallel
         if cfg.impl == "torch":
@@ -72,6 +79,10 @@ def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, devi
         from .pipeline import PipelineSchedule, TorchPipelineSchedule
         if cfg.impl == "torch":
             loop = TorchPipelineSchedule(mesh["pp"].get_group(), cfg.schedule, cfg.microbatches, device)
+        elif virtual:
+            from .pipeline_virtual import VirtualPipelineSchedule
+            loop = VirtualPipelineSchedule(mesh["pp"].get_group(), cfg.schedule, cfg.microbatches,
+                                           cfg.virtual_stages, cfg.model_config().n_embd)
         else:
             loop = PipelineSchedule(mesh["pp"].get_group(), cfg.schedule, cfg.microbatches,
                                     cfg.model_config().n_embd)

@@ -228,11 +228,15 @@ def _spanning(method, rec, kind: str, first_microbatch):
     return wrapper
 
 
-def pipeline_extras(mesh, schedule: str, microbatches: int) -> dict:
+def pipeline_extras(mesh, schedule: str, microbatches: int, virtual_stages: int = 2) -> dict:
     """What every rank can say about the whole run: each stage's ops, and which stage each rank runs."""
+    from . import schedules_virtual
+
     ranks = mesh.mesh  # (pp, dp, cp, tp) tensor of global ranks
     pp = ranks.shape[0]
-    return {"schedule": [[str(op) for op in ops] for ops in build(schedule, pp, microbatches)],
+    ops = build(schedule, pp, microbatches) if schedule not in schedules_virtual.SCHEDULES else \
+        schedules_virtual.build(schedule, pp, microbatches, virtual_stages)[0]
+    return {"schedule": [[str(op) for op in row] for row in ops],
             "stage_of_rank": {str(int(r)): s for s in range(pp) for r in ranks[s].flatten()}}
 
 

@@ -1,0 +1,88 @@
+"""Interleaved 1F1B, ZB-H1 and the V schedule, executed by the engine on gloo ranks: equal to one device, with the
+transfers their schedules say.
+
+Oracle: fp32, dropout 0, the same seed and global batch, 10 steps; losses within 1e-5 relative and exported weights
+within 5e-5 absolute of the single-device run. Several layouts of one world size train in one launch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpucourse import ConfigError, TrainConfig, launch
+from gpucourse.measure import merge
+from gpucourse.parallel.schedules_virtual import build
+
+import rankfns
+
+BASE = dict(steps=10, seq_len=32, batch_size=8)
+pytestmark = pytest.mark.timeout(600)
+
+LAUNCHES = {
+    2: {"pp2-interleaved-v2": dict(pp=2, schedule="interleaved-1f1b", microbatches=4),
+        "pp2-interleaved-v2-accum2": dict(pp=2, schedule="interleaved-1f1b", microbatches=2, grad_accum=2),
+        "pp2-zb-h1": dict(pp=2, schedule="zb-h1", microbatches=4),
+        "pp2-zbv": dict(pp=2, schedule="zbv", microbatches=4)},
+    4: {"dp2×pp2-interleaved": dict(dp=2, pp=2, schedule="interleaved-1f1b", microbatches=2),
+        "tp2×pp2-interleaved": dict(tp=2, pp=2, schedule="interleaved-1f1b", microbatches=2),
+        "dp2×pp2-zb-h1-zero1": dict(dp=2, pp=2, schedule="zb-h1", microbatches=2, zero=1),
+        "tp2×pp2-zb-h1": dict(tp=2, pp=2, schedule="zb-h1", microbatches=2),
+        "pp4-zb-h1": dict(pp=4, schedule="zb-h1", microbatches=4)},
+}
+LAYOUTS = {name: kw for layouts in LAUNCHES.values() for name, kw in layouts.items()}
+_RUNS: dict = {}
+
+
+def _results(tmp_path_factory) -> dict:
+    if not _RUNS:
+        tmp = tmp_path_factory.mktemp("virtual")
+        for world, layouts in {1: {"single": {}}, **LAUNCHES}.items():
+            cfgs = [TrainConfig(**BASE, **kw) for kw in layouts.values()]
+            paths = [str(tmp / f"{name}.pt") for name in layouts]
+            per_rank = launch(rankfns.train_several, [c.to_dict() for c in cfgs], paths, world_size=world,
+                              timeout=540, quiet=True)
+            for i, (name, cfg) in enumerate(zip(layouts, cfgs)):
+                result = merge(cfg.to_dict(), [outputs[i] for outputs in per_rank], device="cpu", backend="gloo")
+                _RUNS[name] = (cfg, result, torch.load(paths[i]))
+    return _RUNS
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_equals_the_single_device_run(name, tmp_path_factory):
+    runs = _results(tmp_path_factory)
+    _, ref, ref_weights = runs["single"]
+    cfg, result, weights = runs[name]
+    assert len(result.losses) == BASE["steps"]
+    for got, want in zip(result.losses, ref.losses):
+        assert abs(got - want) <= 1e-5 * abs(want)
+    assert sorted(weights) == sorted(ref_weights)
+    for key, want in ref_weights.items():
+        assert (weights[key] - want).abs().max().item() <= 5e-5, key
+
+
+def test_each_rank_sends_what_its_schedule_says(tmp_path_factory):
+    """Per step and pipeline: an activation and a gradient per microbatch across every chunk boundary between
+    ranks — pp·v − 1 of them interleaved (v times 1F1B's pp − 1), 2·pp − 2 on the V (the turn stays on its rank)."""
+    runs = _results(tmp_path_factory)
+    for name in ("pp2-interleaved-v2", "pp2-zb-h1", "pp2-zbv", "pp4-zb-h1"):
+        cfg, result, _ = runs[name]
+        ops, layout = build(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
+        crossings = layout.stages - 1 - sum(layout.place(vs)[0] == layout.place(vs + 1)[0]
+                                            for vs in range(layout.stages - 1))
+        activation = cfg.batch_size // cfg.microbatches * cfg.seq_len * cfg.model_config().n_embd * 4
+        for step in range(cfg.steps):
+            sent = sum(c["bytes"] for c in result.comm if c["op"] == "send" and c["step"] == step)
+            assert sent == 2 * cfg.microbatches * crossings * activation, (name, step)
+        assert result.extras["schedule"] == [[str(op) for op in row] for row in ops]
+
+
+def test_what_the_engine_does_not_run_is_refused_in_one_sentence():
+    for changes, words in ((dict(pp=2, schedule="interleaved-1f1b", microbatches=3), "multiple of pp=2"),
+                           (dict(pp=2, schedule="interleaved-1f1b", microbatches=2, virtual_stages=1), "at least 2"),
+                           (dict(pp=4, schedule="interleaved-1f1b", microbatches=4), "more than the 4 blocks"),
+                           (dict(schedule="zb-h1"), "needs pp > 1"),
+                           (dict(pp=2, schedule="zb-h1", microbatches=2, impl="torch"), "from scratch"),
+                           (dict(dp=2, pp=2, schedule="zb-h1", microbatches=2, zero=3), "not with zero=3")):
+        with pytest.raises(ConfigError, match=words):
+            TrainConfig(**BASE, **changes).validate()
