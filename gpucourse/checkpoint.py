@@ -17,8 +17,10 @@ would need that rank to fit the whole model. ``torch.distributed.checkpoint``
 - a tensor that every rank holds the same (a data-parallel replica's weights)
   is written once;
 - a tensor cut between ranks is handed to DCP as a ``DTensor`` (its shard, plus
-  where the shard sits in the whole), so the checkpoint stores the *whole*
-  tensor under its single-device name and each rank writes its own piece.
+  where the shard sits in the whole): no rank gathers it; each rank writes its
+  own piece into its own file (``__r_0.distcp``), and one metadata file
+  (``.metadata``) records the tensor under its single-device name and shape and
+  where each piece lies — so a load at any layout reshards it.
 
 What a rank holds, the trainer says itself: ``trainer.state_dict()`` is DCP's
 Stateful protocol, filled in by each strategy (``parallel/single.py``): weights

@@ -62,9 +62,10 @@ TROUBLESHOOTING = (
     "TORCH_DISTRIBUTED_DEBUG=DETAIL makes torch.distributed check that every "
     "rank calls the same collective with the same shapes, so a mismatch fails "
     "with a message naming it instead of hanging.",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (torchrun's default) makes a rank whose "
-    "NCCL collective fails or times out abort and exit, so the launcher sees the "
-    "failure and stops the whole group instead of leaving it stuck.",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING (3 by default in PyTorch 2.x; torchrun sets 1 "
+    "when it is unset) makes a rank whose NCCL collective fails or times out tear "
+    "its process down (1 also aborts the communicator first), so the launcher sees "
+    "the failure and stops the whole group instead of leaving it stuck; 0 turns it off.",
     "The timeout= of init_process_group (10 minutes unless set) bounds how long "
     "a collective waits for the other ranks, turning a dead or diverging rank "
     "into an error instead of a silent hang.",

@@ -269,8 +269,9 @@ def diagnose_hang(waiting: dict) -> str:
                     "that came out differently on some ranks (a decision taken on a rank's own data).")
         else:
             parts.append(f"Every rank waits in the same collective #{seq} ({next(iter(ops.values()))}): "
-                         "the partners it needs are all there, so suspect the network or a rank outside this "
-                         "group (NCCL_DEBUG=INFO shows the transport).")
+                         "the partners it needs are all there. Rule out tensors of different shapes first "
+                         "(TORCH_DISTRIBUTED_DEBUG=DETAIL names a mismatch), then suspect the network or a rank "
+                         "outside this group (NCCL_DEBUG=INFO shows the transport).")
     else:
         order = sorted(inside.items(), key=lambda kv: kv[1][0])
         parts.append("The ranks are at different collectives: "

@@ -115,7 +115,7 @@ def _tensor_shapes(path) -> dict:
     return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
-def test_sharded_state_is_stored_whole_each_rank_writing_its_piece(tmp_path):
+def test_sharded_state_is_stored_under_whole_names_each_rank_writing_its_piece(tmp_path):
     # tensor parallel: every weight under its single-device name and shape, though no rank holds it whole
     run(TrainConfig(**BASE, tp=2, steps=2, save=str(tmp_path / "tp")), timeout=120, quiet=True)
     shapes = _tensor_shapes(tmp_path / "tp" / "step-000002")
