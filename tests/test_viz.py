@@ -460,3 +460,18 @@ def test_expert_figures_draw_a_real_runs_router_counts():
         viz.all_to_all(run(TrainConfig(moe_experts=4, **QUICK), timeout=120, quiet=True))
     with pytest.raises(ValueError, match="no mixture of experts"):
         viz.expert_load(run(TrainConfig(**QUICK), timeout=120, quiet=True))
+
+
+def test_schedule_figure_draws_the_virtual_schedules_and_both_bubbles():
+    from gpucourse.parallel import schedules_virtual
+
+    for name, v in (("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2)):
+        fig = viz.schedule(pp=4, microbatches=8, schedule=name)
+        ops, layout = schedules_virtual.build(name, 4, 8, 2)
+        sim = schedules_virtual.simulate(ops, layout, 8, 1.0, 1.0 if name != "interleaved-1f1b" else 2.0,
+                                         1.0 if name != "interleaved-1f1b" else 0.0)
+        assert fig.layout.meta["bubble_ratio"] == pytest.approx(sim.bubble_ratio)
+        weights = next(t for t in fig.data if t.name == "weight gradient")
+        assert (len(weights.x) == 4 * 8 * layout.v) == (name != "interleaved-1f1b")
+    interleaved = viz.schedule(pp=4, microbatches=12, schedule="interleaved-1f1b")
+    assert [f.name for f in interleaved.frames] == ["4", "8", "12"]  # multiples of pp only

@@ -14,8 +14,8 @@ from .style import PALETTE, kind_color, load_result, rank_color, rank_label, run
 LANE = 0.7          # height of a span bar, in lanes
 STEP_LANE = 0.1     # the thin bar under each lane that marks a rank's whole step
 KIND_ORDER = ("forward", "backward", "comm", "optimizer", "idle", "step")
-OP_WORDS = {"F": "forward", "B": "backward", "SEND_F": "send activation", "RECV_F": "receive activation",
-            "SEND_B": "send gradient", "RECV_B": "receive gradient"}
+OP_WORDS = {"F": "forward", "B": "backward", "W": "weight gradient", "SEND_F": "send activation",
+            "RECV_F": "receive activation", "SEND_B": "send gradient", "RECV_B": "receive gradient"}
 
 
 def gaps(intervals, start: float, end: float) -> list[tuple[float, float]]:
@@ -184,22 +184,26 @@ def _measured_costs(r, pp: int):
 
 
 def _schedule_traces(sim, pp: int, unit: str):
-    """Four traces — forward, backward, transfers, idle — always in that order, so frames can swap them."""
+    """Five traces — forward, backward (B), weight gradients (W), transfers, idle — always in that order, so
+    frames can swap them. An op of a rank's second or later chunk is labelled microbatch.chunk."""
     import plotly.graph_objects as go
 
     traces = []
-    for kind, ops in (("forward", ("F",)), ("backward", ("B",)),
+    for kind, ops in (("forward", ("F",)), ("backward", ("B",)), ("weight gradient", ("W",)),
                       ("comm", ("SEND_F", "RECV_F", "SEND_B", "RECV_B"))):
         rows = [(s, op, a, b) for s, row in enumerate(sim.timeline) for op, a, b in row
                 if op.kind in ops and b > a]
+        color = kind_color("optimizer") if kind == "weight gradient" else kind_color(kind)
         traces.append(go.Bar(
-            orientation="h", name=kind, legendrank=KIND_ORDER.index(kind),
+            orientation="h", name=kind, legendrank=KIND_ORDER.index("backward") + 0.5 if kind == "weight gradient"
+            else KIND_ORDER.index(kind),
             y=[s for s, *_ in rows], base=[a for *_, a, _ in rows],
             x=[b - a for *_, a, b in rows], width=LANE, offset=-LANE / 2,
-            marker=dict(color=kind_color(kind), line=dict(width=0.5, color="white")),
-            text=[str(op.microbatch) for _, op, _, _ in rows] if kind != "comm" else None,
+            marker=dict(color=color, line=dict(width=0.5, color="white")),
+            text=[str(op)[1:] if op.chunk else str(op.microbatch) for _, op, _, _ in rows] if kind != "comm" else None,
             textposition="inside", insidetextanchor="middle", textangle=0, textfont=dict(color="white"),
-            customdata=[[s, OP_WORDS[op.kind], op.microbatch, b - a] for s, op, a, b in rows],
+            customdata=[[s, OP_WORDS[op.kind], f"{op.microbatch}" + (f", chunk {op.chunk}" if op.chunk else ""), b - a]
+                        for s, op, a, b in rows],
             hovertemplate=("stage %{customdata[0]}<br>%{customdata[1]} of microbatch %{customdata[2]}"
                            "<br>%{customdata[3]:.3g} " + unit + ", from %{base:.3g}<extra>" + kind + "</extra>"),
         ))
@@ -213,16 +217,69 @@ def _schedule_traces(sim, pp: int, unit: str):
 
 
 def schedule(result=None, *, pp: int = 4, microbatches: int = 8, schedule: str = "1f1b",
-             cost_f=None, cost_b=None, cost_comm: float = 0.0, slider: bool = True):
+             cost_f=None, cost_b=None, cost_comm: float = 0.0, slider: bool = True, virtual_stages: int = 2,
+             cost_w=None):
     """A pipeline schedule laid out by the simulator (no processes), with a slider over the number of microbatches.
 
-    Give ``pp``, ``microbatches`` and ``schedule`` (naive, gpipe, 1f1b), or a
-    pipeline run's RunResult (or JSON path): then its layout is used and, unless
-    ``cost_f`` / ``cost_b`` are given, each stage's measured median forward and
-    backward time in ms. Default costs: forward 1, backward 2 time units. The
-    slider replays the same schedule with 1 … ``microbatches`` microbatches:
-    watch the shaded bubble shrink as (p-1)/(m+p-1).
+    Give ``pp``, ``microbatches`` and ``schedule`` (naive, gpipe, 1f1b, or
+    interleaved-1f1b with ``virtual_stages``, zb-h1, zbv), or a pipeline run's
+    RunResult (or JSON path): then its layout is used and, unless ``cost_f`` /
+    ``cost_b`` are given, each stage's measured median forward and backward
+    time in ms. Default costs: forward 1, backward 2 time units (split
+    schedules: B 1 and W ``cost_w``, 1 by default). The slider replays the same
+    schedule with 1 … ``microbatches`` microbatches (multiples of pp when
+    interleaved): watch the shaded bubble shrink as (p-1)/(m+p-1).
     """
+    from ..parallel import schedules_virtual
+
+    if schedule in schedules_virtual.SCHEDULES:
+        return _virtual_schedule(pp, microbatches, schedule, virtual_stages, cost_f, cost_b, cost_w, cost_comm,
+                                 slider)
+    return _schedule(result, pp, microbatches, schedule, cost_f, cost_b, cost_comm, slider)
+
+
+def _virtual_schedule(pp, microbatches, name, v, cost_f, cost_b, cost_w, cost_comm, slider):
+    """:func:`schedule` for the schedules of ``schedules_virtual.py`` (simulated only)."""
+    import plotly.graph_objects as go
+
+    from ..parallel import schedules_virtual
+
+    split = name != "interleaved-1f1b"
+    cost_f = 1.0 if cost_f is None else cost_f
+    cost_b = (1.0 if split else 2.0) if cost_b is None else cost_b
+    cost_w = (1.0 if split else 0.0) if cost_w is None else cost_w
+    step = pp if name == "interleaved-1f1b" else 1
+    counts = [m for m in range(step, microbatches + 1, step)] if slider else [microbatches]
+    if len(counts) > 16:
+        counts = counts[:: -(-len(counts) // 16)] + ([counts[-1]] if counts[-1] % step == 0 else [])
+    frames, sims = [], {}
+    for m in dict.fromkeys(counts):
+        ops, layout = schedules_virtual.build(name, pp, m, v)
+        sim = schedules_virtual.simulate(ops, layout, m, cost_f, cost_b, cost_w, cost_comm)
+        sims[m] = sim
+        title = (f"{name}, {pp} ranks × {layout.v} chunk{'s' * (layout.v > 1)}, {m} microbatches: bubble "
+                 f"{sim.bubble_fraction:.1%} of the time, {sim.bubble_ratio:.1%} of the compute")
+        frames.append(go.Frame(name=str(m), data=_schedule_traces(sim, pp, "time units"),
+                               layout=dict(title_text=title)))
+    last = frames[-1]
+    fig = go.Figure(data=last.data, frames=frames if len(frames) > 1 else None)
+    _lanes_layout(fig, [rank_label(s) for s in range(pp)], last.layout.title.text,
+                  f"time (time units: a rank's forward {cost_f}, B {cost_b}, W {cost_w}, transfer {cost_comm})")
+    fig.update_xaxes(range=[0, max(s.makespan for s in sims.values()) * 1.02])
+    if len(frames) > 1:
+        fig.update_layout(sliders=[dict(
+            active=len(frames) - 1, currentvalue=dict(prefix="microbatches m = "), pad=dict(t=60),
+            steps=[dict(label=f.name, method="animate",
+                        args=[[f.name], dict(mode="immediate", frame=dict(duration=0, redraw=True),
+                                             transition=dict(duration=0))]) for f in frames])],
+            height=fig.layout.height + 90)
+    final = sims[list(sims)[-1]]
+    fig.layout.meta = {"bubble_fraction": final.bubble_fraction, "bubble_ratio": final.bubble_ratio,
+                       "makespan": final.makespan, "peak_in_flight": final.peak_in_flight}
+    return fig
+
+
+def _schedule(result, pp, microbatches, schedule, cost_f, cost_b, cost_comm, slider):
     import plotly.graph_objects as go
 
     from ..parallel import schedules
@@ -267,7 +324,8 @@ def schedule(result=None, *, pp: int = 4, microbatches: int = 8, schedule: str =
                         args=[[f.name], dict(mode="immediate", frame=dict(duration=0, redraw=True),
                                              transition=dict(duration=0))]) for f in frames])],
             height=fig.layout.height + 90)
-    fig.layout.meta = {"bubble_fraction": sims[counts[-1]].bubble_fraction, "makespan": sims[counts[-1]].makespan}
+    fig.layout.meta = {"bubble_fraction": sims[counts[-1]].bubble_fraction, "makespan": sims[counts[-1]].makespan,
+                       "bubble_ratio": sims[counts[-1]].bubble_ratio}
     return fig
 
 
