@@ -186,7 +186,7 @@ def _activation_bytes(cfg: TrainConfig, mc: GPTConfig, stage: int, in_flight: in
         total += moe_blocks * scale * (moe_activation_bytes(mc, b, T, tp, cfg.ep) - 32 * b * T * C / tp)
     if stage == 0:
         total += 8 * b * T + 8 * T                               # token ids, positions
-    if stage == cfg.pp - 1:
+    if stage == _loss_stage(cfg):
         total += scale * (8 * b * T * C + 4 * b * T * V) + 16 * b * T + 4   # norm/head inputs, logits, targets
     return int(total * in_flight)
 
@@ -228,10 +228,24 @@ def _context_attention_bytes(cfg: TrainConfig, b: int, t: int, width: float) -> 
     return 4 * T * T
 
 
-def in_flight(schedule: str, pp: int, m: int) -> list[int]:
-    """Most microbatches each stage holds activations for at once (what ``schedules.simulate`` finds)."""
+def _loss_stage(cfg: TrainConfig) -> int:
+    """The pipeline rank that holds the final norm and the head: the last, or on the V placement the first."""
+    return 0 if cfg.schedule == "zbv" else cfg.pp - 1
+
+
+def in_flight(schedule: str, pp: int, m: int, virtual_stages: int = 2) -> list[float]:
+    """Most microbatches each stage holds activations for at once (what ``schedules.simulate`` finds).
+
+    With several chunks per rank (interleaved, V) or a split backward, the simulator's peak of
+    microbatch-chunks held, each 1/v of a stage's activations (a zero-bubble W keeps its chunk's until it runs).
+    """
     if pp == 1:
         return [1]
+    from .parallel import schedules_virtual
+
+    if schedule in schedules_virtual.SCHEDULES:
+        ops, layout = schedules_virtual.build(schedule, pp, m, virtual_stages)
+        return [peak / layout.v for peak in schedules_virtual.simulate(ops, layout, m).peak_in_flight]
     if schedule == "naive":
         return [1] * pp
     if schedule == "gpipe":
@@ -247,10 +261,15 @@ def estimate(cfg: TrainConfig) -> dict:
     """
     cfg.validate(runnable=False)
     mc = cfg.model_config()
-    held = in_flight(cfg.schedule, cfg.pp, cfg.microbatches)
+    held = in_flight(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
     per_stage = []
     for stage in range(cfg.pp):
         units = stage_units(mc, cfg.pp, stage, cfg.tp, cfg.ep)
+        if _loss_stage(cfg) != cfg.pp - 1 and cfg.pp > 1:  # the V placement: the head lives with the embeddings
+            head = 2 * mc.n_embd + mc.n_embd * mc.vocab_size
+            units["root"] = units.get("root", 0) + (head if stage == 0 else -head if stage == cfg.pp - 1 else 0)
+            if not units["root"]:
+                del units["root"]
         n = sum(units.values())
         # ZeRO shards over every rank holding the same weights: dp × cp (context-parallel ranks too); under
         # expert parallelism the experts' weights over their dp/ep replicas, in a flat buffer of their own.

@@ -86,3 +86,17 @@ def test_what_the_engine_does_not_run_is_refused_in_one_sentence():
                            (dict(dp=2, pp=2, schedule="zb-h1", microbatches=2, zero=3), "not with zero=3")):
         with pytest.raises(ConfigError, match=words):
             TrainConfig(**BASE, **changes).validate()
+
+
+def test_memory_estimate_follows_the_chunks_and_the_split_backward(tmp_path_factory):
+    """Weights, gradients and optimizer state per rank equal `gpucourse memory`'s; activations (the simulator's
+    peak of microbatch-chunks held, each 1/v of a stage's; a W keeps its chunk's until it runs) within 5 %."""
+    from gpucourse.memory import estimate
+
+    for name, (cfg, result, _) in _results(tmp_path_factory).items():
+        est = estimate(cfg)
+        for rank, measured in result.memory.items():
+            want = est["per_rank"][int(rank)]
+            for category in ("weights", "gradients", "optimizer"):
+                assert measured[category] == want[category], (name, rank, category)
+            assert abs(measured["activations"] - want["activations"]) <= 0.05 * want["activations"], (name, rank)
