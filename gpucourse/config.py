@@ -232,9 +232,14 @@ class TrainConfig:
                               f"{mc.n_layer} blocks of model {self.model!r}.")
         if not runnable:
             return
-        if self.impl != "scratch":
-            raise ConfigError(f"schedule={self.schedule!r} runs from scratch in this build (impl='scratch'); "
-                              f"PyTorch's own is not wired in yet.")
+        if self.impl == "torch" and self.schedule == "zb-h1":
+            raise ConfigError("torch.distributed.pipelining has no one-chunk zero-bubble schedule; its zero-bubble "
+                              "schedules interleave: use schedule='zbv' with impl='torch', or impl='scratch'.")
+        if self.impl == "torch" and (self.dp > 1 or self.tp > 1 or self.zero or self.grad_accum > 1):
+            raise ConfigError(f"schedule={self.schedule!r} with impl='torch' runs the pipeline alone in this build "
+                              f"(dp=1, tp=1, zero=0, grad_accum=1); the scratch engine composes it.")
+        if self.impl == "accelerate":
+            raise ConfigError(f"schedule={self.schedule!r} runs with impl='scratch' or 'torch'.")
         if self.zero == 3 or self.bucket_mb is not None or self.cp > 1 or self.moe_experts \
                 or self.checkpoint_activations or self.precision != "fp32":
             raise ConfigError(f"schedule={self.schedule!r} runs with data parallelism (ZeRO 1 or 2 too) and "

@@ -23,7 +23,10 @@ LAUNCHES = {
     2: {"pp2-interleaved-v2": dict(pp=2, schedule="interleaved-1f1b", microbatches=4),
         "pp2-interleaved-v2-accum2": dict(pp=2, schedule="interleaved-1f1b", microbatches=2, grad_accum=2),
         "pp2-zb-h1": dict(pp=2, schedule="zb-h1", microbatches=4),
-        "pp2-zbv": dict(pp=2, schedule="zbv", microbatches=4)},
+        "pp2-zbv": dict(pp=2, schedule="zbv", microbatches=4),
+        # PyTorch's own: ScheduleInterleaved1F1B and ScheduleZBVZeroBubble over the same chunks.
+        "pp2-interleaved-torch": dict(pp=2, schedule="interleaved-1f1b", microbatches=4, impl="torch"),
+        "pp2-zbv-torch": dict(pp=2, schedule="zbv", microbatches=4, impl="torch")},
     4: {"dp2×pp2-interleaved": dict(dp=2, pp=2, schedule="interleaved-1f1b", microbatches=2),
         "tp2×pp2-interleaved": dict(tp=2, pp=2, schedule="interleaved-1f1b", microbatches=2),
         "dp2×pp2-zb-h1-zero1": dict(dp=2, pp=2, schedule="zb-h1", microbatches=2, zero=1),
@@ -82,7 +85,8 @@ def test_what_the_engine_does_not_run_is_refused_in_one_sentence():
                            (dict(pp=2, schedule="interleaved-1f1b", microbatches=2, virtual_stages=1), "at least 2"),
                            (dict(pp=4, schedule="interleaved-1f1b", microbatches=4), "more than the 4 blocks"),
                            (dict(schedule="zb-h1"), "needs pp > 1"),
-                           (dict(pp=2, schedule="zb-h1", microbatches=2, impl="torch"), "from scratch"),
+                           (dict(pp=2, schedule="zb-h1", microbatches=2, impl="torch"), "no one-chunk zero-bubble"),
+                           (dict(dp=2, pp=2, schedule="zbv", microbatches=2, impl="torch"), "pipeline alone"),
                            (dict(dp=2, pp=2, schedule="zb-h1", microbatches=2, zero=3), "not with zero=3")):
         with pytest.raises(ConfigError, match=words):
             TrainConfig(**BASE, **changes).validate()
@@ -90,7 +94,8 @@ def test_what_the_engine_does_not_run_is_refused_in_one_sentence():
 
 def test_memory_estimate_follows_the_chunks_and_the_split_backward(tmp_path_factory):
     """Weights, gradients and optimizer state per rank equal `gpucourse memory`'s; activations (the simulator's
-    peak of microbatch-chunks held, each 1/v of a stage's; a W keeps its chunk's until it runs) within 5 %."""
+    peak of microbatch-chunks held, each 1/v of a stage's; a W keeps its chunk's until it runs) within 5 % of
+    the scratch engine's."""
     from gpucourse.memory import estimate
 
     for name, (cfg, result, _) in _results(tmp_path_factory).items():
@@ -99,4 +104,5 @@ def test_memory_estimate_follows_the_chunks_and_the_split_backward(tmp_path_fact
             want = est["per_rank"][int(rank)]
             for category in ("weights", "gradients", "optimizer"):
                 assert measured[category] == want[category], (name, rank, category)
-            assert abs(measured["activations"] - want["activations"]) <= 0.05 * want["activations"], (name, rank)
+            if cfg.impl == "scratch":  # torch's stages run their forwards themselves, outside the meter
+                assert abs(measured["activations"] - want["activations"]) <= 0.05 * want["activations"], (name, rank)

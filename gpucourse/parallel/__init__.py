@@ -77,7 +77,10 @@ def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, devi
         checkpoint_blocks(model)
     if cfg.pp > 1:
         from .pipeline import PipelineSchedule, TorchPipelineSchedule
-        if cfg.impl == "torch":
+        if cfg.impl == "torch" and virtual:
+            from .pipeline_virtual import TorchVirtualPipeline
+            loop = TorchVirtualPipeline(mesh["pp"].get_group(), cfg.schedule, cfg.microbatches, device)
+        elif cfg.impl == "torch":
             loop = TorchPipelineSchedule(mesh["pp"].get_group(), cfg.schedule, cfg.microbatches, device)
         elif virtual:
             from .pipeline_virtual import VirtualPipelineSchedule

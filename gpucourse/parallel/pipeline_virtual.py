@@ -221,3 +221,60 @@ def _capture(layers) -> _Capture:
 
 def _own_parameters(output: torch.Tensor) -> list:
     return output.own_parameters
+
+
+# --- impl="torch": the same chunks under torch.distributed.pipelining's multi-stage schedules ---------------
+
+
+class _Chunk(nn.Module):
+    """One chunk of a :class:`GPTChunks` as a module of its own (its blocks, and the embeddings or the head
+    where it has them): what a ``PipelineStage`` wraps. The parameters are the GPTChunks' own, shared."""
+
+    def __init__(self, chunks: GPTChunks, chunk: int):
+        super().__init__()
+        vs, last = chunks.vstages[chunk], chunks.layout.stages - 1
+        self.first, self.last = vs == 0, vs == last
+        if self.first:
+            self.wte, self.wpe, self.drop = chunks.wte, chunks.wpe, chunks.drop
+        self.blocks = nn.ModuleList(chunks.blocks[str(i)] for i in chunks.chunk_blocks[chunk])
+        if self.last:
+            self.ln_f, self.head = chunks.ln_f, chunks.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = GPT.embed(self, x)
+        for block in self.blocks:
+            x = block(x)
+        return GPT.logits(self, x) if self.last else x
+
+
+class TorchVirtualPipeline:
+    """interleaved-1f1b and zbv with ``torch.distributed.pipelining``: one ``PipelineStage`` per chunk, under
+    ``ScheduleInterleaved1F1B`` / ``ScheduleZBVZeroBubble`` (losses / (m · parts), ``scale_grads=False``, as
+    ``pipeline.TorchPipelineSchedule``). They run on CPU ranks over gloo as on GPUs."""
+
+    CLASSES = {"interleaved-1f1b": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble"}
+
+    def __init__(self, pp_group, schedule: str, microbatches: int, device):
+        self.pp_group, self.name, self.m, self.device = pp_group, schedule, microbatches, device
+        self.schedule = None
+
+    def _build(self, trainer: Trainer) -> None:
+        from torch.distributed import pipelining
+
+        chunks = trainer.module
+        stages = [pipelining.PipelineStage(_Chunk(chunks, c), chunks.vstages[c], chunks.layout.stages, self.device,
+                                           group=self.pp_group) for c in range(chunks.layout.v)]
+        scale = self.m * trainer.grad_accum
+        self.schedule = getattr(pipelining, self.CLASSES[self.name])(
+            stages, n_microbatches=self.m, loss_fn=lambda out, y: loss_fn(out, y) / scale, scale_grads=False)
+
+    def __call__(self, trainer: Trainer, x: torch.Tensor, y: torch.Tensor):
+        if self.schedule is None:
+            self._build(trainer)
+        chunks, losses = trainer.module, []
+        for px, py in zip(x.chunk(trainer.grad_accum), y.chunk(trainer.grad_accum)):
+            part: list = []
+            self.schedule.step(*([px] if chunks.first else []), **({"target": py, "losses": part} if chunks.last else {}))
+            losses += part
+        return torch.stack(losses).sum().detach() if chunks.last else None
