@@ -842,3 +842,246 @@ def test_moe_questions_are_not_gameable():
     assert shortest <= 0.25 * len(singles), f"the right choice is the shortest in {shortest} of {len(singles)}"
     positions = Counter(q["answer"] for q in singles)
     assert len(positions) >= 3 and max(positions.values()) <= 0.4 * len(singles), positions
+
+
+# --- pipeline schedules: virtual stages, the split backward, the V placement ------------------------------
+
+from gpucourse.parallel import schedules_virtual  # noqa: E402
+from gpucourse.parallel.pipeline import stage_blocks  # noqa: E402
+from gpucourse.parallel.pipeline_virtual import GPTChunks  # noqa: E402
+
+PIPE_NOTEBOOK = "04b_pipeline_schedules"
+
+
+def one_f_one_b(p: int, m: int, cost_f: float = 1.0, cost_b: float = 2.0) -> schedules.Simulation:
+    """1F1B with free transfers; ``cost_b`` is the whole backward, B and W together."""
+    return schedules.simulate(schedules.one_f_one_b(p, m), p, m, cost_f, cost_b, 0.0)
+
+
+def interleaved(p: int, m: int, v: int, comm: float = 0.0) -> schedules.Simulation:
+    """Megatron's interleaved 1F1B, a stage's forward 1 and its whole backward 2 (each chunk op 1/v of that)."""
+    ops, layout = schedules_virtual.build("interleaved-1f1b", p, m, v)
+    return schedules_virtual.simulate(ops, layout, m, 1.0, 2.0, 0.0, comm)
+
+
+def zb_h1(p: int, m: int, cost: float = 1.0, comm: float = 0.0) -> schedules.Simulation:
+    """ZB-H1 with F = B = W = ``cost``."""
+    ops, layout = schedules_virtual.build("zb-h1", p, m)
+    return schedules_virtual.simulate(ops, layout, m, cost, cost, cost, comm)
+
+
+def sends_per_microbatch(ops, m: int, kind: str = schedules.SEND_F) -> float:
+    """Transfers between ranks one microbatch makes in one direction: ``kind`` ops over all ranks, divided by m."""
+    return sum(op.kind == kind for row in ops for op in row) / m
+
+
+def awaiting_b_peak(sim: schedules.Simulation) -> list[int]:
+    """Per rank, the most microbatches forwarded whose B (input gradient) has not run yet."""
+    peaks = []
+    for row in sim.timeline:
+        held = peak = 0
+        for op, _, _ in row:
+            held += (op.kind == schedules.F) - (op.kind == schedules.B)
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+def test_pipeline_schedule_figures():
+    # pipe-interleave-why: p=4, m=16: 1F1B 3/16 of compute; interleaved v=4 3/64 ≈ 4.7% (3/67 of the total time);
+    # not (p−1)/(v²·m) = 3/256 ≈ 1.2% nor (v·p−1)/(v·m) = 15/64 ≈ 23%.
+    assert one_f_one_b(4, 16).bubble_ratio == pytest.approx(3 / 16) and round(100 * 3 / 16, 1) == 18.8
+    sim = interleaved(4, 16, 4)
+    assert sim.bubble_ratio == pytest.approx(3 / 64) == schedules_virtual.formula_bubble_ratio("interleaved-1f1b",
+                                                                                                 4, 16, 4)
+    assert sim.bubble_fraction == pytest.approx(3 / 67) and round(100 * 3 / 64, 1) == 4.7 and round(100 * 3 / 67, 1) == 4.5
+    assert (4 - 1) / (4**2 * 16) == 3 / 256 and round(100 * 3 / 256, 1) == 1.2
+    assert (4 * 4 - 1) / (4 * 16) == 15 / 64 and round(100 * 15 / 64) == 23
+    assert sim.bubble_ratio != pytest.approx(3 / 256) and sim.bubble_ratio != pytest.approx(15 / 64)
+
+    # pipe-interleave-costs: p=4, m=8, v=2: 7 sends per microbatch each way instead of 3; m=8 is a multiple of p;
+    # rank 0 peaks at 11 half-stage chunks (5.5 stages) against 1F1B's 4; each rank keeps L/p layers.
+    ops, _ = schedules_virtual.build("interleaved-1f1b", 4, 8, 2)
+    plain = schedules.one_f_one_b(4, 8)
+    assert sends_per_microbatch(ops, 8) == sends_per_microbatch(ops, 8, schedules.SEND_B) == 2 * 4 - 1 == 7
+    assert sends_per_microbatch(plain, 8) == sends_per_microbatch(plain, 8, schedules.SEND_B) == 4 - 1 == 3
+    assert interleaved(4, 8, 2).bubble_ratio == pytest.approx(3 / (2 * 8)) and one_f_one_b(4, 8).bubble_ratio == 3 / 8
+    assert interleaved(4, 8, 2).peak_in_flight[0] == 2 * (4 - 0 - 1) + (2 - 1) * 4 + 1 == 11 and 11 / 2 == 5.5
+    assert one_f_one_b(4, 8).peak_in_flight[0] == 4
+    for rank in range(4):
+        chunks = GPTChunks(build_model(GPTConfig(n_layer=16), 0), rank, schedules_virtual.Layout(4, 2))
+        assert sum(len(b) for b in chunks.chunk_blocks) == len(stage_blocks(16, 4, rank)) == 16 // 4
+
+    # pipe-interleave-m: p=4, v=2: m=10 (and 6, even) refused; 12, 4 and 20 run; 12 is not a multiple of 8, and
+    # neither 12 nor 20 is a power of two.
+    for m in (10, 6):
+        with pytest.raises(schedules.ScheduleError, match="multiple of pp=4"):
+            schedules_virtual.build("interleaved-1f1b", 4, m, 2)
+    for m in (12, 4, 20):
+        ops, layout = schedules_virtual.build("interleaved-1f1b", 4, m, 2)
+        schedules_virtual.validate(ops, layout, m)
+    assert min(m for m in range(10, 100) if m % 4 == 0) == 12 and 10 % 2 == 0 and 12 % 8 and 16 % 8 == 0
+    assert all(m & (m - 1) for m in (12, 20))
+
+    # pipe-interleave-memory: p=4, m=16: 1F1B 4; v=2: 11 half chunks = 5.5 = 1.375×; v=4: 19 quarters = 4.75 = 1.19×;
+    # only v=4 within 25%. Halving gives 2 and 1; whole-stage chunks 8 and 16.
+    assert one_f_one_b(4, 16).peak_in_flight[0] == 4
+    peak2, peak4 = interleaved(4, 16, 2).peak_in_flight[0], interleaved(4, 16, 4).peak_in_flight[0]
+    assert peak2 == 6 + 4 + 1 == 11 and peak4 == 6 + 12 + 1 == 19
+    assert peak2 / 2 == 5.5 and peak4 / 4 == 4.75
+    assert 5.5 / 4 == 1.375 == 1 + 3 / (4 * 2) > 1.25 and 4.75 / 4 == 1.1875 == 1 + 3 / (4 * 4) <= 1.25
+    assert round(1.1875, 2) == 1.19 and (4 / 2, 4 / 4, 4 * 2, 4 * 4) == (2, 1, 8, 16)
+
+    # pipe-split-backward: W needs only its own B: with every W moved to the end of its rank, ZB-H1 still runs.
+    ops, layout = schedules_virtual.build("zb-h1", 4, 8)
+    late_w = [[op for op in row if op.kind != schedules.W] + [op for op in row if op.kind == schedules.W]
+              for row in ops]
+    schedules_virtual.validate(late_w, layout, 8)
+
+    # pipe-zbh1-bubble: p=8, m=16, F = B = W = 1: compute 48; 1F1B idles 21 (7/16 ≈ 44%), ZB-H1 7 (7/48 ≈ 14.6% of
+    # compute, 7/55 ≈ 12.7% of the total); a third less would be 14 (7/24 ≈ 29%); v=2 halves it to 7/32 ≈ 22%.
+    one, zb = one_f_one_b(8, 16), zb_h1(8, 16)
+    assert one.makespan - 16 * 3 == (8 - 1) * (1 + 1 + 1) == 21 and one.bubble_ratio == pytest.approx(7 / 16)
+    assert zb.makespan - 16 * 3 == (8 - 1) * (1 + 1 - 1) == 7 and zb.bubble_ratio == pytest.approx(7 / 48)
+    assert zb.bubble_fraction == pytest.approx(7 / 55) and round(100 * 7 / 55, 1) == 12.7
+    assert round(100 * 7 / 16) == 44 and round(100 * 7 / 48, 1) == 14.6 and round(100 * 7 / 48) == 15
+    assert 21 * 2 / 3 == 14 and 14 / 48 == 7 / 24 and round(100 * 7 / 24) == 29 and round(100 * 7 / 32) == 22
+    assert awaiting_b_peak(zb) == one.peak_in_flight == [8 - s for s in range(8)]  # 1F1B's p − s
+
+    # pipe-zbh1-step-time: p=4, m=8, 10 ms each: 1F1B 330 ms, ZB-H1 270 ms; 240 no bubble, 300 a third less, 285 half.
+    one, zb = one_f_one_b(4, 8, 10, 20), zb_h1(4, 8, 10)
+    assert one.makespan == 330 == 8 * 30 + 3 * 30 and zb.makespan == 270 == 8 * 30 + 3 * 10
+    assert 240 + 90 * 2 / 3 == 300 and 240 + 90 / 2 == 285
+    q = BY_ID["pipe-zbh1-step-time"]
+    assert q["choices"][q["answer"]] == f"{zb.makespan:.0f} ms" and "240 ms" in q["choices"]
+    assert one.bubble_fraction == pytest.approx(90 / 330) and round(100 * 90 / 330) == 27
+    assert one.bubble_ratio == pytest.approx(90 / 240) == 0.375
+    assert zb.bubble_fraction == pytest.approx(30 / 270) and round(100 * 30 / 270) == 11
+    assert zb.bubble_ratio == pytest.approx(30 / 240) == 0.125
+
+    # pipe-bubble-convert: p=8, v=2, m=32: 7/64 ≈ 10.9% of compute is 7/71 ≈ 9.9% of the total.
+    sim = interleaved(8, 32, 2)
+    assert sim.bubble_ratio == pytest.approx(7 / 64) and sim.bubble_fraction == pytest.approx(7 / 71)
+    assert round(100 * 7 / 64, 1) == 10.9 and round(100 * 7 / 71, 1) == 9.9 and round(100 * 7 / 71, 2) == 9.86
+    assert sim.bubble_fraction == pytest.approx(sim.bubble_ratio / (1 + sim.bubble_ratio))
+    assert sim.bubble_ratio == pytest.approx(sim.bubble_fraction / (1 - sim.bubble_fraction))
+    assert round(0.0986 / 0.9014, 3) == 0.109 and round(1 - 7 / 71, 4) == 0.9014
+
+    # pipe-v-placement: p=4, V: rank 3 holds 3 and 4 (loop: 3 and 7); 6 transfers per forward (loop 7, 1F1B 3);
+    # chunk 7 on rank 0.
+    v_shape, loop = schedules_virtual.Layout(4, 2, "v"), schedules_virtual.Layout(4, 2)
+    assert [v_shape.virtual(3, c) for c in (0, 1)] == [3, 4] and [loop.virtual(3, c) for c in (0, 1)] == [3, 7]
+    assert [v_shape.virtual(0, c) for c in (0, 1)] == [0, 7] and v_shape.place(7) == (0, 1)
+    ops, _ = schedules_virtual.build("zbv", 4, 8)
+    assert sends_per_microbatch(ops, 8) == sends_per_microbatch(ops, 8, schedules.SEND_B) == 6 == 2 * 4 - 2
+    ops, _ = schedules_virtual.build("interleaved-1f1b", 4, 8, 2)
+    assert sends_per_microbatch(ops, 8) == 2 * 4 - 1 == 7
+    q = BY_ID["pipe-v-placement"]
+    assert q["choices"][q["answer"]].startswith("chunks 3 and 4; 6 transfers")
+
+    # pipe-v-rank0: p=8, V: rank 0 holds chunks 0 and 15, embeds and computes the loss; rank 7 holds 7 and 8; the
+    # last chunk's input comes from rank 1.
+    v_shape = schedules_virtual.Layout(8, 2, "v")
+    assert [v_shape.virtual(0, c) for c in (0, 1)] == [0, 15] == [0, 2 * 8 - 1]
+    assert [v_shape.virtual(7, c) for c in (0, 1)] == [7, 8] and v_shape.place(14) == (1, 1)
+    for rank in range(8):
+        chunks = GPTChunks(build_model(GPTConfig(n_layer=16), 0), rank, v_shape)
+        assert chunks.first == chunks.last == (rank == 0)
+        assert hasattr(chunks, "wte") == hasattr(chunks, "head") == (rank == 0)
+
+    # pipe-recv-order: on p=4's V, rank 0 sends rank 1 both activations (chunk 0) and gradients (chunk 7).
+    v_shape = schedules_virtual.Layout(4, 2, "v")
+    assert v_shape.route(0, schedules.Op(schedules.SEND_F, 0, 0))[0] == 1
+    assert v_shape.route(0, schedules.Op(schedules.SEND_B, 0, 1))[0] == 1
+
+    # pipe-async-rules: with every send a rendezvous, the interleaved schedule deadlocks; posted asynchronously,
+    # it runs.
+    ops, layout = schedules_virtual.build("interleaved-1f1b", 4, 8, 2)
+    with pytest.raises(schedules.ScheduleError, match="deadlock"):
+        schedules.run_clock(ops, 4, [1.0] * 4, [2.0] * 4, 0.0, route=layout.route, share=0.5, async_sends=False)
+    schedules_virtual.validate(ops, layout, 8)
+
+    # pipe-choose-slow-link: p=8, m=16: 1F1B 7/16, v=2 7/32, v=4 7/64, ZB-H1 7/48 of compute; sends 7, 15, 31;
+    # rank 0's activations 1.44× (v=2) and 1.22× (v=4), ZB-H1 1F1B's p − s; with transfers half a stage's forward,
+    # v=4 is slower than 1F1B and ZB-H1 is fastest.
+    zb = zb_h1(8, 16)
+    assert zb.bubble_ratio == pytest.approx(7 / 48) and one_f_one_b(8, 16).bubble_ratio == pytest.approx(7 / 16)
+    assert interleaved(8, 16, 2).bubble_ratio == pytest.approx(7 / 32)
+    assert interleaved(8, 16, 4).bubble_ratio == pytest.approx(7 / 64)
+    zb_ops = schedules_virtual.build("zb-h1", 8, 16)[0]
+    assert sends_per_microbatch(zb_ops, 16) == sends_per_microbatch(zb_ops, 16, schedules.SEND_B) == 8 - 1 == 7
+    assert [sends_per_microbatch(schedules_virtual.build("interleaved-1f1b", 8, 16, v)[0], 16) for v in (2, 4)] == [15, 31]
+    assert interleaved(8, 16, 2).peak_in_flight[0] / 2 / 8 == 1.4375 and round(1.4375, 2) == 1.44
+    assert interleaved(8, 16, 4).peak_in_flight[0] / 4 / 8 == 1.21875 and round(1.21875, 2) == 1.22
+    assert awaiting_b_peak(zb) == one_f_one_b(8, 16).peak_in_flight
+    async_1f1b = schedules_virtual.simulate(schedules.one_f_one_b(8, 16), schedules_virtual.Layout(8), 16, 1.0, 2.0,
+                                            0.0, 0.5)
+    slow = {"1f1b": async_1f1b.makespan, "v=2": interleaved(8, 16, 2, 0.5).makespan,
+            "v=4": interleaved(8, 16, 4, 0.5).makespan, "zb-h1": zb_h1(8, 16, comm=0.5).makespan}
+    assert slow["v=4"] > slow["1f1b"] and min(slow, key=slow.get) == "zb-h1", slow
+
+    # pipe-choose-headroom: p=4, m=8, 16 layers: v ≤ 4; v=2 3/16 at 1.375×, v=4 3/32 at 1.19×, ZB-H1 3/24, 1F1B 3/8;
+    # 15 transfers instead of 3; with transfers at 1% of a stage's forward v=4 still beats ZB-H1.
+    assert 16 // (4 * 4) == 1 and 16 % (8 * 4)
+    assert interleaved(4, 8, 2).bubble_ratio == pytest.approx(3 / 16)
+    assert interleaved(4, 8, 4).bubble_ratio == pytest.approx(3 / 32)
+    assert zb_h1(4, 8).bubble_ratio == pytest.approx(3 / 24) and one_f_one_b(4, 8).bubble_ratio == 3 / 8
+    assert interleaved(4, 8, 2).peak_in_flight[0] / 2 / 4 == 1.375 > 1.25
+    assert interleaved(4, 8, 4).peak_in_flight[0] / 4 / 4 == 1.1875 <= 1.25
+    assert sends_per_microbatch(schedules_virtual.build("interleaved-1f1b", 4, 8, 4)[0], 8) == 15
+    assert interleaved(4, 8, 4, 0.01).makespan < zb_h1(4, 8, comm=0.01).makespan
+
+
+def test_split_backward_computes_b_without_w():
+    """pipe-split-backward: B (autograd.grad for the input and the layer outputs) runs no weight gradient; W then
+    gives each layer its weight gradient from the output gradient B left, the same as one whole backward."""
+    gen = torch.Generator().manual_seed(0)
+    layers = [torch.nn.Linear(4, 4, dtype=torch.float64) for _ in range(2)]
+    x = torch.randn(3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    h = layers[0](x)
+    out = layers[1](torch.tanh(h))
+    grad_out = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    grad_x, grad_h, grad_out_again = torch.autograd.grad(out, [x, h, out], grad_outputs=grad_out, retain_graph=True)
+    assert all(p.grad is None for layer in layers for p in layer.parameters())  # B: no weight gradient yet
+    torch.autograd.backward(h, grad_h, inputs=list(layers[0].parameters()))       # W, layer by layer
+    torch.autograd.backward(out, grad_out_again, inputs=list(layers[1].parameters()))
+    split = [p.grad.clone() for layer in layers for p in layer.parameters()]
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    x2 = x.detach().requires_grad_()
+    torch.autograd.backward(layers[1](torch.tanh(layers[0](x2))), grad_out)
+    assert all(torch.allclose(a, p.grad) for a, p in zip(split, [p for layer in layers for p in layer.parameters()]))
+    assert torch.allclose(grad_x, x2.grad)
+
+
+def test_pipeline_schedule_questions_are_not_gameable():
+    """The pipeline-schedule questions: scenarios, choices of like length, the right one rarely the longest or the
+    shortest, letters spread, every bubble figure with its definition."""
+    qs = [q for q in BANK if q["id"].startswith("pipe-")]
+    assert len(qs) >= 12 and all(q["notebook"] == PIPE_NOTEBOOK for q in qs)
+    assert quiz.load_bank(notebook=PIPE_NOTEBOOK) == qs
+    kinds = Counter(q["kind"] for q in qs)
+    assert kinds["numeric"] == 0 and kinds["multiple"] <= 2
+    topics = Counter(q["topic"] for q in qs)
+    assert topics.most_common(1)[0][0] == "parallelism" and topics["parallelism"] > 0.4 * len(qs)
+    assert sum(len(q["question"]) > 150 for q in qs) >= 0.8 * len(qs)
+    for q in qs:
+        lengths = [len(c) for c in q["choices"]]
+        assert min(lengths) >= 0.8 * max(lengths), f"{q['id']}: choices of very different lengths"
+        if q["kind"] == "multiple":
+            assert sorted(q["answer"]) != list(range(len(q["answer"]))), f"{q['id']}: the right ones lead"
+            assert len(q["answer"]) < len(q["choices"])
+        if "bubble" in q["question"] and re.search(r"\d+/\d+|%", q["question"]):
+            assert "idle over compute" in q["question"] or "idle time over compute" in q["question"], q["id"]
+    singles = [q for q in qs if q["kind"] == "single"]
+
+    def strictly(q, pick) -> bool:
+        lengths = [len(c) for c in q["choices"]]
+        return all(pick(lengths[q["answer"]], n) for i, n in enumerate(lengths) if i != q["answer"])
+
+    longest = sum(strictly(q, lambda right, other: right > other) for q in singles)
+    shortest = sum(strictly(q, lambda right, other: right < other) for q in singles)
+    assert longest <= 0.25 * len(qs), f"the right choice is the longest in {longest} of {len(qs)}"
+    assert shortest <= 0.25 * len(singles), f"the right choice is the shortest in {shortest} of {len(singles)}"
+    positions = Counter(q["answer"] for q in singles)
+    assert set(positions) == {0, 1, 2, 3} and max(positions.values()) <= 0.4 * len(singles), positions
