@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpucourse import TrainConfig, launch, run
+from gpucourse import launch
 from gpucourse.data import context_positions
-from gpucourse.measure import merge
 from gpucourse.model import build_model
 
 import rankfns
+from launches import assert_equal, train_launches
 
 BASE = dict(steps=10, seq_len=32, batch_size=8)
 ALGOS = ("ring", "allgather", "ulysses")
@@ -37,31 +37,14 @@ _RUNS: dict = {}
 def _results(tmp_path_factory) -> dict:
     """``{name: (config, RunResult, exported weights)}`` for every layout, and the single-device run."""
     if not _RUNS:
-        tmp = tmp_path_factory.mktemp("cp")
-        single = run(TrainConfig(**BASE), timeout=120, export_weights=tmp / "single.pt", quiet=True)
-        _RUNS["single"] = (TrainConfig(**BASE), single, torch.load(tmp / "single.pt"))
-        for world, layouts in LAUNCHES.items():
-            cfgs = [TrainConfig(**BASE, **kw) for kw in layouts.values()]
-            paths = [str(tmp / f"{name}.pt") for name in layouts]
-            per_rank = launch(rankfns.train_several, [c.to_dict() for c in cfgs], paths, world_size=world,
-                              timeout=540, quiet=True)
-            for i, (name, cfg) in enumerate(zip(layouts, cfgs)):
-                result = merge(cfg.to_dict(), [outputs[i] for outputs in per_rank], device="cpu", backend="gloo")
-                _RUNS[name] = (cfg, result, torch.load(paths[i]))
+        _RUNS.update(train_launches(tmp_path_factory.mktemp("cp"), BASE, {1: {"single": {}}, **LAUNCHES}))
     return _RUNS
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_equals_the_single_device_run(name, tmp_path_factory):
     runs = _results(tmp_path_factory)
-    _, ref, ref_weights = runs["single"]
-    cfg, result, weights = runs[name]
-    assert len(result.losses) == BASE["steps"]
-    for got, want in zip(result.losses, ref.losses):
-        assert abs(got - want) <= 1e-5 * abs(want)
-    assert sorted(weights) == sorted(ref_weights)
-    for key, want in ref_weights.items():
-        assert (weights[key] - want).abs().max().item() <= 5e-5, key
+    assert_equal(runs[name], runs["single"], BASE["steps"])
 
 
 @pytest.mark.parametrize("algo", ALGOS)

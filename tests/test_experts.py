@@ -17,6 +17,7 @@ from gpucourse.memory import estimate
 from gpucourse.model import GPTConfig, MoE, build_model
 
 import rankfns
+from launches import assert_equal, train_launches
 
 BASE = dict(steps=10, seq_len=32, batch_size=8, moe_experts=4)
 pytestmark = pytest.mark.timeout(600)
@@ -36,38 +37,19 @@ _RUNS: dict = {}
 def _results(tmp_path_factory) -> dict:
     """``{name: (config, RunResult, exported weights)}`` for every layout, and the single-device runs."""
     if not _RUNS:
-        tmp = tmp_path_factory.mktemp("moe")
         singles = {"single": {}, "single-top1-every2": dict(moe_top_k=1, moe_every=2)}
-        cfgs = {name: TrainConfig(**BASE, **kw) for name, kw in singles.items()}
-        outs = launch(rankfns.train_several, [c.to_dict() for c in cfgs.values()],
-                      [str(tmp / f"{name}.pt") for name in cfgs], world_size=1, timeout=240, quiet=True)
-        for i, (name, cfg) in enumerate(cfgs.items()):
-            _RUNS[name] = (cfg, merge(cfg.to_dict(), [outs[0][i]], device="cpu", backend="gloo"),
-                           torch.load(tmp / f"{name}.pt"))
-        for world, layouts in LAUNCHES.items():
-            cfgs = [TrainConfig(**BASE, **kw) for kw in layouts.values()]
-            paths = [str(tmp / f"{name}.pt") for name in layouts]
-            per_rank = launch(rankfns.train_several, [c.to_dict() for c in cfgs], paths, world_size=world,
-                              timeout=540, quiet=True)
-            for i, (name, cfg) in enumerate(zip(layouts, cfgs)):
-                result = merge(cfg.to_dict(), [outputs[i] for outputs in per_rank], device="cpu", backend="gloo")
-                _RUNS[name] = (cfg, result, torch.load(paths[i]))
+        _RUNS.update(train_launches(tmp_path_factory.mktemp("moe"), BASE, {1: singles, **LAUNCHES}))
     return _RUNS
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_equals_the_single_device_run(name, tmp_path_factory):
     runs = _results(tmp_path_factory)
-    cfg, result, weights = runs[name]
-    _, ref, ref_weights = runs["single-top1-every2" if cfg.moe_every else "single"]
-    assert len(result.losses) == BASE["steps"]
-    for got, want in zip(result.losses, ref.losses):
-        assert abs(got - want) <= 1e-5 * abs(want)
-    assert sorted(weights) == sorted(ref_weights)
-    for key, want in ref_weights.items():
-        assert (weights[key] - want).abs().max().item() <= 5e-5, key
+    cfg, result, _ = runs[name]
+    reference = runs["single-top1-every2" if cfg.moe_every else "single"]
+    assert_equal(runs[name], reference, BASE["steps"])
     # The router saw the same tokens and chose the same experts, whatever the layout.
-    assert result.extras["moe"]["tokens_per_expert"] == ref.extras["moe"]["tokens_per_expert"]
+    assert result.extras["moe"]["tokens_per_expert"] == reference[1].extras["moe"]["tokens_per_expert"]
 
 
 def test_all_to_all_moves_what_the_formula_says(tmp_path_factory):

@@ -8,13 +8,11 @@ within 5e-5 absolute of the single-device run. Several layouts of one world size
 from __future__ import annotations
 
 import pytest
-import torch
 
-from gpucourse import ConfigError, TrainConfig, launch
-from gpucourse.measure import merge
+from gpucourse import ConfigError, TrainConfig
 from gpucourse.parallel.schedules_virtual import build
 
-import rankfns
+from launches import assert_equal, train_launches
 
 BASE = dict(steps=10, seq_len=32, batch_size=8)
 pytestmark = pytest.mark.timeout(600)
@@ -39,29 +37,14 @@ _RUNS: dict = {}
 
 def _results(tmp_path_factory) -> dict:
     if not _RUNS:
-        tmp = tmp_path_factory.mktemp("virtual")
-        for world, layouts in {1: {"single": {}}, **LAUNCHES}.items():
-            cfgs = [TrainConfig(**BASE, **kw) for kw in layouts.values()]
-            paths = [str(tmp / f"{name}.pt") for name in layouts]
-            per_rank = launch(rankfns.train_several, [c.to_dict() for c in cfgs], paths, world_size=world,
-                              timeout=540, quiet=True)
-            for i, (name, cfg) in enumerate(zip(layouts, cfgs)):
-                result = merge(cfg.to_dict(), [outputs[i] for outputs in per_rank], device="cpu", backend="gloo")
-                _RUNS[name] = (cfg, result, torch.load(paths[i]))
+        _RUNS.update(train_launches(tmp_path_factory.mktemp("virtual"), BASE, {1: {"single": {}}, **LAUNCHES}))
     return _RUNS
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_equals_the_single_device_run(name, tmp_path_factory):
     runs = _results(tmp_path_factory)
-    _, ref, ref_weights = runs["single"]
-    cfg, result, weights = runs[name]
-    assert len(result.losses) == BASE["steps"]
-    for got, want in zip(result.losses, ref.losses):
-        assert abs(got - want) <= 1e-5 * abs(want)
-    assert sorted(weights) == sorted(ref_weights)
-    for key, want in ref_weights.items():
-        assert (weights[key] - want).abs().max().item() <= 5e-5, key
+    assert_equal(runs[name], runs["single"], BASE["steps"])
 
 
 def test_each_rank_sends_what_its_schedule_says(tmp_path_factory):

@@ -265,6 +265,15 @@ def _virtual_schedule(pp, microbatches, name, v, cost_f, cost_b, cost_w, cost_co
     fig = go.Figure(data=last.data, frames=frames if len(frames) > 1 else None)
     _lanes_layout(fig, [rank_label(s) for s in range(pp)], last.layout.title.text,
                   f"time (time units: a rank's forward {cost_f}, B {cost_b}, W {cost_w}, transfer {cost_comm})")
+    _microbatch_slider(fig, frames, sims)
+    final = sims[list(sims)[-1]]
+    fig.layout.meta = {"bubble_fraction": final.bubble_fraction, "bubble_ratio": final.bubble_ratio,
+                       "makespan": final.makespan, "peak_in_flight": final.peak_in_flight}
+    return fig
+
+
+def _microbatch_slider(fig, frames: list, sims: dict) -> None:
+    """The x range of the longest simulation, and (with several frames) a slider over the microbatch counts."""
     fig.update_xaxes(range=[0, max(s.makespan for s in sims.values()) * 1.02])
     if len(frames) > 1:
         fig.update_layout(sliders=[dict(
@@ -273,10 +282,6 @@ def _virtual_schedule(pp, microbatches, name, v, cost_f, cost_b, cost_w, cost_co
                         args=[[f.name], dict(mode="immediate", frame=dict(duration=0, redraw=True),
                                              transition=dict(duration=0))]) for f in frames])],
             height=fig.layout.height + 90)
-    final = sims[list(sims)[-1]]
-    fig.layout.meta = {"bubble_fraction": final.bubble_fraction, "bubble_ratio": final.bubble_ratio,
-                       "makespan": final.makespan, "peak_in_flight": final.peak_in_flight}
-    return fig
 
 
 def _schedule(result, pp, microbatches, schedule, cost_f, cost_b, cost_comm, slider):
@@ -316,14 +321,7 @@ def _schedule(result, pp, microbatches, schedule, cost_f, cost_b, cost_comm, sli
     costs = "" if unit == "ms" else f": forward {cost_f}, backward {cost_b}, transfer {cost_comm}"
     _lanes_layout(fig, [rank_label(s, "stage") for s in range(pp)], last.layout.title.text,
                   f"time ({unit}{costs})")
-    fig.update_xaxes(range=[0, max(s.makespan for s in sims.values()) * 1.02])
-    if len(frames) > 1:
-        fig.update_layout(sliders=[dict(
-            active=len(frames) - 1, currentvalue=dict(prefix="microbatches m = "), pad=dict(t=60),
-            steps=[dict(label=f.name, method="animate",
-                        args=[[f.name], dict(mode="immediate", frame=dict(duration=0, redraw=True),
-                                             transition=dict(duration=0))]) for f in frames])],
-            height=fig.layout.height + 90)
+    _microbatch_slider(fig, frames, sims)
     fig.layout.meta = {"bubble_fraction": sims[counts[-1]].bubble_fraction, "makespan": sims[counts[-1]].makespan,
                        "bubble_ratio": sims[counts[-1]].bubble_ratio}
     return fig
