@@ -25,6 +25,16 @@ REPO = Path(__file__).resolve().parents[1]
 MUTANTS = REPO / "tests" / "mutants"
 EXERCISES = list(grading.exercises().values())
 
+# ex13's checks (their names are long).
+EX13_VALID = "every (microbatch, chunk) forwarded and backwarded once, each after what it needs"
+EX13_WARMUP = "a warm-up of 2(p − s − 1) + (v − 1)·p forwards, at most m·v, then one forward, one backward"
+EX13_FORWARDS = "forwards go p microbatches through a chunk, then the next chunk"
+EX13_BACKWARDS = "backwards take the chunks in reverse"
+EX13_BUBBLE = "the bubble is (p − 1)/(v·m) of the compute time"
+EX13_MEMORY = "no rank holds more activations than interleaved 1F1B"
+EX13_EDGES = "p = 1 and v = 1 edge cases"
+EX13_LARGE = "16 ranks, 64 microbatches, 4 chunks: valid, and quick"
+
 # mutant (folder/file stem) -> (the checks it must fail, exactly; words the intended check's message holds).
 # The intended check is the first one listed.
 WRONG_ANSWERS = {
@@ -183,6 +193,19 @@ WRONG_ANSWERS = {
     "ex12_expert_dispatch/empty_expert_crash": (["an expert that gets no token (4 ranks)"], "non-empty list"),
     "ex12_expert_dispatch/counts_exchanged_again": (["bytes: each row crosses once each way (4 ranks)"],
                                                     "exchanged 3 times"),
+    "ex13_interleaved_schedule/warmup_1f1b": ([EX13_WARMUP, EX13_EDGES], "plain 1F1B's pp − s − 1"),
+    "ex13_interleaved_schedule/warmup_no_chunk_term": ([EX13_WARMUP, EX13_VALID, EX13_BUBBLE, EX13_MEMORY,
+                                                        EX13_EDGES, EX13_LARGE], "without the (v − 1)·pp"),
+    "ex13_interleaved_schedule/chunk_k_mod_v": ([EX13_FORWARDS, EX13_VALID, EX13_BACKWARDS, EX13_BUBBLE,
+                                                 EX13_MEMORY, EX13_LARGE], "k mod v"),
+    "ex13_interleaved_schedule/backward_chunks_in_order": ([EX13_BACKWARDS, EX13_VALID, EX13_BUBBLE, EX13_MEMORY,
+                                                            EX13_EDGES, EX13_LARGE], "chunk v − 1 first"),
+    "ex13_interleaved_schedule/microbatch_k_div_v": ([EX13_FORWARDS, EX13_VALID, EX13_BACKWARDS, EX13_BUBBLE,
+                                                      EX13_MEMORY, EX13_LARGE], "microbatch k // v"),
+    "ex13_interleaved_schedule/all_forwards_first": ([EX13_MEMORY, EX13_WARMUP, EX13_EDGES], "as GPipe does"),
+    "ex13_interleaved_schedule/warmup_not_capped": ([EX13_VALID, EX13_WARMUP, EX13_FORWARDS, EX13_BACKWARDS,
+                                                     EX13_BUBBLE, EX13_MEMORY, EX13_EDGES, EX13_LARGE],
+                                                    "at most m·v"),
 }
 
 
@@ -307,6 +330,9 @@ def test_reference_code_is_refused(marked):
     ("from gpucourse.parallel.schedules import Op, F, B, validate, simulate", False),
     ('"""Compare with gpucourse/parallel/zero.py and solutions/."""', False),
     ("from gpucourse.parallel.schedules import one_f_one_b", True),
+    ("from gpucourse.parallel.schedules_virtual import Layout, with_transfers, check, validate, simulate", False),
+    ("from gpucourse.parallel.schedules_virtual import interleaved_1f1b", True),
+    ("from gpucourse.parallel.schedules_virtual import build, SCHEDULES", True),
     ("import gpucourse.parallel.schedules", True),
     ("from gpucourse.parallel import zero", True),
     ("from gpucourse import parallel", True),

@@ -29,6 +29,7 @@ Nothing here decides a verdict: a rank only reports what the learner's code did.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import resource
@@ -215,7 +216,8 @@ def install_audit_hook(rules: FileRules, hidden_modules: tuple[str, ...]) -> Non
                 raise PermissionError(f"the grader's sandbox refuses to {why.replace('read', 'list', 1)}")
         elif event == "import" and args and isinstance(args[0], str):
             name = args[0]
-            if any(name == m or name.startswith(m + ".") for m in hidden_modules):
+            if name not in CENSORED_ON_IMPORT and \
+                    any(name == m or name.startswith(m + ".") for m in hidden_modules):
                 raise ForbiddenCall(f"import {name}: the course's own answers are not available to an exercise; "
                                     f"write it yourself")
         elif event == "os.kill" and args and args[0] not in (0, os.getpid()):
@@ -364,15 +366,65 @@ def censored_schedules(source: str) -> None:
 # The reference schedules and what builds them: removed from the censored module.
 REFERENCE_SCHEDULE_NAMES = ("naive", "gpipe", "one_f_one_b", "_forward", "_backward", "SCHEDULES", "build",
                             "formula_bubble", "formula_bubble_ratio")
+# The same for gpucourse.parallel.schedules_virtual: exercise 13 writes interleaved 1F1B, and may use the
+# layout, the transfers, the checker and the simulator (Layout, with_transfers, check, validate, simulate).
+REFERENCE_VIRTUAL_NAMES = ("interleaved_1f1b", "greedy", "SCHEDULES", "build", "formula_bubble_ratio")
 
 
-def main(control_fd: int, schedules_source: str) -> int:
-    """Serve the host's batches (started by :mod:`gpucourse.grading.wall`, which raised the walls first)."""
+class CensoredOnImport:
+    """Serves censored modules of ``gpucourse.parallel`` when learner code imports them (and only then, so that
+    an exercise that does not import one never has it in ``sys.modules``): a finder at the head of
+    ``sys.meta_path`` that hands out a module built, and censored, before any learner code ran."""
+
+    def __init__(self, modules: dict[str, types.ModuleType]):
+        self._modules = modules
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in self._modules:
+            return None
+        return importlib.util.spec_from_loader(name, self, origin=self._modules[name].__file__)
+
+    def create_module(self, spec):
+        return self._modules[spec.name]
+
+    def exec_module(self, module) -> None:
+        pass  # built and censored already
+
+
+def censored_virtual_schedules(source: str) -> types.ModuleType:
+    """A ``gpucourse.parallel.schedules_virtual`` without the reference schedules (the censored
+    ``gpucourse.parallel.schedules`` must be in place: it imports the op format from there)."""
+    name = "gpucourse.parallel.schedules_virtual"
+    module = types.ModuleType(name)
+    module.__file__ = "<the layout, transfers and checker of gpucourse.parallel.schedules_virtual>"
+    module.__package__ = "gpucourse.parallel"
+    sys.modules[name] = module  # dataclasses look the module up while the class is made
+    try:
+        exec(compile(source, module.__file__, "exec"), module.__dict__)
+    finally:
+        del sys.modules[name]
+    for reference in REFERENCE_VIRTUAL_NAMES:
+        module.__dict__.pop(reference, None)
+    return module
+
+
+# Modules of the hidden ``gpucourse.parallel`` that learner code may import, censored (see CensoredOnImport).
+CENSORED_ON_IMPORT = ("gpucourse.parallel.schedules_virtual",)
+
+
+def main(control_fd: int, sources: dict[str, str]) -> int:
+    """Serve the host's batches (started by :mod:`gpucourse.grading.wall`, which raised the walls first).
+
+    ``sources``: the text of ``gpucourse/parallel/schedules.py`` and ``schedules_virtual.py`` by module name,
+    read before the walls went up; emptied here, so that only the censored modules outlive this call."""
     from ..runtime import LaunchError, LaunchTimeout, WorkerError, launch
     import torch._dynamo  # noqa: F401 -- building an optimizer imports it: once here, not in every rank
     from . import probes  # noqa: F401
 
-    censored_schedules(schedules_source)
+    censored_schedules(sources.pop("schedules"))
+    virtual = censored_virtual_schedules(sources.pop("schedules_virtual"))
+    sources.clear()
+    sys.meta_path.insert(0, CensoredOnImport({virtual.__name__: virtual}))
     for name in probes.NAMES:
         __import__(f"{probes.__name__}.{name}")
     torch.set_num_threads(1)

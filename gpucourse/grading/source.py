@@ -6,7 +6,10 @@ that hands the work to the course's own answers — the reference strategies in
 ``solutions`` folder — found by reading the code (its syntax tree), not by
 running it. ``import torch.distributed`` is, of course, fine; so are the few
 names of ``gpucourse.parallel.schedules`` that describe the op format and
-check a schedule (``Op``, the op kinds, ``validate``, ``simulate``, ``gantt``).
+check a schedule (``Op``, the op kinds, ``validate``, ``simulate``, ``gantt``),
+and of ``gpucourse.parallel.schedules_virtual`` the layout of virtual stages, the
+transfers and the checkers (``Layout``, ``with_transfers``, ``check``,
+``validate``, ``simulate``).
 
 This is the early, readable refusal (it names the line); the wall is the
 sandbox (:mod:`gpucourse.grading.sandbox`), whose audit hook refuses at run
@@ -20,9 +23,13 @@ import os
 
 REFERENCE_MODULES = ("gpucourse.parallel", "gpucourse.grading", "solutions")
 # Tools and vocabulary, not answers: a learner may import these by name.
+_SCHEDULE_TOOLS = {"Op", "F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "KINDS", "PEER", "PARTNER",
+                   "ScheduleError", "Simulation", "validate", "simulate", "gantt"}
 ALLOWED_NAMES = {
-    "gpucourse.parallel.schedules": {"Op", "F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "KINDS", "PEER",
-                                     "PARTNER", "ScheduleError", "Simulation", "validate", "simulate", "gantt"},
+    "gpucourse.parallel.schedules": _SCHEDULE_TOOLS,
+    # The layout of virtual stages, the transfers around a compute order, and the checker and simulator of
+    # such schedules (exercise 13); the op vocabulary it re-exports too.
+    "gpucourse.parallel.schedules_virtual": _SCHEDULE_TOOLS | {"Layout", "with_transfers", "check"},
 }
 _IMPORTERS = {"import_module", "__import__", "run_path", "run_module", "spec_from_file_location",
               "SourceFileLoader", "exec", "open", "append", "insert"}

@@ -138,13 +138,16 @@ def _mount_points() -> list[tuple[str, set[str]]]:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[1])
-    # Read before the walls go up: the op format and checker of the schedules (exercise 5 may import them).
-    with open(os.path.join(PACKAGE, "parallel", "schedules.py"), encoding="utf-8") as f:
-        schedules_source = f.read()
+    # Read before the walls go up: the op format, layouts and checkers of the schedules (exercises 5 and 13 may
+    # import them; the sandbox censors the reference schedules out of them, and empties this dict).
+    sources = {}
+    for name in ("schedules", "schedules_virtual"):
+        with open(os.path.join(PACKAGE, "parallel", f"{name}.py"), encoding="utf-8") as f:
+            sources[name] = f.read()
     raise_walls(spec["hidden_paths"], spec["private"])
     from .sandbox import main as sandbox_main
 
-    return sandbox_main(int(argv[0]), schedules_source)
+    return sandbox_main(int(argv[0]), sources)
 
 
 if __name__ == "__main__":
