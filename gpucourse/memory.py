@@ -73,9 +73,8 @@ def moe_block_params(mc: GPTConfig, tp: int = 1, ep: int = 1) -> tuple[int, int]
     """(everything but the experts, the experts) one rank holds of a mixture-of-experts block: the attention,
     norms and router (replicated), and E/ep experts."""
     bp = block_params(mc)
-    C = mc.n_embd
-    mlp = (4 * C * C + 4 * C + 4 * C * C) // tp + C
-    dense = bp.sharded // tp + bp.replicated - mlp + C * mc.moe_experts  # the router: C × E, no bias
+    # The block's own MLP is one expert's size; the router is C × E, no bias.
+    dense = bp.sharded // tp + bp.replicated - expert_params(mc, tp) + mc.n_embd * mc.moe_experts
     return dense, mc.moe_experts // ep * expert_params(mc, tp)
 
 

@@ -128,7 +128,7 @@ class VirtualPipelineSchedule:
                     inputs[key] = outputs[prev].detach().requires_grad_()
                     inputs[key].local_from = prev
                 with rec.span("forward", microbatch=mb), rec.activations.forward(mb):
-                    seen = _capture(chunks.layers(op.chunk)) if self.split else None
+                    seen = _Capture(chunks.layers(op.chunk)) if self.split else None
                     out = model(xs[op.microbatch] if vs == 0 else inputs[key], op.chunk)
                     if seen is not None:
                         seen.remove()
@@ -164,7 +164,7 @@ class VirtualPipelineSchedule:
                 with trainer.accumulating(last=last), rec.span("backward", f"weights {op}", microbatch=mb):
                     for output, grad in pending_w.pop(key):
                         if grad is not None:
-                            torch.autograd.backward(output, grad, inputs=_own_parameters(output))
+                            torch.autograd.backward(output, grad, inputs=output.own_parameters)
                 outputs.pop(key)
                 rec.activations.release(mb)
         for h in handles:
@@ -177,7 +177,7 @@ class VirtualPipelineSchedule:
         if not self.split:
             torch.autograd.backward(out, grad)
             return
-        layer_outputs = [o for o, _ in pending_w[key]]
+        layer_outputs = pending_w[key]
         wanted = ([source] if source is not None else []) + layer_outputs
         got = torch.autograd.grad(out, wanted, grad_outputs=grad, retain_graph=True, allow_unused=True)
         if source is not None:
@@ -208,19 +208,12 @@ class _Capture:
 
     def _keep(self, module, args, output):
         output.own_parameters = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        self.outputs.append((output, None))
+        self.outputs.append(output)
 
     def remove(self) -> None:
         for h in self.hooks:
             h.remove()
 
-
-def _capture(layers) -> _Capture:
-    return _Capture(layers)
-
-
-def _own_parameters(output: torch.Tensor) -> list:
-    return output.own_parameters
 
 
 # --- impl="torch": the same chunks under torch.distributed.pipelining's multi-stage schedules ---------------

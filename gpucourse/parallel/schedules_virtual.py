@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .schedules import (B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Op, ScheduleError, Simulation,
+from .schedules import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Op, ScheduleError, Simulation,
                         per_stage_costs, run_clock)
 
 
@@ -268,8 +268,3 @@ def validate(schedule: list[list[Op]], layout: Layout, m: int) -> None:
 def formula_bubble_ratio(name: str, pp: int, m: int, v: int = 2) -> float | None:
     """Idle over compute time by the papers' formulas (equal costs, free transfers): interleaved (p−1)/(v·m)."""
     return (pp - 1) / (v * m) if name == "interleaved-1f1b" else None
-
-
-def compute_ops(sim: Simulation, rank: int) -> list[tuple[Op, float, float]]:
-    """One rank's compute ops from a simulation, in order."""
-    return [(op, a, b) for op, a, b in sim.timeline[rank] if op.kind in COMPUTE]
