@@ -146,6 +146,8 @@ def cmd_train(args) -> int:
             print(f"{r['layout']:<{w}}  {r['impl']:<10}  {r['what']:<{ww}}  {r['example']}")
         return 0
     cfg = _config_from(args)
+    if args.print_config is not None:  # the same layout in another tool's names; nothing trains
+        return _print_stack_config(cfg, args.print_config)
     cfg.validate()
     for path, flag in ((args.json, "--json"), (args.export_weights, "--export-weights")):
         if path:
@@ -170,6 +172,19 @@ def cmd_train(args) -> int:
                 print(f"  {what} written to {path}")
         if analysis is not None:
             _print_profile(result, cfg, *analysis)
+    return 0
+
+
+def _print_stack_config(cfg: TrainConfig, tool: str) -> int:
+    """Print ``cfg`` as ``tool``'s settings on stdout; what the tool cannot express, one note a line, on stderr."""
+    from . import stack_config
+
+    if tool not in stack_config.TOOLS:
+        raise UsageError(f"--print-config {tool!r} is not one of {', '.join(stack_config.TOOLS)}.")
+    out = stack_config.translate(cfg, tool)
+    print(out.text, end="")
+    for note in out.notes:
+        print(f"note: {note}", file=sys.stderr)
     return 0
 
 
@@ -530,6 +545,8 @@ def cmd_quiz(args) -> int:
         raise UsageError(f"--topic {args.topic!r} is not one of {', '.join(quiz.TOPICS)}.")
     if args.count is not None and args.count < 1:
         raise UsageError(f"--count {args.count} must be at least 1.")
+    if args.review and (args.exam or args.export):
+        raise UsageError("--review asks again the questions you missed; leave out --exam and --export.")
     if args.export:
         _check_writable(args.export, "--export")
         n = quiz.export_bank(args.export, args.topic)
@@ -537,6 +554,20 @@ def cmd_quiz(args) -> int:
         return 0
     from .quiz import terminal
 
+    if args.review:
+        from . import progress
+        from .quiz import review
+
+        try:
+            record = progress.load()
+            questions = review.draw(record, args.topic, args.count, args.seed)
+        except ValueError as e:  # no answers recorded yet, or an unreadable progress file
+            raise UsageError(str(e)) from None
+        if questions:
+            terminal.run_quiz(questions, "review")
+        else:
+            print(review.nothing_due(record, args.topic))
+        return 0
     if args.exam:
         if args.topic:
             raise UsageError("--exam spans every topic; leave out --topic.")
@@ -584,6 +615,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "if DIR is also --save and holds none yet, start from step 0")
     p.add_argument("--quiet", action="store_true", help="no progress or device line")
     p.add_argument("--list", action="store_true", help="list the layouts and impls this build supports")
+    p.add_argument("--print-config", metavar="TOOL", default=None,
+                   help="print this layout as megatron, nemo, deepspeed, torchtitan or accelerate settings (in "
+                        "their own names) and exit without training; what the tool cannot express goes to stderr")
     p.add_argument("--profile", metavar="DIR",
                    help="write a torch.profiler Chrome trace per rank (DIR/rankN.trace.json) and print where "
                         "each rank's time went: compute, communication, idle")
@@ -636,7 +670,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1024, help="global batch in sequences")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
     p.add_argument("--precision", default="bf16", help="bf16 (with fp32 master weights) or fp32")
-    p.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s reached (MFU)")
+    p.add_argument("--efficiency", type=float, default=None,
+                   help="fraction of peak FLOP/s reached (default: the GPU's achievable share, see gpucourse.gpus)")
     p.add_argument("--top", type=int, default=10, help="rows to print")
     p.add_argument("--json", metavar="FILE", help="write every layout as JSON")
     p.set_defaults(func=cmd_plan)
@@ -720,6 +755,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a mock exam across all topics, timed (90 s a question), marked at the end")
     p.add_argument("--export", metavar="FILE",
                    help="write the whole bank (or --topic's questions) as JSON, with answers and explanations")
+    p.add_argument("--review", action="store_true",
+                   help="ask again the questions you missed, spaced over sessions (Leitner boxes): a missed question "
+                        "comes back next session; each right answer moves it up a box, and boxes 1-5 wait 1, 2, 4, "
+                        "8, 16 sessions (a session is one finished quiz, review or mock exam)")
     p.set_defaults(func=cmd_quiz)
 
     p = sub.add_parser("progress", help="exercises passed and quiz scores so far",

@@ -135,8 +135,8 @@ class Pending:
     compute stream has waited for it).
     """
 
-    def __init__(self, work, name: str):
-        self._work, self._name, self._rec = work, name, _RECORDER
+    def __init__(self, work, name: str, meta: dict | None = None):
+        self._work, self._name, self._rec, self._meta = work, name, _RECORDER, meta or {}
         self._start = self._rec.mark() if self._rec else None
         self._done = None
         if self._rec is not None and not self._rec._cuda:
@@ -149,26 +149,43 @@ class Pending:
         self._done = self._rec.now()
 
     def wait(self) -> None:
+        waited = self._rec.mark() if self._rec is not None else None  # where this rank starts to need the result
         self._work.wait()
         if self._rec is not None:
             end = self._rec.mark()
             if self._done is not None:
                 end = min(end, self._done)
-            self._rec.add_span("comm", self._name, self._start, end)
+            self._rec.add_span("comm", self._name, self._start, end, waited=waited, **self._meta)
 
 
-def _run(op: str, name: str, fn, tensor: torch.Tensor, group, async_op: bool):
+def _group_ranks(group) -> list[int]:
+    """The global ranks of ``group`` (None: every rank)."""
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
+def _meta(op: str, tensor: torch.Tensor, group, peer: int | None = None) -> dict:
+    """What a replay needs of one call: which collective, its payload in bytes, the ranks that take part
+    (and, for a send or receive, the other side's global rank). Nothing when nothing is recorded."""
+    if _RECORDER is None or not _RECORDER.enabled:
+        return {}
+    meta = {"op": op, "bytes": tensor.numel() * tensor.element_size(), "group": _group_ranks(group)}
+    if peer is not None:
+        meta["peer"] = peer
+    return meta
+
+
+def _run(op: str, name: str, fn, tensor: torch.Tensor, group, async_op: bool, peer: int | None = None):
     count(op, tensor, group)
-    return _call(name, fn, async_op)
+    return _call(name, fn, async_op, _meta(op, tensor, group, peer))
 
 
-def _call(name: str, fn, async_op: bool):
+def _call(name: str, fn, async_op: bool, meta: dict | None = None):
     if async_op:
-        return Pending(fn(async_op=True), name)
+        return Pending(fn(async_op=True), name, meta)
     if _RECORDER is None:
         fn(async_op=False)
         return None
-    with _RECORDER.span("comm", name):
+    with _RECORDER.span("comm", name, **(meta or {})):
         fn(async_op=False)
     spans = _RECORDER.spans
     if spans and spans[-1]["name"] == name:
@@ -220,22 +237,22 @@ def broadcast(tensor, src, group=None, async_op=False, name="broadcast"):
 
 def send(tensor, dst, group=None, name="send"):
     """Send ``tensor`` to global rank ``dst`` (returns when the send can be reused)."""
-    return _run("send", name, lambda async_op: dist.send(tensor, dst=dst, group=group), tensor, group, False)
+    return _run("send", name, lambda async_op: dist.send(tensor, dst=dst, group=group), tensor, group, False, dst)
 
 
 def recv(tensor, src, group=None, name="recv"):
     """Receive into ``tensor`` from global rank ``src``."""
-    return _run("recv", name, lambda async_op: dist.recv(tensor, src=src, group=group), tensor, group, False)
+    return _run("recv", name, lambda async_op: dist.recv(tensor, src=src, group=group), tensor, group, False, src)
 
 
 def isend(tensor, dst, group=None, name="send"):
     """Start sending ``tensor`` to global rank ``dst``; ``wait()`` on the handle before reusing it."""
-    return _run("send", name, lambda async_op: dist.isend(tensor, dst=dst, group=group), tensor, group, True)
+    return _run("send", name, lambda async_op: dist.isend(tensor, dst=dst, group=group), tensor, group, True, dst)
 
 
 def irecv(tensor, src, group=None, name="recv"):
     """Start receiving into ``tensor`` from global rank ``src``; ``wait()`` on the handle before reading it."""
-    return _run("recv", name, lambda async_op: dist.irecv(tensor, src=src, group=group), tensor, group, True)
+    return _run("recv", name, lambda async_op: dist.irecv(tensor, src=src, group=group), tensor, group, True, src)
 
 
 def all_to_all_single(output, input, group=None, name="all_to_all"):
@@ -260,4 +277,4 @@ def all_to_all_uneven(output, input, output_splits: list[int], input_splits: lis
                              row * (sum(input_splits) - input_splits[me]))
     return _call(name, lambda async_op: dist.all_to_all_single(
         output, input, output_split_sizes=output_splits, input_split_sizes=input_splits, group=group,
-        async_op=async_op), False)
+        async_op=async_op), False, _meta("all_to_all", input, group))

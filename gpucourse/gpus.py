@@ -39,7 +39,12 @@ ENV_VAR = "GPUCOURSE_GPUS"
 
 @dataclass(frozen=True)
 class GPUSpec:
-    """One accelerator's peak compute (FLOP/s), memory (GB) and link bandwidths (GB/s, one direction)."""
+    """One accelerator: peak compute (FLOP/s), memory (GB and GB/s) and links (GB/s one direction, latency µs).
+
+    ``achievable`` is the share of the peak that a transformer's training step reaches on large
+    matrices (what :mod:`gpucourse.cluster` times compute with); ``bus_efficiency`` the share of a
+    link's bandwidth that NCCL's ring reaches (nccl-tests' bus bandwidth over the link's).
+    """
 
     name: str
     peak_bf16_flops: float
@@ -48,21 +53,50 @@ class GPUSpec:
     intra_node_GBps: float
     inter_node_GBps: float
     note: str = ""
+    peak_fp8_flops: float = 0.0
+    hbm_GBps: float = 0.0
+    intra_node_latency_us: float = 5.0
+    inter_node_latency_us: float = 10.0
+    achievable: float = 0.5
+    bus_efficiency: float = 0.8
 
     def peak_flops(self, precision: str = "bf16") -> float:
-        """Peak FLOP/s for a run in ``precision``: fp32 uses the fp32 figure, anything lower the bf16 one."""
-        return self.peak_fp32_flops if precision in ("fp32", "float32") else self.peak_bf16_flops
+        """Peak FLOP/s for a run in ``precision``: fp32 uses the fp32 figure, fp8 the fp8 one, else bf16's."""
+        if precision in ("fp32", "float32"):
+            return self.peak_fp32_flops
+        if precision == "fp8" and self.peak_fp8_flops:
+            return self.peak_fp8_flops
+        return self.peak_bf16_flops
 
 
 T = 1e12
 
-# The built-in table; :func:`gpus` adds the user's file on top.
+# The built-in table; :func:`gpus` adds the user's file on top. Sources, dense figures (the datasheets print
+# tensor-core FLOP/s "with sparsity", twice the dense ones):
+# - A100 SXM 80 GB: NVIDIA A100 datasheet: BF16 312 T, FP32 19.5 T, HBM2e 2,039 GB/s, NVLink 3 600 GB/s
+#   (both directions); DGX A100: one 200 Gb/s HDR InfiniBand port per GPU.
+# - H100 SXM: NVIDIA H100 datasheet: BF16 1,979 T and FP8 3,958 T with sparsity, FP32 67 T, HBM3 3.35 TB/s,
+#   NVLink 4 900 GB/s; DGX H100: one 400 Gb/s NDR port per GPU.
+# - H200 SXM: NVIDIA H200 datasheet: H100's compute, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
+# - B200 (HGX B200): NVIDIA HGX platform specifications: per GPU BF16 4.5 P and FP8 9 P with sparsity,
+#   FP32 75 T, 180 GB HBM3e at 7.7 TB/s, NVLink 5 1.8 TB/s; DGX B200: 400 Gb/s per GPU.
+# - L4: NVIDIA L4 datasheet: BF16 242 T with sparsity, 24 GB GDDR6 300 GB/s, PCIe Gen4 x16 (32 GB/s).
+# Latencies are orders of magnitude for one NCCL step: a few µs over NVLink, about 10 µs across
+# InfiniBand. ``achievable`` and ``bus_efficiency``: see docs/modeled-timing.md for what they were
+# fitted on and how the model compares with published runs.
 GPUS: dict[str, GPUSpec] = {g.name: g for g in (
-    GPUSpec("h100", 989 * T, 67 * T, 80, 450, 50, "H100 SXM: NVLink 4 (900 GB/s both ways), 400 Gb/s NIC per GPU"),
-    GPUSpec("h200", 989 * T, 67 * T, 141, 450, 50, "H200 SXM: H100's compute with more, faster memory"),
-    GPUSpec("a100", 312 * T, 19.5 * T, 80, 300, 25, "A100 SXM 80 GB: NVLink 3 (600 GB/s both ways), 200 Gb/s NIC"),
-    GPUSpec("l4", 121 * T, 30.3 * T, 24, 32, 12.5, "L4: no NVLink, PCIe 4.0 x16; 100 Gb/s Ethernet"),
-    GPUSpec("cpu", 0.1 * T, 0.1 * T, 16, 10, 1.25, "one CPU core as a 'virtual GPU': rough orders of magnitude"),
+    GPUSpec("h100", 989 * T, 67 * T, 80, 450, 50, "H100 SXM: NVLink 4 (900 GB/s both ways), 400 Gb/s NIC per GPU",
+            peak_fp8_flops=1979 * T, hbm_GBps=3350, achievable=0.4, bus_efficiency=0.8),
+    GPUSpec("h200", 989 * T, 67 * T, 141, 450, 50, "H200 SXM: H100's compute with more, faster memory",
+            peak_fp8_flops=1979 * T, hbm_GBps=4800, achievable=0.4, bus_efficiency=0.8),
+    GPUSpec("b200", 2250 * T, 75 * T, 180, 900, 50, "B200 (HGX): NVLink 5 (1.8 TB/s both ways), 400 Gb/s NIC per GPU",
+            peak_fp8_flops=4500 * T, hbm_GBps=7700, achievable=0.4, bus_efficiency=0.8),
+    GPUSpec("a100", 312 * T, 19.5 * T, 80, 300, 25, "A100 SXM 80 GB: NVLink 3 (600 GB/s both ways), 200 Gb/s NIC",
+            hbm_GBps=2039, achievable=0.55, bus_efficiency=0.8),
+    GPUSpec("l4", 121 * T, 30.3 * T, 24, 32, 12.5, "L4: no NVLink, PCIe 4.0 x16; 100 Gb/s Ethernet",
+            hbm_GBps=300, intra_node_latency_us=10, inter_node_latency_us=20, achievable=0.5, bus_efficiency=0.8),
+    GPUSpec("cpu", 0.1 * T, 0.1 * T, 16, 10, 1.25, "one CPU core as a 'virtual GPU': rough orders of magnitude",
+            hbm_GBps=20, intra_node_latency_us=20, inter_node_latency_us=50, achievable=0.3, bus_efficiency=0.5),
 )}
 
 _FIELDS = {f.name: f for f in dataclasses.fields(GPUSpec)}

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -134,7 +135,7 @@ class Recorder:
         self.spans: list[dict] = []
         self.comm: dict[tuple[int, str], list[int]] = {}
         self._cuda = self.on_cuda = device.type == "cuda"
-        self._pending: list[tuple[dict, Any, Any]] = []
+        self._pending: list[tuple[dict, Any, Any, Any]] = []
         self.activations = ActivationMeter()
         global _METER
         _METER = self.activations
@@ -148,13 +149,17 @@ class Recorder:
         return time.perf_counter() - self._t0
 
     @contextlib.contextmanager
-    def span(self, kind: str, name: str = "", microbatch: int | None = None):
-        """Record the time the body takes as one span of ``kind``."""
+    def span(self, kind: str, name: str = "", microbatch: int | None = None, **meta):
+        """Record the time the body takes as one span of ``kind``.
+
+        ``meta`` goes into the span as it is: a collective's ``op``, ``bytes``, ``group``
+        (its global ranks) and ``peer`` (see :mod:`gpucourse.comm`), which a replay reads.
+        """
         if not self.enabled:
             yield
             return
         rec = {"rank": self.rank, "step": self.step, "kind": kind, "name": name or kind,
-               "microbatch": microbatch}
+               "microbatch": microbatch, **meta}
         if self._cuda:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
@@ -163,7 +168,7 @@ class Recorder:
                 yield
             finally:
                 end.record()
-                self._pending.append((rec, start, end))
+                self._pending.append((rec, start, end, None))
                 self.spans.append(rec)
         else:
             rec["start_s"] = self.now()
@@ -181,15 +186,21 @@ class Recorder:
             return ev
         return self.now()
 
-    def add_span(self, kind: str, name: str, start, end, microbatch: int | None = None):
-        """Add a span between two :meth:`mark` points (e.g. an async collective's launch and completion)."""
+    def add_span(self, kind: str, name: str, start, end, microbatch: int | None = None, waited=None, **meta):
+        """Add a span between two :meth:`mark` points (e.g. an async collective's launch and completion).
+
+        ``waited``: a third mark, where the rank started to need the result (``wait()`` was called);
+        recorded as ``waited_s``.
+        """
         if not self.enabled:
             return
-        rec = {"rank": self.rank, "step": self.step, "kind": kind, "name": name, "microbatch": microbatch}
+        rec = {"rank": self.rank, "step": self.step, "kind": kind, "name": name, "microbatch": microbatch, **meta}
         if self._cuda:
-            self._pending.append((rec, start, end))
+            self._pending.append((rec, start, end, waited))
         else:
             rec["start_s"], rec["end_s"] = start, end
+            if waited is not None:
+                rec["waited_s"] = waited
         self.spans.append(rec)
 
     def totals(self, since: int = 0) -> dict[str, float]:
@@ -212,15 +223,19 @@ class Recorder:
         if not self._pending:
             return
         self._pending[-1][2].synchronize()
-        for rec, start, end in self._pending:
+        for rec, start, end, waited in self._pending:
             rec["start_s"] = self._ref.elapsed_time(start) / 1e3
             rec["end_s"] = self._ref.elapsed_time(end) / 1e3
+            if waited is not None:
+                rec["waited_s"] = self._ref.elapsed_time(waited) / 1e3
         self._pending.clear()
 
     def export(self) -> dict:
         """This rank's measurements as plain, picklable data."""
         self.flush()
         return {
+            # One clock for all ranks of a machine: the monotonic clock's reading at this recorder's zero.
+            "clock": {"host": socket.gethostname(), "origin_s": self._t0},
             "spans": self.spans,
             "comm": [{"rank": self.rank, "step": s, "op": op, "bytes": b, "bus_bytes": bb, "calls": c}
                      for (s, op), (b, bb, c) in sorted(self.comm.items())],
@@ -356,7 +371,9 @@ def merge(config: dict, rank_outputs: list[dict], device: str, backend: str) -> 
         per_rank[c["rank"]] += c["bytes"]
         if 0 <= c["step"] < steps:
             per_step[c["step"]] += c["bytes"]
+    _align_clocks(rank_outputs)
     timeline = sorted((s for o in rank_outputs for s in o["spans"]), key=lambda s: (s["rank"], s["start_s"]))
+    note_waits(timeline)
     memory = {str(o["rank"]): o["memory"] for o in rank_outputs if o.get("memory")}
     return RunResult(
         config=config, world_size=len(rank_outputs), device=device, backend=backend,
@@ -368,6 +385,66 @@ def merge(config: dict, rank_outputs: list[dict], device: str, backend: str) -> 
                 **_merge_moe(config, rank_outputs)},
         start_step=rank_outputs[0].get("start_step", 0),
     )
+
+
+def _align_clocks(rank_outputs: list[dict]) -> None:
+    """Put every rank's spans on one clock: the earliest rank's zero (ranks of one machine share a clock).
+
+    Each rank counts from its own start; ranks start a little apart, so without this a
+    span on one rank could not be compared with one on another.
+    """
+    clocks = [o.get("clock") for o in rank_outputs]
+    if not all(clocks) or len({c["host"] for c in clocks}) != 1:
+        return  # several machines: their clocks are not one; leave each rank on its own
+    zero = min(c["origin_s"] for c in clocks)
+    for o in rank_outputs:
+        shift = o["clock"]["origin_s"] - zero
+        o["clock"] = {**o["clock"], "origin_s": zero}
+        for s in o["spans"]:
+            for key in ("start_s", "end_s", "waited_s"):
+                if key in s:
+                    s[key] += shift
+
+
+def note_waits(timeline: list[dict]) -> None:
+    """Mark how much of each communication span was waiting for another rank: ``wait_s``.
+
+    A collective cannot start before its last member arrives, and a send and its
+    receive meet: until then a rank that got there first is *waiting* (idle), not
+    transferring. Calls are matched across ranks the way they are matched when they
+    run: the k-th collective on a group on every member, the k-th message from a to b.
+    """
+    calls: dict[tuple, list[dict]] = {}
+    seen: dict[tuple, int] = {}
+    for s in sorted((s for s in timeline if s["kind"] == "comm" and "group" in s), key=lambda s: s["start_s"]):
+        if s["op"] in ("send", "recv"):
+            pair = (s["rank"], s["peer"]) if s["op"] == "send" else (s["peer"], s["rank"])
+            key = ("p2p", *pair, s["op"])
+        else:
+            key = ("coll", tuple(s["group"]), s["rank"])
+        k = seen.get(key, 0)
+        seen[key] = k + 1
+        match = ("p2p", *pair) if s["op"] in ("send", "recv") else ("coll", tuple(s["group"]))
+        calls.setdefault((*match, k), []).append(s)
+    for (what, *_), spans in calls.items():
+        if len(spans) != (2 if what == "p2p" else len(spans[0]["group"])):
+            continue  # a member's call was not recorded (e.g. outside the recorded steps)
+        last = max(s["start_s"] for s in spans)
+        for s in spans:
+            s["wait_s"] = min(max(0.0, last - s["start_s"]), s["end_s"] - s["start_s"])
+
+
+def waiting(span: dict) -> tuple[float, float] | None:
+    """When a communication span kept its rank waiting for another rank, or None.
+
+    A blocking call waits from its start for ``wait_s``; an asynchronous one (it has
+    ``waited_s``) only keeps the rank waiting once the rank asks for the result.
+    """
+    if not span.get("wait_s"):
+        return None
+    start = max(span["start_s"], span.get("waited_s", span["start_s"]))
+    end = span["start_s"] + span["wait_s"]
+    return (start, end) if end > start else None
 
 
 def _merge_moe(config: dict, rank_outputs: list[dict]) -> dict:

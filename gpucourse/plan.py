@@ -10,7 +10,8 @@ real runs here — and timed with a simple model:
   scores and weighted sum (PaLM's count, Chowdhery et al. 2022, appendix B: L blocks of
   width C, T tokens per sequence; it grows with T and rules long sequences); with
   checkpointing one more forward, 8·N + 16·L·C·T; spread over the G GPUs at
-  ``efficiency`` × the GPU's peak (a mixture of experts: N its active parameters);
+  ``efficiency`` × the GPU's peak (default: its ``achievable`` share, see :mod:`gpucourse.gpus`; a
+  mixture of experts: N its active parameters);
 - **bubble**: a pipeline of p stages and m microbatches idles (p−1)/m of its
   compute time (1F1B and GPipe alike);
 - **tensor-parallel communication**: per block and microbatch, two all-reduces
@@ -34,8 +35,13 @@ where they fit. Their communication:
 - sequence parallelism moves what tensor parallelism moves (an all-gather and
   a reduce-scatter are one all-reduce); it only shrinks activations.
 
-Communication is assumed not to overlap compute, so step times are upper
-bounds; the ranking is what matters. A layout that does not fit in the GPU's
+Each transfer is timed by :class:`gpucourse.cluster.Cluster`'s α–β model (latency per step plus bytes
+over bandwidth, ring or tree) over the slowest link its group crosses — NVLink inside a server, the
+network card across servers — the same model that replays recorded runs (:mod:`gpucourse.replay`).
+Tensor-, pipeline-, context- and expert-parallel transfers sit on the critical path (assumed not to
+overlap compute); data-parallel traffic overlaps it, as it does in DDP and FSDP: the gradient all-reduce
+hides behind backward (2/3 of the compute, 3/4 recomputing), ZeRO-3's gathers behind the whole step, and
+only what is left over counts (``dp_exposed_s``; ``dp_comm_s`` is the whole). The ranking is what matters. A layout that does not fit in the GPU's
 memory is never ranked as fitting.
 
 With only a parameter count, the model's shape is taken from the common
@@ -49,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from .cluster import Cluster
 from .config import ConfigError, TrainConfig
 from .gpus import get_gpu
 from .memory import active_params, estimate, expert_params
@@ -124,52 +131,61 @@ def attention_flops(n_layer: int, n_embd: int, seq_len: int, recompute: bool = F
     return (16 if recompute else 12) * n_layer * n_embd * seq_len
 
 
-def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, efficiency: float) -> dict:
-    """The timing model above for one layout: seconds per step, by part."""
+def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, efficiency: float | None = None) -> dict:
+    """The timing model above for one layout: seconds per step, by part.
+
+    Every transfer is timed by :class:`gpucourse.cluster.Cluster`'s α–β model over the link its group
+    crosses — the same model that replays a recorded run (:mod:`gpucourse.replay`). Ranks are placed as the
+    runtime places them (pp, dp, cp, tp, tensor-parallel ranks adjacent), ``gpus_per_node`` to a server.
+    ``efficiency``: the share of the peak compute reaches (default: the GPU's ``achievable``).
+    """
     mc = cfg.model_config()
+    cluster = Cluster(gpu, gpus_per_node, max(1, -(-cfg.world_size // gpus_per_node)))
     tokens = cfg.batch_size * cfg.seq_len
     elem = 2 if cfg.precision != "fp32" else 4
     # A mixture of experts computes with the parameters a token uses (active), not all of them.
     flops = (8 if cfg.checkpoint_activations else 6) * (active_params(mc) if mc.moe_experts else num_params) * tokens
     flops += attention_flops(mc.n_layer, mc.n_embd, cfg.seq_len, cfg.checkpoint_activations) * tokens
-    compute = flops / (cfg.world_size * gpu.peak_flops(cfg.precision) * efficiency)
+    compute = cluster.compute_s(flops / cfg.world_size, precision=cfg.precision, efficiency=efficiency)
     m = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
     bubble = compute * (cfg.pp - 1) / m if cfg.pp > 1 else 0.0
     micro_tokens = tokens // (cfg.dp * m)
-    intra, inter = gpu.intra_node_GBps * 1e9, gpu.inter_node_GBps * 1e9
-    tp_comm = 0.0
-    if cfg.tp > 1:
-        per_allreduce = 2 * (cfg.tp - 1) / cfg.tp * micro_tokens * mc.n_embd * elem / intra
-        tp_comm = 4 * (mc.n_layer / cfg.pp) * m * per_allreduce
-    pp_comm = 0.0
-    if cfg.pp > 1:
-        link = intra if cfg.tp * cfg.dp * cfg.pp <= gpus_per_node else inter
-        pp_comm = 2 * m * micro_tokens * mc.n_embd * elem / link
-    cp_comm = 0.0
+    # One group of each kind, as the runtime numbers ranks: rank = ((stage·dp + d)·cp + c)·tp + t.
+    tp_group = range(cfg.tp)
+    cp_neighbours = (0, cfg.tp)
+    stage_neighbours = (0, cfg.tp * cfg.cp * cfg.dp)
+    replicas = [i * cfg.tp for i in range(cfg.dp * cfg.cp)]     # the ranks that average the gradients
+    ep_group = [d * cfg.cp * cfg.tp for d in range(cfg.ep)]
+
+    def cost(op, nbytes, ranks):
+        return cluster.collective_s(op, nbytes, ranks)[0]
+
+    tp_comm = pp_comm = cp_comm = ep_comm = dp_comm = 0.0
+    if cfg.tp > 1:  # per block and microbatch: two all-reduces forward, two backward
+        tp_comm = 4 * (mc.n_layer / cfg.pp) * m * cost("all_reduce", micro_tokens * mc.n_embd * elem, tp_group)
+    if cfg.pp > 1:  # each microbatch's activation forward and its gradient back
+        pp_comm = 2 * m * cost("send", micro_tokens * mc.n_embd * elem, stage_neighbours)
     if cfg.cp > 1:
-        link = intra if cfg.tp * cfg.cp <= gpus_per_node else inter
         block = 2 * micro_tokens / cfg.cp * mc.n_embd / cfg.tp * elem  # a rank's K and V of one microbatch
-        cp_comm = (mc.n_layer / cfg.pp) * m * (3 * (cfg.cp - 1) + cfg.cp) * block / link
-    ep_comm = 0.0
+        cp_comm = (mc.n_layer / cfg.pp) * m * (3 * (cfg.cp - 1) + cfg.cp) * cost("send", block, cp_neighbours)
     if cfg.ep > 1:  # per MoE block and microbatch: dispatch and combine forward, both again backward
-        link = intra if cfg.tp * cfg.cp * cfg.ep <= gpus_per_node else inter
         blocks = sum(mc.is_moe(i) for i in range(mc.n_layer)) / cfg.pp
         rows = micro_tokens / cfg.cp * mc.moe_top_k * mc.n_embd * elem
-        ep_comm = blocks * m * 4 * (cfg.ep - 1) / cfg.ep * rows / link
-    dp_comm = 0.0
-    replicas = cfg.dp * cfg.cp  # the ranks that average the gradients
+        ep_comm = blocks * m * 4 * cost("all_to_all", rows, ep_group)
     experts = _expert_params(mc) if cfg.ep > 1 else 0  # averaged over their dp/ep replicas instead
-    if replicas > 1:
-        link = intra if cfg.tp * replicas <= gpus_per_node else inter
+    if len(replicas) > 1:
         grads = (num_params - experts) / (cfg.tp * cfg.pp) * elem
-        dp_comm = (1.5 if cfg.zero == 3 else 1.0) * 2 * (replicas - 1) / replicas * grads / link
+        dp_comm = (1.5 if cfg.zero == 3 else 1.0) * cost("all_reduce", grads, replicas)
     if experts and cfg.dp > cfg.ep:
-        link = intra if cfg.tp * replicas <= gpus_per_node else inter
-        n = cfg.dp // cfg.ep
-        dp_comm += 2 * (n - 1) / n * experts / (cfg.tp * cfg.pp * cfg.ep) * elem / link
-    total = compute + bubble + tp_comm + pp_comm + cp_comm + ep_comm + dp_comm
+        expert_replicas = [d * cfg.cp * cfg.tp for d in range(0, cfg.dp, cfg.ep)]
+        dp_comm += cost("all_reduce", experts / (cfg.tp * cfg.pp * cfg.ep) * elem, expert_replicas)
+    # Data-parallel traffic runs beside compute: the gradients' all-reduce behind backward (bucketed, as
+    # DDP does), ZeRO-3's gathers behind the whole step (prefetched, as FSDP does). Only the rest is exposed.
+    hidden = compute if cfg.zero == 3 else compute * (2 / 3 if not cfg.checkpoint_activations else 3 / 4)
+    exposed_dp = max(0.0, dp_comm - hidden)
+    total = compute + bubble + tp_comm + pp_comm + cp_comm + ep_comm + exposed_dp
     return {"step_s": total, "compute_s": compute, "bubble_s": bubble,
-            "communication_s": tp_comm + pp_comm + cp_comm + ep_comm + dp_comm,
+            "communication_s": tp_comm + pp_comm + cp_comm + ep_comm + exposed_dp, "dp_exposed_s": exposed_dp,
             "tp_comm_s": tp_comm, "pp_comm_s": pp_comm, "cp_comm_s": cp_comm, "ep_comm_s": ep_comm,
             "dp_comm_s": dp_comm, "tokens_per_s": tokens / total}
 
@@ -180,7 +196,8 @@ def _expert_params(mc) -> int:
 
 
 def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: int = 8, batch_size: int = 1024,
-         seq_len: int = 4096, precision: str = "bf16", efficiency: float = 0.5, shape: dict | None = None) -> dict:
+         seq_len: int = 4096, precision: str = "bf16", efficiency: float | None = None,
+         shape: dict | None = None) -> dict:
     """Size and time every layout; return them ranked (fitting ones first, fastest first).
 
     ``shape`` (``{"n_layer", "n_embd", "n_head", "vocab_size"}``) plans a real
@@ -226,7 +243,8 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
     moe = {"active_params": active_params(model)} if model.moe_experts else {}
     return {"params": num_params, "model_params": num_params_of(model), **moe, "shape": shape, "gpus": gpus,
             "gpu": dataclasses.asdict(spec), "gpus_per_node": gpus_per_node,
-            "batch_size": batch_size, "seq_len": seq_len, "precision": precision, "efficiency": efficiency,
+            "batch_size": batch_size, "seq_len": seq_len, "precision": precision,
+            "efficiency": efficiency or spec.achievable,
             "layouts": rows}
 
 

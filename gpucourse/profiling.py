@@ -21,7 +21,9 @@ summed over the steps after the first (the first pays for warm-up):
   collective the rank waited in, even inside a forward or backward (tensor
   parallel's all-reduces: the rank could not compute meanwhile);
 - **idle**: the rest — Python between phases, waiting for a pipeline stage, a
-  straggler. The three add up to 1.
+  straggler — and the part of a communication span in which the rank only waited
+  for another rank to arrive (``wait_s``, see :func:`gpucourse.measure.note_waits`):
+  a blocking receive that waits is idle, not communication. The three add up to 1.
 
 MFU (model FLOPs utilisation): training a model of N parameters costs about
 6·N FLOPs per token (2·N forward, 4·N backward; attention's own score
@@ -43,7 +45,7 @@ import os
 
 import torch
 
-from .measure import RunResult
+from .measure import RunResult, waiting
 
 COMPUTE_KINDS = ("forward", "backward", "optimizer")
 # Steps recorded by the profiler: skip one (set-up), warm one up, record up to three.
@@ -124,12 +126,12 @@ def _cover(intervals: list[tuple[float, float, str]], lo: float, hi: float) -> d
         if end > start:
             events += [(start, 1, what), (end, -1, what)]
     events.sort(key=lambda e: (e[0], e[1]))  # at equal times close before opening
-    depth = {"blocking": 0, "compute": 0, "comm": 0}
+    depth = {"waiting": 0, "blocking": 0, "compute": 0, "comm": 0}
     out = {"compute": 0.0, "comm": 0.0, "idle": 0.0}
     at = lo
     for time, delta, what in events:
         if time > at:
-            kind = ("comm" if depth["blocking"] else "compute" if depth["compute"]
+            kind = ("idle" if depth["waiting"] else "comm" if depth["blocking"] else "compute" if depth["compute"]
                     else "comm" if depth["comm"] else "idle")
             out[kind] += time - at
             at = time
@@ -156,8 +158,9 @@ def time_shares(timeline: list[dict], steps: list[int] | None = None) -> dict[in
         if not windows:
             continue
         intervals = [(s["start_s"], s["end_s"], "compute") for s in spans if s["kind"] in COMPUTE_KINDS]
-        intervals += [(s["start_s"], s["end_s"], "blocking" if s.get("blocking") else "comm")
+        intervals += [(s["start_s"] + s.get("wait_s", 0.0), s["end_s"], "blocking" if s.get("blocking") else "comm")
                       for s in spans if s["kind"] == "comm"]
+        intervals += [(*w, "waiting") for w in map(waiting, spans) if w]
         for w in windows:
             part = _cover(intervals, w["start_s"], w["end_s"])
             t = totals.setdefault(rank, {"wall_s": 0.0, "compute_s": 0.0, "comm_s": 0.0, "idle_s": 0.0})

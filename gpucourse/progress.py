@@ -23,6 +23,7 @@ from pathlib import Path
 
 ENV_VAR = "GPUCOURSE_PROGRESS"
 FORMAT = 1
+FAILED_TEXT_CHARS = 1000  # of each failed check's message and hint, what the record keeps
 
 
 class ProgressError(ValueError):
@@ -46,7 +47,7 @@ def _read(path: Path) -> dict:
     try:
         data = json.loads(text)
         if not (isinstance(data, dict) and isinstance(data.get("exercises"), dict)
-                and isinstance(data.get("quizzes"), list)):
+                and isinstance(data.get("quizzes"), list) and isinstance(data.get("questions", {}), dict)):
             raise ValueError("not a progress record")
     except ValueError as e:
         raise ProgressError(f"the progress file {path} is not valid ({e}); fix it, or start afresh with "
@@ -82,16 +83,26 @@ def _now() -> str:
     return datetime.now().astimezone().isoformat(timespec="seconds")
 
 
-def load() -> dict:
-    """The raw record: ``{"format", "exercises": {name: {...}}, "quizzes": [{...}, ...]}``."""
-    return _read(progress_path())
+def _clip(text: str) -> str:
+    return text if len(text) <= FAILED_TEXT_CHARS else text[:FAILED_TEXT_CHARS - 1] + "…"
 
 
-def record_exercise(name: str, score: float, max_score: float) -> dict:
+def load(path: str | os.PathLike | None = None) -> dict:
+    """The raw record: ``{"format", "exercises": {name: {...}}, "quizzes": [{...}, ...]}``.
+
+    ``path`` reads another learner's file (an instructor's class view) instead of your own.
+    """
+    return _read(Path(path) if path is not None else progress_path())
+
+
+def record_exercise(name: str, score: float, max_score: float, failed: list[dict] | None = None) -> dict:
     """Record one graded attempt at exercise ``name``; return its entry.
 
     The entry keeps the latest score, the best, the number of attempts, and
-    when it was first passed (score equal to ``max_score``).
+    when it was first passed (score equal to ``max_score``). ``failed`` lists
+    the checks this attempt failed, each ``{"check", "message", "hint"}``; the
+    entry keeps those of the latest attempt (what the learner is stuck on now).
+    Files written before this was recorded simply have no ``"failed"``.
     """
     if not isinstance(name, str) or not name:
         raise ValueError("an exercise needs a name.")
@@ -102,18 +113,26 @@ def record_exercise(name: str, score: float, max_score: float) -> dict:
         e.update(score=score, max_score=max_score, last=_now(), attempts=e["attempts"] + 1,
                  best=max(e["best"], score) if e.get("max_score", max_score) == max_score else score)
         e["passed"] = e["best"] >= max_score
+        if failed is not None:
+            e["failed"] = [{k: _clip(str(f.get(k, ""))) for k in ("check", "message", "hint")} for f in failed]
         if e["passed"] and not e["first_passed"]:
             e["first_passed"] = e["last"]
         return dict(e)
 
 
-def record_quiz(topic: str, correct: int, total: int, by_topic: dict | None = None) -> dict:
+def record_quiz(topic: str, correct: int, total: int, by_topic: dict | None = None,
+                answers: dict | None = None) -> dict:
     """Record one finished quiz: ``correct`` of ``total``; return its entry.
 
-    ``topic`` is a quiz topic, ``"mixed"`` or ``"mock-exam"``. A quiz across
-    topics passes ``by_topic={topic: [correct, total], ...}`` so that the summary
-    can tell which topic needs work.
+    ``topic`` is a quiz topic, ``"mixed"``, ``"review"`` or ``"mock-exam"``. A quiz
+    across topics passes ``by_topic={topic: [correct, total], ...}`` so that the
+    summary can tell which topic needs work. ``answers={question id: right}``
+    files each question in its Leitner box under ``"questions"`` (see
+    :mod:`gpucourse.quiz.review`); files written before that was recorded
+    simply have no ``"questions"``.
     """
+    if answers is not None and (len(answers) != total or sum(map(bool, answers.values())) != correct):
+        raise ValueError(f"answers for {len(answers)} questions do not add up to {correct} of {total}.")
     if not isinstance(topic, str) or not topic:
         raise ValueError("a quiz needs a topic (a quiz topic, 'mixed' or 'mock-exam').")
     if not (isinstance(total, int) and total >= 1 and isinstance(correct, int) and 0 <= correct <= total):
@@ -124,6 +143,10 @@ def record_quiz(topic: str, correct: int, total: int, by_topic: dict | None = No
     entry = {"topic": topic, "correct": correct, "total": total, "time": _now(), "by_topic": parts}
     with _update() as data:
         data["quizzes"].append(entry)
+        if answers:
+            from .quiz.review import file_answers
+
+            file_answers(data, answers, session=len(data["quizzes"]))
     return entry
 
 
@@ -137,16 +160,20 @@ def reset() -> bool:
         return True
 
 
-def summary() -> dict:
+def summary(path: str | os.PathLike | None = None) -> dict:
     """Progress in a few numbers (JSON-ready).
 
     ``{"file", "exercises": {name: {score, max_score, best, attempts, passed,
     first_passed, last}}, "exercises_passed", "exercises_tried", "quizzes":
     {topic label: {attempts, correct, total, score, best, last}}, "topics":
     {quiz topic: {correct, total, score}} over every question answered,
-    "questions_answered", "questions_correct"}``.
+    "questions_answered", "questions_correct", "mastery": per exam topic, from
+    the answers recorded per question (:func:`gpucourse.quiz.review.mastery`)}``.
+    ``path`` as in :func:`load`.
     """
-    data = load()
+    from .quiz.review import mastery
+
+    data = load(path)
     quizzes, topics = {}, {}
     for q in data["quizzes"]:
         s = quizzes.setdefault(q["topic"], {"attempts": 0, "correct": 0, "total": 0, "best": 0.0})
@@ -161,11 +188,11 @@ def summary() -> dict:
             tt["total"] += n
     for s in list(quizzes.values()) + list(topics.values()):
         s["score"] = s["correct"] / s["total"]
-    return {"file": str(progress_path()), "exercises": data["exercises"],
+    return {"file": str(path if path is not None else progress_path()), "exercises": data["exercises"],
             "exercises_passed": sum(bool(e.get("passed")) for e in data["exercises"].values()),
             "exercises_tried": len(data["exercises"]), "quizzes": quizzes, "topics": topics,
             "questions_answered": sum(t["total"] for t in topics.values()),
-            "questions_correct": sum(t["correct"] for t in topics.values())}
+            "questions_correct": sum(t["correct"] for t in topics.values()), "mastery": mastery(data)}
 
 
 def format_summary(s: dict | None = None) -> str:
@@ -198,6 +225,10 @@ def format_summary(s: dict | None = None) -> str:
         untried = [t for t in TOPICS if t not in s["topics"]]
         if untried:
             lines.append("not tried yet: " + ", ".join(untried))
-        elif weakest is not None and s["topics"][weakest]["score"] < 1:
+        if s.get("mastery", {}).get("answered"):  # answers recorded per question: mastery, weakest, what to revisit
+            from .quiz.review import format_mastery
+
+            lines += format_mastery(s["mastery"])
+        elif not untried and weakest is not None and s["topics"][weakest]["score"] < 1:
             lines.append(f"weakest: {weakest} — 'gpucourse quiz --topic {weakest}'")
     return "\n".join(lines)

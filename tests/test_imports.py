@@ -17,7 +17,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gpucourse"
 
 # The core trains and measures; it imports only torch and itself (DESIGN.md, "Layers").
 CORE = ("config", "model", "data", "optim", "comm", "measure", "runtime", "parallel", "train",
-        "checkpoint", "profiling", "readable")
+        "checkpoint", "profiling", "readable", "clock")
 TOOLS = ("bench", "tour", "troubleshoot", "viz", "cli", "lab", "grading", "quiz")
 
 

@@ -3,6 +3,8 @@ own functions where it has them; grading, the mock exam's marking, the export an
 
 from __future__ import annotations
 
+import difflib
+import itertools
 import json
 import math
 import os
@@ -309,6 +311,43 @@ def test_bank_size_and_topics():
 def test_ids_are_unique():
     ids = [q["id"] for q in BANK]
     assert len(ids) == len(set(ids))
+
+
+def stem_and_answer(q: dict) -> list[str]:
+    """A question's words followed by its right answer's: what two questions must not almost share."""
+    right = [str(q["answer"])] if q["kind"] == "numeric" else [q["choices"][i] for i in right_indices(q)]
+    return re.findall(r"\w+", " ".join([q["question"], *right]).lower())
+
+
+def similarity(a: list[str], b: list[str], floor: float = 0.0) -> float:
+    """difflib's ratio of two word lists (2 × matched words / all words), 0 when its quick bounds are below floor."""
+    m = difflib.SequenceMatcher(None, a, b, autojunk=False)
+    return m.ratio() if m.real_quick_ratio() > floor and m.quick_ratio() > floor else 0.0
+
+
+# Chosen from the bank as it stands: the most similar pairs are par-bubble-gpipe / par-bubble-1f1b (0.81) and
+# par-zero-mem-2 / par-zero-mem-3 (0.75), then par-zero-mem-1 / par-zero-mem-3 (0.63), par-tp-payload /
+# mem-ckpt-input (0.60), every other pair under 0.57; a copy with only its numbers changed scores above 0.9.
+NEAR_DUPLICATE = 0.70
+# Pairs above the line today, kept knowingly: one template asked twice. Rewrite one of a pair, then drop it here.
+SIBLINGS = {("par-bubble-gpipe", "par-bubble-1f1b"): "GPipe and 1F1B with the same bubble formula and wording",
+            ("par-zero-mem-2", "par-zero-mem-3"): "a series on one model, stage 2 then stage 3"}
+
+
+def test_no_two_questions_are_near_duplicates():
+    """No two stems (with their right answers) are near copies: a mock exam would ask the same thing twice."""
+    words = {q["id"]: stem_and_answer(q) for q in BANK}
+    close = {(a, b): round(r, 2) for (a, wa), (b, wb) in itertools.combinations(words.items(), 2)
+             for r in [similarity(wa, wb, NEAR_DUPLICATE)] if r > NEAR_DUPLICATE}
+    assert set(close) - set(SIBLINGS) == set(), {k: v for k, v in close.items() if k not in SIBLINGS}
+    assert set(SIBLINGS) <= set(close), f"no longer near duplicates, drop from SIBLINGS: {set(SIBLINGS) - set(close)}"
+
+
+def test_the_near_duplicate_measure_catches_a_copy():
+    q = BY_ID["par-bubble-naive"]
+    copy = {**q, "question": q["question"].replace("p=4", "p=8"), "answer": 7 / 8}
+    assert similarity(stem_and_answer(q), stem_and_answer(copy)) > NEAR_DUPLICATE
+    assert similarity(stem_and_answer(q), stem_and_answer(BY_ID["setup-nvlink"])) < 0.3
 
 
 @pytest.mark.parametrize("q", BANK, ids=lambda q: q["id"])
@@ -1085,3 +1124,28 @@ def test_pipeline_schedule_questions_are_not_gameable():
     assert shortest <= 0.25 * len(singles), f"the right choice is the shortest in {shortest} of {len(singles)}"
     positions = Counter(q["answer"] for q in singles)
     assert set(positions) == {0, 1, 2, 3} and max(positions.values()) <= 0.4 * len(singles), positions
+
+
+# --- the bank's two bench figures -------------------------------------------------------------------------------
+
+def test_the_banks_figures_are_registered_with_their_rule():
+    from gpucourse import bench
+    from gpucourse.bench.quiz_figures import scenario_detail
+
+    figures = {f.key: f for f in bench.FIGURES}
+    longest, scenario = figures["quiz_longest_choice_share"], figures["quiz_scenario_share"]
+    assert (longest.target, scenario.target) == ("<= 0.30", ">= 0.60")
+    reading = longest.measure(**longest.quick)
+    assert reading.value == len(reading.detail["right_is_longest"]) / reading.detail["single_choice"] <= 0.30
+    # A scenario states a situation with concrete material before it asks; a one-sentence question is recall.
+    assert scenario_detail("A job runs on 4 servers with 8 GPUs each. What is WORLD_SIZE?") == "4"
+    assert scenario_detail("A process starts with CUDA_VISIBLE_DEVICES=2,3. Which names does it use?") \
+        == "CUDA_VISIBLE_DEVICES"
+    assert scenario_detail("A run logs 'connection reset by peer' on rank 3. What failed first?") is not None
+    assert scenario_detail("What does TORCH_NCCL_ASYNC_ERROR_HANDLING=1 do when a collective fails?") is None
+    assert scenario_detail("A run uses fp16 on H100s. Why does its loss overflow?") is None  # digits inside words
+    assert scenario_detail("A run fails with out of memory. What is the first thing to try?") is None
+    reading = scenario.measure(**scenario.quick)
+    recall = set(reading.detail["recall"])
+    assert reading.value == 1 - len(recall) / len(BANK)
+    assert "setup-world-size" not in recall and "par-zero1" in recall

@@ -77,7 +77,8 @@ def test_timeline_of_chosen_steps_and_its_idle_area(runs):
     fig = viz.timeline(r, steps=[1, 2])
     spans = [s for s in r.timeline if s["step"] in (1, 2)]
     assert sum(len(t.x) for t in _bars(fig)) == len(spans)
-    # Shaded time lies inside the steps, and no rank is shaded while one of its spans runs.
+    # Shaded time lies inside the steps, and no rank is shaded while one of its spans runs, but for the part of a
+    # communication span in which it only waited for another rank (that is idle, and shaded).
     t0 = min(s["start_s"] for s in spans)
     idle = next(t for t in fig.data if t.name == "idle")
     rects = [(round(idle.y[i] + viz.gantt.LANE / 2), idle.x[i], idle.x[i + 1]) for i in range(0, len(idle.x), 6)]
@@ -88,7 +89,9 @@ def test_timeline_of_chosen_steps_and_its_idle_area(runs):
         assert start - 1e-9 <= a < b <= end + 1e-9
         for s in spans:
             if s["rank"] == lane and s["kind"] != "step":
-                assert b <= (s["start_s"] - t0) * 1e3 + 1e-9 or a >= (s["end_s"] - t0) * 1e3 - 1e-9
+                for lo, hi in viz.gantt.busy_parts(s):
+                    assert b <= (lo - t0) * 1e3 + 1e-9 or a >= (hi - t0) * 1e3 - 1e-9
+    assert any(s.get("wait_s") for s in spans)  # the stages waited for each other, and that is drawn as idle
 
 
 def test_timeline_bars_say_rank_op_microbatch_and_duration(runs):

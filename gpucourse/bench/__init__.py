@@ -664,3 +664,7 @@ def main(quick: bool = False, json_path: str | None = None, only=None) -> dict:
         write_atomic(json_path, json.dumps(results, indent=1))
         print(f"figures written to {json_path}", flush=True)
     return results
+
+
+from . import quiz_figures  # noqa: E402,F401 (registers the question bank's figures)
+from . import replay_figures  # noqa: E402,F401 (registers the modeled clock's figures)

@@ -5,7 +5,7 @@ user namespace when it is not root) in which:
 
 - the repository is hidden except for the Python environment that may live
   in it, and of the package only what the sandbox itself runs is left
-  (``__init__``, ``readable``, ``runtime``, and of ``grading`` the sandbox,
+  (``__init__``, ``readable``, ``clock``, ``runtime``, and of ``grading`` the sandbox,
   its channel and the probes) — ``solutions/``, the checks, the reference
   strategies and their compiled ``__pycache__`` are covered by empty folders;
 - the grader's folder and the folders being graded are covered too, except
@@ -33,7 +33,7 @@ _LIVE = ("/proc", "/sys", "/dev")  # left as they are: the kernel's views, not f
 
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What the sandbox runs, relative to the package: everything else in it is covered.
-KEEP = {"": {"__init__.py", "readable.py", "runtime", "grading"},
+KEEP = {"": {"__init__.py", "readable.py", "clock.py", "runtime", "grading"},
         "grading": {"__init__.py", "sandbox.py", "wire.py", "wall.py", "probes"}}
 
 

@@ -12,8 +12,10 @@ the bank belongs to one and names the notebook that teaches it::
     score_exam(exam, answers)                 # score, per topic, wrong ones, notebooks to revisit, time
 
 From a terminal: ``gpucourse quiz [--topic T] [--count N] [--seed S]``,
-``gpucourse quiz --exam`` and ``gpucourse quiz --export FILE``. Scores go to
-your progress file (:mod:`gpucourse.progress`).
+``gpucourse quiz --exam``, ``gpucourse quiz --review`` (the questions you
+missed, spaced over sessions: :mod:`gpucourse.quiz.review`) and ``gpucourse
+quiz --export FILE``. Scores and each answer go to your progress file
+(:mod:`gpucourse.progress`).
 """
 
 from .bank import NOTEBOOKS, TOPICS, BankError, ask, export_bank, grade, load_bank, parse_response

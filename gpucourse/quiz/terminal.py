@@ -45,11 +45,11 @@ def _read_answer(q: dict):
             print(f"  {e}")
 
 
-def _record(label: str, by_topic: dict) -> None:
+def _record(label: str, by_topic: dict, answers: dict) -> None:
     correct = sum(c for c, _ in by_topic.values())
     total = sum(n for _, n in by_topic.values())
     try:
-        progress.record_quiz(label, correct, total, by_topic=by_topic)
+        progress.record_quiz(label, correct, total, by_topic=by_topic, answers=answers)
     except (OSError, ValueError) as e:
         print(f"(not recorded: {e})", file=sys.stderr)
         return
@@ -63,6 +63,7 @@ def run_quiz(questions: list[dict], label: str) -> dict:
     Returns ``{"correct", "answered", "total"}``.
     """
     by_topic: dict[str, list[int]] = {}
+    answers: dict[str, bool] = {}
     correct = answered = 0
     print(f"{len(questions)} question{'s' * (len(questions) != 1)}. Answer with a letter (several for 'select "
           f"all'), or a number; Ctrl-D stops.")
@@ -73,6 +74,7 @@ def run_quiz(questions: list[dict], label: str) -> dict:
             print("stopped.")
             break
         ok, why = grade(q, response)
+        answers[q["id"]] = ok
         answered += 1
         correct += ok
         t = by_topic.setdefault(q["topic"], [0, 0])
@@ -82,7 +84,7 @@ def run_quiz(questions: list[dict], label: str) -> dict:
     if answered:
         print(f"\nscore: {correct}/{answered}" + (f" answered of {len(questions)}" if answered < len(questions)
                                                  else "") + f" ({100 * correct / answered:.0f}%)")
-        _record(label, by_topic)
+        _record(label, by_topic, answers)
     return {"correct": correct, "answered": answered, "total": len(questions)}
 
 
@@ -100,5 +102,7 @@ def run_exam(exam: Exam) -> dict:
     result = score_exam(exam, answers)
     print()
     _say(format_report(result))
-    _record("mock-exam", {t: [s["correct"], s["total"]] for t, s in result["by_topic"].items()})
+    missed = {wrong["id"] for wrong in result["wrong"]}
+    _record("mock-exam", {t: [s["correct"], s["total"]] for t, s in result["by_topic"].items()},
+            {q["id"]: q["id"] not in missed for q in exam})
     return result

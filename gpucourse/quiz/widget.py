@@ -47,11 +47,11 @@ def _disable(widget) -> None:
         widget.disabled = True
 
 
-def _record(label: str, by_topic: dict) -> str:
+def _record(label: str, by_topic: dict, answers: dict) -> str:
     correct = sum(c for c, _ in by_topic.values())
     total = sum(n for _, n in by_topic.values())
     try:
-        progress.record_quiz(label, correct, total, by_topic=by_topic)
+        progress.record_quiz(label, correct, total, by_topic=by_topic, answers=answers)
         return ""
     except (OSError, ValueError) as e:
         return f" <i>(not recorded: {html.escape(str(e))})</i>"
@@ -71,6 +71,7 @@ def quiz(topic: str | None = None, count: int = 5, seed: int | None = None, note
     questions = ask(topic, count, seed, notebook)
     label = topic or notebook or "mixed"
     by_topic: dict[str, list[int]] = {}
+    answers: dict[str, bool] = {}
     score = w.HTML()
     cards = []
 
@@ -85,6 +86,7 @@ def quiz(topic: str | None = None, count: int = 5, seed: int | None = None, note
                 feedback.value = "<span style='color:#b00'>Choose or type an answer first.</span>"
                 return
             ok, why = grade(q, response)
+            answers[q["id"]] = ok
             t = by_topic.setdefault(q["topic"], [0, 0])
             t[0] += ok
             t[1] += 1
@@ -96,7 +98,7 @@ def quiz(topic: str | None = None, count: int = 5, seed: int | None = None, note
             right = sum(c for c, _ in by_topic.values())
             if done == len(questions):
                 score.value = (f"<b>score: {right}/{done} ({100 * right / done:.0f}%)</b>"
-                               + _record(label, by_topic))
+                               + _record(label, by_topic, answers))
             else:
                 score.value = f"{right}/{done} so far"
         return check
@@ -141,8 +143,10 @@ def exam(count: int = 40, seed: int | None = None):
         for answer in inputs:
             _disable(answer)
         hand_in.disabled = True
+        missed = {wrong["id"] for wrong in result["wrong"]}
         report.value = (f"<pre style='white-space:pre-wrap'>{html.escape(format_report(result))}</pre>"
-                        + _record("mock-exam", {t: [s["correct"], s["total"]] for t, s in result["by_topic"].items()}))
+                        + _record("mock-exam", {t: [s["correct"], s["total"]] for t, s in result["by_topic"].items()},
+                                  {q["id"]: q["id"] not in missed for q in sheet}))
 
     hand_in.on_click(submit)
     intro = w.HTML(f"<b>Mock exam</b>: {len(sheet)} questions across all topics, "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 
+from ..measure import waiting
 from .style import PALETTE, kind_color, load_result, rank_color, rank_label, run_label
 
 LANE = 0.7          # height of a span bar, in lanes
@@ -48,8 +49,17 @@ def step_windows(spans) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
+def busy_parts(span) -> list[tuple[float, float]]:
+    """A span's time, less the part in which its rank only waited for another rank (see measure.waiting)."""
+    w = waiting(span)
+    if w is None:
+        return [(span["start_s"], span["end_s"])]
+    return [(a, b) for a, b in ((span["start_s"], w[0]), (w[1], span["end_s"])) if b > a]
+
+
 def idle_intervals(spans) -> tuple[dict[int, list[tuple[float, float]]], float]:
-    """Per rank, the times inside the steps in which it recorded nothing; and the steps' total length.
+    """Per rank, the times inside the steps in which it recorded nothing or only waited for another rank;
+    and the steps' total length.
 
     A pipeline stage may start its next step while another still finishes the
     last, so a rank counts as busy in any of its spans, whatever their step.
@@ -57,7 +67,7 @@ def idle_intervals(spans) -> tuple[dict[int, list[tuple[float, float]]], float]:
     windows = step_windows(spans)
     idle = {}
     for rank in sorted({s["rank"] for s in spans}):
-        busy = [(s["start_s"], s["end_s"]) for s in spans if s["rank"] == rank and s["kind"] != "step"]
+        busy = [part for s in spans if s["rank"] == rank and s["kind"] != "step" for part in busy_parts(s)]
         idle[rank] = [g for a, b in windows for g in gaps(busy, a, b)]
     return idle, sum(b - a for a, b in windows)
 
@@ -105,14 +115,50 @@ def _lanes_layout(fig, labels: list[str], title: str, xtitle: str) -> None:
     )
 
 
-def timeline(result, steps=None, title: str | None = None):
+def timeline(result, steps=None, title: str | None = None, on: str | None = None, gpus_per_node: int = 8,
+             nodes: int | None = None):
     """A per-rank Gantt chart of a run: forward, backward, communication, optimizer, and idle time shaded.
 
     ``result`` is a RunResult or its JSON file path. ``steps`` picks which
     optimizer steps to show (an int or a list; default: every span the run
     recorded, set-up included). Each recorded span is one bar; the thin grey
-    bar under a lane is that rank's whole step, and shaded time is idle.
+    bar under a lane is that rank's whole step, and shaded time is idle —
+    including the part of a communication span in which the rank only waited
+    for another rank.
+
+    ``on="h100"`` (any GPU of :mod:`gpucourse.gpus`) also replays the run on a
+    modeled cluster of those GPUs, ``gpus_per_node`` to a server
+    (:func:`gpucourse.replay.replay`), and draws that timeline under the measured
+    one, labelled as modeled.
     """
+    if on is None:
+        return _timeline(result, steps, title)
+    from plotly.subplots import make_subplots
+
+    from ..replay import replay
+
+    r = load_result(result)
+    modeled = replay(r, on=on, gpus_per_node=gpus_per_node, nodes=nodes)
+    top, bottom = _timeline(r, steps, None), _timeline(modeled, steps, None)
+    fig = make_subplots(rows=2, cols=1, vertical_spacing=0.16,
+                        subplot_titles=(top.layout.title.text, "MODELED: " + bottom.layout.title.text))
+    for row, part in ((1, top), (2, bottom)):
+        for trace in part.data:
+            if row == 2:
+                trace.showlegend = False
+            fig.add_trace(trace, row=row, col=1)
+        fig.update_yaxes(tickvals=part.layout.yaxis.tickvals, ticktext=part.layout.yaxis.ticktext,
+                         autorange="reversed", showgrid=False, zeroline=False, row=row, col=1)
+        fig.update_xaxes(title_text=part.layout.xaxis.title.text, zeroline=False, row=row, col=1)
+    fig.update_layout(barmode="overlay", bargap=0, template="plotly_white", height=top.layout.height * 2 + 60,
+                      legend=dict(orientation="h", yanchor="bottom", y=1.04, xanchor="right", x=1),
+                      uniformtext=dict(minsize=8, mode="hide"), hoverlabel=dict(namelength=-1),
+                      title=title or f"{run_label(r)}: measured on this machine, and replayed on "
+                                     f"{modeled.extras['modeled']['cluster']} (modeled)")
+    return fig
+
+
+def _timeline(result, steps=None, title: str | None = None):
     import plotly.graph_objects as go
 
     r = load_result(result)
@@ -134,7 +180,9 @@ def timeline(result, steps=None, title: str | None = None):
     kinds = sorted({s["kind"] for s in spans},
                    key=lambda k: KIND_ORDER.index(k) if k in KIND_ORDER else len(KIND_ORDER))
     for kind in kinds:
-        group = [s for s in spans if s["kind"] == kind]
+        # A communication bar shows the transfer; the time its rank only waited is drawn as idle below.
+        group = [dict(s, start_s=waiting(s)[1]) if kind == "comm" and waiting(s) and waiting(s)[0] == s["start_s"]
+                 else s for s in spans if s["kind"] == kind]
         step_bar = kind == "step"
         fig.add_trace(go.Bar(
             orientation="h", name=kind, legendrank=KIND_ORDER.index(kind) if kind in KIND_ORDER else 9,
@@ -161,9 +209,19 @@ def timeline(result, steps=None, title: str | None = None):
         fig.add_trace(_idle_trace(rects, "idle", f"{share:.1%} of rank-time inside the steps shown"))
 
     shown = "all steps" if wanted is None else f"step{'s' * (len(wanted) > 1)} {', '.join(map(str, sorted(wanted)))}"
+    unit, scale = ("µs", 1e3) if r.backend == "modeled" else ("ms", 1.0)
+    if scale != 1.0:  # a modeled GPU step takes microseconds
+        for trace in fig.data:
+            if trace.type == "bar":
+                trace.base = [b * scale for b in trace.base]
+                trace.x = [x * scale for x in trace.x]
+                trace.customdata = [[*c[:4], c[4] * scale] for c in trace.customdata]
+                trace.hovertemplate = trace.hovertemplate.replace(" ms", " µs")
+            else:
+                trace.x = [None if x is None else x * scale for x in trace.x]
     _lanes_layout(fig, labels, title or f"Timeline of {run_label(r)} on {r.world_size} {r.device} rank"
                   f"{'s' * (r.world_size > 1)} ({shown}): idle {share:.1%}",
-                  "time since the first span shown (ms)")
+                  f"time since the first span shown ({unit})")
     return fig
 
 

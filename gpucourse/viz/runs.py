@@ -149,32 +149,56 @@ def _family(r) -> str:
     return f"{cfg.kind()} {cfg.impl}"
 
 
-def scaling(results, title: str | None = None):
+def scaling(results, title: str | None = None, on: str | None = None, gpus_per_node: int = 8):
     """Throughput and scaling efficiency against world size, with the ideal (linear) line.
 
     ``results``: RunResults or JSON paths. The baseline is the run on one rank
     (else the smallest): ideal throughput is its tokens/s × world size / its
     world size, efficiency is measured over ideal. Runs are grouped into lines by
     layout kind and impl; the baseline starts every line.
+
+    ``on="h100"``: a second row, the same runs replayed on a modeled cluster of
+    those GPUs (:func:`gpucourse.replay.replay`) — what the same work scales like
+    where ranks do not share two cores.
     """
-    import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     runs = [load_result(v) for v in results]
     if not runs:
         raise ValueError("give at least one run.")
+    rows = [("this machine", runs)]
+    if on is not None:
+        from ..replay import replay
+
+        modeled = [replay(r, on=on, gpus_per_node=gpus_per_node) for r in runs]
+        rows.append((f"modeled {on.upper()}, {gpus_per_node} per server", modeled))
+    fig = make_subplots(rows=len(rows), cols=2, horizontal_spacing=0.12, vertical_spacing=0.2,
+                        subplot_titles=[f"{what} ({where})" for where, _ in rows
+                                        for what in ("throughput", "scaling efficiency (measured / ideal)")])
+    for row, (_, these) in enumerate(rows, start=1):
+        _scaling_row(fig, these, row, show_legend=row == 1)
+    base = min(runs, key=lambda r: (r.world_size, r is not runs[0]))
+    fig.update_layout(template="plotly_white", height=460 * len(rows),
+                      title=title or f"Scaling from {run_label(base)} ({base.tokens_per_s:,.0f} tokens/s on "
+                                     f"{base.world_size} rank{'s' * (base.world_size > 1)}, {base.device})")
+    return fig
+
+
+def _scaling_row(fig, runs, row: int, show_legend: bool):
+    """One row of :func:`scaling`: throughput and efficiency of ``runs`` against their smallest run."""
+    import plotly.graph_objects as go
+
     base = min(runs, key=lambda r: (r.world_size, r is not runs[0]))
     per_rank = base.tokens_per_s / base.world_size
     worlds = sorted({r.world_size for r in runs})
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
-                        subplot_titles=("throughput", "scaling efficiency (measured / ideal)"))
     ideal_x = list(range(1, max(worlds) + 1)) if max(worlds) <= 64 else worlds
     fig.add_trace(go.Scatter(x=ideal_x, y=[per_rank * w for w in ideal_x], name="ideal (linear)", mode="lines",
-                             line=dict(color=PALETTE["ideal"], dash="dash"),
-                             hovertemplate="ideal<br>%{x} ranks: %{y:,.0f} tokens/s<extra></extra>"), row=1, col=1)
+                             line=dict(color=PALETTE["ideal"], dash="dash"), showlegend=show_legend,
+                             legendgroup="ideal",
+                             hovertemplate="ideal<br>%{x} ranks: %{y:,.0f} tokens/s<extra></extra>"), row=row, col=1)
     fig.add_trace(go.Scatter(x=[min(ideal_x), max(ideal_x)], y=[100, 100], name="ideal", showlegend=False,
                              mode="lines", line=dict(color=PALETTE["ideal"], dash="dash"), hoverinfo="skip"),
-                  row=1, col=2)
+                  row=row, col=2)
     families: dict[str, list] = {}
     for r in runs:
         if r is not base:
@@ -186,14 +210,13 @@ def scaling(results, title: str | None = None):
         eff = [100 * r.tokens_per_s / (per_rank * r.world_size) for r in points]
         names = [run_label(r) for r in points]
         for col, ys, fmt in ((1, [r.tokens_per_s for r in points], "%{y:,.0f} tokens/s"), (2, eff, "%{y:.1f}%")):
-            fig.add_trace(go.Scatter(x=xs, y=ys, name=fam, legendgroup=fam, showlegend=col == 1, text=names,
-                                     mode="lines+markers", line=dict(color=color), marker=dict(size=8, color=color),
-                                     hovertemplate=f"%{{text}}<br>%{{x}} ranks: {fmt}<extra></extra>"), row=1, col=col)
+            fig.add_trace(go.Scatter(x=xs, y=ys, name=fam, legendgroup=fam, showlegend=show_legend and col == 1,
+                                     text=names, mode="lines+markers", line=dict(color=color),
+                                     marker=dict(size=8, color=color),
+                                     hovertemplate=f"%{{text}}<br>%{{x}} ranks: {fmt}<extra></extra>"),
+                          row=row, col=col)
     for col in (1, 2):
-        fig.update_xaxes(title_text="world size (ranks)", tickvals=worlds, row=1, col=col)
-    fig.update_yaxes(title_text="throughput (tokens/s)", rangemode="tozero", row=1, col=1)
-    fig.update_yaxes(title_text="efficiency (%)", rangemode="tozero", row=1, col=2)
-    fig.update_layout(template="plotly_white", height=460,
-                      title=title or f"Scaling from {run_label(base)} ({base.tokens_per_s:,.0f} tokens/s on "
-                                     f"{base.world_size} rank{'s' * (base.world_size > 1)}, {base.device})")
-    return fig
+        fig.update_xaxes(title_text="world size (ranks)", tickvals=worlds, row=row, col=col)
+    fig.update_yaxes(title_text="throughput (tokens/s)", rangemode="tozero", row=row, col=1)
+    fig.update_yaxes(title_text="efficiency (%)", rangemode="tozero", row=row, col=2)
+    return base

@@ -1,0 +1,134 @@
+"""What to study next: mastery per exam topic, and the questions you missed, asked again spaced over sessions.
+
+Every finished quiz, review or mock exam is one *session* (the n-th quiz recorded in your progress file is
+session n), and each question answered in it is filed in a Leitner box:
+
+- a question you miss goes to box 1 and comes back in the next session;
+- each right answer moves a missed question up one box, and boxes 1, 2, 3, 4, 5 wait 1, 2, 4, 8, 16 sessions
+  (:data:`INTERVALS`) before it comes back;
+- a question you have never missed is in no box: it is not reviewed.
+
+``gpucourse quiz --review`` (or :func:`draw`) asks the questions that are due. *Mastery* of a topic is the share
+of the bank's questions in that topic whose last answer was right, so an unanswered question counts as not yet
+mastered.
+
+This module reads a progress record (:func:`gpucourse.progress.load`) and files answers into it; the progress
+module stores it.
+"""
+
+from __future__ import annotations
+
+import random
+
+from .bank import NOTEBOOKS, TOPICS, load_bank, shuffled
+
+INTERVALS = (1, 2, 4, 8, 16)  # sessions a question in box 1, 2, 3, 4, 5 waits before it comes back
+
+
+def file_answers(record: dict, answers: dict, session: int) -> None:
+    """File ``answers`` ({question id: right}) of session number ``session`` into ``record["questions"]``."""
+    questions = record.setdefault("questions", {})
+    for qid, right in answers.items():
+        q = questions.setdefault(qid, {"box": 0, "answered": 0, "right": 0})
+        q["answered"] += 1
+        q["right"] += bool(right)
+        q["last_right"] = bool(right)
+        q["session"] = session
+        if not right:
+            q["box"] = 1
+        elif q["box"]:
+            q["box"] = min(q["box"] + 1, len(INTERVALS))
+        if q["box"]:
+            q["due"] = session + INTERVALS[q["box"] - 1]
+
+
+def next_session(record: dict) -> int:
+    """The number the next finished quiz will have."""
+    return len(record.get("quizzes", [])) + 1
+
+
+def due(record: dict, topic: str | None = None) -> list[str]:
+    """Ids of the bank's questions due for review in the next session (of one ``topic``), in bank order."""
+    filed = record.get("questions", {})
+    now = next_session(record)
+    return [q["id"] for q in load_bank(topic) if filed.get(q["id"], {}).get("box") and filed[q["id"]]["due"] <= now]
+
+
+def draw(record: dict, topic: str | None = None, count: int | None = None, seed: int | None = None) -> list[dict]:
+    """The questions due for review (at most ``count``), in an order drawn from ``seed``, choices shuffled.
+
+    ValueError (one sentence) when nothing has been answered yet. An empty list means nothing is due now.
+    """
+    if not record.get("questions"):
+        raise ValueError("no quiz answers are recorded yet, so there is nothing to review: take a quiz first "
+                         "('gpucourse quiz').")
+    if count is not None and count < 1:
+        raise ValueError(f"count={count} must be at least 1.")
+    ids = due(record, topic)
+    ids = random.Random(seed).sample(ids, len(ids))[:count]
+    bank = {q["id"]: q for q in load_bank(topic)}
+    return [shuffled(bank[qid], seed) for qid in ids]
+
+
+def nothing_due(record: dict, topic: str | None = None) -> str:
+    """The sentence to show when :func:`draw` finds nothing due."""
+    dues = [q["due"] for q in record.get("questions", {}).values() if q.get("box")]
+    if not dues:
+        return "nothing to review: you have not missed a question yet."
+    later = min(dues) - next_session(record)
+    where = f" in {topic}" if topic else ""
+    return (f"nothing is due for review{where} now; the next missed question comes back after {later} more "
+            f"session{'s' * (later != 1)} (a quiz or mock exam you finish)." if later > 0
+            else f"nothing is due for review{where} now.")
+
+
+def mastery(record: dict) -> dict:
+    """Per topic and overall: which of the bank's questions you answered, and got right on your last try.
+
+    ``{"topics": {topic: {"mastered", "answered", "total", "score"}}, "weakest": [topics, weakest first, below
+    full mastery], "revisit": [{"notebook", "section", "missed"}], "due", "answered"}``; ``revisit`` lists where
+    the questions whose last answer was wrong are taught, most missed first (``section`` is None when the bank
+    records none).
+    """
+    filed = record.get("questions", {})
+    topics = {t: {"mastered": 0, "answered": 0, "total": 0} for t in TOPICS}
+    places: dict[tuple, int] = {}
+    for q in load_bank():
+        t = topics[q["topic"]]
+        t["total"] += 1
+        state = filed.get(q["id"])
+        if state:
+            t["answered"] += 1
+            t["mastered"] += state["last_right"]
+            if not state["last_right"]:
+                place = (q["notebook"], q.get("section"))
+                places[place] = places.get(place, 0) + 1
+    for t in topics.values():
+        t["score"] = t["mastered"] / t["total"] if t["total"] else 0.0
+    weakest = sorted((t for t in TOPICS if topics[t]["score"] < 1), key=lambda t: (topics[t]["score"], t))
+    revisit = [{"notebook": nb, "section": sec, "missed": n}
+               for (nb, sec), n in sorted(places.items(), key=lambda kv: (-kv[1], NOTEBOOKS.index(kv[0][0])))]
+    return {"topics": topics, "weakest": weakest, "revisit": revisit, "due": len(due(record)),
+            "answered": sum(t["answered"] for t in topics.values())}
+
+
+def format_mastery(m: dict) -> list[str]:
+    """:func:`mastery` as lines for ``gpucourse progress``."""
+    if not m["answered"]:
+        return []
+    width = max(len(t) for t in m["topics"])
+    lines = ["mastery by exam topic (questions whose last answer was right, of the bank's):"]
+    for topic, t in m["topics"].items():
+        lines.append(f"  {topic:<{width}}  {t['mastered']:>3}/{t['total']:<3} {100 * t['score']:5.1f}%  "
+                     f"({t['answered']} answered)")
+    if m["weakest"]:
+        shown = m["weakest"][:2]
+        lines.append("weakest: " + ", ".join(f"{t} ({100 * m['topics'][t]['score']:.0f}%)" for t in shown)
+                     + f" — 'gpucourse quiz --topic {shown[0]}'")
+    if m["revisit"]:
+        lines.append("revisit: " + ", ".join(
+            f"notebook {r['notebook']}" + (f", {r['section']}" if r["section"] else "") + f" ({r['missed']} missed)"
+            for r in m["revisit"]))
+    if m["due"]:
+        lines.append(f"due for review: {m['due']} question{'s' * (m['due'] > 1)} — 'gpucourse quiz --review'")
+    return lines

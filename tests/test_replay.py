@@ -1,0 +1,165 @@
+"""A run's record replayed on a modeled GPU cluster; waiting for a peer counted as idle; the cost model itself.
+
+Three launches in all (4 ranks: three pipeline schedules; 8 ranks: bucketed data parallelism; 1 rank: its
+baseline); everything else is pure arithmetic on their records.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gpucourse import clock, profiling, viz
+from gpucourse.cluster import Cluster
+from gpucourse.gpus import get_gpu
+from gpucourse.parallel import schedules
+from gpucourse.replay import ReplayError, replay
+
+from launches import train_launches
+
+PP, M = 4, 4
+BASE = dict(steps=3, seq_len=32)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("replay")
+    return {name: result for name, (_, result, _) in train_launches(tmp, BASE, {
+        4: {name: dict(pp=PP, microbatches=M, schedule=name, batch_size=8) for name in ("naive", "gpipe", "1f1b")},
+        8: {"dp8": dict(dp=8, batch_size=64, bucket_mb=0.25)},
+        1: {"one": dict(batch_size=8)},
+    }).items()}
+
+
+def _step_bubble(modeled, step: int) -> float:
+    busy = sum(s["end_s"] - s["start_s"] for s in modeled.timeline
+               if s["step"] == step and s["kind"] in ("forward", "backward"))
+    return 1 - busy / (PP * modeled.step_times_s[step])
+
+
+@pytest.mark.parametrize("name", ["naive", "gpipe", "1f1b"])
+def test_a_recorded_pipeline_replayed_with_equal_costs_is_the_simulators_schedule(runs, name):
+    # Every forward 1, every backward 2, transfers and the optimizer free: the simulator's own assumptions.
+    modeled = replay(runs[name], cost=lambda span, seconds: {"forward": 1.0, "backward": 2.0}.get(span["kind"], 0.0))
+    sim = schedules.simulate(schedules.build(name, PP, M), PP, M, 1.0, 2.0, 0.0)
+    for step in range(BASE["steps"]):
+        assert modeled.step_times_s[step] == pytest.approx(sim.makespan, abs=1e-9)
+        assert _step_bubble(modeled, step) == pytest.approx(sim.bubble_fraction, abs=1e-12)
+
+
+def test_waiting_for_a_peer_is_idle_in_the_measured_timeline(runs):
+    naive, one_f_one_b = (profiling.time_shares(runs[n].timeline, [1, 2]) for n in ("naive", "1f1b"))
+    idle = {n: sum(s["idle"] for s in shares.values()) / PP for n, shares in (("naive", naive), ("1f1b", one_f_one_b))}
+    # The naive pipeline keeps one stage of four busy: (p-1)/p = 75% idle, measured as waiting, not as transfer.
+    assert idle["naive"] >= 0.5
+    assert idle["1f1b"] < idle["naive"]
+    waits = [s for s in runs["naive"].timeline if s["kind"] == "comm" and s.get("wait_s")]
+    assert waits and all(0 <= s["wait_s"] <= s["end_s"] - s["start_s"] for s in waits)
+    # A receive cannot end before its send started: the ranks' spans are on one clock.
+    sends = {(s["rank"], s["peer"], " ".join(s["name"].split()[1:]), s["step"]): s
+             for s in runs["naive"].timeline if s.get("op") == "send"}
+    matched = 0
+    for s in runs["naive"].timeline:
+        send = sends.get((s["peer"], s["rank"], " ".join(s["name"].split()[1:]), s["step"])) if s.get("op") == "recv" else None
+        if send is not None:
+            assert s["end_s"] >= send["start_s"] - 1e-3
+            matched += 1
+    assert matched >= BASE["steps"] * M * 2 * (PP - 1)
+
+
+def test_a_modeled_pipeline_keeps_its_bubble_and_1f1b_beats_naive(runs):
+    idle = {}
+    for name in ("naive", "1f1b"):
+        modeled = replay(runs[name], on="h100")
+        shares = profiling.time_shares(modeled.timeline, [1, 2])
+        idle[name] = sum(s["idle"] for s in shares.values()) / PP
+        assert modeled.device == "modeled h100" and modeled.losses == runs[name].losses
+    assert idle["naive"] >= 0.6 and idle["1f1b"] < idle["naive"]
+
+
+def test_modeled_data_parallel_overlaps_backward_and_scales_on_one_server(runs):
+    dp8, one = replay(runs["dp8"], on="h100"), replay(runs["one"], on="h100")
+    efficiency = profiling.summarize(dp8, baseline=one)["scaling_efficiency"]
+    assert efficiency > 0.9  # measured on two shared cores it is a fraction of that
+    overlapped = 0
+    for rank in range(8):
+        spans = [s for s in dp8.timeline if s["rank"] == rank and s["step"] == 1]
+        backward = [s for s in spans if s["kind"] == "backward"]
+        for c in (s for s in spans if s["kind"] == "comm"):
+            overlapped += any(c["start_s"] < b["end_s"] and b["start_s"] < c["end_s"] for b in backward)
+    assert overlapped > 0
+    assert set(dp8.extras["modeled"]["algorithms"]) <= {"ring", "tree"}
+
+
+def test_the_timeline_and_scaling_figures_draw_the_modeled_run_beside_the_measured_one(runs):
+    fig = viz.timeline(runs["1f1b"], steps=1, on="h100")
+    titles = [a.text for a in fig.layout.annotations]
+    assert "cpu" in titles[0] and titles[1].startswith("MODELED") and "h100" in titles[1]
+    assert "(µs)" in fig.layout.xaxis2.title.text
+    fig = viz.scaling([runs["one"], runs["dp8"]], on="h100")
+    assert any("modeled H100" in a.text for a in fig.layout.annotations)
+
+
+def test_bad_input_gets_one_sentence(runs):
+    with pytest.raises(ReplayError, match="known: .*h100"):
+        replay(runs["one"], on="h1000")
+    with pytest.raises(ReplayError, match="hold only 4"):
+        replay(runs["dp8"], on="h100", gpus_per_node=4, nodes=1)
+    with pytest.raises(ReplayError, match="record=True"):
+        replay(runs["one"].to_dict() | {"timeline": []})
+    torch_like = runs["dp8"].to_dict()
+    torch_like["timeline"] = [{k: v for k, v in s.items() if k != "group"} for s in torch_like["timeline"]]
+    with pytest.raises(ReplayError, match="scratch"):
+        replay(torch_like)
+
+
+# --- the clock and the cost model ---------------------------------------------------------------------------
+
+
+def test_a_collective_starts_when_its_last_member_arrives_and_the_early_one_waits():
+    tasks = [clock.Task(0, 1.0), clock.Task(0, 0.5, (0,), match=("ar",), members=2),
+             clock.Task(1, 3.0), clock.Task(1, 0.5, (2,), match=("ar",), members=2)]
+    layout = clock.run(tasks)
+    assert (layout.ready[1], layout.start[1], layout.end[1]) == (1.0, 3.0, 3.5)
+    assert (layout.ready[3], layout.start[3], layout.end[3]) == (3.0, 3.0, 3.5)
+
+
+def test_an_eager_send_does_not_wait_and_a_blocking_pair_deadlocks_with_where():
+    eager = [clock.Task(0, 2.0, match=("m",), members=2, eager=True), clock.Task(0, 1.0, (0,)),
+             clock.Task(1, 5.0), clock.Task(1, 0.0, (2,), match=("m",), members=2)]
+    layout = clock.run(eager)
+    assert layout.end[0] == 0.0 and layout.end[1] == 1.0 and layout.end[3] == 5.0  # the data came at 2
+    stuck = [clock.Task(0, 1.0, match=("a",), members=2), clock.Task(0, 1.0, (0,), match=("b",), members=2),
+             clock.Task(1, 1.0, match=("b",), members=2), clock.Task(1, 1.0, (2,), match=("a",), members=2)]
+    with pytest.raises(clock.ClockError, match="rank 0 waits") as e:
+        clock.run(stuck)
+    assert e.value.waiting == {0: 0, 1: 2}
+
+
+def test_alpha_beta_costs_and_the_slowest_link():
+    c = Cluster.of("a100", gpus_per_node=8, nodes=2)
+    g = get_gpu("a100")
+    nvlink, network = g.intra_node_GBps * 1e9 * g.bus_efficiency, g.inter_node_GBps * 1e9 * g.bus_efficiency
+    alpha_in, alpha_out = g.intra_node_latency_us * 1e-6, g.inter_node_latency_us * 1e-6
+    size = 1 << 30
+    assert c.collective_s("all_reduce", size, range(8)) == (pytest.approx(14 * alpha_in + 1.75 * size / nvlink),
+                                                            "ring")
+    assert c.collective_s("all_reduce", size, range(16))[0] == pytest.approx(30 * alpha_out + 30 / 16 * size / network)
+    assert c.collective_s("all_gather", size, [0, 8])[0] == pytest.approx(alpha_out + size / 2 / network)
+    assert c.collective_s("send", 1000, [3, 4]) == (pytest.approx(alpha_in + 1000 / nvlink), "p2p")
+    # A small message on many ranks: the tree's log2(n) latencies beat the ring's n - 1.
+    small = c.collective_s("all_reduce", 1024, range(16))
+    assert small == (pytest.approx(2 * math.ceil(math.log2(16)) * alpha_out + 2 * 1024 / network), "tree")
+    # nccl-tests' bus bandwidth of a large ring all-reduce on one server: the link × bus_efficiency.
+    assert c.bus_bandwidth("all_reduce", 8 << 30, 8) == pytest.approx(nvlink, rel=2e-3)
+    with pytest.raises(ValueError, match="no cost model"):
+        c.collective_s("scatter", 10, range(4))
+
+
+def test_compute_is_a_roofline_plus_launches():
+    c = Cluster.of("h100")
+    g = c.gpu
+    assert c.compute_s(1e15, 0, 0) == pytest.approx(1e15 / (g.peak_bf16_flops * g.achievable))
+    assert c.compute_s(1e6, 1e9, 3) == pytest.approx(1e9 / (g.hbm_GBps * 1e9) + 3 * 4e-6)
+    assert c.compute_s(1e12, 0, 0, precision="fp32") > c.compute_s(1e12, 0, 0, precision="bf16")
