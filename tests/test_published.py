@@ -35,3 +35,9 @@ def test_megatrons_flop_count_gives_its_own_figure_for_gpt3():
 
 def test_the_docs_table_is_the_models():
     assert published.markdown_table() in DOC.read_text()
+
+
+def test_the_readme_states_the_range_of_errors_the_model_has():
+    errors = [r["error"] for r in published.compare()]
+    readme = (DOC.parent.parent / "README.md").read_text()
+    assert f"within −{abs(round(100 * min(errors)))} % to +{round(100 * max(errors))} %" in readme

@@ -1,7 +1,7 @@
 """A run's record replayed on a modeled GPU cluster; waiting for a peer counted as idle; the cost model itself.
 
-Three launches in all (4 ranks: three pipeline schedules; 8 ranks: bucketed data parallelism; 1 rank: its
-baseline); everything else is pure arithmetic on their records.
+Four launches in all (4 ranks: three pipeline schedules; 8 and 2 ranks: data parallelism, plain and bucketed;
+1 rank: the baselines); everything else is pure arithmetic on their records.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def runs(tmp_path_factory):
     return {name: result for name, (_, result, _) in train_launches(tmp, BASE, {
         4: {name: dict(pp=PP, microbatches=M, schedule=name, batch_size=8) for name in ("naive", "gpipe", "1f1b")},
         8: {"dp8": dict(dp=8, batch_size=64, bucket_mb=0.25)},
-        1: {"one": dict(batch_size=8)},
+        2: {"dp2": dict(dp=2, batch_size=8), "dp2_bucketed": dict(dp=2, batch_size=8, bucket_mb=0.25)},
+        1: {"one": dict(batch_size=8), "one_micro4": dict(batch_size=4)},
     }).items()}
 
 
@@ -90,6 +91,19 @@ def test_modeled_data_parallel_overlaps_backward_and_scales_on_one_server(runs):
             overlapped += any(c["start_s"] < b["end_s"] and b["start_s"] < c["end_s"] for b in backward)
     assert overlapped > 0
     assert set(dp8.extras["modeled"]["algorithms"]) <= {"ring", "tree"}
+
+
+def test_what_notebooks_02_and_08_say_of_the_modeled_runs(runs):
+    one, one_micro4 = replay(runs["one"]), replay(runs["one_micro4"])
+    # 02: strong scaling (global batch 8): the bucketed dp=2 run's modeled efficiency is higher than plain dp=2's.
+    plain, bucketed = (replay(runs[k]).tokens_per_s / (2 * one.tokens_per_s) for k in ("dp2", "dp2_bucketed"))
+    assert bucketed > plain
+    # 08: weak scaling (4 sequences a rank): communication takes a large share of each step on two ranks, and a
+    # model this small is launch-bound: its modeled MFU on an H100 is under 1 %.
+    summary = profiling.summarize(replay(runs["dp2"]), peak_flops=get_gpu("h100").peak_flops("fp32"),
+                                  baseline=one_micro4)
+    assert all(s["comm"] >= 0.2 for s in summary["ranks"].values()) and summary["scaling_efficiency"] < 0.9
+    assert profiling.summarize(one_micro4, peak_flops=get_gpu("h100").peak_flops("fp32"))["mfu"] < 0.01
 
 
 def test_the_timeline_and_scaling_figures_draw_the_modeled_run_beside_the_measured_one(runs):
