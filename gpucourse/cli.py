@@ -426,6 +426,41 @@ def cmd_batch_size(args) -> int:
     return 0
 
 
+def cmd_replay(args) -> int:
+    import statistics
+
+    from . import profiling
+    from .gpus import get_gpu
+    from .measure import RunResult
+    from .replay import ReplayError, replay
+
+    if not os.path.isfile(args.run):
+        raise UsageError(f"{args.run} is not a file; give a run saved with 'gpucourse train --json FILE'.")
+    try:
+        measured = RunResult.load(args.run)
+    except (ValueError, TypeError, KeyError) as e:
+        raise UsageError(f"{args.run} is not a saved run ({e}).") from None
+    if args.json:
+        _check_writable(args.json, "--json")
+    try:
+        modeled = replay(measured, on=args.on, gpus_per_node=args.gpus_per_node, nodes=args.nodes)
+    except ReplayError as e:
+        raise UsageError(str(e)) from None
+    info = modeled.extras["modeled"]
+    for note in info["notes"]:
+        print(f"gpucourse: note: {note}", file=sys.stderr)
+    steps = lambda r: statistics.median(r.step_times_s[1:] or r.step_times_s)  # noqa: E731
+    print(f"{measured.world_size} rank(s) of {measured.config['model']}, replayed on {info['cluster']} (modeled)")
+    print(f"step time       measured {1e3 * steps(measured):.3f} ms on {measured.device}, "
+          f"modeled {1e3 * steps(modeled):.3f} ms")
+    print(profiling.format_summary(profiling.summarize(modeled, peak_flops=get_gpu(args.on).peak_flops(
+        measured.config.get("precision", "fp32"))), peak_name=f"{args.on} {measured.config.get('precision', 'fp32')}"))
+    if args.json:
+        modeled.save(args.json)
+        print(f"  the modeled run written to {args.json}")
+    return 0
+
+
 def cmd_doctor(args) -> int:
     from . import doctor
 
@@ -702,6 +737,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", help="the scenario to run (see --list)")
     p.add_argument("--list", action="store_true", help="list the scenarios")
     p.set_defaults(func=cmd_troubleshoot)
+
+    p = sub.add_parser("replay", help="replay a saved run on a modeled GPU cluster: its step time, shares and MFU there",
+                       description="Lay a run's recorded work (train --json FILE) out on modeled GPUs: each "
+                                   "forward and backward timed from its FLOPs, each collective by an alpha-beta "
+                                   "model over the link it crosses (docs/modeled-timing.md).")
+    p.add_argument("run", metavar="RUN.json", help="a run saved with 'gpucourse train --json FILE'")
+    p.add_argument("--on", default="h100", help="GPU kind from the table (gpucourse.gpus): a100, h100, h200, b200, l4")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per server (default 8)")
+    p.add_argument("--nodes", type=int, default=None, help="servers (default: as many as the run's ranks need)")
+    p.add_argument("--json", metavar="FILE", help="also write the modeled run as JSON")
+    p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("doctor", help="what this machine has for distributed training")
     p.add_argument("--json", action="store_true", help="print JSON")

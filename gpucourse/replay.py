@@ -39,6 +39,8 @@ recorded spans (``record=True``).
 
 from __future__ import annotations
 
+import warnings
+
 from .clock import Task
 from .clock import run as run_clock
 from .cluster import Cluster
@@ -191,6 +193,11 @@ def replay(result, on: str = "h100", gpus_per_node: int = 8, nodes: int | None =
         raise ReplayError(str(e)) from None
     if cluster.gpus < r.world_size:
         raise ReplayError(f"the run has {r.world_size} ranks; {cluster.describe()} hold only {cluster.gpus}.")
+    notes = []
+    if cfg.tp > cluster.gpus_per_node:
+        notes.append(f"tp={cfg.tp} is more than the {cluster.gpus_per_node} GPUs of a server: tensor parallelism "
+                     f"crosses servers here, over the network, which real jobs avoid.")
+        warnings.warn(notes[-1], stacklevel=2)
     split = any(s["kind"] == "backward" and s["name"].startswith("weights") for s in spans)
 
     def seconds(span: dict) -> float:
@@ -206,7 +213,9 @@ def replay(result, on: str = "h100", gpus_per_node: int = 8, nodes: int | None =
     for rank in sorted({s["rank"] for s in spans}):
         _rank_tasks([s for s in spans if s["rank"] == rank and s["kind"] != "step"], tasks, seconds, counters)
     layout = run_clock(tasks)
-    return _as_result(r, cfg, cluster, tasks, layout)
+    result = _as_result(r, cfg, cluster, tasks, layout)
+    result.extras["modeled"]["notes"] = notes
+    return result
 
 
 def _as_result(r: RunResult, cfg: TrainConfig, cluster: Cluster, tasks: list[Task], layout) -> RunResult:

@@ -6,6 +6,7 @@ Four launches in all (4 ranks: three pipeline schedules; 8 and 2 ranks: data par
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -177,3 +178,28 @@ def test_compute_is_a_roofline_plus_launches():
     assert c.compute_s(1e15, 0, 0) == pytest.approx(1e15 / (g.peak_bf16_flops * g.achievable))
     assert c.compute_s(1e6, 1e9, 3) == pytest.approx(1e9 / (g.hbm_GBps * 1e9) + 3 * 4e-6)
     assert c.compute_s(1e12, 0, 0, precision="fp32") > c.compute_s(1e12, 0, 0, precision="bf16")
+
+
+def test_the_replay_command_prints_the_modeled_step_and_refuses_bad_input_in_one_sentence(runs, tmp_path, capsys):
+    from gpucourse import cli
+
+    saved = tmp_path / "run.json"
+    runs["1f1b"].save(saved)
+    assert cli.main(["replay", str(saved), "--on", "a100", "--json", str(tmp_path / "modeled.json")]) == 0
+    out = capsys.readouterr().out
+    assert "replayed on 1 × 8 A100" in out and "modeled" in out and "MFU" in out
+    assert json.loads((tmp_path / "modeled.json").read_text())["device"] == "modeled a100"
+    for argv, words in ((["replay", str(tmp_path / "none.json")], "is not a file"),
+                        (["replay", str(saved), "--on", "v100"], "known: "),
+                        (["replay", str(saved), "--gpus-per-node", "2", "--nodes", "1"], "hold only 2")):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1
+
+
+def test_tensor_parallelism_across_servers_is_replayed_but_warned(runs):
+    d = runs["dp8"].to_dict()
+    d["config"] = {**d["config"], "dp": 1, "tp": 8, "bucket_mb": None}
+    with pytest.warns(UserWarning, match="crosses servers"):
+        modeled = replay(d, gpus_per_node=4, nodes=2)
+    assert modeled.extras["modeled"]["notes"]
