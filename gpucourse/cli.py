@@ -482,6 +482,7 @@ def cmd_lab(args) -> int:
     except ImportError:
         raise UsageError("JupyterLab is not installed in this Python: run 'make lab' (or pip install -e .).")
     argv = lab.server_argv(lab.NOTEBOOKS, port=args.port)
+    lab.install_course_defaults()  # no news pop-up over the first notebook
     print("gpucourse: serving the course on 127.0.0.1 with a token; open the URL Jupyter prints below.",
           file=sys.stderr, flush=True)
     os.execv(argv[0], argv)

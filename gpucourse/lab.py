@@ -28,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+from .measure import write_atomic
+
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
 
@@ -44,6 +46,31 @@ DRIVEN_SETTINGS = {
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false",
                                                                        "checkForUpdates": False},
 }
+
+
+# What `make lab` sets as the defaults of the course's own JupyterLab (plugin id -> setting -> value): no news
+# pop-up over the first notebook, no update check. Written as the application's overrides, so that a learner
+# who wants them back changes them in Settings as usual.
+COURSE_DEFAULTS = {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False}}
+
+
+def install_course_defaults(prefix: str | os.PathLike = sys.prefix) -> Path | None:
+    """Merge :data:`COURSE_DEFAULTS` into ``prefix``'s ``share/jupyter/lab/settings/overrides.json`` (JupyterLab's
+    application-wide defaults), keeping every value already there. Returns the file, or None when it cannot be
+    written (a read-only Python: the server starts anyway, with JupyterLab's own defaults)."""
+    path = Path(prefix) / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
+    try:
+        current = json.loads(path.read_text()) if path.exists() else {}
+        if not isinstance(current, dict):
+            return None
+        merged = {plugin: {**values, **current.get(plugin, {})} for plugin, values in COURSE_DEFAULTS.items()}
+        if all(current.get(plugin) == values for plugin, values in merged.items()):
+            return path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps({**current, **merged}, indent=1))
+    except (OSError, ValueError):
+        return None
+    return path
 
 
 class LabError(RuntimeError):

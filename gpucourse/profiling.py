@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 
 import torch
 
@@ -92,18 +93,38 @@ def trace(folder: str | os.PathLike | None, rank: int, steps: int | None = None)
     wait, warmup, active = _schedule(steps)
     prof = profile(activities=activities, schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
                    on_trace_ready=lambda p: p.export_chrome_trace(path))
-    with prof:
-        _PROFILER = prof
-        try:
-            yield prof
-        finally:
-            _PROFILER = None
+    with _native_log_hidden():
+        prof.start()
+    _PROFILER = prof
+    try:
+        yield prof
+    finally:
+        _PROFILER = None
+        with _native_log_hidden():
+            prof.stop()
 
 
 def step() -> None:
     """Tell this rank's profiler (if :func:`trace` is on) that a training step ended."""
     if _PROFILER is not None:
-        _PROFILER.step()
+        with _native_log_hidden():
+            _PROFILER.step()
+
+
+@contextlib.contextmanager
+def _native_log_hidden():
+    """Hide what the profiler's C++ side (Kineto) writes straight to the process's stderr as it starts and stops
+    recording ("USDT: ... profiler_start", "STAGE: ... Completed Stage"): forwarded from a rank into a notebook
+    it is a red block that reads like an error, and it is not one. Python exceptions still propagate."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 # --- the analysis of a finished run ---------------------------------------------------

@@ -161,10 +161,12 @@ def test_lab_serves_the_notebooks_on_localhost_behind_a_token(monkeypatch, capsy
     """What make lab runs: this interpreter's JupyterLab on notebooks/, 127.0.0.1 only, no token switched off."""
     from gpucourse import lab
 
-    started = []
+    started, defaults = [], []
     monkeypatch.setattr("os.execv", lambda path, argv: started.append(argv))
+    monkeypatch.setattr(lab, "install_course_defaults", lambda: defaults.append(True))
     cli.main(["lab", "--port", "0"])
     [argv] = started
+    assert defaults == [True]  # the news pop-up turned off first
     assert argv[:3] == [sys.executable, "-m", "jupyterlab"]
     assert f"--ServerApp.root_dir={lab.NOTEBOOKS}" in argv and "--ServerApp.ip=127.0.0.1" in argv
     assert "--ServerApp.port=0" in argv
@@ -178,3 +180,15 @@ def test_each_supported_rows_command_describes_that_rows_config():
     for (layout, impl, _, changes), row in zip(supported(), supported_table()):
         args = parser.parse_args(shlex.split(row["example"])[1:])
         assert cli._config_from(args) == TrainConfig(**changes), (layout, impl, row["example"])
+
+
+def test_the_course_defaults_turn_off_jupyterlabs_news_and_keep_a_learners_own_choice(tmp_path):
+    from gpucourse import lab
+
+    path = lab.install_course_defaults(tmp_path)
+    plugin = "@jupyterlab/apputils-extension:notification"
+    assert json.loads(path.read_text())[plugin] == {"fetchNews": "false", "checkForUpdates": False}
+    path.write_text(json.dumps({plugin: {"fetchNews": "true"}, "other:plugin": {"x": 1}}))
+    lab.install_course_defaults(tmp_path)
+    assert json.loads(path.read_text()) == {plugin: {"fetchNews": "true", "checkForUpdates": False},
+                                            "other:plugin": {"x": 1}}

@@ -150,3 +150,16 @@ def test_profile_flags_are_checked_before_anything_runs(tmp_path, capsys):
     assert cli.main(["train", "--profile", str(tmp_path / "file")]) == 2
     assert cli.main(["train", "--baseline", str(tmp_path / "file")]) == 2
     assert "not a RunResult JSON" in capsys.readouterr().err
+
+
+def test_the_profilers_own_start_and_stop_lines_are_hidden(tmp_path, capfd):
+    """Kineto writes "USDT: ... profiler_start" to the process's stderr: in a notebook, a red block that is no error."""
+    import torch
+
+    with profiling.trace(tmp_path, 0, steps=3):
+        for _ in range(3):
+            torch.ones(4).sum()
+            profiling.step()
+    err = capfd.readouterr().err
+    assert "profiler_start" not in err and "USDT" not in err
+    assert json.loads((tmp_path / "rank0.trace.json").read_text())["traceEvents"]
