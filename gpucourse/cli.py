@@ -78,6 +78,8 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=d.lr, help="learning rate (AdamW)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for weights and data order")
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
+    p.add_argument("--straggler", metavar="RANK:MS", default=d.straggler,
+                   help="plant a straggler: that rank loses MS milliseconds every step, as a slow device would")
 
 
 def _config_from(args) -> TrainConfig:

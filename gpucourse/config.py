@@ -65,6 +65,9 @@ class TrainConfig:
     dropout: float = 0.0
     device: str = "auto"
     record: bool = True
+    # A planted fault for profiling practice: "RANK:MS" slows that rank by MS milliseconds every step, as a
+    # slow or throttled device would; its peers wait for it in their next collective.
+    straggler: str | None = None
     # Run options that are not part of the optimisation: where to write a
     # torch.profiler trace per rank, and where to save / resume checkpoints.
     profile: str | None = None
@@ -116,6 +119,8 @@ class TrainConfig:
                 raise ConfigError(f"{name}={value!r} must be a whole number of at least 1.")
         if self.model not in MODELS:
             raise ConfigError(f"model={self.model!r} is not one of {', '.join(MODELS)}.")
+        if self.straggler is not None:
+            self.straggler_delay()  # refused here, in one sentence, if it does not parse or names no rank
         if self.impl not in IMPLS:
             raise ConfigError(f"impl={self.impl!r} is not one of {', '.join(IMPLS)}.")
         if self.precision not in PRECISIONS:
@@ -326,6 +331,20 @@ class TrainConfig:
                               "group of their own.")
         if self.ep > 1 and (self.save or self.resume):
             raise ConfigError("checkpoints of expert-parallel runs are not written yet; save with ep=1.")
+
+    def straggler_delay(self) -> tuple[int, float] | None:
+        """``straggler`` as (rank, seconds lost per step), or None."""
+        if self.straggler is None:
+            return None
+        try:
+            rank, ms = str(self.straggler).split(":")
+            rank, ms = int(rank), float(ms)
+        except ValueError:
+            raise ConfigError(f"straggler={self.straggler!r} must look like 'RANK:MS', e.g. '2:50'.") from None
+        if not 0 <= rank < self.world_size or not ms > 0:
+            raise ConfigError(f"straggler={self.straggler!r}: the rank must be from 0 to {self.world_size - 1} and "
+                              f"the delay a positive number of milliseconds.")
+        return rank, ms / 1e3
 
     def validate_on(self, device: str) -> "TrainConfig":
         """The checks that depend on where the ranks run (``cpu`` or ``cuda``)."""

@@ -90,6 +90,8 @@ def forward_work(cfg: TrainConfig, rank: int) -> dict[str, float]:
 
 def span_seconds(cluster: Cluster, cfg: TrainConfig, span: dict, split_backward: bool) -> float:
     """Modeled seconds of one recorded compute span (a forward, a backward or its weight part, an optimizer step)."""
+    if "delay_s" in span:
+        return span["delay_s"]  # a planted straggler loses the same time on any hardware
     fwd = forward_work(cfg, span["rank"])
     chunks = cfg.virtual_stages if cfg.schedule in ("interleaved-1f1b", "zbv", "zb-h1") and cfg.pp > 1 else 1
     if cfg.schedule == "zb-h1":

@@ -101,6 +101,7 @@ def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dic
     experts = [(name, m) for name, m in trainer.module.named_modules() if isinstance(m, MoE)]
     moe_steps = []
     losses, step_times = [], []
+    slow = cfg.straggler_delay()
     for step in range(start_step, cfg.steps):
         checkpoint.inject_fault(ctx.rank, step)
         rec.step = step - start_step  # what a RunResult counts from: its losses[0] is step start_step
@@ -108,6 +109,9 @@ def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dic
         first_span = len(rec.spans)
         start = time.perf_counter()
         with rec.span("step"):
+            if slow is not None and slow[0] == ctx.rank:  # a planted straggler: a device slower than its peers
+                with rec.span("forward", "slow device (planted straggler)", delay_s=slow[1]):
+                    time.sleep(slow[1])
             loss = trainer.step(x.to(ctx.device), y.to(ctx.device))
         value = None if loss is None else loss.item()  # .item() waits for the step on CUDA
         if value is not None:

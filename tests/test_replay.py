@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from gpucourse import clock, profiling, viz
+from gpucourse import ConfigError, TrainConfig, clock, profiling, viz
 from gpucourse.cluster import Cluster
 from gpucourse.gpus import get_gpu
 from gpucourse.parallel import schedules
@@ -29,7 +29,8 @@ def runs(tmp_path_factory):
     return {name: result for name, (_, result, _) in train_launches(tmp, BASE, {
         4: {name: dict(pp=PP, microbatches=M, schedule=name, batch_size=8) for name in ("naive", "gpipe", "1f1b")},
         8: {"dp8": dict(dp=8, batch_size=64, bucket_mb=0.25)},
-        2: {"dp2": dict(dp=2, batch_size=8), "dp2_bucketed": dict(dp=2, batch_size=8, bucket_mb=0.25)},
+        2: {"dp2": dict(dp=2, batch_size=8), "dp2_bucketed": dict(dp=2, batch_size=8, bucket_mb=0.25),
+            "straggler": dict(dp=2, batch_size=8, straggler="1:40")},
         1: {"one": dict(batch_size=8), "one_micro4": dict(batch_size=4)},
     }).items()}
 
@@ -203,3 +204,17 @@ def test_tensor_parallelism_across_servers_is_replayed_but_warned(runs):
     with pytest.warns(UserWarning, match="crosses servers"):
         modeled = replay(d, gpus_per_node=4, nodes=2)
     assert modeled.extras["modeled"]["notes"]
+
+
+def test_a_planted_straggler_shows_as_its_peers_waiting(runs):
+    """Notebook 08's exercise: rank 1 loses 40 ms a step; rank 0 waits for it in the all-reduces, as idle."""
+    r = runs["straggler"]
+    shares = profiling.time_shares(r.timeline, [1, 2])
+    assert shares[0]["idle"] > shares[1]["idle"] + 0.1
+    waited = sum(s.get("wait_s", 0.0) for s in r.timeline if s["rank"] == 0 and s["step"] == 2 and s["kind"] == "comm")
+    assert waited >= 0.03
+    # On modeled GPUs the delay stays what it was, and the other rank's wait with it.
+    modeled = profiling.time_shares(replay(r).timeline, [1, 2])
+    assert modeled[0]["idle"] > 0.5 > modeled[1]["idle"]
+    with pytest.raises(ConfigError, match="RANK:MS"):
+        TrainConfig(dp=2, straggler="1-40").validate()
