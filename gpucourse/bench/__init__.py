@@ -132,48 +132,129 @@ def tp_scratch_vs_torch(reps: int, steps: int) -> Reading:
 
 
 def measured_bubble(result) -> tuple[float, dict]:
-    """Idle share of a pipeline run's steps, and the mean op costs measured in it.
+    """Idle share of a pipeline run's steps, and the op costs measured in it.
 
-    Per step: from the first forward to the last backward on any stage, the
-    share of stage-time not spent in forward or backward (median over steps
-    after the warm-up).
+    A stage is idle when it waits for a neighbour — inside a receive (or a send)
+    until the peer arrives (``wait_s``), and before its first op and after its
+    last within the step. The Python between its ops is not idling: it is part of
+    the stage's work, so it is spread over the compute ops' costs. Per step, from
+    the first op to the last on any stage; the median over the steps after the
+    warm-up. Costs per stage: forward, backward (B, or the whole backward when it
+    is not split) and weight gradient (W) of one microbatch's chunk; a transfer is
+    a send's or receive's time less its wait.
     """
+    from ..measure import waiting
+
     pp = result.config["pp"]
     stage_of = {r: r // (result.config["dp"] * result.config["tp"]) for r in range(result.world_size)}
-    fractions, costs = [], {"F": [[] for _ in range(pp)], "B": [[] for _ in range(pp)], "comm": []}
+    fractions = []
+    costs = {"F": [[] for _ in range(pp)], "B": [[] for _ in range(pp)], "W": [[] for _ in range(pp)], "comm": []}
     for step in range(WARMUP_STEPS, len(result.losses)):
         spans = [s for s in result.timeline if s["step"] == step and stage_of[s["rank"]] < pp
                  and s["kind"] in ("forward", "backward", "comm") and s["rank"] < pp]
-        work = [s for s in spans if s["kind"] != "comm"]
-        makespan = max(s["end_s"] for s in work) - min(s["start_s"] for s in work)
-        busy = sum(s["end_s"] - s["start_s"] for s in work)
-        fractions.append(1 - busy / (pp * makespan))
-        for s in spans:
-            if s["kind"] == "comm":
-                if s["name"].startswith("send"):
-                    costs["comm"].append(s["end_s"] - s["start_s"])
-            else:
-                costs["F" if s["kind"] == "forward" else "B"][stage_of[s["rank"]]].append(s["end_s"] - s["start_s"])
-    mean = {k: [statistics.mean(c) for c in v] for k, v in costs.items() if k != "comm"}
-    # A receive also waits for its sender to get there (idle time); a send is the transfer itself.
+        first, last = min(s["start_s"] for s in spans), max(s["end_s"] for s in spans)
+        idle = 0.0
+        for stage in range(pp):
+            mine = [s for s in spans if s["rank"] == stage]
+            start, end = min(s["start_s"] for s in mine), max(s["end_s"] for s in mine)
+            waits = [w for w in map(waiting, mine) if w]
+            idle += (start - first) + (last - end) + sum(b - a for a, b in waits)
+            work = [s for s in mine if s["kind"] != "comm"]
+            # What is neither waiting, computing nor a blocking transfer (asynchronous ones run beside compute).
+            overhead = max(0.0, (end - start) - sum(b - a for a, b in waits)
+                           - sum(s["end_s"] - s["start_s"] for s in work)
+                           - sum(s["end_s"] - s["start_s"] - s.get("wait_s", 0.0) for s in mine
+                                 if s["kind"] == "comm" and "waited_s" not in s)) / len(work)
+            for s in mine:
+                seconds = s["end_s"] - s["start_s"]
+                if s["kind"] == "comm":
+                    if s.get("op") == "recv":  # a message's time: from the later of the two sides to its arrival
+                        costs["comm"].append(seconds - s.get("wait_s", 0.0))
+                else:
+                    kind = "F" if s["kind"] == "forward" else "W" if s["name"].startswith("weights") else "B"
+                    costs[kind][stage].append(seconds + overhead)
+        fractions.append(idle / (pp * (last - first)))
+    mean = {k: [statistics.mean(c) if c else 0.0 for c in v] for k, v in costs.items() if k != "comm"}
     mean["comm"] = statistics.median(costs["comm"]) if costs["comm"] else 0.0
     return statistics.median(fractions), mean
 
 
-@figure("pp_bubble_measured_vs_simulated", target="0.8..1.25", quick=dict(steps=10, microbatches=4),
-        full=dict(steps=30, microbatches=4))
-def pp_bubble_measured_vs_simulated(steps: int, microbatches: int) -> Reading:
-    """Measured idle share of a 2-stage 1F1B run over the simulator's, fed the run's own op costs."""
-    from ..parallel.schedules import SCHEDULES, simulate
+def simulated_bubble(config: dict, cost: dict) -> float:
+    """The simulator's idle share for ``config``'s schedule, fed a run's measured op costs (see measured_bubble)."""
+    from ..parallel import schedules, schedules_virtual
 
-    result = run(_bench_config(impl="scratch", dp=1, pp=RANKS, schedule="1f1b", microbatches=microbatches,
-                               batch_size=16, steps=steps), timeout=RUN_TIMEOUT_S, quiet=True)
+    name, pp, m = config["schedule"], config["pp"], config["microbatches"]
+    if name in schedules.SCHEDULES:
+        sim = schedules.simulate(schedules.SCHEDULES[name](pp, m), pp, m, cost_f=cost["F"], cost_b=cost["B"],
+                                 cost_comm=cost["comm"])
+    else:  # each measured span is one chunk's: a rank-stage costs v of them
+        ops, layout = schedules_virtual.build(name, pp, m, config["virtual_stages"])
+        v = layout.v
+        sim = schedules_virtual.simulate(ops, layout, m, cost_f=[v * c for c in cost["F"]],
+                                         cost_b=[v * c for c in cost["B"]], cost_w=[v * c for c in cost["W"]],
+                                         cost_comm=cost["comm"])
+    return sim.bubble_fraction
+
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+
+
+@figure("pp_bubble_measured_vs_simulated", target="0.8..1.25", quick=dict(reps=2, steps=8, microbatches=4),
+        full=dict(reps=3, steps=20, microbatches=4))
+def pp_bubble_measured_vs_simulated(reps: int, steps: int, microbatches: int) -> Reading:
+    """Measured idle share of 2-stage pipelines over the simulator's fed the same runs' op costs, for every schedule;
+    the value is the one furthest from 1. Each schedule runs ``reps`` times, interleaved with the others, and each
+    side is the median over its runs: a moment of load on the machine moves one run, not the figure."""
+    configs = {name: _bench_config(impl="scratch", dp=1, pp=RANKS, schedule=name, microbatches=microbatches,
+                                   batch_size=16, steps=steps) for name in PIPELINE_SCHEDULES}
+    pairs = interleave({name: (lambda c=c: _bubble_pair(c)) for name, c in configs.items()}, reps)
+    ratios, detail = {}, {}
+    for name, got in pairs.items():
+        measured = statistics.median(g[0] for g in got)
+        simulated = statistics.median(g[1] for g in got)
+        ratios[name] = ratio(measured, simulated)
+        detail[name] = {"measured": measured, "simulated": simulated, "runs": got}
+    worst = max(ratios, key=lambda k: abs(ratios[k] - 1.0))
+    return Reading(ratios[worst], {"ratios": ratios, **detail},
+                   "; ".join(f"{k} {v:.2f}" for k, v in ratios.items()) + f" (furthest from 1: {worst})")
+
+
+def _bubble_pair(config: TrainConfig) -> tuple[float, float]:
+    result = run(config, timeout=RUN_TIMEOUT_S, quiet=True)
     measured, cost = measured_bubble(result)
-    sim = simulate(SCHEDULES["1f1b"](RANKS, microbatches), RANKS, microbatches, cost_f=cost["F"], cost_b=cost["B"],
-                   cost_comm=cost["comm"])
-    return Reading(ratio(measured, sim.bubble_fraction), {"measured": measured, "simulated": sim.bubble_fraction,
-                                                          "op_costs_s": cost},
-                   f"measured idle {measured:.3f}, simulated {sim.bubble_fraction:.3f}")
+    return measured, simulated_bubble(result.config, cost)
+
+
+@figure("pp_interleaved_bubble_vs_formula", target="== 1.0", quick=dict(), full=dict())
+def pp_interleaved_bubble_vs_formula() -> Reading:
+    """Interleaved 1F1B simulated with equal costs: idle over compute time against (p−1)/(v·m), p 4, m 8, v 2."""
+    from ..parallel import schedules_virtual
+
+    pp, m, v = 4, 8, 2
+    ops, layout = schedules_virtual.build("interleaved-1f1b", pp, m, v)
+    sim = schedules_virtual.simulate(ops, layout, m)
+    formula = schedules_virtual.formula_bubble_ratio("interleaved-1f1b", pp, m, v)
+    return Reading(round(sim.bubble_ratio / formula, 12), {"simulated": sim.bubble_ratio, "formula": formula},
+                   f"simulated {sim.bubble_ratio:.4f}, (p-1)/(v·m) = {formula:.4f}")
+
+
+@figure("pp_zb_vs_1f1b_idle", quick=dict(reps=2, steps=8), full=dict(reps=3, steps=20))
+def pp_zb_vs_1f1b_idle(reps: int, steps: int) -> Reading:
+    """Measured idle share of zero bubble (ZB-H1) over 1F1B's, 2 stages, 4 microbatches (expect below 1)."""
+    configs = {name: _bench_config(impl="scratch", dp=1, pp=RANKS, schedule=name, microbatches=4, batch_size=16,
+                                   steps=steps) for name in ("zb-h1", "1f1b")}
+    idle = interleave({name: (lambda c=c: measured_bubble(run(c, timeout=RUN_TIMEOUT_S, quiet=True))[0])
+                       for name, c in configs.items()}, reps)
+    zb, one = statistics.median(idle["zb-h1"]), statistics.median(idle["1f1b"])
+    return Reading(ratio(zb, one), {"zb-h1": idle["zb-h1"], "1f1b": idle["1f1b"]},
+                   f"idle zb-h1 {zb:.3f}, 1f1b {one:.3f}")
+
+
+@figure("pp_interleaved_scratch_vs_torch", target="<= 1.20", quick=dict(reps=2, steps=12), full=dict(reps=4, steps=30))
+def pp_interleaved_scratch_vs_torch(reps: int, steps: int) -> Reading:
+    """Step time of interleaved 1F1B (2 ranks, 2 chunks each) from scratch over ScheduleInterleaved1F1B's."""
+    return _model_parallel_ratio(dict(pp=2, schedule="interleaved-1f1b", virtual_stages=2, microbatches=4), reps,
+                                 steps, "ScheduleInterleaved1F1B")
 
 
 def _memory_ratios(configs: list[TrainConfig], expected) -> dict:
