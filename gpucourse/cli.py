@@ -288,7 +288,11 @@ def cmd_schedule(args) -> int:
         if value < 1:
             raise UsageError(f"{flag} {value} must be at least 1.")
     if args.virtual_stages != 2 and args.schedule != "interleaved-1f1b":
-        raise UsageError("--virtual-stages sets the chunks per rank of interleaved-1f1b (zbv has 2, the others 1).")
+        raise UsageError("--virtual-stages sets the chunks per rank of interleaved-1f1b (zbv and dualpipev have 2, "
+                         "the others 1).")
+    if args.schedule == "dualpipev" and args.microbatches < 2 * args.pp:
+        raise UsageError(f"dualpipev needs --microbatches at least 2 × --pp ({args.microbatches} is less than "
+                         f"{2 * args.pp}).")
     if args.schedule == "interleaved-1f1b" and args.microbatches % args.pp:
         raise UsageError(f"interleaved-1f1b needs --microbatches a multiple of --pp ({args.microbatches} is not a "
                          f"multiple of {args.pp}).")
@@ -671,7 +675,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=4, help="pipeline stages")
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per step")
     p.add_argument("--schedule", default="1f1b",
-                   help="naive, gpipe, 1f1b, interleaved-1f1b, zb-h1 (B and W split) or zbv (V-shaped)")
+                   help="naive, gpipe, 1f1b, interleaved-1f1b, zb-h1 (B and W split), zbv (V-shaped) or dualpipev "
+                        "(DeepSeek's DualPipe on the V)")
     p.add_argument("--virtual-stages", type=int, default=2, help="interleaved-1f1b: model chunks per rank")
     p.add_argument("--cost-f", type=float, default=1.0, help="time of one stage's forward of one microbatch")
     p.add_argument("--cost-b", type=float, default=2.0, help="time of one stage's backward of one microbatch")

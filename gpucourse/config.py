@@ -224,7 +224,12 @@ class TrainConfig:
     def _check_virtual_schedule(self, mc, runnable: bool) -> None:
         if self.pp == 1:
             raise ConfigError(f"schedule={self.schedule!r} is a pipeline schedule; it needs pp > 1.")
-        v = self.virtual_stages if self.schedule == "interleaved-1f1b" else 2 if self.schedule == "zbv" else 1
+        from .parallel.schedules_virtual import chunks_per_rank
+
+        v = chunks_per_rank(self.schedule, self.virtual_stages)
+        if self.schedule == "dualpipev" and self.microbatches < 2 * self.pp:
+            raise ConfigError(f"dualpipev fills both chunks of every rank: microbatches={self.microbatches} must be "
+                              f"at least 2 × pp = {2 * self.pp}.")
         if self.schedule == "interleaved-1f1b":
             if not isinstance(self.virtual_stages, int) or self.virtual_stages < 2:
                 raise ConfigError(f"virtual_stages={self.virtual_stages!r}: interleaving needs at least 2 chunks "

@@ -161,7 +161,14 @@ def estimate_params(num: int, dp: int = 1, zero: int = 0, precision: str = "fp32
     }
 
 
-def _activation_bytes(cfg: TrainConfig, mc: GPTConfig, stage: int, in_flight: int) -> int:
+def _activation_bytes(cfg: TrainConfig, mc: GPTConfig, stage: int, in_flight: float) -> int:
+    per_block, blocks, ids, head = _activation_parts(cfg, mc, stage)
+    return int((blocks * per_block + ids + head) * in_flight)
+
+
+def _activation_parts(cfg: TrainConfig, mc: GPTConfig, stage: int) -> tuple[float, int, float, float]:
+    """One microbatch's activations on pipeline rank ``stage``: (bytes per block, its blocks, the token ids it
+    holds on the first rank, the final norm's and head's inputs, logits and targets on the loss's)."""
     b = cfg.batch_size // _forwards(cfg)
     # Context parallelism: a rank holds T/cp tokens of each sequence all the way through.
     T, C, V, tp = cfg.seq_len // cfg.cp, mc.n_embd, mc.vocab_size, cfg.tp
@@ -179,15 +186,29 @@ def _activation_bytes(cfg: TrainConfig, mc: GPTConfig, stage: int, in_flight: in
         rep = rep / 2 / sp + rep / 2
         per_block = b * T * C * (rep + shard / tp) + scale * (16 * b * T / sp + 4 * b * (mc.n_head // tp) * T)
         per_block += _context_attention_bytes(cfg, b, T, C / tp)
-    total = blocks * per_block
     moe_blocks = sum(mc.is_moe(i) for i in in_stage)
     if moe_blocks and not cfg.checkpoint_activations:  # the MLP's 32 bytes per channel (fp32) become the experts'
-        total += moe_blocks * scale * (moe_activation_bytes(mc, b, T, tp, cfg.ep) - 32 * b * T * C / tp)
-    if stage == 0:
-        total += 8 * b * T + 8 * T                               # token ids, positions
-    if stage == _loss_stage(cfg):
-        total += scale * (8 * b * T * C + 4 * b * T * V) + 16 * b * T + 4   # norm/head inputs, logits, targets
-    return int(total * in_flight)
+        per_block += moe_blocks / blocks * scale * (moe_activation_bytes(mc, b, T, tp, cfg.ep) - 32 * b * T * C / tp)
+    ids = 8 * b * T + 8 * T if stage == 0 else 0.0            # token ids, positions
+    head = scale * (8 * b * T * C + 4 * b * T * V) + 16 * b * T + 4 if stage == _loss_stage(cfg) else 0.0
+    return per_block, blocks, ids, head
+
+
+def _chunk_shares(cfg: TrainConfig, mc: GPTConfig, layout) -> list[list[float]]:
+    """Per rank, each chunk's share of the rank's activations for one microbatch: its own blocks, the token ids
+    with virtual stage 0 and the head's with the last."""
+    shares = []
+    for stage in range(cfg.pp):
+        per_block, blocks, ids, head = _activation_parts(cfg, mc, stage)
+        total = blocks * per_block + ids + head
+        row = []
+        for chunk in range(layout.v):
+            vstage = layout.virtual(stage, chunk)
+            mine = len(stage_blocks(mc.n_layer, layout.stages, vstage)) * per_block
+            mine += (ids if vstage == 0 else 0.0) + (head if vstage == layout.stages - 1 else 0.0)
+            row.append(mine / total)
+        shares.append(row)
+    return shares
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, tp: int = 1, sp: bool = False,
@@ -229,14 +250,18 @@ def _context_attention_bytes(cfg: TrainConfig, b: int, t: int, width: float) -> 
 
 def _loss_stage(cfg: TrainConfig) -> int:
     """The pipeline rank that holds the final norm and the head: the last, or on the V placement the first."""
-    return 0 if cfg.schedule == "zbv" else cfg.pp - 1
+    from .parallel.schedules_virtual import V_SHAPED
+
+    return 0 if cfg.schedule in V_SHAPED else cfg.pp - 1
 
 
-def in_flight(schedule: str, pp: int, m: int, virtual_stages: int = 2) -> list[float]:
+def in_flight(schedule: str, pp: int, m: int, virtual_stages: int = 2, shares=None) -> list[float]:
     """Most microbatches each stage holds activations for at once (what ``schedules.simulate`` finds).
 
-    With several chunks per rank (interleaved, V) or a split backward, the simulator's peak of
-    microbatch-chunks held, each 1/v of a stage's activations (a zero-bubble W keeps its chunk's until it runs).
+    With several chunks per rank (interleaved, V) or a split backward, the peak of microbatch-chunks held, each
+    1/v of a stage's activations — or, given ``shares[rank][chunk]`` (each chunk's share of its rank's
+    activations), the peak of their weighted sum, in the order the rank runs its ops (a zero-bubble W keeps its
+    chunk's until it runs).
     """
     if pp == 1:
         return [1]
@@ -244,12 +269,33 @@ def in_flight(schedule: str, pp: int, m: int, virtual_stages: int = 2) -> list[f
 
     if schedule in schedules_virtual.SCHEDULES:
         ops, layout = schedules_virtual.build(schedule, pp, m, virtual_stages)
-        return [peak / layout.v for peak in schedules_virtual.simulate(ops, layout, m).peak_in_flight]
+        if shares is None:
+            return [peak / layout.v for peak in schedules_virtual.simulate(ops, layout, m).peak_in_flight]
+        return _weighted_peaks(ops, shares)
     if schedule == "naive":
         return [1] * pp
     if schedule == "gpipe":
         return [m] * pp
     return [min(pp - stage, m) for stage in range(pp)]  # 1F1B: warm-up depth of each stage
+
+
+def _weighted_peaks(ops, shares) -> list[float]:
+    """Per rank, the most of its activations held at once: +share at a chunk's forward, −share where that
+    microbatch's chunk is done with them (its W where the backward is split, else its B)."""
+    from .parallel.schedules import B, F, W
+
+    peaks = []
+    for rank, row in enumerate(ops):
+        frees = W if any(op.kind == W for op in row) else B
+        held = peak = 0.0
+        for op in row:
+            if op.kind == F:
+                held += shares[rank][op.chunk]
+                peak = max(peak, held)
+            elif op.kind == frees:
+                held -= shares[rank][op.chunk]
+        peaks.append(peak)
+    return peaks
 
 
 def estimate(cfg: TrainConfig) -> dict:
@@ -260,7 +306,13 @@ def estimate(cfg: TrainConfig) -> dict:
     """
     cfg.validate(runnable=False)
     mc = cfg.model_config()
-    held = in_flight(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
+    from .parallel import schedules_virtual
+
+    shares = None
+    if cfg.pp > 1 and cfg.schedule in schedules_virtual.SCHEDULES:  # chunks of unequal weight: count each its own
+        shares = _chunk_shares(cfg, mc, schedules_virtual.build(cfg.schedule, cfg.pp, cfg.microbatches,
+                                                                cfg.virtual_stages)[1])
+    held = in_flight(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages, shares)
     per_stage = []
     for stage in range(cfg.pp):
         units = stage_units(mc, cfg.pp, stage, cfg.tp, cfg.ep)

@@ -62,8 +62,8 @@ def batch(cfg: TrainConfig) -> tuple[int, int]:
 
 
 def chunks_per_rank(cfg: TrainConfig) -> int:
-    """Model chunks each pipeline rank holds: virtual_stages when interleaved, 2 for the V schedule, else 1."""
-    return {"interleaved-1f1b": cfg.virtual_stages, "zbv": 2}.get(cfg.schedule, 1) if cfg.pp > 1 else 1
+    """Model chunks each pipeline rank holds: virtual_stages when interleaved, 2 for the V schedules, else 1."""
+    return {"interleaved-1f1b": cfg.virtual_stages, "zbv": 2, "dualpipev": 2}.get(cfg.schedule, 1) if cfg.pp > 1 else 1
 
 
 def moe_layers(cfg: TrainConfig) -> list[int]:
@@ -331,7 +331,7 @@ def deepspeed(cfg: TrainConfig) -> tuple[dict, list[str]]:
 # torch/distributed/pipelining/schedules.py get_schedule_class.
 
 TITAN_SCHEDULES = {"naive": "GPipe", "gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B",
-                   "zb-h1": "1F1B", "zbv": "ZBVZeroBubble"}
+                   "zb-h1": "1F1B", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
 ROTATE = {"ring": "alltoall", "allgather": "allgather"}  # torch's context_parallel: how K/V shards move
 
 

@@ -22,9 +22,11 @@ LAUNCHES = {
         "pp2-interleaved-v2-accum2": dict(pp=2, schedule="interleaved-1f1b", microbatches=2, grad_accum=2),
         "pp2-zb-h1": dict(pp=2, schedule="zb-h1", microbatches=4),
         "pp2-zbv": dict(pp=2, schedule="zbv", microbatches=4),
-        # PyTorch's own: ScheduleInterleaved1F1B and ScheduleZBVZeroBubble over the same chunks.
+        "pp2-dualpipev": dict(pp=2, schedule="dualpipev", microbatches=4),
+        # PyTorch's own: ScheduleInterleaved1F1B, ScheduleZBVZeroBubble and ScheduleDualPipeV over the same chunks.
         "pp2-interleaved-torch": dict(pp=2, schedule="interleaved-1f1b", microbatches=4, impl="torch"),
-        "pp2-zbv-torch": dict(pp=2, schedule="zbv", microbatches=4, impl="torch")},
+        "pp2-zbv-torch": dict(pp=2, schedule="zbv", microbatches=4, impl="torch"),
+        "pp2-dualpipev-torch": dict(pp=2, schedule="dualpipev", microbatches=4, impl="torch")},
     4: {"dp2×pp2-interleaved": dict(dp=2, pp=2, schedule="interleaved-1f1b", microbatches=2),
         "tp2×pp2-interleaved": dict(tp=2, pp=2, schedule="interleaved-1f1b", microbatches=2),
         "dp2×pp2-zb-h1-zero1": dict(dp=2, pp=2, schedule="zb-h1", microbatches=2, zero=1),
@@ -51,7 +53,7 @@ def test_each_rank_sends_what_its_schedule_says(tmp_path_factory):
     """Per step and pipeline: an activation and a gradient per microbatch across every chunk boundary between
     ranks — pp·v − 1 of them interleaved (v times 1F1B's pp − 1), 2·pp − 2 on the V (the turn stays on its rank)."""
     runs = _results(tmp_path_factory)
-    for name in ("pp2-interleaved-v2", "pp2-zb-h1", "pp2-zbv", "pp4-zb-h1"):
+    for name in ("pp2-interleaved-v2", "pp2-zb-h1", "pp2-zbv", "pp2-dualpipev", "pp4-zb-h1"):
         cfg, result, _ = runs[name]
         ops, layout = build(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
         crossings = layout.stages - 1 - sum(layout.place(vs)[0] == layout.place(vs + 1)[0]

@@ -154,12 +154,14 @@ def test_cli_prints_the_gantt_and_the_numbers(capsys, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--pp", "0"], "--pp 0 must be at least 1."),
     (["--schedule", "zero-bubble"],
-     "--schedule 'zero-bubble' is not one of naive, gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv."),
+     "--schedule 'zero-bubble' is not one of naive, gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv, dualpipev."),
     (["--microbatches", "-3"], "--microbatches -3 must be at least 1."),
     (["--schedule", "interleaved-1f1b", "--microbatches", "6"],
      "interleaved-1f1b needs --microbatches a multiple of --pp (6 is not a multiple of 4)."),
     (["--schedule", "zb-h1", "--virtual-stages", "3"],
-     "--virtual-stages sets the chunks per rank of interleaved-1f1b (zbv has 2, the others 1)."),
+     "--virtual-stages sets the chunks per rank of interleaved-1f1b (zbv and dualpipev have 2, the others 1)."),
+    (["--schedule", "dualpipev", "--microbatches", "6"],
+     "dualpipev needs --microbatches at least 2 × --pp (6 is less than 8)."),
 ])
 def test_cli_bad_input_is_one_sentence_and_exit_2(argv, message, capsys):
     assert cli.main(["schedule", *argv]) == 2
@@ -225,6 +227,24 @@ def test_the_v_schedule_turns_at_the_last_rank_without_a_transfer(pp, m):
     last = ops[pp - 1]  # chunk 0 ends and chunk 1 starts on the last rank: no send, no receive between them
     assert not [op for op in last if op.kind == schedules.SEND_F and op.chunk == 0]
     assert not [op for op in last if op.kind == schedules.RECV_F and op.chunk == 1]
+
+
+@pytest.mark.parametrize("pp", range(1, 9))
+def test_dualpipev_runs_for_any_ranks_and_microbatches_with_zero_bubbles_idle(pp):
+    """DualPipeV (the V placement, DeepSeek's eight phases): valid and deadlock-free from m = 2p up; with equal
+    costs its bubble is no more than ZB-H1's or ZBV's, every (microbatch, chunk) has its W, and a rank holds 2p + 1."""
+    for m in sorted({2 * pp, 2 * pp + 3, 32}):
+        ops, layout = virtual.build("dualpipev", pp, m)
+        assert layout.shape == "v" and layout.v == 2
+        virtual.validate(ops, layout, m)
+        sim = virtual.simulate(ops, layout, m, 1.0, 1.0, 1.0)
+        h1 = virtual.simulate(*virtual.build("zb-h1", pp, m), m, 1.0, 1.0, 1.0)
+        zbv = virtual.simulate(*virtual.build("zbv", pp, m), m, 1.0, 1.0, 1.0)
+        assert sim.bubble_ratio <= min(h1.bubble_ratio, zbv.bubble_ratio) + 1e-12  # notebook 04b: at most ZBV's
+        assert all(sum(op.kind == schedules.W for op in row) == 2 * m for row in ops)
+        assert sim.peak_in_flight == [2 * pp + 1] * pp  # notebook 04b: 2p + 1 microbatch-chunks on every rank
+    with pytest.raises(schedules.ScheduleError, match="at least 2·pp"):
+        virtual.build("dualpipev", pp, 2 * pp - 1)
 
 
 def test_virtual_schedules_that_cannot_run_say_where():

@@ -246,7 +246,8 @@ class TorchVirtualPipeline:
     ``ScheduleInterleaved1F1B`` / ``ScheduleZBVZeroBubble`` (losses / (m · parts), ``scale_grads=False``, as
     ``pipeline.TorchPipelineSchedule``). They run on CPU ranks over gloo as on GPUs."""
 
-    CLASSES = {"interleaved-1f1b": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble"}
+    CLASSES = {"interleaved-1f1b": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble",
+               "dualpipev": "ScheduleDualPipeV"}
 
     def __init__(self, pp_group, schedule: str, microbatches: int, device):
         self.pp_group, self.name, self.m, self.device = pp_group, schedule, microbatches, device

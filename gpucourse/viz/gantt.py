@@ -280,7 +280,7 @@ def schedule(result=None, *, pp: int = 4, microbatches: int = 8, schedule: str =
     """A pipeline schedule laid out by the simulator (no processes), with a slider over the number of microbatches.
 
     Give ``pp``, ``microbatches`` and ``schedule`` (naive, gpipe, 1f1b, or
-    interleaved-1f1b with ``virtual_stages``, zb-h1, zbv), or a pipeline run's
+    interleaved-1f1b with ``virtual_stages``, zb-h1, zbv, dualpipev), or a pipeline run's
     RunResult (or JSON path): then its layout is used and, unless ``cost_f`` /
     ``cost_b`` are given, each stage's measured median forward and backward
     time in ms. Default costs: forward 1, backward 2 time units (split
@@ -307,7 +307,10 @@ def _virtual_schedule(pp, microbatches, name, v, cost_f, cost_b, cost_w, cost_co
     cost_b = (1.0 if split else 2.0) if cost_b is None else cost_b
     cost_w = (1.0 if split else 0.0) if cost_w is None else cost_w
     step = pp if name == "interleaved-1f1b" else 1
-    counts = [m for m in range(step, microbatches + 1, step)] if slider else [microbatches]
+    least = 2 * pp if name == "dualpipev" else step  # DualPipeV fills both chunks of every rank: m ≥ 2p
+    counts = [m for m in range(least, microbatches + 1, step)] if slider else [microbatches]
+    if not counts:
+        raise ValueError(f"{name} on {pp} ranks needs at least {least} microbatches, not {microbatches}.")
     if len(counts) > 16:
         counts = counts[:: -(-len(counts) // 16)] + ([counts[-1]] if counts[-1] % step == 0 else [])
     frames, sims = [], {}
