@@ -196,6 +196,30 @@ def measure(world_size: int = 2, ops=OPS, sizes=None, *, quick: bool = False, de
             "rows": rows_from(per_rank, world_size), "memcpy": per_rank[0]["copy"]}
 
 
+def fit_alpha_beta(rows: list[dict], op: str, world_size: int) -> dict:
+    """Fit the α–β model to measured ``rows`` of ``op``: time = steps·α + factor·bytes / busbw.
+
+    A least-squares line through (bytes, time): its intercept is the latency of the ``steps`` the ring takes
+    (2(n−1) for an all-reduce, n−1 for the others), its slope the bus bandwidth — the same two numbers
+    :class:`gpucourse.cluster.Cluster` holds for real GPUs, so the fit can be set beside a modeled NVLink or
+    InfiniBand. Returns ``{"alpha_s", "busbw_GBps", "steps"}``.
+    """
+    points = [(r["bytes"], r["time_s"]) for r in rows if r["op"] == op]
+    if len(points) < 2 or len({b for b, _ in points}) < 2:
+        raise ValueError(f"fitting {op} needs times at two sizes at least; the rows hold {len(points)}.")
+    n = len(points)
+    mean_b = sum(b for b, _ in points) / n
+    mean_t = sum(t for _, t in points) / n
+    slope = (sum((b - mean_b) * (t - mean_t) for b, t in points) / sum((b - mean_b) ** 2 for b, _ in points))
+    if slope <= 0:
+        raise ValueError(f"the measured {op} times do not grow with the size (noise swamped them): measure again, "
+                         f"or with more and larger sizes.")
+    intercept = max(0.0, mean_t - slope * mean_b)
+    steps = 2 * (world_size - 1) if op == "all_reduce" else world_size - 1
+    return {"alpha_s": intercept / max(steps, 1), "busbw_GBps": bus_factor(op, world_size) / slope / 1e9,
+            "steps": steps}
+
+
 def format_table(measured: dict) -> str:
     """The rows as an aligned table, one block per op, then the copy bandwidth."""
     n = measured["world_size"]

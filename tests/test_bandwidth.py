@@ -62,3 +62,14 @@ def test_memcpy_bandwidth_here():
 def test_bad_flags_are_refused(argv, words, capsys):
     assert cli.main(["bandwidth", *argv]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_the_alpha_beta_fit_recovers_latency_and_bus_bandwidth():
+    """Notebook 08 fits the measured sweep: a line through (bytes, time) gives α per ring step and the busbw."""
+    alpha, busbw, n = 20e-6, 2.5e9, 4
+    rows = [{"op": "all_reduce", "bytes": b, "time_s": 2 * (n - 1) * alpha + bandwidth.bus_factor("all_reduce", n)
+             * b / busbw} for b in (4 << 10, 64 << 10, 1 << 20, 16 << 20)]
+    fit = bandwidth.fit_alpha_beta(rows, "all_reduce", n)
+    assert fit["alpha_s"] == pytest.approx(alpha) and fit["busbw_GBps"] == pytest.approx(busbw / 1e9)
+    with pytest.raises(ValueError, match="two sizes"):
+        bandwidth.fit_alpha_beta(rows[:1], "all_reduce", n)
