@@ -613,10 +613,11 @@ def cmd_quiz(args) -> int:
     if args.exam:
         if args.topic:
             raise UsageError("--exam spans every topic; leave out --topic.")
-        size = len(quiz.load_bank())
-        if args.count is not None and args.count > size:
-            raise UsageError(f"--count {args.count} is more than the {size} questions in the bank.")
-        terminal.run_exam(quiz.mock_exam(args.count or 40, args.seed))
+        try:  # at most quiz.most_questions(): the exam's topic weights, single and multiple choice only
+            exam = quiz.mock_exam(args.count or 40, args.seed)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        terminal.run_exam(exam)
     else:
         terminal.run_quiz(quiz.ask(args.topic, args.count or 10, args.seed), args.topic or "mixed")
     return 0

@@ -29,7 +29,7 @@ from gpucourse.parallel import expert_parallel, schedules
 from gpucourse.parallel.precision import DynamicLossScaler
 from gpucourse.profiling import time_shares
 from gpucourse.quiz import bank as bank_module
-from procs import clean_env
+from procs import REPO, clean_env
 
 BANK = quiz.load_bank()
 BY_ID = {q["id"]: q for q in BANK}
@@ -507,17 +507,37 @@ def test_grade_reads_typed_answers():
 
 # --- the mock exam ------------------------------------------------------------------------------------
 
-def test_mock_exam_spans_topics_in_proportion():
+def test_mock_exam_draws_choice_questions_by_the_exams_topic_weights(capsys):
+    from gpucourse.quiz.exam import quotas
+
+    weights = quiz.EXAM_WEIGHTS
+    assert set(weights) == set(quiz.TOPICS) and sum(weights.values()) == pytest.approx(1)
+    # The exam weights its whole "GPU Acceleration and Optimization" topic (14%), not its four parts: a quarter each.
+    assert set(weights.values()) == {0.25}
     exam = quiz.mock_exam(40, seed=5)
     assert len(exam) == 40 and len({q["id"] for q in exam}) == 40
     assert exam.time_limit_s == 40 * quiz.SECONDS_PER_QUESTION == 3600
-    sizes = Counter(q["topic"] for q in BANK)
-    for topic, n in Counter(q["topic"] for q in exam).items():
-        assert abs(n - 40 * sizes[topic] / len(BANK)) < 1
+    assert {q["kind"] for q in exam} <= {"single", "multiple"}  # typed numbers stay practice
+    assert Counter(q["topic"] for q in exam) == quotas(40, weights) == {t: 10 for t in quiz.TOPICS}
     assert {q["topic"] for q in quiz.mock_exam(4, seed=0)} == set(quiz.TOPICS)
     assert [q["id"] for q in exam] == [q["id"] for q in quiz.mock_exam(40, seed=5)]
-    with pytest.raises(ValueError):
-        quiz.mock_exam(len(BANK) + 1)
+    # Every topic has choice questions enough for a 40-question exam, and some to spare for a second draw.
+    choice = Counter(q["topic"] for q in BANK if q["kind"] != "numeric")
+    assert all(choice[t] >= 2 * n for t, n in quotas(40, weights).items()), choice
+    # The longest exam is the last count the bank can fill at those weights; one more is refused in one sentence.
+    limit = quiz.most_questions()
+    assert limit >= 40 and limit <= sum(choice.values())
+    assert all(n <= choice[t] for count in range(1, limit + 1) for t, n in quotas(count, weights).items())
+    assert any(n > choice[t] for t, n in quotas(limit + 1, weights).items())
+    assert len(quiz.mock_exam(limit, seed=1)) == limit
+    for count in (0, limit + 1, len(BANK) + 1):
+        with pytest.raises(ValueError, match=f"from 1 to {limit} questions"):
+            quiz.mock_exam(count)
+    assert cli.main(["quiz", "--exam", "--count", str(limit + 1)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"from 1 to {limit} questions" in err[0] and f"not {limit + 1}" in err[0]
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert "EXAM_WEIGHTS" in readme and "14%" in readme and "NVIDIA may change its weights" in readme
 
 
 def test_score_exam_all_right():
@@ -1149,3 +1169,333 @@ def test_the_banks_figures_are_registered_with_their_rule():
     recall = set(reading.detail["recall"])
     assert reading.value == 1 - len(recall) / len(BANK)
     assert "setup-world-size" not in recall and "par-zero1" in recall
+
+
+# --- tensor parallelism, hybrid layouts, data parallelism, ZeRO and pipelines: every figure the questions state ---
+
+import inspect  # noqa: E402
+
+from gpucourse import plan, stack_config  # noqa: E402
+from gpucourse.cluster import Cluster  # noqa: E402
+from gpucourse.memory import estimate, korthikanti_layer_bytes  # noqa: E402
+from gpucourse.parallel import tensor_parallel  # noqa: E402
+from gpucourse.parallel import data_parallel_buckets  # noqa: E402
+from gpucourse.parallel.data_parallel_buckets import assign_buckets  # noqa: E402
+from gpucourse.published import RUNS  # noqa: E402
+from gpucourse.train import MESH_DIMS  # noqa: E402
+
+MiB = 2**20
+BF16 = torch.empty(0, dtype=torch.bfloat16).element_size()
+
+
+def right_choice(qid: str) -> str:
+    q = BY_ID[qid]
+    return q["choices"][q["answer"]]
+
+
+def mesh_groups(pp: int, dp: int, tp: int, order: tuple[str, ...] = MESH_DIMS) -> dict[str, list[list[int]]]:
+    """Each mesh dimension's groups of ranks, laid out as the runtime's DeviceMesh lays them (cp = 1)."""
+    sizes = {"pp": pp, "dp": dp, "cp": 1, "tp": tp}
+    grid = torch.arange(pp * dp * tp).reshape([sizes[d] for d in order])
+    return {d: grid.movedim(order.index(d), -1).reshape(-1, sizes[d]).tolist() for d in order}
+
+
+def group_of(groups: list[list[int]], rank: int) -> list[int]:
+    return next(g for g in groups if rank in g)
+
+
+def test_tensor_parallel_figures():
+    # par-tp-shard-shapes: fc (16384, 4096) and proj (4096, 16384), each cut 4 ways along the dimension its
+    # tensor-parallel layer names: both (4096, 4096); the reversed cuts give (16384, 1024) and (1024, 16384).
+    fc, proj = torch.nn.Linear(4096, 16384, device="meta"), torch.nn.Linear(16384, 4096, device="meta")
+    col = tuple(fc.weight.chunk(4, dim=tensor_parallel.ColumnParallelLinear.shard_dims["weight"])[0].shape)
+    row = tuple(proj.weight.chunk(4, dim=tensor_parallel.RowParallelLinear.shard_dims["weight"])[0].shape)
+    assert col == row == (4096, 4096) and right_choice("par-tp-shard-shapes") == f"fc {col} and proj {row}"
+    assert tuple(fc.weight.chunk(4, dim=1)[0].shape) == (16384, 1024)
+    assert tuple(proj.weight.chunk(4, dim=0)[0].shape) == (1024, 16384)
+    # par-tp-f-backward: the course's f and g record under those names; 2 forward + 2 backward per block.
+    source = inspect.getsource(tensor_parallel)
+    assert "tp all_reduce forward (g)" in source and "tp all_reduce backward (f)" in source
+    assert MEGATRON_SUBLAYERS * ALLREDUCES_PER_REGION == 2 + 2 == 4
+    # setup-tp-ring-bytes: 4 × 4096 × 8192 bf16 = 256 MiB; the ring sends 448 MiB (chunks of 32), 1792 per block;
+    # 896 forward only; 3584 (and 14336) if each GPU sent the whole tensor to the 7 others twice.
+    payload = 4 * 4096 * 8192 * BF16 / MiB
+    sent = RING_FACTOR["all_reduce"](8) * payload
+    assert payload == 256 and sent == 448 and payload / 8 == 32 and 4 * sent == 1792 and 2 * sent == 896
+    assert 2 * 7 * payload == 3584 and 4 * 3584 == 14336 and 4 * payload == 1024
+    # par-tp-heads-per-rank: 32 heads of 128; rows r·512 to r·512+511 of q are heads 4r to 4r+3, whole.
+    assert 4096 // 32 == 128 and 32 // 8 == 4 and 128 // 8 == 16
+    for r, rows in enumerate(torch.arange(4096).chunk(8)):
+        assert (rows[0], rows[-1]) == (r * 512, r * 512 + 511)
+        assert (rows // 128).unique().tolist() == list(range(4 * r, 4 * r + 4))
+    # prof-tp-across-nodes: 64 heads allow tp=16; NVLink 450 GB/s against the NIC's 50, 9×; the planner never puts
+    # tensor parallelism across servers.
+    h100 = get_gpu("h100")
+    assert 64 % 16 == 0 and (h100.intra_node_GBps, h100.inter_node_GBps) == (450, 50) and 450 / 50 == 9
+    shape = {"n_layer": 8, "n_embd": 8192, "n_head": 64, "vocab_size": 32000}
+    assert max(cfg.tp for cfg in plan.candidates(shape, 16, 8, 16, 4096, "bf16")) == 8
+    # mem-tp-replicated-activations: 3104 MiB at tp=1, 528 at tp=8, 388 = 3104/8 with sequence parallelism; the
+    # replicated 10·s·b·h is 160 MiB, the rest 368; full recomputation keeps 32 MiB.
+    s, b, h, a = 4096, 1, 4096, 32
+    mib = {k: korthikanti_layer_bytes(s, b, h, a, **kw) / MiB for k, kw in {
+        "tp1": {}, "tp8": {"tp": 8}, "sp": {"tp": 8, "sp": True}, "full": {"recompute": "full"}}.items()}
+    assert mib == {"tp1": 3104, "tp8": 528, "sp": 388, "full": 32} and 3104 / 8 == 388
+    assert s * b * h / MiB == 16 and 10 * s * b * h / MiB == 160 and 5 * a * s / h == 160
+    assert 528 - 160 == 368 == 16 * (24 + 160) / 8
+    # prof-tp-wider-comm-bound: 1.5× the payload per rank at tp=4, 1.75× at tp=8, 7/6; compute halves: 7/3 ≈ 2.33.
+    assert (RING_FACTOR["all_reduce"](4), RING_FACTOR["all_reduce"](8)) == (1.5, 1.75)
+    assert 1.75 / 1.5 == pytest.approx(7 / 6) and 2 * 7 / 6 == pytest.approx(7 / 3) and round(7 / 3, 2) == 2.33
+    # mem-tp-model-states: 12.9B parameters; 1.92B per rank, not 1.62B; 0.35B replicated; 30.8 GB, not 25.9.
+    cfg = TrainConfig(model="gpt2-small", overrides={"n_layer": 40, "n_embd": 5120, "n_head": 40, "vocab_size": 32000,
+                                                     "block_size": 4096},
+                      tp=8, precision="bf16", master_weights=True, seq_len=4096, batch_size=8)
+    est = estimate(cfg)
+    n, per_rank = est["num_params"], est["params_per_rank"][0]
+    states = sum(est["per_rank"][0][k] for k in ("weights", "gradients", "optimizer"))
+    replicated = (8 * per_rank - n) / 7  # per_rank = replicated + (n - replicated) / 8
+    assert (f"{n / 1e9:.2f}", f"{per_rank / 1e9:.2f}", f"{n / 8e9:.2f}") == ("12.93", "1.92", "1.62")
+    assert f"{replicated / 1e9:.2f}" == "0.35" and 32000 * 5120 * 2 > 0.9 * replicated
+    assert f"{states / 1e9:.1f}" == "30.8" and states == 16 * per_rank and f"{16 * n / 8 / 1e9:.1f}" == "25.9"
+
+
+def test_tensor_parallel_gradients_and_bias():
+    """par-tp-no-grad-sync and prof-tp-bias-every-rank, on one process: the shards' gradients are already the whole
+    gradients of their own weights; a bias added before the sum counts tp times."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 4, generator=gen, dtype=torch.float64), torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    whole = w.clone().requires_grad_()
+    (x @ whole.T).square().sum().backward()
+    shards = [piece.clone().requires_grad_() for piece in w.chunk(2, dim=0)]  # column-parallel, tp=2
+    torch.cat([x @ s.T for s in shards], dim=-1).square().sum().backward()
+    assert all(torch.allclose(s.grad, g) for s, g in zip(shards, whole.grad.chunk(2, dim=0)))
+    summed = shards[0].grad + shards[1].grad
+    assert not any(torch.allclose(summed, g) for g in whole.grad.chunk(2, dim=0))
+    assert not any(torch.allclose(summed / 2, g) for g in whole.grad.chunk(2, dim=0))
+    # A replicated parameter's gradient, already equal on both ranks, doubles when summed.
+    norm_grad = torch.ones(4, dtype=torch.float64)
+    assert torch.equal(norm_grad + norm_grad, 2 * norm_grad)
+    # The bias: each of 4 ranks adds b before g, and the all-reduce sums it 4 times: off by 3b.
+    x, w, b = (torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in ((5, 8), (3, 8), (3,)))
+    parts = [xr @ wr.T for xr, wr in zip(x.chunk(4, dim=-1), w.chunk(4, dim=1))]
+    full = x @ w.T + b
+    assert torch.allclose(sum(p + b for p in parts), full + 3 * b) and torch.allclose(sum(parts) + b, full)
+    assert not torch.allclose(sum(p + b for p in parts) / 4, full)
+
+
+def test_dtensor_default_layouts():
+    """par-tp-dtensor-layouts: ColwiseParallel takes Replicate and leaves Shard(-1); RowwiseParallel takes Shard(-1)
+    and returns Replicate (its partial sums all-reduced)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    col, row = ColwiseParallel(), RowwiseParallel()
+    assert (col.input_layouts, col.output_layouts) == ((Replicate(),), (Shard(-1),))
+    assert (row.input_layouts, row.output_layouts) == ((Shard(-1),), (Replicate(),))
+    assert RowwiseParallel(output_layouts=Shard(1)).output_layouts == (Shard(1),)
+
+
+def test_hybrid_planning_figures():
+    # setup-mesh-dp-group: dp=4 × tp=8 × pp=2, rank 45 = (1·4 + 1)·8 + 5; its dp group 37, 45, 53, 61 on servers
+    # 4 to 7; tp 40–47; pp 13 and 45; the eight ranks with slice 5 span all eight servers.
+    g = mesh_groups(2, 4, 8)
+    assert (1 * 4 + 1) * 8 + 5 == 45
+    assert group_of(g["dp"], 45) == [37, 45, 53, 61] and {r // 8 for r in [37, 45, 53, 61]} == {4, 5, 6, 7}
+    assert group_of(g["tp"], 45) == list(range(40, 48)) and group_of(g["pp"], 45) == [13, 45]
+    slice5 = [r for r in range(64) if r % 8 == 5]
+    assert slice5[0] == 5 and slice5[-1] == 61 and len(slice5) == 8 and len({r // 8 for r in slice5}) == 8
+    # setup-which-group-crosses: dp=2 × tp=4 × pp=4 on 4 servers of 8: only the pipeline groups cross.
+    g = mesh_groups(4, 2, 4)
+    assert group_of(g["tp"], 0) == [0, 1, 2, 3] and group_of(g["dp"], 0) == [0, 4]
+    assert group_of(g["pp"], 0) == [0, 8, 16, 24] and 2 * 4 == 8
+    for dim, crosses in (("tp", False), ("dp", False), ("pp", True)):
+        assert all((len({r // 8 for r in grp}) > 1) == crosses for grp in g[dim]), dim
+    # setup-topo-tp-pairs: dp=2 × tp=2: tp pairs (0, 1) and (2, 3), dp pairs (0, 2) and (1, 3); dp innermost
+    # would swap them.
+    g = mesh_groups(1, 2, 2)
+    assert (g["tp"], g["dp"]) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert mesh_groups(1, 2, 2, order=("pp", "tp", "cp", "dp"))["tp"] == [[0, 2], [1, 3]]
+    # par-plan-fits-first: see test_the_plan_ranks_what_fits_first.
+    # par-megatron-bubble-dp: 256 GPUs: dp 8, 16 microbatches of 4, bubble 3/16 of compute; 512 GPUs: dp 16, m = 8,
+    # 3/8; --micro-batch-size 2 gives m = 16 again.
+    shape = {"n_layer": 32, "n_embd": 1024, "n_head": 16}
+    runs = {gpus: TrainConfig(model="gpt2-small", overrides=shape, dp=dp, tp=8, pp=4, microbatches=m, batch_size=512)
+            for gpus, dp, m in ((256, 8, 16), (512, 16, 8))}
+    for gpus, cfg in runs.items():
+        args = stack_config.translate(cfg, "megatron").settings
+        assert cfg.world_size == gpus and cfg.dp == gpus // (8 * 4)
+        assert (args["--tensor-model-parallel-size"], args["--pipeline-model-parallel-size"]) == (8, 4)
+        assert (args["--micro-batch-size"], args["--global-batch-size"]) == (4, 512)
+        assert stack_config.batch(cfg) == (4, 512 // (4 * cfg.dp))
+    assert [stack_config.batch(c)[1] for c in runs.values()] == [16, 8]
+    ratio = {m: schedules.simulate(schedules.build("1f1b", 4, m), 4, m).bubble_ratio for m in (16, 8)}
+    assert ratio == pytest.approx({16: 3 / 16, 8: 3 / 8})
+    assert 512 // (2 * 16) == 16
+    # par-nemo-to-gpucourse: 4 nodes × 8: dp = 32 / (4 × 2) = 4, 256 / (2 × 4) = 32 microbatches of 2.
+    cfg = TrainConfig(model="gpt2-small", dp=4, tp=4, pp=2, microbatches=32, batch_size=256)
+    nemo = stack_config.translate(cfg, "nemo").settings
+    assert cfg.world_size == 4 * 8 and nemo["data"] == {"micro_batch_size": 2, "global_batch_size": 256,
+                                                        "seq_length": cfg.seq_len}
+    strategy = nemo["trainer"]["strategy"]
+    assert (strategy["tensor_model_parallel_size"], strategy["pipeline_model_parallel_size"]) == (4, 2)
+    assert right_choice("par-nemo-to-gpucourse") == "--dp 4 --tp 4 --pp 2 --microbatches 32 --batch-size 256"
+    assert (TrainConfig(dp=32, tp=4, pp=2).world_size, TrainConfig(dp=8, tp=4, pp=2).world_size) == (256, 64)
+    assert 256 // 2 == 128 and 32 // 4 == 8
+    # par-virtual-pipeline-layers: 48 layers, p=4, v=3: 12 chunks of 4; rank 0 holds chunks 0, 4, 8 = layers 0–3,
+    # 16–19, 32–35; Megatron's docstring example (16 layers, p=4, v=2): GPU 0 holds layers 1, 2, 9, 10 from 1.
+    layout = schedules_virtual.Layout(4, 3)
+    chunks = [layout.virtual(0, c) for c in range(3)]
+    per_chunk = 48 // (4 * 3)
+    assert chunks == [0, 4, 8] and per_chunk == 4
+    assert [(c * per_chunk, c * per_chunk + per_chunk - 1) for c in chunks] == [(0, 3), (16, 19), (32, 35)]
+    two = schedules_virtual.Layout(4, 2)
+    assert [layer + 1 for c in (two.virtual(0, 0), two.virtual(0, 1)) for layer in (2 * c, 2 * c + 1)] == [1, 2, 9, 10]
+    cfg = TrainConfig(model="gpt2-small", overrides={"n_layer": 48}, pp=4, schedule="interleaved-1f1b",
+                      virtual_stages=3, microbatches=8, batch_size=8)
+    assert stack_config.translate(cfg, "nemo").settings["trainer"]["strategy"][
+        "virtual_pipeline_model_parallel_size"] == 3
+    assert stack_config.translate(cfg, "megatron").settings["--num-virtual-stages-per-pipeline-rank"] == 3
+    # prof-sp-needs-tp: the course refuses sequence parallelism without tensor parallelism, before anything starts.
+    with pytest.raises(ConfigError, match="it needs tp > 1"):
+        TrainConfig(sequence_parallel=True).validate()
+    # setup-nvlink-vs-nic-units: 900 GB/s both ways is 450 each; 400 Gb/s is 50 GB/s; 9×, not 2.25×, 18× or 1.1×.
+    h100 = get_gpu("h100")
+    assert (900 / 2, 400 / 8) == (h100.intra_node_GBps, h100.inter_node_GBps) == (450, 50) and 450 / 50 == 9
+    assert 900 / 400 == 2.25 and 900 / 50 == 18 and round(450 / 400, 1) == 1.1
+    # prof-nvls-busbw: nccl-tests' 470 GB/s on 8 H100s for 8 GiB; the model's ring 359 GB/s, bounded by
+    # 450 × 0.8 = 360; −23.5% as docs/modeled-timing.md shows; 14 latency steps.
+    run = next(r for r in RUNS if r.gpu == "h100" and r.metric == "bus_bandwidth")
+    modeled = Cluster(h100, 8).bus_bandwidth(*run.collective)
+    assert run.reported == 470e9 and run.collective == ("all_reduce", 8 << 30, 8) and round(modeled / 1e9) == 359
+    assert h100.intra_node_GBps * h100.bus_efficiency == 360 and modeled < 360e9
+    assert f"{100 * (modeled - run.reported) / run.reported:.1f}" == "-23.5" and 2 * (8 - 1) == 14
+    assert "-23.5%" in (REPO / "docs" / "modeled-timing.md").read_text(encoding="utf-8")
+    # mem-zero-in-hybrid: 70e9 / 32 = 2.19B per GPU: 35 GB plain, 21.9 with ZeRO-1 over dp=2, 17.5 with ZeRO-3,
+    # 9.2 if the optimizer were split over all 64.
+    per_gpu = int(70e9 / 32)
+    gb = {(dp, zero): sum(estimate_params(per_gpu, dp, zero, "bf16", True, scratch_padding=False).values()) / 1e9
+          for dp, zero in ((1, 0), (2, 1), (2, 3), (64, 1))}
+    assert f"{per_gpu / 1e9:.2f}" == "2.19" and gb[1, 0] == pytest.approx(35)
+    assert (f"{gb[2, 1]:.1f}", f"{gb[2, 3]:.1f}", f"{gb[64, 1]:.1f}") == ("21.9", "17.5", "9.2")
+
+
+def test_the_plan_ranks_what_fits_first():
+    """par-plan-fits-first: `gpucourse plan --params 70e9 --gpus 64 --gpu h100` (8 per server, 1024 × 4096)."""
+    result = plan.plan(70e9, gpus=64, gpu="h100", gpus_per_node=8, batch_size=1024, seq_len=4096)
+    assert {k: result["shape"][k] for k in ("n_layer", "n_embd")} == {"n_layer": 84, "n_embd": 8192}
+    rows = result["layouts"]
+
+    def row(dp, tp, pp, zero):
+        return next(r for r in rows if (r["dp"], r["tp"], r["pp"], r["zero"]) == (dp, tp, pp, zero)
+                    and not r["checkpoint_activations"])
+
+    fastest, first = row(64, 1, 1, 3), rows[0]
+    assert fastest["step_s"] == pytest.approx(min(r["step_s"] for r in rows)) and not fastest["fits"]
+    assert (f"{fastest['step_s']:.1f}", f"{fastest['memory_total'] / 1e9:.1f}") == ("73.4", "107.7")
+    assert (first["dp"], first["tp"], first["pp"], first["zero"]) == (32, 2, 1, 3)
+    assert not first["checkpoint_activations"]
+    assert (f"{first['memory_total'] / 1e9:.1f}", f"{first['step_s']:.1f}", f"{first['tp_comm_s']:.1f}") \
+        == ("74.0", "75.5", "2.1")
+    wide, deep = row(8, 8, 1, 3), row(1, 8, 8, 0)
+    assert wide["fits"] and deep["fits"] and deep["bubble_s"] > 0
+    assert (f"{wide['memory_total'] / 1e9:.1f}", f"{wide['step_s']:.1f}", f"{wide['tp_comm_s']:.1f}") \
+        == ("49.4", "90.4", "17.0")
+    assert (f"{deep['memory_total'] / 1e9:.1f}", f"{deep['step_s']:.1f}") == ("54.9", "94.4")
+    assert deep["tp_comm_s"] == pytest.approx(wide["tp_comm_s"]) and result["gpu"]["memory_gb"] == 80
+
+
+def test_data_zero_pipeline_figures():
+    # prof-dp-one-bucket: 250M fp32 parameters are 954 MiB: one bucket under a 1000 MiB cap, dozens under 25 MiB
+    # (gpucourse's bucket_mb counts MiB).
+    assert "bucket_mb * 2**20" in inspect.getsource(data_parallel_buckets)
+    params = [torch.nn.Parameter(torch.empty(1_000_000, device="meta")) for _ in range(250)]
+    assert round(sum(p.numel() * p.element_size() for p in params) / MiB) == 954
+    assert len(assign_buckets(params, int(1000 * MiB))) == 1 and len(assign_buckets(params, int(25 * MiB))) >= 24
+    # mem-accum-to-more-gpus: 8 × 4 × 8 = 256 = 8 × 1 × 32; grad_accum 4 on 32 GPUs would be 1024.
+    assert with_microbatch(TrainConfig(dp=8, grad_accum=4), 8).batch_size == 256
+    assert with_microbatch(TrainConfig(dp=32, grad_accum=1), 8).batch_size == 256
+    assert with_microbatch(TrainConfig(dp=32, grad_accum=4), 8).batch_size == 1024
+    # prof-strong-weak-scaling: 72,000 / 8 / 10,000 = 90%; 40,000 / 8 / 10,000 = 50%; 64 = 8 × 8.
+    assert 72_000 / 8 / 10_000 == 0.9 and 40_000 / 8 / 10_000 == 0.5 and 72_000 / 8 == 9_000 and 40_000 / 8 == 5_000
+    assert 8 * 8 == 64
+    # mem-hybrid-shard: 16 × 13e9 / 8 = 26 GB against 16 × 13e9 / 32 = 6.5 GB; PyTorch names the strategy.
+    from torch.distributed.fsdp import ShardingStrategy
+
+    assert sum(estimate_params(13e9, 8, 3, "bf16", True, scratch_padding=False).values()) / 1e9 == 26
+    assert sum(estimate_params(13e9, 32, 3, "bf16", True, scratch_padding=False).values()) / 1e9 == 6.5
+    assert ShardingStrategy.HYBRID_SHARD.name == "HYBRID_SHARD"
+    # par-pp-microbatch-size: p=8, 64 sequences per pipeline: 7/71, 7/39, 7/23, 7/15 of the total time; the largest
+    # microbatch under 20% is 2 (m = 32 = 4p).
+    assert 256 // 4 == 64
+    bubbles = {micro: schedules.formula_bubble("1f1b", 8, 64 // micro) for micro in (1, 2, 4, 8)}
+    assert bubbles == pytest.approx({1: 7 / 71, 2: 7 / 39, 4: 7 / 23, 8: 7 / 15})
+    assert [f"{100 * v:.1f}" for v in bubbles.values()] == ["9.9", "17.9", "30.4", "46.7"]
+    assert [round(100 * v) for v in bubbles.values()] == [10, 18, 30, 47]
+    assert max(micro for micro, v in bubbles.items() if v < 0.2) == 2 and 64 // 2 == 32 == 4 * 8
+    assert bubble("1f1b", 8, 32) == pytest.approx(7 / 39)
+    # mem-1f1b-stage0: 1F1B holds p − s = 4, 3, 2, 1 whatever m; GPipe holds all 16 on every stage.
+    for m in (8, 16, 32):
+        assert schedules.simulate(schedules.build("1f1b", 4, m), 4, m).peak_in_flight == [4, 3, 2, 1]
+    assert schedules.simulate(schedules.build("gpipe", 4, 16), 4, 16).peak_in_flight == [16] * 4 and 16 // 4 == 4
+    # prof-pp-send-deadlock: sending microbatch 1's activation before receiving microbatch 0's gradient deadlocks
+    # p=2, m=3; the course's 1F1B (with m = 3 < 2p) runs.
+    ops = schedules.one_f_one_b(2, 3)
+    schedules.validate(ops, 2, 3)
+    Op = schedules.Op
+    assert ops[0][:5] == [Op("F", 0), Op("SEND_F", 0), Op("F", 1), Op("RECV_B", 0), Op("SEND_F", 1)]
+    bad = list(ops[0])
+    bad[3], bad[4] = bad[4], bad[3]
+    assert bad[:5] == [Op("F", 0), Op("SEND_F", 0), Op("F", 1), Op("SEND_F", 1), Op("RECV_B", 0)]
+    assert ops[1][:5] == [Op("RECV_F", 0), Op("F", 0), Op("B", 0), Op("SEND_B", 0), Op("RECV_F", 1)]
+    with pytest.raises(schedules.ScheduleError, match="deadlock"):
+        schedules.validate([bad, ops[1]], 2, 3)
+
+
+def test_gradient_accumulation_without_dividing():
+    """mem-accum-loss-divide: 4 mean losses summed in .grad are 4× the batch's gradient (SGD steps 4× too far);
+    Adam's update barely changes with the factor."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 3, generator=gen, dtype=torch.float64), torch.randn(8, 1, generator=gen, dtype=torch.float64)
+    w = torch.randn(1, 3, generator=gen, dtype=torch.float64)
+    whole = w.clone().requires_grad_()
+    torch.nn.functional.mse_loss(x @ whole.T, y).backward()
+    accumulated = w.clone().requires_grad_()
+    for xc, yc in zip(x.chunk(4), y.chunk(4)):
+        torch.nn.functional.mse_loss(xc @ accumulated.T, yc).backward()
+    assert torch.allclose(accumulated.grad, 4 * whole.grad)
+    assert 0.1 * accumulated.grad == pytest.approx(0.4 * whole.grad)
+
+    def adam_steps(grad: torch.Tensor, steps: int = 3, lr=0.1, betas=(0.9, 0.999), eps=1e-8) -> torch.Tensor:
+        """Adam's update (Kingma and Ba), the rule torch.optim.Adam follows, summed over a few steps."""
+        m = v = torch.zeros_like(grad)
+        total = torch.zeros_like(grad)
+        for t in range(1, steps + 1):
+            m, v = betas[0] * m + (1 - betas[0]) * grad, betas[1] * v + (1 - betas[1]) * grad**2
+            total += lr * (m / (1 - betas[0]**t)) / ((v / (1 - betas[1]**t)).sqrt() + eps)
+        return total
+
+    assert torch.allclose(adam_steps(whole.grad), adam_steps(4 * whole.grad), rtol=1e-6)
+
+
+def test_every_notebook_has_questions_enough():
+    """At least 10 questions for every notebook that has any, 15 for tensor parallelism and hybrid planning; their
+    new questions are scenarios with choices of like length, the right one rarely the longest or the shortest."""
+    from gpucourse.bench.quiz_figures import scenario_detail
+
+    per_notebook = Counter(q["notebook"] for q in BANK)
+    assert min(per_notebook.values()) >= 10, per_notebook
+    assert per_notebook["05_tensor_parallelism"] >= 15 and per_notebook["06_hybrid_planning"] >= 15
+    qs = [q for q in BANK if q["notebook"] in ("05_tensor_parallelism", "06_hybrid_planning")]
+    assert sum(scenario_detail(q["question"]) is not None for q in qs) >= 0.75 * len(qs)
+    choice = [q for q in qs if q["kind"] != "numeric"]
+    assert all(min(map(len, q["choices"])) >= 0.7 * max(map(len, q["choices"])) for q in choice
+               if len(q["question"]) > 150)
+    singles = [q for q in choice if q["kind"] == "single"]
+
+    def strictly(q, pick) -> bool:
+        lengths = [len(c) for c in q["choices"]]
+        return all(pick(lengths[q["answer"]], n) for i, n in enumerate(lengths) if i != q["answer"])
+
+    assert sum(strictly(q, lambda right, other: right > other) for q in singles) <= 0.25 * len(singles)
+    assert sum(strictly(q, lambda right, other: right < other) for q in singles) <= 0.25 * len(singles)
+    positions = Counter(q["answer"] for q in singles)
+    assert set(positions) == {0, 1, 2, 3} and max(positions.values()) <= 0.4 * len(singles), positions

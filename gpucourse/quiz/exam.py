@@ -1,9 +1,10 @@
 """A timed mock exam across the four topics, and its score sheet.
 
-``mock_exam(40)`` draws 40 questions, each topic in proportion to its share of
-the bank, at a pace of :data:`SECONDS_PER_QUESTION` (60 minutes for 40).
-``score_exam(exam, answers)`` marks the sheet: the score, the score per topic,
-every wrong answer with its explanation and the notebook to revisit, and
+``mock_exam(40)`` draws 40 single- and multiple-choice questions (typed-number
+questions stay practice: the exam has none), each topic by its weight in
+:data:`EXAM_WEIGHTS`, at a pace of :data:`SECONDS_PER_QUESTION` (60 minutes
+for 40). ``score_exam(exam, answers)`` marks the sheet: the score, the score per
+topic, every wrong answer with its explanation and the notebook to revisit, and
 whether it was finished within the time limit.
 """
 
@@ -17,6 +18,15 @@ from datetime import datetime
 from .bank import TOPICS, format_answer, format_response, is_correct, load_bank, shuffled
 
 SECONDS_PER_QUESTION = 90
+
+# The share of each topic in a mock exam. Source: NVIDIA's page for the NVIDIA-Certified Professional: Generative
+# AI LLMs exam (NCP-GENL), nvidia.com/en-us/learn/certification/generative-ai-llm-professional, read in December
+# 2026 through the study guides that quote it: "GPU Acceleration and Optimization" is 14% of the exam, and its four
+# parts (these topics) have no weights of their own, so each gets an equal quarter. NVIDIA may change its weights;
+# README.md says so where it states them.
+EXAM_WEIGHTS = {"distributed-setups": 0.25, "parallelism": 0.25, "memory-batch": 0.25,
+                "profiling-troubleshooting": 0.25}
+EXAM_KINDS = ("single", "multiple")
 
 
 @dataclass
@@ -42,7 +52,7 @@ class Exam:
         return score_exam(self, answers, finished=finished)
 
 
-def quotas(count: int, sizes: dict[str, int]) -> dict[str, int]:
+def quotas(count: int, sizes: dict[str, float]) -> dict[str, int]:
     """Split ``count`` questions between topics in proportion to ``sizes`` (largest remainders)."""
     total = sum(sizes.values())
     exact = {t: count * n / total for t, n in sizes.items()}
@@ -52,22 +62,38 @@ def quotas(count: int, sizes: dict[str, int]) -> dict[str, int]:
     return out
 
 
+def _exam_pool() -> dict[str, list[dict]]:
+    """The questions a mock exam may draw, by topic: single and multiple choice only."""
+    return {t: [q for q in load_bank(t) if q["kind"] in EXAM_KINDS] for t in EXAM_WEIGHTS}
+
+
+def most_questions() -> int:
+    """The longest mock exam the bank can fill at :data:`EXAM_WEIGHTS`: every shorter one can be drawn too."""
+    available = {t: len(qs) for t, qs in _exam_pool().items()}
+    count = 0
+    while count < sum(available.values()) and all(
+            n <= available[t] for t, n in quotas(count + 1, EXAM_WEIGHTS).items()):
+        count += 1
+    return count
+
+
 def mock_exam(count: int = 40, seed: int | None = None) -> Exam:
-    """A mock exam of ``count`` questions spanning all topics, proportionally, in shuffled order.
+    """A mock exam of ``count`` single- and multiple-choice questions, topics by :data:`EXAM_WEIGHTS`, shuffled.
 
     Each question's choices are shuffled too (see :func:`~gpucourse.quiz.bank.shuffled`).
     The time limit is :data:`SECONDS_PER_QUESTION` per question (60 minutes for
     40); the clock starts now. The same ``seed`` draws the same exam, choice
-    orders included.
+    orders included. More than :func:`most_questions` is refused (ValueError, one sentence).
     """
-    bank = load_bank()
-    if not 1 <= count <= len(bank):
-        raise ValueError(f"count={count} must be from 1 to {len(bank)}, the questions in the bank.")
+    limit = most_questions()
+    if not 1 <= count <= limit:
+        raise ValueError(f"a mock exam holds from 1 to {limit} questions (the bank's single- and multiple-choice "
+                          f"questions at the exam's topic weights), not {count}.")
     rng = random.Random(seed)
-    by_topic = {t: [q for q in bank if q["topic"] == t] for t in TOPICS}
+    pool = _exam_pool()
     questions = []
-    for t, n in quotas(count, {t: len(qs) for t, qs in by_topic.items()}).items():
-        questions += rng.sample(by_topic[t], n)
+    for t, n in quotas(count, EXAM_WEIGHTS).items():
+        questions += rng.sample(pool[t], n)
     rng.shuffle(questions)
     return Exam([shuffled(q, seed) for q in questions], time_limit_s=count * SECONDS_PER_QUESTION, seed=seed)
 
