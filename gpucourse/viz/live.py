@@ -3,9 +3,13 @@
 :func:`watch` runs a config like :func:`gpucourse.run` and builds a
 :class:`LiveView` that it feeds: the run's step callback and each rank's
 activity reports. The callbacks only append to a list (they run in the
-launcher's message thread, between steps); a drawing thread redraws at most
-every ``interval_s`` seconds and only when something new arrived, so fast steps
-are not slowed by drawing. Each redraw replaces one notebook output in place
+launcher's message thread, between steps); a drawing thread draws a step as
+soon as it arrives, then waits ``interval_s`` seconds before the next frame
+(which shows all that arrived meanwhile), so fast steps are not slowed by
+drawing. The empty figure is drawn before the ranks start: the first plotly
+figure of a browser page waits for plotly.js to load, seconds on a small
+machine and more while the ranks hold its cores, longer than a short CPU run
+trains. Each redraw replaces one notebook output in place
 (:class:`NotebookSink`; plotly's FigureWidget would need anywidget). When the
 run ends the live figure is replaced by a final static one built from the
 RunResult.
@@ -42,8 +46,6 @@ class NotebookSink:
         from ipywidgets import Output
 
         self._out = Output()
-        self._out.outputs = ({"output_type": "stream", "name": "stdout",
-                              "text": "gpucourse: waiting for the first step…\n"},)
         self._handle = display(self._out, display_id=True)
 
     def __call__(self, bundle: dict) -> None:
@@ -67,7 +69,7 @@ class LiveView:
     """Collects step reports from a run and keeps one notebook figure up to date with them.
 
     - ``config``: the TrainConfig (or its dict) being trained, for the axes and title.
-    - ``interval_s``: the time between two redraws, when something new arrived. The
+    - ``interval_s``: the least time between two redraws; the first step is drawn at once. The
       default, 0.75 s, keeps the figure under a second old and the browser's work
       small: each redraw is a new plot there (about 1.3 per second).
     - ``sink``: a function each MIME bundle is given to (its ``finish`` method, if
@@ -84,10 +86,12 @@ class LiveView:
         self._chain = on_step
         self._lock = threading.Lock()
         self._dirty = False
+        self._stepped = threading.Event()  # a step arrived since the last frame
         self._stop = threading.Event()
         self._sink = notebook_sink() if sink == "auto" else sink
         self._thread = None
         if self._sink is not None:
+            self._sink(self._bundle([], {}))  # the axes, drawn while the ranks start
             self._thread = threading.Thread(target=self._loop, name="gpucourse-live-view", daemon=True)
             self._thread.start()
 
@@ -96,12 +100,13 @@ class LiveView:
         with self._lock:
             self.steps.append(dict(msg))
             self._dirty = True
+        self._stepped.set()
         if self._chain is not None:
             self._chain(msg)
 
     def on_message(self, msg: dict) -> None:
         """A run's message callback: keeps each rank's latest ``activity`` report
-        (``{rank, step, busy_s: {kind: seconds}, time_s}``) and ignores the rest."""
+        (``{rank, step, busy_s: {kind: seconds}, time_s}``), drawn with the next step, and ignores the rest."""
         if msg.get("kind") != "activity":
             return
         with self._lock:
@@ -109,8 +114,15 @@ class LiveView:
             self._dirty = True
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        # Woken by a step, not by a clock: a tick would draw the first step up to interval_s late.
+        while True:
+            self._stepped.wait()
+            if self._stop.is_set():
+                return
+            self._stepped.clear()
             self._draw()
+            if self._stop.wait(self.interval_s):
+                return
 
     def _draw(self) -> None:
         with self._lock:
@@ -118,13 +130,17 @@ class LiveView:
                 return
             self._dirty = False
             steps, activity = list(self.steps), {r: dict(a) for r, a in self.activity.items()}
+        self._sink(self._bundle(steps, activity))
+        self.redraws += 1
+
+    def _bundle(self, steps: list[dict], activity: dict) -> dict:
         last = steps[-1] if steps else None
         note = f"step {last['step'] + 1}/{last['steps']}, loss {last['loss']:.4f}" if last else "starting"
-        self._sink({MIME: live_figure_dict(self.config, steps, activity), "text/plain": f"gpucourse live: {note}"})
-        self.redraws += 1
+        return {MIME: live_figure_dict(self.config, steps, activity), "text/plain": f"gpucourse live: {note}"}
 
     def _stop_drawing(self) -> None:
         self._stop.set()
+        self._stepped.set()  # wakes the drawing thread to see the stop
         if self._thread is not None:
             self._thread.join()
             self._thread = None
