@@ -180,3 +180,64 @@ def test_torchrun_sets_nccl_async_error_handling_unless_already_set(tmp_path):
     assert under_torchrun("3") == "3", "and leaves a value you set alone"
     text = markdown("09_troubleshooting")
     assert "defaults to 3" in text and "torchrun sets it to 1" in text
+
+
+# --- the numbers the Change cells give a learner to predict from ---------------------------------------------
+
+def prose(name: str) -> str:
+    """One notebook's markdown with every run of whitespace made one space (sentences wrap across lines)."""
+    return " ".join(markdown(name).split())
+
+
+def test_what_to_predict_a_collective_from():
+    text = prose("01_collectives")
+    assert "S = 4n bytes" in text and "2 · 3/4 · 16 = 24 bytes" in text
+    assert RING_FACTOR["all_reduce"](4) * 4 * 4 == 24
+    assert RING_FACTOR["broadcast"](4) == 1 and RING_FACTOR["reduce_scatter"](4) == RING_FACTOR["all_gather"](4) == 3 / 4
+
+
+def test_what_to_predict_data_parallel_traffic_and_model_states_from():
+    from gpucourse.model import GPT
+
+    mc = TrainConfig().model_config()
+    params = memory.num_params(mc)
+    assert params == 216_192 and len(list(GPT(mc).parameters())) == 65
+    assert f"{4 * params / MiB:.2f}" == "0.82" and f"{16 * params / MiB:.2f}" == "3.30"
+    assert "65 of them, carrying 0.82 MiB" in prose("02_data_parallelism")
+    for dp in (2, 4):  # the all-reduce payload is every fp32 gradient, whatever dp is
+        assert memory.estimate(TrainConfig(dp=dp))["per_rank"][0]["gradients"] == 4 * params
+    assert "216,192 parameters" in prose("03_zero_fsdp") and "16 in all — 3.30 MiB" in prose("03_zero_fsdp")
+    assert sum(memory.estimate_params(params).values()) == 16 * params == (4 + 4 + 8) * params
+    text = prose("07_memory_batch")
+    assert "16 bytes per parameter in every regime here — 3.30 MiB for the model's 216,192 parameters" in text
+    states = ("weights", "gradients", "optimizer")
+    for precision, master in (("fp32", False), ("bf16", False), ("bf16", True), ("fp16", True)):
+        for dp in (1, 2, 4):
+            est = memory.estimate(TrainConfig(dp=dp, precision=precision, master_weights=master))["per_rank"][0]
+            assert sum(est[c] for c in states) == 16 * params, (precision, master, dp)
+
+
+def test_what_to_predict_tensor_parallel_traffic_from():
+    cfg = TrainConfig()
+    mc = cfg.model_config()
+    assert (cfg.batch_size, mc.n_embd, mc.n_layer) == (8, 64, 4)
+    text = prose("05_tensor_parallelism")
+    assert "B = 8 sequences, C = 64 channels" in text and "n_layer = 4 blocks makes 4 of them" in text
+    assert "4 · 4 · 8 · 32 · 64 · 4 bytes = 1 MiB" in text and 4 * 4 * 8 * 32 * 64 * 4 == MiB
+    # The Change cell divides the notebook's sum over ranks, 16 · n_layer · B · T · C · tp, by tp.
+    assert "16 * mc.n_layer * cfg.batch_size * cfg.seq_len * mc.n_embd * cfg.tp" in markdown("05_tensor_parallelism",
+                                                                                             "code")
+    assert "tp_bytes_formula(cfg) / degree" in markdown("05_tensor_parallelism", "code")
+
+
+def test_a_prediction_is_printed_beside_the_formula_and_the_run(capsys):
+    """The Change cells' check: within 5 % of the measured value or not; empty or not a number, no verdict."""
+    from gpucourse.predict import check_prediction
+
+    assert check_prediction("bytes", "1,040", 1000.0, 1000.0, "B") is True
+    assert check_prediction("bytes", "1100", 1000.0, 1000.0, "B") is False
+    assert check_prediction("bytes", "", 1000.0, 1000.0, "B") is None
+    assert check_prediction("bytes", "lots", 1000.0, 1000.0, "B") is None
+    out = capsys.readouterr().out
+    assert "your prediction 1,040 B | the formula 1,000 B | measured in the run 1,000 B" in out
+    assert "'lots' is not a number" in out and out.count("NOT within 5 %") == 1
