@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 # `make install` with nothing changed does nothing.
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv install lab test clean
+.PHONY: venv install workshop-deps lab test clean
 
 venv: $(PY)
 
@@ -23,10 +23,16 @@ $(STAMP): pyproject.toml scripts/torch-requirement | $(PY)
 	$(PY) -m pip install -e '.[dev]'
 	touch $@
 
-# The browser test needs Chromium: installed here when this is root on Debian,
-# otherwise the script says how and that test is skipped outside CI.
+# `gpucourse workshop`: JupyterHub comes with the install (the `workshop` extra, part of `dev`),
+# its proxy from npm into the venv. A second run does nothing.
+workshop-deps: install
+	@scripts/install-proxy $(VENV)
+
+# The browser and workshop tests need Chromium and the hub's proxy: installed here when
+# this is root on Debian, otherwise the scripts say how and those tests are skipped outside CI.
 test: install
 	-@scripts/install-chromium
+	-@scripts/install-proxy $(VENV)
 	$(PY) -m pytest
 
 # 127.0.0.1 only; Jupyter makes up a token and prints the URL that carries it.

@@ -638,6 +638,39 @@ def cmd_progress(args) -> int:
     return 0
 
 
+def cmd_workshop(args) -> int:
+    from .workshop import collect, hub, report
+    from .workshop.errors import WorkshopError
+
+    try:
+        if args.action == "start":
+            if args.public:
+                print(f"gpucourse: warning: {hub.PUBLIC_WARNING}", file=sys.stderr)
+            users = [u.strip() for u in args.users.split(",") if u.strip()] if args.users else None
+            started = hub.start(args.dir, seats=args.seats, gpus_per_seat=args.gpus_per_seat, port=args.port,
+                                public=args.public, password=args.password, users=users, admin=args.admin,
+                                new_codes=args.new_codes, say=lambda line: print(line, file=sys.stderr, flush=True))
+            print(hub.format_started(started))
+        elif args.action == "status":
+            found = report.status(args.dir)
+            print(json.dumps(found, indent=1) if args.json else report.format_report(found))
+        elif args.action == "collect":
+            def done(name, result):
+                print(f"  {name:<12} {result['score']:>4}/{result['max_score']}  ({result['time_s']:.1f} s)",
+                      flush=True)
+
+            out = collect.collect(args.dir, args.out, gradescope=args.gradescope, exercises=args.exercises or None,
+                                  jobs=args.jobs, timeout=args.timeout, on_seat=done)
+            print(f"graded {len(out['learners'])} seats in {out['time_s']:.1f} s (seed {out['seed']}): grades in "
+                  f"{out['csv']}, each seat's results in {out['results_dir']}/"
+                  + (f", Gradescope results.json in {args.gradescope}/<seat>/" if args.gradescope else ""))
+        else:
+            print(hub.format_stopped(hub.stop(args.dir), args.dir))
+    except WorkshopError as e:
+        raise UsageError(str(e)) from None
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpucourse", description="Run, watch and check distributed training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -822,6 +855,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--reset", action="store_true", help="forget all progress (removes the file)")
     p.set_defaults(func=cmd_progress)
+
+    p = sub.add_parser("workshop", help="run the course for a class: JupyterHub seats, a dashboard, grading",
+                       description="A JupyterHub on this machine with one seat per learner: its own copy of the "
+                                   "course, progress file and GPUs. The workshop lives in --dir (default "
+                                   "~/.gpucourse/workshop, or $GPUCOURSE_WORKSHOP).")
+    actions = p.add_subparsers(dest="action", required=True)
+    w = actions.add_parser("start", help="start (or resume) the hub and every seat's JupyterLab")
+    w.add_argument("--seats", type=int, default=None, help="learners (a new workshop needs it; resuming keeps them)")
+    w.add_argument("--gpus-per-seat", type=int, default=None, metavar="K",
+                   help="GPUs for each seat (default: the visible GPUs shared evenly; 0: CPU seats)")
+    w.add_argument("--port", type=int, default=8000, help="the hub's port (default 8000)")
+    w.add_argument("--public", action="store_true", help="listen on every interface, not only 127.0.0.1")
+    w.add_argument("--password", action="store_true",
+                   help="one workshop password for every seat instead of a code per seat")
+    w.add_argument("--users", metavar="NAME[,NAME...]",
+                   help="real accounts of this machine as the seats (PAM login, servers run as them; needs root)")
+    w.add_argument("--admin", metavar="NAME", help="with --users: the instructor's account (default: yours)")
+    w.add_argument("--new-codes", action="store_true", help="new codes (or password) instead of the same ones")
+    w = actions.add_parser("status", help="each seat's progress, what to explain next, GPU use")
+    w.add_argument("--json", action="store_true", help="print JSON")
+    w = actions.add_parser("collect", help="grade every seat's exercises into one CSV")
+    w.add_argument("exercises", nargs="*", metavar="EXERCISE", help="which ones (ex03, or 3); default all")
+    w.add_argument("--out", default="grades.csv", metavar="FILE.csv",
+                   help="one row per seat (default grades.csv); each seat's results JSON goes to FILE-results/")
+    w.add_argument("--gradescope", metavar="DIR", help="also write DIR/<seat>/results.json for Gradescope")
+    w.add_argument("--jobs", type=int, default=None, help="seats graded at a time (default: cores ÷ 4, at least 1)")
+    w.add_argument("--timeout", type=float, default=None, metavar="S", help="seconds per check (as grade --timeout)")
+    actions.add_parser("stop", help="stop the hub and every seat's server; keep every seat's work")
+    for w in actions.choices.values():
+        w.add_argument("--dir", default=None, help="the workshop's folder")
+    p.set_defaults(func=cmd_workshop)
     return parser
 
 

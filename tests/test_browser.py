@@ -9,11 +9,11 @@ in CI (CI=true) a missing browser fails the test, elsewhere it is skipped with t
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
 
+import browsers
 from gpucourse import lab
 
 pytestmark = pytest.mark.timeout(1500)
@@ -23,13 +23,7 @@ RANKS_STARTED = re.compile(r"gpucourse: \d+ ranks? on (cpu|cuda) \((gloo|nccl)\)
 
 @pytest.fixture(scope="module")
 def chromium():
-    found = lab.find_chromium()
-    if found is None:
-        message = "no Chromium for the browser test: run scripts/install-chromium (Debian: apt-get install chromium)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return found
+    return browsers.chromium()
 
 
 @pytest.fixture(scope="module")

@@ -748,4 +748,5 @@ def main(quick: bool = False, json_path: str | None = None, only=None) -> dict:
 
 
 from . import quiz_figures  # noqa: E402,F401 (registers the question bank's figures)
+from . import workshop_figures  # noqa: E402,F401 (registers the workshop's figures)
 from . import replay_figures  # noqa: E402,F401 (registers the modeled clock's figures)

@@ -172,7 +172,9 @@ def record_progress(result: dict) -> str:
     try:
         for e in result["exercises"]:
             if not untouched(e):
-                progress.record_exercise(e["module"], e["score"], e["max_score"])
+                failed = [{"check": c["name"], "message": c["message"], "hint": c["hint"]}
+                          for c in e["checks"] if c["status"] != "passed"]
+                progress.record_exercise(e["module"], e["score"], e["max_score"], failed)
     except (OSError, ValueError) as err:
         return f"(progress not recorded: {err})"
     return ""
@@ -214,7 +216,7 @@ def results_folder(out_csv: str | os.PathLike) -> Path:
 
 def grade_class(root: str | os.PathLike, out_csv: str | os.PathLike, *, jobs: int = 1,
                 timeout: float = DEFAULT_TIMEOUT_S, seed: int | None = None, memory_gb: float = DEFAULT_MEMORY_GB,
-                exercises: list[str] | None = None, on_learner=None) -> dict:
+                exercises: list[str] | None = None, on_learner=None, hidden_paths: tuple[str, ...] = ()) -> dict:
     """Grade every learner folder in ``root``, ``jobs`` at a time; write the CSV and one JSON per learner.
 
     The same ``seed`` (the same inputs) for everyone. Each learner's files are
@@ -222,7 +224,8 @@ def grade_class(root: str | os.PathLike, out_csv: str | os.PathLike, *, jobs: in
     copy, with the class folder and the other copies hidden from their code; the
     results are written once everyone is graded, so nothing a learner's code
     does can touch another learner's files or grade. ``on_learner(name,
-    result)`` is called as each learner is done. Returns ``{"learners": {name:
+    result)`` is called as each learner is done; ``hidden_paths`` are more
+    folders no learner's code may read (where the class's work lives). Returns ``{"learners": {name:
     result}, "csv", "results_dir", "seed", "time_s"}``.
     """
     start = time.monotonic()
@@ -240,7 +243,8 @@ def grade_class(root: str | os.PathLike, out_csv: str | os.PathLike, *, jobs: in
             for f in (Path(root) / n).glob("*.py"):
                 if f.is_file():
                     shutil.copyfile(f, copies / n / f.name)
-        hidden = (str(Path(root).resolve()), str(copies), str(out_dir.resolve()), str(Path(out_csv).resolve()))
+        hidden = (str(Path(root).resolve()), str(copies), str(out_dir.resolve()), str(Path(out_csv).resolve()),
+                  *map(str, hidden_paths))
         futures = {pool.submit(grade, copies / n, ids, timeout=timeout, seed=seed, memory_gb=memory_gb,
                                hidden_paths=hidden): n for n in names}
         for future in as_completed(futures):

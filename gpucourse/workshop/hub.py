@@ -1,0 +1,486 @@
+"""Starting and stopping a workshop's JupyterHub: the generated config, the processes, the hub's REST API.
+
+``start`` checks everything first — the seats, the GPUs, the port, that JupyterHub
+and its proxy are installed — and only then writes the workshop folder and
+starts the hub. The hub starts the proxy (configurable-http-proxy, the one
+process that listens on the public port), the class dashboard (a hub service),
+and, asked by ``start`` through its REST API, every seat's JupyterLab, so that
+the first learner to log in finds their server already running. ``start``
+returns once every seat answers through the proxy.
+
+The hub runs in a session of its own, so it outlives the ``gpucourse`` command
+that started it; ``stop`` ends it and then makes sure nothing of the workshop
+is left (see :mod:`gpucourse.workshop.processes`).
+"""
+
+from __future__ import annotations
+
+import getpass
+import importlib.util
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from . import processes
+from .errors import WorkshopError
+from .folder import Workshop, copy_course, write_private
+from .plan import INSTRUCTOR, Plan, seat_names, visible_gpu_ids
+
+DEFAULT_PORT = 8000
+START_TIMEOUT_S = 300.0   # for the hub and every seat to answer, on a busy machine
+STOP_TIMEOUT_S = 60.0     # for the hub to stop its servers and its proxy
+PROXY = "configurable-http-proxy"
+INSTALL_HINT = "'make workshop-deps' installs JupyterHub (pip) and configurable-http-proxy (npm)"
+DASHBOARD = "dashboard"   # the service's name: its page is /services/dashboard/
+CONTROL = "gpucourse"     # the service the gpucourse commands act as, with the API token in secrets/
+
+_started: dict[int, subprocess.Popen] = {}  # hubs started by this process, by pid
+
+
+# --- what must be installed ----------------------------------------------------------------------------------
+
+def find_proxy() -> str | None:
+    """configurable-http-proxy: ``$GPUCOURSE_PROXY``, else the one npm put in this environment, else on PATH."""
+    named = os.environ.get("GPUCOURSE_PROXY")
+    if named:
+        return named if os.access(named, os.X_OK) else None
+    local = Path(sys.prefix) / "node_modules" / ".bin" / PROXY  # where 'make workshop-deps' installs it
+    if os.access(local, os.X_OK):
+        return str(local)
+    return shutil.which(PROXY)
+
+
+def required_programs() -> str:
+    """The proxy's path; a sentence naming what is missing and the make target that installs it."""
+    if importlib.util.find_spec("jupyterhub") is None:
+        raise WorkshopError(f"JupyterHub is not installed in this Python; {INSTALL_HINT}.")
+    proxy = find_proxy()
+    if proxy is None:
+        raise WorkshopError(f"the hub's proxy, {PROXY}, was not found; {INSTALL_HINT}.")
+    return proxy
+
+
+# --- ports ---------------------------------------------------------------------------------------------------
+
+def port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on ``host:port`` now."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nobody listens on now (the system picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- the generated config ------------------------------------------------------------------------------------
+
+class Expression(str):
+    """A value written into the config as Python code, not as a string."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def config_values(ws: Workshop, settings: dict, *, port: int, public: bool, proxy: str, hub_port: int,
+                  proxy_api_port: int, dashboard_port: int, as_root: bool) -> dict:
+    """Every JupyterHub setting of this workshop, ``"Class.trait": value`` (what :func:`render_config` writes)."""
+    system = settings["login"] == "system"
+    python = sys.executable
+    values = {
+        "JupyterHub.bind_url": f"http://{'0.0.0.0' if public else '127.0.0.1'}:{port}",
+        "JupyterHub.hub_ip": "127.0.0.1",
+        "JupyterHub.hub_port": hub_port,
+        "JupyterHub.db_url": f"sqlite:///{ws.hub_dir / 'jupyterhub.sqlite'}",
+        "JupyterHub.pid_file": str(ws.hub_dir / "jupyterhub.pid"),
+        "JupyterHub.cookie_secret_file": str(ws.secrets / "cookie_secret"),
+        "JupyterHub.cleanup_servers": True,   # stopping the hub stops every seat's server …
+        "JupyterHub.cleanup_proxy": True,     # … and the proxy it started
+        "JupyterHub.last_activity_interval": 60,
+        "JupyterHub.default_url": Expression("landing_page"),
+        "JupyterHub.authenticator_class": "pam" if system else "gpucourse.workshop.auth.SeatAuthenticator",
+        "Authenticator.allowed_users": set(settings["seats"]),
+        "Authenticator.admin_users": {settings["admin"]},
+        "JupyterHub.spawner_class": "gpucourse.workshop.spawner.SeatSpawner",
+        "SeatSpawner.plan_file": str(ws.plan_file),
+        "SeatSpawner.system_users": system,
+        "Spawner.cmd": [python, "-m", "jupyterhub.singleuser"],
+        "Spawner.args": ["--allow-root"] if as_root and not system else [],
+        "Spawner.default_url": "/lab",
+        "Spawner.start_timeout": int(START_TIMEOUT_S),
+        "Spawner.http_timeout": int(START_TIMEOUT_S),
+        "Spawner.interrupt_timeout": 3,
+        "Spawner.term_timeout": 5,
+        "ConfigurableHTTPProxy.command": [proxy],
+        "ConfigurableHTTPProxy.api_url": f"http://127.0.0.1:{proxy_api_port}",
+        "ConfigurableHTTPProxy.pid_file": str(ws.hub_dir / "proxy.pid"),
+        "JupyterHub.services": [
+            {"name": DASHBOARD, "url": f"http://127.0.0.1:{dashboard_port}", "display": True,
+             "oauth_no_confirm": True, "command": [python, "-m", "gpucourse.workshop.dashboard", str(ws.root)],
+             "environment": processes.marker_env(settings["id"])},
+            {"name": CONTROL, "api_token": Expression("api_token")},
+        ],
+        "JupyterHub.load_roles": [
+            {"name": "workshop-control", "services": [CONTROL],
+             "scopes": ["admin:servers", "list:users", "read:users", "read:users:activity", "access:servers"]},
+            {"name": "dashboard-reader", "services": [DASHBOARD],
+             "scopes": ["list:users", "read:users:activity", "read:servers"]},
+        ],
+        "JupyterHub.template_vars": {"announcement_login": (
+            "Log in with your account's name and password." if system else
+            "Log in with your seat (seat01, seat02, …) and the code or password the instructor gave you.")},
+    }
+    if not system:
+        values["SeatAuthenticator.codes_file"] = str(ws.secrets / "codes.json")
+    return values
+
+
+def render_config(values: dict, token_file: Path) -> str:
+    """``jupyterhub_config.py`` for ``values``: one ``c.Class.trait = value`` line each, nothing else."""
+    lines = ["# Generated by 'gpucourse workshop start' at every start: edit the workshop's options, not this file.",
+             "from pathlib import Path",
+             "",
+             "from gpucourse.workshop.spawner import landing_page",
+             "",
+             f"api_token = Path({str(token_file)!r}).read_text().strip()",
+             "c = get_config()  # noqa: F821 (JupyterHub provides it)"]
+    lines += [f"c.{key} = {value!r}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+# --- the hub's REST API --------------------------------------------------------------------------------------
+
+def request(url: str, token: str | None = None, method: str = "GET", timeout: float = 10.0):
+    """``(status, decoded JSON or text)`` of one HTTP request; status 0 when nothing answered."""
+    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    if token:
+        req.add_header("Authorization", f"token {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, body = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, body = e.code, e.read()
+    except (urllib.error.URLError, OSError):
+        return 0, None
+    try:
+        return status, json.loads(body) if body else None
+    except ValueError:
+        return status, body.decode(errors="replace")
+
+
+def local_url(running: dict) -> str:
+    """Where this machine reaches the hub (127.0.0.1 even when it listens on every interface)."""
+    return f"http://127.0.0.1:{running['port']}"
+
+
+def hub_users(ws: Workshop, running: dict) -> dict[str, dict] | None:
+    """The hub's user models by name (servers, last activity), or None when the hub does not answer."""
+    status, users = request(f"{local_url(running)}/hub/api/users", token=api_token(ws))
+    if status != 200 or not isinstance(users, list):
+        return None
+    return {u["name"]: u for u in users}
+
+
+def api_token(ws: Workshop) -> str:
+    """The token the gpucourse commands use with the hub's REST API (made once, kept in secrets/)."""
+    return (ws.secrets / "api_token").read_text().strip()
+
+
+# --- state: is it running? -----------------------------------------------------------------------------------
+
+def running(ws: Workshop) -> dict | None:
+    """``{"pid", "identity", "port", "url", "public"}`` of the hub running from this folder, or None."""
+    try:
+        state = json.loads(ws.running_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return state if processes.alive(state.get("identity")) else None
+
+
+# --- start ---------------------------------------------------------------------------------------------------
+
+def _settings_for(ws: Workshop, *, seats: int | None, gpus_per_seat: int | None, password: bool,
+                  users: list[str] | None, admin: str | None, new_codes: bool) -> tuple[dict, bool]:
+    """The settings to start with: a new workshop's, or the saved ones with what may change; and whether new
+    codes are to be made. What contradicts the workshop being resumed is refused."""
+    asked = "system" if users else "password" if password else None
+    if admin and not users:
+        raise WorkshopError(f"--admin names the instructor's account with --users; generated seats have "
+                            f"'{INSTRUCTOR}'.")
+    if users and seats is not None and seats != len(users):
+        raise WorkshopError(f"--seats {seats} and --users name {len(users)} accounts; give one or the other.")
+    if not ws.exists():
+        if seats is None and not users:
+            raise WorkshopError("a new workshop needs --seats N (or --users with real accounts).")
+        names = list(users) if users else seat_names(seats)
+        admin = admin or (os.environ.get("SUDO_USER") or getpass.getuser() if users else INSTRUCTOR)
+        return Workshop.new_settings(secrets.token_hex(8), names, asked or "codes", gpus_per_seat, admin), True
+    settings = ws.settings()
+    count = len(settings["seats"])
+    if seats is not None and seats != count:
+        raise WorkshopError(f"the workshop in {ws.root} has {count} seats; start it again with --seats {count} "
+                            f"(or without --seats), or use another --dir.")
+    if users and sorted(users) != sorted(settings["seats"]):
+        raise WorkshopError(f"the workshop in {ws.root} seats {', '.join(settings['seats'])}; use the same --users, "
+                            f"or another --dir.")
+    if asked and asked != settings["login"]:
+        if "system" in (asked, settings["login"]) or not new_codes:
+            raise WorkshopError(f"the workshop in {ws.root} logs in with {settings['login']}; "
+                                + ("use another --dir for real accounts." if "system" in (asked, settings["login"])
+                                   else "add --new-codes to change that."))
+        settings = dict(settings, login=asked)
+    if gpus_per_seat is not None:
+        settings = dict(settings, gpus_per_seat=gpus_per_seat)
+    return settings, new_codes or not (ws.secrets / "codes.json").exists()
+
+
+def _check_accounts(settings: dict) -> None:
+    """With real accounts: this must be root (to start servers as them), and each account must exist."""
+    import pwd
+
+    if os.geteuid() != 0:
+        raise WorkshopError("--users starts each server as its learner's account, which needs root; run it with "
+                            "sudo.")
+    for name in [*settings["seats"], settings["admin"]]:
+        try:
+            pwd.getpwnam(name)
+        except KeyError:
+            raise WorkshopError(f"there is no account named {name!r} on this machine.") from None
+
+
+def _make_codes(settings: dict) -> dict[str, str]:
+    """New secrets to hand out: a code per seat and one for the instructor, or one password for every seat."""
+    from .auth import new_code
+
+    if settings["login"] == "password":
+        return {"password": new_code(), settings["admin"]: new_code()}
+    return {name: new_code() for name in [*settings["seats"], settings["admin"]]}
+
+
+def _hashes(settings: dict, codes: dict[str, str]) -> dict[str, str]:
+    from .auth import hash_code
+
+    if settings["login"] == "password":
+        return {**{s: hash_code(codes["password"]) for s in settings["seats"]},
+                settings["admin"]: hash_code(codes[settings["admin"]])}
+    return {name: hash_code(code) for name, code in codes.items()}
+
+
+def prepare(root=None, *, seats: int | None = None, gpus_per_seat: int | None = None, port: int = DEFAULT_PORT,
+            public: bool = False, password: bool = False, users: list[str] | None = None, admin: str | None = None,
+            new_codes: bool = False, gpus: list[str] | None = None, say=None) -> dict:
+    """The first half of :func:`start`: check everything asked, then write the workshop folder. Starts nothing.
+
+    Nothing is written unless everything checks out. A workshop that exists
+    keeps its seats' folders and its codes (unless ``new_codes``). Returns
+    ``{"workshop", "settings", "plan", "codes" (the new ones, else empty),
+    "resumed", "port", "public"}``. ``gpus`` overrides the GPUs found here.
+    """
+    say = say or (lambda line: None)
+    ws = Workshop(root)
+    proxy = required_programs()
+    if not 1 <= port <= 65535:
+        raise WorkshopError(f"--port {port} must be from 1 to 65535.")
+    state = running(ws) if ws.exists() else None
+    if state:
+        raise WorkshopError(f"the workshop in {ws.root} is already running at {state['url']}; stop it first with "
+                            f"'gpucourse workshop stop'.")
+    resumed = ws.exists()
+    settings, make_codes = _settings_for(ws, seats=seats, gpus_per_seat=gpus_per_seat, password=password,
+                                         users=users, admin=admin, new_codes=new_codes)
+    if settings["login"] == "system":
+        _check_accounts(settings)
+    plan = ws.plan(settings, visible_gpu_ids() if gpus is None else gpus)
+    if not port_free("0.0.0.0" if public else "127.0.0.1", port):
+        raise WorkshopError(f"port {port} is in use; choose another with --port.")
+
+    codes = _make_codes(settings) if make_codes and settings["login"] != "system" else {}
+    ws.hub_dir.mkdir(parents=True, exist_ok=True)
+    if codes:
+        write_private(ws.secrets / "codes.json", json.dumps(_hashes(settings, codes), indent=1))
+    if not (ws.secrets / "api_token").exists():
+        write_private(ws.secrets / "api_token", secrets.token_hex(32))
+    for seat in plan.seats:
+        owner = None
+        if settings["login"] == "system":
+            import pwd
+
+            account = pwd.getpwnam(seat.name)
+            owner = (account.pw_uid, account.pw_gid)
+        if copy_course(seat.folder, owner):
+            say(f"{seat.name}: a copy of the course in {seat.folder}")
+    ws.save_plan(plan, processes.marker_env(settings["id"]))
+    values = config_values(ws, settings, port=port, public=public, proxy=proxy, hub_port=free_port(),
+                           proxy_api_port=free_port(), dashboard_port=free_port(), as_root=os.geteuid() == 0)
+    write_private(ws.hub_dir / "jupyterhub_config.py", render_config(values, ws.secrets / "api_token"))
+    ws.save_settings(settings)
+    return {"workshop": ws, "settings": settings, "plan": plan, "codes": codes, "resumed": resumed, "port": port,
+            "public": public}
+
+
+def start(root=None, *, timeout: float = START_TIMEOUT_S, say=None, **asked) -> dict:
+    """Start (or resume) the workshop in ``root``; return once every seat's server answers.
+
+    ``asked`` are :func:`prepare`'s options (seats, gpus_per_seat, port,
+    public, password, users, admin, new_codes, gpus). Returns what
+    :func:`prepare` does plus ``"url"``, ``"dashboard"``, ``"admin"``,
+    ``"login"`` and ``"seconds"``; ``say(line)`` is told what is happening.
+    If the hub or a seat does not come up, everything started is stopped.
+    """
+    t0 = time.monotonic()
+    say = say or (lambda line: None)
+    prepared = prepare(root, say=say, **asked)
+    ws, settings, port, public = prepared["workshop"], prepared["settings"], prepared["port"], prepared["public"]
+    _end_leftovers(settings["id"], say)
+    url = f"http://{socket.gethostname() if public else '127.0.0.1'}:{port}"
+    state = _launch(ws, processes.marker_env(settings["id"]), port, url, public)
+    try:
+        _wait_until_serving(ws, state, prepared["plan"], t0 + timeout, say)
+    except BaseException:
+        stop(ws.root)
+        raise
+    return {**prepared, "url": url, "dashboard": f"{url}/services/{DASHBOARD}/", "admin": settings["admin"],
+            "login": settings["login"], "seconds": time.monotonic() - t0}
+
+
+def _launch(ws: Workshop, marker: dict, port: int, url: str, public: bool) -> dict:
+    """Start the hub in a session of its own (it outlives this command); record how to find it again."""
+    env = dict(os.environ, **marker)
+    with open(ws.log_file, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", str(ws.hub_dir / "jupyterhub_config.py")],
+                                cwd=ws.hub_dir, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    _started[proc.pid] = proc  # a hub this process started is its child: 'stop' waits for it
+    state = {"pid": proc.pid, "identity": processes.identity(proc.pid), "port": port, "url": url, "public": public,
+             "started": time.time()}
+    ws.running_file.write_text(json.dumps(state, indent=1))
+    return state
+
+
+def _wait_until_serving(ws: Workshop, state: dict, plan: Plan, deadline: float, say) -> None:
+    """Wait for the hub, ask it to start every seat's server, and wait until each answers through the proxy."""
+    base, token = local_url(state), api_token(ws)
+
+    def check(what: str, condition) -> None:
+        while not condition():
+            if not processes.alive(state["identity"]):
+                raise WorkshopError(f"the hub stopped while {what}; its log, {ws.log_file}, ends with:\n"
+                                    + log_tail(ws))
+            if time.monotonic() > deadline:
+                raise WorkshopError(f"gave up {what}: the deadline passed; see {ws.log_file}:\n" + log_tail(ws))
+            time.sleep(0.2)
+
+    check("starting", lambda: request(f"{base}/hub/api", timeout=2)[0] == 200)
+    say(f"hub up at {state['url']}; starting {len(plan.seats)} seat servers")
+    # All at once: the hub answers each request when that server is up (or after 10 s), and the servers
+    # start side by side.
+    with ThreadPoolExecutor(max_workers=len(plan.seats)) as pool:
+        asked = pool.map(lambda s: request(f"{base}/hub/api/users/{s.name}/server", token, "POST", timeout=60),
+                         plan.seats)
+        for seat, (status, body) in zip(plan.seats, asked):
+            if status not in (201, 202, 400):  # 400: already running
+                raise WorkshopError(f"the hub did not start {seat.name}'s server (HTTP {status}: {body}).")
+    for seat in plan.seats:
+        check(f"waiting for {seat.name}'s server",
+              lambda s=seat: request(f"{base}/user/{s.name}/api/status", token, timeout=5)[0] == 200)
+        say(f"{seat.name} answers ({seat.describe()})")
+
+
+def log_tail(ws: Workshop, lines: int = 15) -> str:
+    """The last lines of the hub's log (where the hub, the proxy and every seat's server write)."""
+    try:
+        return "\n".join(ws.log_file.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+# --- stop ----------------------------------------------------------------------------------------------------
+
+def _end_leftovers(workshop_id: str, say) -> None:
+    """End processes of this workshop that outlived an earlier hub (one killed, or a machine's crash)."""
+    left = processes.marked(workshop_id)
+    if left:
+        say(f"ending {len(left)} process(es) an earlier run of this workshop left behind")
+        processes.end(left)
+
+
+def stop(root=None) -> dict:
+    """Stop the hub, the proxy, every seat's server and whatever they started; keep every seat's work.
+
+    Returns ``{"was_running", "ended": [pids found still running after the
+    hub stopped], "seats": [...]}``. Raises if any process of the workshop
+    could not be ended.
+    """
+    ws = Workshop(root)
+    settings = ws.settings()
+    state = running(ws)
+    if state is not None:
+        processes.end([state["pid"]], grace=STOP_TIMEOUT_S)  # SIGTERM: the hub stops its servers and proxy
+        if state["pid"] in _started:
+            _started.pop(state["pid"]).wait(STOP_TIMEOUT_S)
+    left = processes.marked(settings["id"])
+    still = processes.end(left) if left else []
+    if still:
+        raise WorkshopError(f"processes {', '.join(map(str, still))} of the workshop could not be ended.")
+    ws.running_file.unlink(missing_ok=True)
+    return {"was_running": state is not None, "ended": left, "seats": settings["seats"]}
+
+
+# --- what the instructor is told -----------------------------------------------------------------------------
+
+PUBLIC_WARNING = ("--public: the hub listens on every network interface, without TLS; anyone who can reach this "
+                  "machine sees its login page. Hand out the codes in person, keep a firewall in front, and put "
+                  "TLS (a reverse proxy) before it on an untrusted network.")
+
+
+def format_started(started: dict) -> str:
+    """What ``gpucourse workshop start`` prints: where to go, who sits where, and the codes (once)."""
+    plan, url = started["plan"], started["url"]
+    port = url.rsplit(":", 1)[1]
+    lines = [f"workshop {'resumed' if started['resumed'] else 'started'} in {started['seconds']:.0f} s: {url}",
+             f"  class dashboard: {started['dashboard']} (log in as {started['admin']})"]
+    lines += [f"  {n}" for n in plan.notes]
+    if not started["public"]:
+        lines.append(f"  from another machine: ssh -L {port}:127.0.0.1:{port} <this server>, then open {url}")
+    lines.append("")
+    codes = started["codes"]
+    for seat in plan.seats:
+        code = codes.get(seat.name, "")
+        lines.append(f"  {seat.name:<10} {code:<16} {seat.describe():<18} {seat.folder}")
+    if started["login"] == "system":
+        lines.append("\nlearners log in with their own account's name and password.")
+    elif codes:
+        if "password" in codes:
+            lines.append(f"\nworkshop password (every seat): {codes['password']}")
+        lines.append(f"instructor ({started['admin']}): {codes[started['admin']]}")
+        lines.append("These codes are shown only now: the workshop keeps only their hashes. They stay the same when "
+                     "the workshop is started again ('start --new-codes' makes new ones).")
+    else:
+        lines.append("\nthe codes are those printed when the workshop was first started ('start --new-codes' makes "
+                     "new ones).")
+    return "\n".join(lines)
+
+
+def format_stopped(stopped: dict, root) -> str:
+    """What ``gpucourse workshop stop`` prints."""
+    ws = Workshop(root)
+    head = "workshop stopped" if stopped["was_running"] else "the workshop was not running"
+    extra = f"; {len(stopped['ended'])} leftover process(es) ended" if stopped["ended"] else ""
+    return (f"{head}{extra}; no process of it is left. Every seat's work is kept in {ws.root}; "
+            f"'gpucourse workshop start' resumes the same seats.")

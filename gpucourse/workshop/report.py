@@ -1,0 +1,215 @@
+"""The class at a glance: what each seat has passed, where it is stuck, and what to explain next.
+
+Everything comes from files and services that are already there: each seat's
+progress file (``check("ex03")`` in a notebook records the score and the checks
+that failed, with their hints), the hub's REST API (is the seat's server
+running, when was it last used) and NVML (how busy each seat's GPUs are).
+:func:`class_report` gathers it as plain data; ``gpucourse workshop status``
+prints it with :func:`format_report` and the dashboard draws it as a page.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .folder import REPO, Workshop
+from .plan import Plan
+
+NVDASHBOARD = ("for each learner's own view of their GPUs, install jupyterlab-nvdashboard "
+               "(pip install jupyterlab-nvdashboard): a GPU panel in JupyterLab's left bar")
+
+
+def course_exercises() -> list[str]:
+    """The exercise modules every seat has (``ex01_ring_allreduce`` …), in course order."""
+    return sorted(p.stem for p in (REPO / "exercises").glob("ex[0-9][0-9]_*.py"))
+
+
+def tries(n: int) -> str:
+    """``"1 try"``, ``"3 tries"``."""
+    return f"{n} {'try' if n == 1 else 'tries'}"
+
+
+def _when(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
+
+
+def ago(text: str | None, now: datetime | None = None) -> str:
+    """``"4 min ago"`` for an ISO time; ``"never"`` for none."""
+    when = _when(text)
+    if when is None:
+        return "never"
+    seconds = max(0, ((now or datetime.now(timezone.utc)) - when).total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)} {unit} ago"
+    return f"{int(seconds)} s ago"
+
+
+def seat_progress(progress_file: Path) -> dict:
+    """One seat's record in a few numbers: passed, score, quiz per topic, latest time, and where it is stuck.
+
+    ``stuck`` is the first failing check of the exercise this learner graded
+    last without passing it: what they are most likely looking at now.
+    """
+    from .. import progress
+
+    try:
+        s = progress.summary(progress_file)
+    except (OSError, progress.ProgressError) as e:
+        return {"problem": str(e), "exercises": {}, "passed": 0, "score": 0, "max_score": 0, "quiz": {},
+                "last": None, "stuck": None}
+    exercises = s["exercises"]
+    quizzes = progress.load(progress_file)["quizzes"]
+    times = [e.get("last") for e in exercises.values()] + [q.get("time") for q in quizzes]
+    open_ones = [(name, e) for name, e in exercises.items() if not e.get("passed")]
+    stuck = None
+    if open_ones:
+        name, e = max(open_ones, key=lambda item: item[1].get("last") or "")
+        failed = e.get("failed") or [{}]
+        stuck = {"exercise": name, "attempts": e.get("attempts", 0), "score": e.get("score"),
+                 "max_score": e.get("max_score"), "check": failed[0].get("check"), "hint": failed[0].get("hint")}
+    return {"problem": None, "exercises": exercises, "passed": s["exercises_passed"],
+            "score": sum(e.get("best", 0) for e in exercises.values()),
+            "max_score": sum(e.get("max_score", 0) for e in exercises.values()),
+            "quiz": {t: [v["correct"], v["total"]] for t, v in s["topics"].items()},
+            "last": max((t for t in times if _when(t)), key=_when, default=None), "stuck": stuck}
+
+
+def common_failures(seats: list[dict], top: int = 5) -> list[dict]:
+    """The checks failing for the most seats right now, each with its hint: what to explain next."""
+    count: Counter = Counter()
+    hints, who = {}, {}
+    for seat in seats:
+        for name, e in seat["exercises"].items():
+            if e.get("passed"):
+                continue
+            for f in e.get("failed") or []:
+                key = (name, f.get("check", ""))
+                count[key] += 1
+                hints.setdefault(key, f.get("hint", ""))
+                who.setdefault(key, []).append(seat["name"])
+    return [{"exercise": ex, "check": check, "seats": who[(ex, check)], "count": n, "hint": hints[(ex, check)]}
+            for (ex, check), n in count.most_common(top)]
+
+
+def gpu_use(plan: Plan) -> dict:
+    """Each seat's GPUs, as NVML sees them now: ``{"available", "note", "seats": {name: [gpu, ...]}}``.
+
+    Without NVML's bindings (``pynvml``, from nvidia-ml-py) or without a GPU
+    driver, ``available`` is False and the note says "no GPU".
+    """
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as e:  # no bindings, no library, no driver: all mean the same here
+        return {"available": False, "note": f"no GPU ({type(e).__name__}: {e})" if str(e) else "no GPU",
+                "seats": {}, "hint": NVDASHBOARD}
+    try:
+        seats = {}
+        for seat in plan.seats:
+            rows = []
+            for gpu in seat.gpus:
+                try:
+                    h = (pynvml.nvmlDeviceGetHandleByIndex(int(gpu)) if gpu.isdigit()
+                         else pynvml.nvmlDeviceGetHandleByUUID(gpu))
+                    mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+                    rows.append({"gpu": gpu, "name": _text(pynvml.nvmlDeviceGetName(h)),
+                                 "utilization": pynvml.nvmlDeviceGetUtilizationRates(h).gpu,
+                                 "memory_used": mem.used, "memory_total": mem.total})
+                except pynvml.NVMLError as e:
+                    rows.append({"gpu": gpu, "error": str(e)})
+            seats[seat.name] = rows
+        count = pynvml.nvmlDeviceGetCount()
+    finally:
+        pynvml.nvmlShutdown()
+    return {"available": True, "note": f"{count} GPU{'s' * (count != 1)} on this machine", "seats": seats,
+            "hint": NVDASHBOARD}
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def class_report(ws: Workshop, hub_users: dict | None = None, running: bool = False) -> dict:
+    """Every seat of the workshop in ``ws`` and the class's common failures (JSON-ready).
+
+    ``hub_users`` are the hub's user models (``hub.hub_users``), when it answers.
+    """
+    plan = ws.saved_plan()
+    total = len(course_exercises())
+    seats = []
+    for seat in plan.seats:
+        row = {"name": seat.name, "resources": seat.describe(), "gpus": list(seat.gpus),
+               "folder": str(seat.folder), **seat_progress(seat.progress_file), "exercises_total": total}
+        user = (hub_users or {}).get(seat.name)
+        server = (user or {}).get("servers", {}).get("")
+        row["server"] = ("running" if server and server.get("ready") else "starting" if server else "stopped") \
+            if hub_users is not None else ("unknown" if running else "stopped")
+        hub_seen = (user or {}).get("last_activity")
+        row["last_activity"] = max((t for t in (row["last"], hub_seen) if _when(t)), key=_when, default=None)
+        seats.append(row)
+    return {"workshop": str(ws.root), "running": running, "notes": plan.notes, "seats": seats,
+            "common_failures": common_failures(seats), "gpu": gpu_use(plan)}
+
+
+def status(root=None) -> dict:
+    """The class report of the workshop in ``root``, with the hub's view when it runs; ``"url"`` where it is."""
+    from . import hub
+
+    ws = Workshop(root)
+    ws.settings()  # a sentence if there is no workshop there
+    state = hub.running(ws)
+    report = class_report(ws, hub.hub_users(ws, state) if state else None, running=state is not None)
+    report["url"] = state["url"] if state else None
+    return report
+
+
+def format_report(report: dict) -> str:
+    """The report as the terminal shows it (``gpucourse workshop status``)."""
+    lines = [f"workshop {report['workshop']}: " + (f"running at {report.get('url')}" if report["running"]
+                                                   else "stopped")]
+    lines += [f"  {n}" for n in report["notes"]]
+    head = ("seat", "resources", "server", "last activity", "passed", "score", "quiz (right/asked)", "stuck on")
+    rows = [head]
+    for s in report["seats"]:
+        quiz = ", ".join(f"{t} {c}/{n}" for t, (c, n) in sorted(s["quiz"].items())) or "-"
+        stuck = "-"
+        if s["problem"]:
+            stuck = f"progress file unreadable: {s['problem']}"
+        elif s["stuck"]:
+            stuck = f"{s['stuck']['exercise']}" + (f": {s['stuck']['check']}" if s["stuck"]["check"] else "") + \
+                f" ({tries(s['stuck']['attempts'])})"
+        rows.append((s["name"], s["resources"], s["server"], ago(s["last_activity"]),
+                     f"{s['passed']}/{s['exercises_total']}", f"{s['score']:g}/{s['max_score']:g}" if s["max_score"] else "-",
+                     quiz, stuck))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(head) - 1)]
+    lines.append("")
+    lines += ["  ".join(f"{str(c):<{w}}" for c, w in zip(r, widths)) + "  " + str(r[-1]) for r in rows]
+    lines.append("")
+    if report["common_failures"]:
+        lines.append("what to explain next (checks failing for the most seats):")
+        for f in report["common_failures"]:
+            lines.append(f"  {f['count']}× {f['exercise']}: {f['check']}  ({', '.join(f['seats'])})")
+            lines.append(textwrap.fill(f"hint: {f['hint']}", 110, initial_indent=" " * 6, subsequent_indent=" " * 12))
+    else:
+        lines.append("what to explain next: no failing check recorded yet.")
+    gpu = report["gpu"]
+    lines.append("")
+    lines.append(f"GPU use: {gpu['note']}")
+    for name, rows_ in gpu["seats"].items():
+        for g in rows_:
+            lines.append(f"  {name} GPU {g['gpu']}: " + (g["error"] if "error" in g else
+                         f"{g['utilization']}% busy, {g['memory_used'] / 2**30:.1f}/{g['memory_total'] / 2**30:.1f} "
+                         f"GiB ({g['name']})"))
+    lines.append(f"  ({gpu['hint']})")
+    return "\n".join(line.rstrip() for line in lines)

@@ -1,0 +1,77 @@
+"""What JupyterHub loads to give each seat its server: the seat spawner and where a user lands after login.
+
+:class:`SeatSpawner` is JupyterHub's own ``LocalProcessSpawner`` (a local
+process per user, no containers) that reads the workshop's plan
+(``hub/seats.json``) and starts the seat's JupyterLab in the seat's folder,
+with the seat's GPUs, progress file and thread budget in its environment. With
+generated seats every server runs under the instructor's account, each in a
+session of its own (so the hub can stop it, and everything it started, as one
+group). With real accounts (``--users``) it switches to the learner's account
+first, exactly as ``LocalProcessSpawner`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from jupyterhub.spawner import LocalProcessSpawner
+from jupyterhub.utils import url_path_join
+from traitlets import Bool, Unicode
+
+from .plan import Seat, seat_environment
+
+
+class SeatSpawner(LocalProcessSpawner):
+    """A seat's JupyterLab: its folder, its GPUs (``CUDA_VISIBLE_DEVICES``), its progress file."""
+
+    plan_file = Unicode(help="the workshop's hub/seats.json").tag(config=True)
+    system_users = Bool(False, help="seats are real accounts: run each server as its user").tag(config=True)
+
+    def seat(self) -> tuple[Seat, dict]:
+        """This user's seat in the plan, and the marker every workshop process carries."""
+        with open(self.plan_file, encoding="utf-8") as f:
+            plan = json.load(f)
+        for s in plan["seats"]:
+            if s["name"] == self.user.name:
+                return Seat(s["name"], Path(s["folder"]), tuple(s["gpus"]), s["threads"]), plan["marker"]
+        raise RuntimeError(f"{self.user.name} has no seat in this workshop; the class dashboard is at "
+                           f"/services/dashboard/")
+
+    def make_preexec_fn(self, name):
+        if self.system_users:
+            return super().make_preexec_fn(name)
+        folder = str(self.seat()[0].folder)
+
+        def enter_seat():  # runs in the child, before exec: no setuid, the seat's folder as working directory
+            os.chdir(folder)
+        return enter_seat
+
+    def user_env(self, env):
+        if self.system_users:
+            return super().user_env(env)
+        seat = self.seat()[0]
+        env.update(USER=seat.name, HOME=str(seat.folder), SHELL="/bin/bash")
+        return env
+
+    def get_env(self):
+        env = super().get_env()
+        seat, marker = self.seat()
+        env.update(seat_environment(seat, marker))
+        # The course's Python first, so that 'gpucourse' and 'python' in a seat's terminal are the hub's own.
+        env["PATH"] = os.pathsep.join(p for p in (str(Path(sys.executable).parent), env.get("PATH", "")) if p)
+        return env
+
+    async def start(self):
+        self.notebook_dir = str(self.seat()[0].folder)
+        return await super().start()
+
+
+def landing_page(handler) -> str:
+    """After login: the instructor (an admin) to the class dashboard, a learner to their own JupyterLab."""
+    user = handler.current_user
+    if user is not None and user.admin:
+        return url_path_join(handler.base_url, "services/dashboard/")
+    return user.url if user is not None else handler.hub.base_url
