@@ -9,6 +9,9 @@ import sys
 import time
 from pathlib import Path
 
+from gpucourse.workshop.processes import alive  # noqa: F401 (the tests import it from here)
+from gpucourse.workshop.processes import identity as _identity
+
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 BIN = Path(sys.executable).parent
@@ -32,25 +35,9 @@ def clean_env(**extra: str) -> dict:
     return env
 
 
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-    except OSError:
-        return None
-    return text.rsplit(")", 1)[1].split()  # fields from 3 (state) on; the name may hold spaces
-
-
 def identity(pid: int | None = None) -> list:
     """``[pid, start time]`` of a process (JSON-friendly), so a reused pid is not mistaken for it."""
-    pid = pid or os.getpid()
-    return [pid, _stat(pid)[19]]
-
-
-def alive(ident) -> bool:
-    """Whether that very process still runs (a zombie has exited, so it does not)."""
-    fields = _stat(ident[0])
-    return fields is not None and fields[19] == ident[1] and fields[0] != "Z"
+    return _identity(pid or os.getpid())
 
 
 def wait_gone(idents, within: float = 10.0) -> list:
