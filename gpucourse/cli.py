@@ -54,8 +54,9 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-aux", type=float, default=d.moe_aux, help="weight of the load-balancing loss (0.01)")
     p.add_argument("--ep", type=int, default=d.ep, help="expert-parallel degree: experts spread over ep dp ranks")
     p.add_argument("--zero", type=int, default=d.zero, help="ZeRO stage 0-3")
-    p.add_argument("--schedule", default=d.schedule,
-                   help=f"pipeline schedule: {', '.join(SCHEDULES)}, interleaved-1f1b or zb-h1")
+    p.add_argument("--schedule", default=None,
+                   help=f"pipeline schedule (with --pp > 1; default {d.schedule}): {', '.join(SCHEDULES)}, "
+                        f"interleaved-1f1b, zb-h1, zbv or dualpipev")
     p.add_argument("--virtual-stages", type=int, default=d.virtual_stages,
                    help="interleaved-1f1b: model chunks per pipeline rank")
     p.add_argument("--microbatches", type=int, default=d.microbatches, help="pipeline microbatches per step")
@@ -86,6 +87,11 @@ def _config_from(args) -> TrainConfig:
     """The TrainConfig the flags describe (flags a subcommand lacks keep their defaults)."""
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     given = {k: v for k, v in vars(args).items() if k in names}
+    if "schedule" in given:
+        if given["schedule"] is None:
+            del given["schedule"]
+        elif given.get("pp", 1) == 1:  # a schedule orders a pipeline: without one it would change nothing
+            raise UsageError(f"--schedule {given['schedule']} orders a pipeline's stages; give --pp 2 or more with it.")
     if "no_record" in vars(args):
         given["record"] = not args.no_record
     return TrainConfig(**given)
@@ -131,8 +137,10 @@ def summary_table(result) -> str:
         ("step time", f"{1e3 * sum(result.step_times_s) / steps:.1f} ms mean"),
         ("throughput", f"{result.tokens_per_s:,.0f} tokens/s"),
         ("communication", f"{human_bytes(per_step)} per step, all ranks (run total: "
-                          + ", ".join(f"{op} {human_bytes(b)}" for op, b in result.comm_bytes.get("per_op", {}).items())
-                          + ")" if per_step else "none"),
+                          + ", ".join(f"{op} {human_bytes(b)}" for op, b in result.comm_bytes.get("per_op", {}).items()
+                                      if op != "recv")  # a message is counted once, by its sender
+                          + (("; point-to-point counted once, as sent" if "send" in result.comm_bytes.get("per_op", {})
+                              else "") + ")") if per_step else "none"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
@@ -671,8 +679,15 @@ def cmd_workshop(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a wrong flag gets one sentence (``gpucourse: error: ...``), not the whole usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help').\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpucourse", description="Run, watch and check distributed training.")
+    parser = _Parser(prog="gpucourse", description="Run, watch and check distributed training.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a layout (dp × tp × pp) and print a summary",

@@ -192,3 +192,13 @@ def test_the_course_defaults_turn_off_jupyterlabs_news_and_keep_a_learners_own_c
     lab.install_course_defaults(tmp_path)
     assert json.loads(path.read_text()) == {plugin: {"fetchNews": "true", "checkForUpdates": False},
                                             "other:plugin": {"x": 1}}
+
+
+def test_a_wrong_flag_gets_one_sentence_and_a_schedule_needs_a_pipeline(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["train", "--dp", "two"])
+    assert exited.value.code == 2
+    assert cli.main(["train", "--schedule", "1f1b"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and not any("usage:" in line for line in err)
+    assert "argument --dp: invalid int value: 'two'" in err[0] and "give --pp 2 or more" in err[1]
