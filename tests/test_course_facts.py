@@ -241,3 +241,13 @@ def test_a_prediction_is_printed_beside_the_formula_and_the_run(capsys):
     out = capsys.readouterr().out
     assert "your prediction 1,040 B | the formula 1,000 B | measured in the run 1,000 B" in out
     assert "'lots' is not a number" in out and out.count("NOT within 5 %") == 1
+
+
+def test_notebook_06_says_how_the_planner_times_compute():
+    """06: "at the share of their bf16 peak a training step reaches (the H100's achievable, 0.4, ...)"."""
+    from gpucourse import plan
+    from gpucourse.gpus import get_gpu
+
+    assert get_gpu("h100").achievable == 0.4
+    assert plan.plan(70e9, gpus=64, gpu="h100", gpus_per_node=8)["efficiency"] == 0.4
+    assert "the H100's `achievable`, 0.4" in prose("06_hybrid_planning")
