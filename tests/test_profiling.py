@@ -156,8 +156,9 @@ def test_the_profilers_own_start_and_stop_lines_are_hidden(tmp_path, capfd):
     """Kineto writes "USDT: ... profiler_start" to the process's stderr: in a notebook, a red block that is no error."""
     import torch
 
-    with profiling.trace(tmp_path, 0, steps=3):
-        for _ in range(3):
+    steps = profiling.WAIT + profiling.WARMUP + profiling.ACTIVE  # a full schedule: no warning about its warm-up
+    with profiling.trace(tmp_path, 0, steps=steps):
+        for _ in range(steps):
             torch.ones(4).sum()
             profiling.step()
     err = capfd.readouterr().err
