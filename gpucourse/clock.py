@@ -128,9 +128,7 @@ def _run(tasks: list[Task]) -> Layout:
             ready[i] = at
             k += 1
             if t.match is None:
-                start[i], end[i] = at, at + t.seconds
-                if i in blocked:
-                    movable.extend(blocked.pop(i))
+                finish(i, at)
                 continue
             group = arrived.setdefault(t.match, [])
             group.append(i)

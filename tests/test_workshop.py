@@ -106,15 +106,18 @@ def _settings(login: str, seats: list[str], admin: str) -> dict:
     return Workshop.new_settings("id123", seats, login, None, admin)
 
 
+PORT = free_port()  # only written into the generated config: nothing listens on it
+
+
 def _config(ws: Workshop, settings: dict, public: bool = False) -> dict:
-    return hub.config_values(ws, settings, port=8000, public=public, proxy="/x/configurable-http-proxy", hub_port=1,
+    return hub.config_values(ws, settings, port=PORT, public=public, proxy="/x/configurable-http-proxy", hub_port=1,
                              proxy_api_port=2, dashboard_port=3, as_root=True)
 
 
 def test_the_generated_config_for_generated_seats(tmp_path):
     ws = Workshop(tmp_path)
     values = _config(ws, _settings("codes", ["seat01", "seat02"], plan.INSTRUCTOR))
-    assert values["JupyterHub.bind_url"] == "http://127.0.0.1:8000"
+    assert values["JupyterHub.bind_url"] == f"http://127.0.0.1:{PORT}"
     assert values["JupyterHub.authenticator_class"] == "gpucourse.workshop.auth.SeatAuthenticator"
     assert values["Authenticator.allowed_users"] == {"seat01", "seat02"}
     assert values["Authenticator.admin_users"] == {"instructor"}
@@ -123,7 +126,7 @@ def test_the_generated_config_for_generated_seats(tmp_path):
     dashboard_service = values["JupyterHub.services"][0]
     assert dashboard_service["name"] == "dashboard" and dashboard_service["environment"] == {processes.MARKER: "id123"}
     assert _config(ws, _settings("codes", ["seat01"], "instructor"), public=True)["JupyterHub.bind_url"] == \
-        "http://0.0.0.0:8000"
+        f"http://0.0.0.0:{PORT}"
     # The file JupyterHub reads is Python that sets exactly these values.
     token = tmp_path / "api_token"
     token.write_text("secret-token\n")
