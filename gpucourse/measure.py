@@ -121,6 +121,12 @@ def note_saved_input(t: torch.Tensor) -> None:
         _METER.add(t)
 
 
+def nvtx_label(span: dict) -> str:
+    """The NVTX range name of a span: ``"forward mb2"``, ``"comm all_reduce 4.0 MB"`` (kind, name, microbatch)."""
+    label = span["kind"] if span["name"] in ("", span["kind"]) else f"{span['kind']} {span['name']}"
+    return label if span.get("microbatch") is None else f"{label} mb{span['microbatch']}"
+
+
 class Recorder:
     """Per-rank log of spans and collective bytes.
 
@@ -161,6 +167,9 @@ class Recorder:
         rec = {"rank": self.rank, "step": self.step, "kind": kind, "name": name or kind,
                "microbatch": microbatch, **meta}
         if self._cuda:
+            # The same span as an NVTX range: Nsight Systems (`nsys profile -t cuda,nvtx`) draws it above the
+            # kernels it launched, named as the run's own timeline names it.
+            torch.cuda.nvtx.range_push(nvtx_label(rec))
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
@@ -168,6 +177,7 @@ class Recorder:
                 yield
             finally:
                 end.record()
+                torch.cuda.nvtx.range_pop()
                 self._pending.append((rec, start, end, None))
                 self.spans.append(rec)
         else:

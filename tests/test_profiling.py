@@ -164,3 +164,38 @@ def test_the_profilers_own_start_and_stop_lines_are_hidden(tmp_path, capfd):
     err = capfd.readouterr().err
     assert "profiler_start" not in err and "USDT" not in err
     assert json.loads((tmp_path / "rank0.trace.json").read_text())["traceEvents"]
+
+
+def test_spans_are_nvtx_ranges_on_cuda(monkeypatch):
+    """On CUDA every recorded span is pushed and popped as an NVTX range named as the timeline names it, nested
+    as the spans are; on the CPU nothing touches NVTX. (CUDA's events and NVTX are replaced by recording fakes.)"""
+    import torch
+
+    from gpucourse.measure import Recorder, nvtx_label
+
+    calls = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            calls.append("event")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: calls.append(("push", name)))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: calls.append("pop"))
+    rec = Recorder(0, torch.device("cuda", 0))
+    calls.clear()
+    with rec.span("step"):
+        with rec.span("forward", microbatch=2):
+            pass
+        with rec.span("comm", "all_reduce", op="all_reduce", bytes=4):
+            pass
+    assert [c for c in calls if c != "event"] == [("push", "step"), ("push", "forward mb2"), "pop",
+                                                    ("push", "comm all_reduce"), "pop", "pop"]
+    assert [nvtx_label(s) for s in rec.spans] == ["forward mb2", "comm all_reduce", "step"]
+    calls.clear()
+    with Recorder(0, torch.device("cpu")).span("forward"):
+        pass
+    assert calls == []
