@@ -167,6 +167,8 @@ def cmd_train(args) -> int:
     else:
         cfg.validate_on(plan_device(cfg.device, cfg.world_size).device)
     analysis = _profile_options(args, cfg)
+    if cfg.memory_snapshot:
+        _check_folder(cfg.memory_snapshot, "--memory-snapshot", "the snapshots")
 
     from .train import run
 
@@ -182,6 +184,11 @@ def cmd_train(args) -> int:
                 print(f"  {what} written to {path}")
         if analysis is not None:
             _print_profile(result, cfg, *analysis)
+        if cfg.memory_snapshot:
+            from .profiling import snapshot_path
+
+            paths = ", ".join(snapshot_path(cfg.memory_snapshot, r) for r in range(result.world_size))
+            print(f"  memory snapshots: {paths} (open in https://pytorch.org/memory_viz)")
     return 0
 
 
@@ -198,16 +205,21 @@ def _print_stack_config(cfg: TrainConfig, tool: str) -> int:
     return 0
 
 
+def _check_folder(path: str, flag: str, what: str) -> None:
+    """Refuse, in one sentence, a folder flag that names a file or whose parent does not exist."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{flag} {path} is a file; give a folder for {what}.")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(path) and not os.path.isdir(parent):
+        raise UsageError(f"{flag} {path} cannot be created: the folder {parent} does not exist.")
+
+
 def _profile_options(args, cfg: TrainConfig):
     """(peak FLOP/s, where it came from, baseline RunResult) for the analysis, or None; bad values refused first."""
     if not (args.profile or args.peak_tflops or args.gpu or args.baseline):
         return None
     if args.profile:
-        if os.path.exists(args.profile) and not os.path.isdir(args.profile):
-            raise UsageError(f"--profile {args.profile} is a file; give a folder for the traces.")
-        parent = os.path.dirname(os.path.abspath(args.profile))
-        if not os.path.isdir(args.profile) and not os.path.isdir(parent):
-            raise UsageError(f"--profile {args.profile} cannot be created: the folder {parent} does not exist.")
+        _check_folder(args.profile, "--profile", "the traces")
     if args.peak_tflops is not None and args.gpu:
         raise UsageError("give --peak-tflops or --gpu, not both.")
     peak = name = None
@@ -712,6 +724,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", metavar="DIR",
                    help="write a torch.profiler Chrome trace per rank (DIR/rankN.trace.json) and print where "
                         "each rank's time went: compute, communication, idle")
+    p.add_argument("--memory-snapshot", metavar="DIR",
+                   help="on GPUs: record every CUDA allocation of each rank and write DIR/rankN.memory.pickle at the "
+                        "end (also after an out-of-memory error), to open in https://pytorch.org/memory_viz")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="one device's peak TFLOP/s, for MFU (model FLOPs utilisation)")
     p.add_argument("--gpu", default=None, help="take the peak for MFU from the GPU table (h100, a100, h200, l4...)")

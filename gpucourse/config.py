@@ -71,6 +71,7 @@ class TrainConfig:
     # Run options that are not part of the optimisation: where to write a
     # torch.profiler trace per rank, and where to save / resume checkpoints.
     profile: str | None = None
+    memory_snapshot: str | None = None  # a folder for a CUDA memory snapshot per rank (CUDA only)
     save: str | None = None
     save_every: int = 0
     resume: str | None = None
@@ -353,6 +354,9 @@ class TrainConfig:
 
     def validate_on(self, device: str) -> "TrainConfig":
         """The checks that depend on where the ranks run (``cpu`` or ``cuda``)."""
+        if device == "cpu" and self.memory_snapshot:
+            raise ConfigError("A memory snapshot records the CUDA allocator and these ranks run on the CPU: run on "
+                              "GPUs, or use 'gpucourse memory' for the same parts estimated.")
         if device == "cpu" and self.impl == "accelerate" and self.zero == 3:
             raise ConfigError("Accelerate offers FSDP only on GPUs; on CPU ranks use impl='torch' with zero=3 "
                               "(the same FSDP2 it would use).")

@@ -104,6 +104,37 @@ def trace(folder: str | os.PathLike | None, rank: int, steps: int | None = None)
             prof.stop()
 
 
+def snapshot_path(folder: str | os.PathLike, rank: int) -> str:
+    """Where rank ``rank`` writes its CUDA memory snapshot: ``folder/rank{N}.memory.pickle``."""
+    return os.path.join(os.fspath(folder), f"rank{rank}.memory.pickle")
+
+
+@contextlib.contextmanager
+def memory_snapshot(folder: str | os.PathLike | None, rank: int, max_entries: int = 100_000):
+    """Record every CUDA allocation and free of this rank, each with the Python stack that made it, and write
+    them to ``folder/rank{N}.memory.pickle`` when the body ends — also when it ends in an out-of-memory error,
+    which is when a snapshot is most wanted. Drag the file onto https://pytorch.org/memory_viz: the active memory
+    over time, one band per tensor; click a band for its stack.
+
+    This is PyTorch's memory snapshot (``torch.cuda.memory._record_memory_history`` / ``_dump_snapshot``): the
+    allocator's own record, so it answers *which* tensors made the peak, where ``max_memory_allocated`` gives only
+    the number. ``max_entries`` keeps the last events only (each costs a few KB of host memory). CUDA only; with
+    ``folder=None`` it does nothing.
+    """
+    if folder is None:
+        yield
+        return
+    os.makedirs(folder, exist_ok=True)
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    try:
+        yield
+    finally:
+        path = snapshot_path(folder, rank)
+        torch.cuda.memory._dump_snapshot(path + ".part")
+        os.replace(path + ".part", path)  # a reader never sees half a file
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
 def step() -> None:
     """Tell this rank's profiler (if :func:`trace` is on) that a training step ended."""
     if _PROFILER is not None:

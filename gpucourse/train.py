@@ -78,7 +78,9 @@ def train_worker(cfg_dict: dict, export_path: str | None = None) -> dict:
     counting = comm.counting() if cfg.impl != "scratch" else contextlib.nullcontext()
     try:
         # --profile DIR: a torch.profiler trace of a few steps per rank (a no-op otherwise).
-        with counting, profiling.trace(cfg.profile, ctx.rank, cfg.steps):
+        # --memory-snapshot DIR: every CUDA allocation of this rank, written when the run ends (or fails).
+        with counting, profiling.trace(cfg.profile, ctx.rank, cfg.steps), \
+                profiling.memory_snapshot(cfg.memory_snapshot, ctx.rank):
             return _train(cfg, ctx, rec, export_path)
     finally:
         comm.set_recorder(None)

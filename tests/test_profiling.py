@@ -4,6 +4,7 @@ MFU and scaling efficiency follow their stated formulas; the GPU table reads the
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -199,3 +200,47 @@ def test_spans_are_nvtx_ranges_on_cuda(monkeypatch):
     with Recorder(0, torch.device("cpu")).span("forward"):
         pass
     assert calls == []
+
+
+def test_memory_snapshot_records_until_the_end_even_an_oom(tmp_path, monkeypatch):
+    """The snapshot is switched on before the body, written whole (never half a file) when it ends — also when it
+    ends in an error, as an out-of-memory one — and switched off after. (PyTorch's recorder is replaced by a fake:
+    there is no CUDA allocator here.)"""
+    import torch
+
+    calls = []
+
+    def record(enabled="all", max_entries=None, **kw):
+        calls.append(("record", enabled, max_entries))
+
+    def dump(path):
+        calls.append(("dump", os.path.basename(path)))
+        with open(path, "wb") as f:
+            f.write(b"snapshot")
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", dump)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        with profiling.memory_snapshot(tmp_path / "snaps", 3, max_entries=10):
+            calls.append("body")
+            raise RuntimeError("CUDA out of memory")
+    assert calls == [("record", "all", 10), "body", ("dump", "rank3.memory.pickle.part"), ("record", None, None)]
+    assert sorted(os.listdir(tmp_path / "snaps")) == ["rank3.memory.pickle"]
+    calls.clear()
+    with profiling.memory_snapshot(None, 0):
+        pass
+    assert calls == []
+
+
+def test_a_memory_snapshot_on_cpu_ranks_is_refused_in_one_sentence(tmp_path, capsys):
+    from gpucourse import TrainConfig, run
+    from gpucourse.config import ConfigError
+
+    assert cli.main(["train", "--device", "cpu", "--memory-snapshot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "records the CUDA allocator and these ranks run on the CPU" in err and err.count("\n") == 1
+    (tmp_path / "file").write_text("x")
+    assert cli.main(["train", "--memory-snapshot", str(tmp_path / "file")]) == 2
+    with pytest.raises(ConfigError, match="CUDA allocator"):
+        run(TrainConfig(device="cpu", memory_snapshot=str(tmp_path)))
+    assert sorted(os.listdir(tmp_path)) == ["file"]
