@@ -30,14 +30,20 @@ from dataclasses import dataclass, field
 import torch
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-TF32_MANTISSA_BITS = 10
-FP32_MANTISSA_BITS = 23
+MANTISSA_BITS = {"fp32": 23, "tf32": 10, "bf16": 7, "e4m3": 3, "e5m2": 2}  # explicitly stored
 ALIGN_ELEMENTS = 8  # 16 bytes of fp16/bf16: the tile edge a tensor-core matmul wants its dimensions to be a multiple of
 
 
 def fp8_max(fmt: str) -> float:
     """The largest finite value of an FP8 format: 448 for e4m3, 57344 for e5m2."""
     return torch.finfo(_dtype(fmt)).max
+
+
+def fp8_smallest(fmt: str) -> float:
+    """The smallest positive (subnormal) value of an FP8 format: 2^-9 for e4m3, 2^-16 for e5m2; below half of it a
+    value becomes 0."""
+    info = torch.finfo(_dtype(fmt))
+    return info.tiny * info.eps
 
 
 def _dtype(fmt: str) -> torch.dtype:
@@ -113,7 +119,7 @@ def delayed_scaling_demo(steps: int = 8, jump_at: int = 5, jump: float = 4.0, se
 
 def to_tf32(x: torch.Tensor) -> torch.Tensor:
     """``x`` (fp32) rounded to TF32: 10 mantissa bits, round to nearest, ties to even; still stored as fp32."""
-    drop = FP32_MANTISSA_BITS - TF32_MANTISSA_BITS
+    drop = MANTISSA_BITS["fp32"] - MANTISSA_BITS["tf32"]
     bits = x.float().contiguous().view(torch.int32)
     keep = (bits >> drop) & 1  # the last kept bit, for ties to even
     rounded = (bits + ((1 << (drop - 1)) - 1) + keep) & ~((1 << drop) - 1)
