@@ -81,8 +81,11 @@ class Cluster:
         memory_s = nbytes / (g.hbm_GBps * 1e9) if g.hbm_GBps else 0.0
         return max(math_s, memory_s) + kernels * LAUNCH_S
 
-    def collective_s(self, op: str, nbytes: float, ranks) -> tuple[float, str]:
-        """Seconds of one collective of ``op`` with payload ``nbytes`` among global ``ranks``; and its algorithm."""
+    def collective_s(self, op: str, nbytes: float, ranks, algo: str | None = None) -> tuple[float, str]:
+        """Seconds of one collective of ``op`` with payload ``nbytes`` among global ``ranks``; and its algorithm.
+
+        ``algo``: ``"ring"`` or ``"tree"`` forces an all-reduce's algorithm (as ``NCCL_ALGO`` does); by default
+        the faster one."""
         ranks = list(ranks)
         n = len(ranks)
         if op in ("send", "recv"):
@@ -95,6 +98,10 @@ class Cluster:
         if op == "all_reduce":
             ring = 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / beta
             tree = 2 * steps * alpha + 2 * nbytes / beta
+            if algo is not None:
+                if algo not in ("ring", "tree"):
+                    raise ValueError(f"no all-reduce algorithm {algo!r} in the model: ring or tree.")
+                return (ring, "ring") if algo == "ring" else (tree, "tree")
             return (ring, "ring") if ring <= tree else (tree, "tree")
         if op in RING_OPS:
             return (n - 1) * alpha + (n - 1) / n * nbytes / beta, "ring"
