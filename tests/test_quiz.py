@@ -1499,3 +1499,147 @@ def test_every_notebook_has_questions_enough():
     assert sum(strictly(q, lambda right, other: right < other) for q in singles) <= 0.25 * len(singles)
     positions = Counter(q["answer"] for q in singles)
     assert set(positions) == {0, 1, 2, 3} and max(positions.values()) <= 0.4 * len(singles), positions
+
+
+# --- the NVIDIA stack: the wires under the collectives, what tensor cores compute with, the profiling tools ------
+
+import dataclasses  # noqa: E402
+
+from gpucourse import tensor_cores, topology  # noqa: E402
+from gpucourse.bench.quiz_figures import scenario_detail  # noqa: E402
+from gpucourse.measure import nvtx_label  # noqa: E402
+from gpucourse.model import MODELS  # noqa: E402
+from gpucourse.parallel import single  # noqa: E402
+
+NVIDIA_STACK = {
+    "01_collectives": ["setup-topo-nic-near", "setup-gdr-staged", "setup-roce-rdma", "setup-nccl-proto-latency",
+                       "setup-nccl-algo-pinned"],
+    "07_memory_batch": ["mem-tf32-enable", "mem-tf32-memory", "mem-vocab-padding", "mem-fp8-formats",
+                        "mem-fp8-delayed-scaling"],
+    "08_profiling": ["prof-nvtx-ranges", "prof-memory-snapshot", "prof-dcgm-fleet", "prof-tool-per-question"],
+}
+STACK_TOPIC = {"01_collectives": "distributed-setups", "07_memory_batch": "memory-batch",
+               "08_profiling": "profiling-troubleshooting"}
+
+
+def test_nvidia_stack_questions_are_scenarios_and_not_gameable():
+    """Hardware and tools: situations to decide in (a topology, a log line, a setting, a profile), choices of like
+    length, the right one rarely the longest or the shortest, letters spread."""
+    qs = [BY_ID[qid] for ids in NVIDIA_STACK.values() for qid in ids]
+    assert all(q["notebook"] == nb and q["topic"] == STACK_TOPIC[nb]
+               for nb, ids in NVIDIA_STACK.items() for q in (BY_ID[i] for i in ids))
+    assert sum(scenario_detail(q["question"]) is not None for q in qs) >= 10
+    assert all(q["kind"] != "numeric" for q in qs) and sum(q["kind"] == "multiple" for q in qs) <= 3
+    for q in qs:
+        lengths = [len(c) for c in q["choices"]]
+        assert min(lengths) >= 0.8 * max(lengths), f"{q['id']}: choices of very different lengths"
+        if q["kind"] == "multiple":
+            assert sorted(q["answer"]) != list(range(len(q["answer"]))), f"{q['id']}: the right ones lead"
+            assert len(q["answer"]) < len(q["choices"])
+    singles = [q for q in qs if q["kind"] == "single"]
+
+    def strictly(q, pick) -> bool:
+        lengths = [len(c) for c in q["choices"]]
+        return all(pick(lengths[q["answer"]], n) for i, n in enumerate(lengths) if i != q["answer"])
+
+    assert sum(strictly(q, lambda right, other: right > other) for q in singles) <= 0.25 * len(singles)
+    assert sum(strictly(q, lambda right, other: right < other) for q in singles) <= 0.25 * len(singles)
+    positions = Counter(q["answer"] for q in singles)
+    assert set(positions) == {0, 1, 2, 3} and max(positions.values()) <= 0.4 * len(singles), positions
+
+
+# setup-topo-nic-near's server, as nvidia-smi would print it: PCIe only, a NIC beside each pair of GPUs.
+PCIE_SERVER = """\
+\tGPU0\tGPU1\tGPU2\tGPU3\tNIC0\tNIC1\tCPU Affinity\tNUMA Affinity
+GPU0\t X \tPIX\tSYS\tSYS\tPIX\tSYS\t0-15\t0
+GPU1\tPIX\t X \tSYS\tSYS\tPIX\tSYS\t0-15\t0
+GPU2\tSYS\tSYS\t X \tPIX\tSYS\tPIX\t16-31\t1
+GPU3\tSYS\tSYS\tPIX\t X \tSYS\tPIX\t16-31\t1
+NIC0\tPIX\tPIX\tSYS\tSYS\t X \tSYS
+NIC1\tSYS\tSYS\tPIX\tPIX\tSYS\t X
+"""
+
+
+def test_interconnect_figures():
+    # setup-topo-nic-near: GPU2 reaches NIC0 across sockets (SYS), NIC1 through one PCIe switch (PIX); the legend
+    # the explanation quotes; tensor-parallel pairs 0–1 and 2–3.
+    server = topology.parse(PCIE_SERVER)
+    assert server.link("GPU2", "NIC0") == "SYS" and server.nearest("GPU2", server.nics) == ("NIC1", "PIX")
+    assert server.nearest("GPU0", server.nics) == ("NIC0", "PIX")
+    assert topology.placement(server, tp=2, dp=2)["tp"] == {(0, 1): "PIX", (2, 3): "PIX"}
+    assert topology.LEGEND["PIX"] == "at most one PCIe bridge" and "host bridge" in topology.LEGEND["PHB"]
+    assert "NUMA nodes" in topology.LEGEND["SYS"] and "not crossing the PCIe host bridge" in topology.LEGEND["PXB"]
+    assert sorted(["SYS", "PIX", "PHB"], key=topology.speed_rank) == ["PIX", "PHB", "SYS"]
+    # setup-gdr-staged: the two log lines follow NCCL's connection line; only node A's ends in /GDRDMA.
+    line = re.compile(r"Channel \d\d/\d : \d+\[\d+\] -> \d+\[\d+\] \[send\] via NET/IB/\d+(/GDRDMA)?")
+    logged = re.findall(r"`(Channel [^`]+)`", BY_ID["setup-gdr-staged"]["question"])
+    assert [bool(line.fullmatch(s).group(1)) for s in logged] == [True, False]
+    # setup-nccl-algo-pinned: 16 servers of 8 are 128 GPUs, a ring's 2(n−1) = 254 steps; the modeled cluster of
+    # notebook 01 takes the tree for a 256 KiB all-reduce there, and a forced ring is slower.
+    many = Cluster.of("h100", 8, 16)
+    small = 256 * 2**10
+    assert many.gpus == 16 * 8 == 128 and 2 * (128 - 1) == 254
+    ring = many.collective_s("all_reduce", small, range(128), algo="ring")[0]
+    tree = many.collective_s("all_reduce", small, range(128), algo="tree")[0]
+    assert many.collective_s("all_reduce", small, range(128))[1] == "tree" and ring > tree
+
+
+def test_tensor_core_figures():
+    # mem-tf32-enable: this torch's defaults — fp32 matmuls in full fp32, cuDNN convolutions in TF32 — and the new
+    # switch exists; TF32 keeps 10 mantissa bits (fp16's) and fp32's range.
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert torch.backends.cuda.matmul.fp32_precision in ("none", "ieee")
+    assert torch.backends.cudnn.allow_tf32 and torch.backends.cudnn.conv.fp32_precision == "tf32"
+    assert tensor_cores.MANTISSA_BITS["tf32"] == 10 == -math.log2(torch.finfo(torch.float16).eps)
+    x = torch.tensor([1 + 2**-10, 1 + 2**-12, 3e38])
+    assert tensor_cores.to_tf32(x)[:2].tolist() == [1 + 2**-10, 1.0] and torch.isfinite(tensor_cores.to_tf32(x)).all()
+    # mem-tf32-memory: 1 + 8 + 10 = 19 bits inside the matmul; no TF32 dtype, results stay 4-byte fp32.
+    assert 1 + 8 + 10 == 19 and tensor_cores.to_tf32(x).dtype == torch.float32 and torch.float32.itemsize == 4
+    assert not [n for n in dir(torch) if "tf32" in n.lower() and isinstance(getattr(torch, n), torch.dtype)]
+    # mem-vocab-padding: 50,257 → 51,200 = 50 × 1024 for 128 × tp=8 (943 dummy rows, 6,400 = 50 × 128 per shard);
+    # 50,304 for 128 (and 64) alone; 50,264 for 8, which leaves 6,283 rows per shard.
+    vocab = MODELS["gpt2-small"].vocab_size
+    assert vocab == 50257 and tensor_cores.padded(vocab, 128 * 8) == 51200 == 50 * 1024 and 51200 - vocab == 943
+    assert 51200 // 8 == 6400 == 50 * 128 and tensor_cores.padded(vocab, 128) == tensor_cores.padded(vocab, 64) == 50304
+    assert tensor_cores.padded(vocab, 8) == 50264 and 50264 / 8 == 6283 and 6283 % 2 == 1 and vocab % 8
+    assert "vocabulary" in tensor_cores.misaligned_dims(MODELS["gpt2-small"], tp=8)
+    assert not tensor_cores.misaligned_dims(dataclasses.replace(MODELS["gpt2-small"], vocab_size=51200), tp=8)
+    # mem-fp8-formats: E4M3 448 down to 2^-9, E5M2 57344 down to 2^-16; magnitudes 1e-4 to 1e2 scaled onto each
+    # maximum: E4M3 rounds the smallest to 0, E5M2 keeps them.
+    assert (tensor_cores.fp8_max("e4m3"), tensor_cores.fp8_max("e5m2")) == (448, 57344)
+    assert (tensor_cores.fp8_smallest("e4m3"), tensor_cores.fp8_smallest("e5m2")) == (2**-9, 2**-16)
+    assert (tensor_cores.MANTISSA_BITS["e4m3"], tensor_cores.MANTISSA_BITS["e5m2"]) == (3, 2)
+    grad = torch.tensor([1e-4, 1e-3, 1e-2, 1e-1, 1.0, 1e1, 1e2])
+    e4m3 = tensor_cores.quantize(grad, "e4m3", tensor_cores.amax_scale(1e2, "e4m3"))
+    e5m2 = tensor_cores.quantize(grad, "e5m2", tensor_cores.amax_scale(1e2, "e5m2"))
+    assert e4m3[0] == 0 and 1e-4 * 448 / 1e2 < 2**-9 / 2 and bool((e5m2 != 0).all())
+    # mem-fp8-delayed-scaling: a 16-step history peaking at 28 gives scale 448/28 = 16; a step reaching 40 lands at
+    # 640 > 448 and is clipped (to 448, 28 after unscaling); margin=1 gives 8, and 320 fits exactly.
+    history = [20.0 + (i % 5) for i in range(15)] + [28.0]
+    ds = tensor_cores.DelayedScaling("e4m3", history_len=16, algo="max", margin=0, history=list(history))
+    jump = torch.tensor([40.0, -3.0, 1.5])
+    assert ds.scale() == 448 / 28 == 16 and 40 * 16 == 640 > 448
+    seen = ds(jump)
+    assert seen["scale"] == 16 and seen["saturated"] > 0 and ds.history[-1] == 40 and len(ds.history) == 16
+    assert tensor_cores.quantize(jump, "e4m3", 16)[0] * 16 == 448
+    assert torch.tensor(640.0).to(torch.float8_e4m3fn).float() == 448  # torch's own cast clips too
+    wide = tensor_cores.DelayedScaling("e4m3", history_len=16, algo="max", margin=1, history=list(history))
+    assert wide.scale() == tensor_cores.amax_scale(28, "e4m3", 1) == 8 and 40 * 8 == 320 <= 448
+    assert wide(jump)["saturated"] == 0 and tensor_cores.quantize(jump, "e4m3", 8)[0] == 40
+
+
+def test_profiling_tool_figures():
+    # prof-nvtx-ranges: the runtime's ranges are named as its timeline names the spans.
+    assert nvtx_label({"kind": "backward", "name": "backward", "microbatch": 2}) == "backward mb2"
+    assert nvtx_label({"kind": "optimizer", "name": "optimizer", "microbatch": None}) == "optimizer"
+    source = inspect.getsource(single)
+    assert 'rec.span("optimizer")' in source and 'rec.span("backward", microbatch=microbatch)' in source
+    # prof-memory-snapshot: PyTorch's recorder takes max_entries, the course's snapshot keeps 100,000 events and
+    # writes DIR/rankN.memory.pickle, and the dump names the viewer.
+    from gpucourse import profiling
+
+    assert "max_entries" in inspect.signature(torch.cuda.memory._record_memory_history).parameters
+    assert inspect.signature(profiling.memory_snapshot).parameters["max_entries"].default == 100_000
+    assert profiling.snapshot_path("DIR", 3) == os.path.join("DIR", "rank3.memory.pickle")
+    assert "pytorch.org/memory_viz" in torch.cuda.memory._dump_snapshot.__doc__
+    assert "--memory-snapshot DIR" in BY_ID["prof-memory-snapshot"]["explanation"]
