@@ -52,6 +52,16 @@ class Topology:
     def link(self, a: str, b: str) -> str:
         return self.links[(a, b)]
 
+    def table(self) -> str:
+        """The matrix again, in narrow columns (nvidia-smi's tabs make an 8-GPU server's rows 120 characters wide),
+        with each row's CPU and NUMA affinity after it."""
+        width = max(len(d) for d in self.devices) + 1
+        lines = [" " * width + "".join(f"{d:>{width}}" for d in self.devices) + "  affinity"]
+        for row in self.devices:
+            cells = "".join(f"{self.link(row, d):>{width}}" for d in self.devices)
+            lines.append(f"{row:<{width}}{cells}  {' '.join(self.affinity[row])}".rstrip())
+        return "\n".join(lines)
+
     def nearest(self, device: str, among: list[str]) -> tuple[str, str]:
         """The device of ``among`` on the fastest path from ``device``, and that path."""
         return min(((d, self.link(device, d)) for d in among if d != device), key=lambda x: speed_rank(x[1]))

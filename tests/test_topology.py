@@ -18,6 +18,8 @@ def test_the_examples_parse_into_their_matrices():
         "GPU0": ("NIC0", "PIX"), "GPU3": ("NIC1", "PIX"), "GPU6": ("NIC3", "PIX")}
     station = topology.parse(topology.EXAMPLES["4-GPU workstation"])
     assert station.link("GPU0", "GPU1") == "NV4" and station.link("GPU1", "GPU2") == "SYS"
+    # The narrow table reads back as the same matrix.
+    assert topology.parse(server.table()).links == server.links and max(map(len, server.table().splitlines())) < 90
 
 
 def test_placement_puts_tensor_parallel_pairs_on_nvlink():
@@ -47,6 +49,8 @@ def test_ring_and_tree_all_reduce_as_notebook_01_tables_them():
     pick = {(c.nodes, s): c.collective_s("all_reduce", s, range(c.gpus))[1] for c in (one, many) for s in (small, large)}
     # Inside one server: tree for small messages, ring for large; across 16 servers the tree's latency wins.
     assert pick == {(1, small): "tree", (1, large): "ring", (16, small): "tree", (16, large): "tree"}
+    # ... at every payload notebook 01 tables, from 64 KB to 1 GB.
+    assert {many.collective_s("all_reduce", 2 ** p, range(128))[1] for p in range(16, 31)} == {"tree"}
     for c in (one, many):
         ring = c.collective_s("all_reduce", large, range(c.gpus), algo="ring")[0]
         tree = c.collective_s("all_reduce", large, range(c.gpus), algo="tree")[0]
