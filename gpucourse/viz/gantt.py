@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 
 from ..measure import waiting
-from .style import PALETTE, kind_color, load_result, rank_color, rank_label, run_label
+from .style import PALETTE, fit_title, kind_color, load_result, rank_color, rank_label, run_label
 
 LANE = 0.7          # height of a span bar, in lanes
 STEP_LANE = 0.1     # the thin bar under each lane that marks a rank's whole step
@@ -106,7 +106,7 @@ def _idle_trace(rects, name: str, text: str):
 
 def _lanes_layout(fig, labels: list[str], title: str, xtitle: str) -> None:
     fig.update_layout(
-        title=title, barmode="overlay", bargap=0, template="plotly_white",
+        title=fit_title(title), barmode="overlay", bargap=0, template="plotly_white",
         height=140 + 46 * len(labels), legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1),
         uniformtext=dict(minsize=8, mode="hide"), hoverlabel=dict(namelength=-1),
         xaxis=dict(title=xtitle, zeroline=False),
@@ -141,7 +141,7 @@ def timeline(result, steps=None, title: str | None = None, on: str | None = None
     modeled = replay(r, on=on, gpus_per_node=gpus_per_node, nodes=nodes)
     top, bottom = _timeline(r, steps, None), _timeline(modeled, steps, None)
     fig = make_subplots(rows=2, cols=1, vertical_spacing=0.16,
-                        subplot_titles=(top.layout.title.text, "MODELED: " + bottom.layout.title.text))
+                        subplot_titles=(top.layout.title.text, fit_title("MODELED: " + bottom.layout.title.text)))
     for row, part in ((1, top), (2, bottom)):
         for trace in part.data:
             if row == 2:
@@ -153,8 +153,8 @@ def timeline(result, steps=None, title: str | None = None, on: str | None = None
     fig.update_layout(barmode="overlay", bargap=0, template="plotly_white", height=top.layout.height * 2 + 60,
                       legend=dict(orientation="h", yanchor="bottom", y=1.04, xanchor="right", x=1),
                       uniformtext=dict(minsize=8, mode="hide"), hoverlabel=dict(namelength=-1),
-                      title=title or f"{run_label(r)}: measured on this machine, and replayed on "
-                                     f"{modeled.extras['modeled']['cluster']} (modeled)")
+                      title=fit_title(title or f"{run_label(r)}: measured on this machine, and replayed on "
+                                               f"{modeled.extras['modeled']['cluster']} (modeled)"))
     return fig
 
 
@@ -318,8 +318,8 @@ def _virtual_schedule(pp, microbatches, name, v, cost_f, cost_b, cost_w, cost_co
         ops, layout = schedules_virtual.build(name, pp, m, v)
         sim = schedules_virtual.simulate(ops, layout, m, cost_f, cost_b, cost_w, cost_comm)
         sims[m] = sim
-        title = (f"{name}, {pp} ranks × {layout.v} chunk{'s' * (layout.v > 1)}, {m} microbatches: bubble "
-                 f"{sim.bubble_fraction:.1%} of the time, {sim.bubble_ratio:.1%} of the compute")
+        title = fit_title(f"{name}, {pp} ranks × {layout.v} chunk{'s' * (layout.v > 1)}, {m} microbatches: bubble "
+                          f"{sim.bubble_fraction:.1%} of the time, {sim.bubble_ratio:.1%} of the compute")
         frames.append(go.Frame(name=str(m), data=_schedule_traces(sim, pp, "time units"),
                                layout=dict(title_text=title)))
     last = frames[-1]
@@ -373,9 +373,9 @@ def _schedule(result, pp, microbatches, schedule, cost_f, cost_b, cost_comm, sli
         sim = schedules.simulate(schedules.build(schedule, pp, m), pp, m, cost_f, cost_b, cost_comm)
         sims[m] = sim
         formula = schedules.formula_bubble(schedule, pp, m)
-        title = (f"{schedule} schedule, {pp} stage{'s' * (pp > 1)}, {m} microbatch{'es' * (m > 1)}: "
-                 f"bubble {sim.bubble_fraction:.1%} (equal-cost formula {formula:.1%}); "
-                 f"peak microbatches held per stage {' '.join(map(str, sim.peak_in_flight))}")
+        title = fit_title(f"{schedule} schedule, {pp} stage{'s' * (pp > 1)}, {m} microbatch{'es' * (m > 1)}: "
+                          f"bubble {sim.bubble_fraction:.1%} (equal-cost formula {formula:.1%})<br>"
+                          f"peak microbatches held per stage: {' '.join(map(str, sim.peak_in_flight))}")
         frames.append(go.Frame(name=str(m), data=_schedule_traces(sim, pp, unit), layout=dict(title_text=title)))
     last = frames[-1]
     fig = go.Figure(data=last.data, frames=frames if len(frames) > 1 else None)
@@ -439,7 +439,8 @@ def ring(result, step: int | None = None):
     frames = [go.Frame(data=frame(h), name=str(h)) for h in range(cp)]
     fig = go.Figure(data=frame(0), frames=frames)
     fig.update_layout(
-        title=f"ring attention on {cp} ranks: the K/V blocks travel one hop per step (step {step}, first layer)",
+        title=fit_title(f"ring attention on {cp} ranks: the K/V blocks travel one hop per step (step {step}, first "
+                        f"layer)"),
         xaxis=dict(visible=False, range=[-1.6, 1.6]), yaxis=dict(visible=False, range=[-1.5, 1.5], scaleanchor="x"),
         height=420, margin=dict(t=50), annotations=arrows,
         sliders=[dict(steps=[dict(method="animate", label=f"hop {h}", args=[[str(h)], dict(mode="immediate")])

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .style import (PALETTE, byte_unit, human_bytes, load_json, load_result, rank_label, run_label, series_color,
-                    step_ticks)
+from .style import (PALETTE, byte_unit, fit_title, human_bytes, load_json, load_result, rank_label, run_label,
+                    series_color, step_ticks)
 
 MEMORY_ORDER = ("weights", "gradients", "optimizer", "activations")
 
@@ -62,7 +62,8 @@ def compare(results, labels=None, title: str | None = None):
     fig.update_xaxes(step_ticks(max(len(r.losses) for _, r in runs)))
     fig.update_xaxes(title_text="optimizer step", row=2, col=1)
     fig.update_layout(template="plotly_white", height=620, hovermode="closest",
-                      title=title or f"{len(runs)} runs, one loss trajectory: largest difference {largest:.3g} nats")
+                      title=fit_title(title or f"{len(runs)} runs, one loss trajectory: largest difference "
+                                               f"{largest:.3g} nats"))
     fig.layout.meta = {"max_difference": largest, "max_relative_difference": relative}
     return fig
 
@@ -135,8 +136,8 @@ def memory(measured=None, predicted=None, title: str | None = None):
                                      hovertext=[f"{p[0][0]}, {source}<br>{p[1]}: {human_bytes(p[2])}" for p in pts],
                                      hoverinfo="text"))
     fig.update_layout(barmode="stack", template="plotly_white", height=460,
-                      title=title or f"Memory per rank by category: {name}"
-                      + (" (measured beside predicted)" if len(columns) == 2 else ""),
+                      title=fit_title(title or f"Memory per rank by category: {name}"
+                                      + (" (measured beside predicted)" if len(columns) == 2 else "")),
                       yaxis=dict(title=f"memory ({unit})"), xaxis=dict(title="rank, source"))
     return fig
 
@@ -179,8 +180,9 @@ def scaling(results, title: str | None = None, on: str | None = None, gpus_per_n
         _scaling_row(fig, these, row, show_legend=row == 1)
     base = min(runs, key=lambda r: (r.world_size, r is not runs[0]))
     fig.update_layout(template="plotly_white", height=460 * len(rows),
-                      title=title or f"Scaling from {run_label(base)} ({base.tokens_per_s:,.0f} tokens/s on "
-                                     f"{base.world_size} rank{'s' * (base.world_size > 1)}, {base.device})")
+                      title=fit_title(title or f"Scaling from {run_label(base)} ({base.tokens_per_s:,.0f} "
+                                               f"tokens/s on {base.world_size} rank{'s' * (base.world_size > 1)}, "
+                                               f"{base.device})"))
     return fig
 
 

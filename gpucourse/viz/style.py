@@ -48,6 +48,28 @@ PALETTE = {
 PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
 
 
+TITLE_CHARS = 80  # a longer title line runs past the right edge of a figure in a notebook beside the file browser
+
+
+def fit_title(text: str, width: int = TITLE_CHARS) -> str:
+    """``text`` broken into lines of at most ``width`` characters by ``<br>``: plotly never wraps a title, and cuts
+    what runs past the figure. Breaks after '; ', then ': ', then ', ' in the second half of a line, else at a
+    space; a line already broken by ``<br>`` is fitted line by line, and one with other markup is left as it is."""
+    if "<br>" in text:
+        return "<br>".join(fit_title(part, width) for part in text.split("<br>"))
+    if "<" in text:
+        return text
+    lines = []
+    while len(text) > width:
+        cut = next((text.rfind(mark, width // 2, width) + len(mark) - 1 for mark in ("; ", ": ", ", ")
+                    if text.rfind(mark, width // 2, width) >= 0), text.rfind(" ", 0, width + 1))
+        if cut <= 0:
+            break
+        lines.append(text[:cut].rstrip())
+        text = text[cut:].lstrip()
+    return "<br>".join(lines + [text])
+
+
 def kind_color(kind: str) -> str:
     """The colour of a span kind (an unknown kind gets the colour of ``step``)."""
     return PALETTE["kind"].get(kind, PALETTE["kind"]["step"])
