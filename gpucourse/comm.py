@@ -138,6 +138,7 @@ class Pending:
     def __init__(self, work, name: str, meta: dict | None = None):
         self._work, self._name, self._rec, self._meta = work, name, _RECORDER, meta or {}
         self._start = self._rec.mark() if self._rec else None
+        self._nvtx = self._rec.open_range("comm", name) if self._rec else None  # on CUDA: launch to completion
         self._done = None
         if self._rec is not None and not self._rec._cuda:
             try:
@@ -155,7 +156,7 @@ class Pending:
             end = self._rec.mark()
             if self._done is not None:
                 end = min(end, self._done)
-            self._rec.add_span("comm", self._name, self._start, end, waited=waited, **self._meta)
+            self._rec.add_span("comm", self._name, self._start, end, waited=waited, nvtx=self._nvtx, **self._meta)
 
 
 def _group_ranks(group) -> list[int]:

@@ -196,12 +196,22 @@ class Recorder:
             return ev
         return self.now()
 
-    def add_span(self, kind: str, name: str, start, end, microbatch: int | None = None, waited=None, **meta):
+    def open_range(self, kind: str, name: str = "", microbatch: int | None = None):
+        """On CUDA, start the NVTX range of a span that :meth:`add_span` will close — an asynchronous collective's,
+        from its launch to its completion, possibly on another thread; elsewhere nothing (``None``)."""
+        if not (self.enabled and self._cuda):
+            return None
+        return torch.cuda.nvtx.range_start(nvtx_label({"kind": kind, "name": name, "microbatch": microbatch}))
+
+    def add_span(self, kind: str, name: str, start, end, microbatch: int | None = None, waited=None, nvtx=None,
+                 **meta):
         """Add a span between two :meth:`mark` points (e.g. an async collective's launch and completion).
 
         ``waited``: a third mark, where the rank started to need the result (``wait()`` was called);
-        recorded as ``waited_s``.
+        recorded as ``waited_s``. ``nvtx``: the range :meth:`open_range` started for it, ended here.
         """
+        if nvtx is not None:
+            torch.cuda.nvtx.range_end(nvtx)
         if not self.enabled:
             return
         rec = {"rank": self.rank, "step": self.step, "kind": kind, "name": name, "microbatch": microbatch, **meta}

@@ -196,10 +196,18 @@ def test_spans_are_nvtx_ranges_on_cuda(monkeypatch):
     assert [c for c in calls if c != "event"] == [("push", "step"), ("push", "forward mb2"), "pop",
                                                     ("push", "comm all_reduce"), "pop", "pop"]
     assert [nvtx_label(s) for s in rec.spans] == ["forward mb2", "comm all_reduce", "step"]
+    # An asynchronous collective's range runs from its launch to its completion, across threads.
+    monkeypatch.setattr(torch.cuda.nvtx, "range_start", lambda name: calls.append(("start", name)) or 7)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_end", lambda handle: calls.append(("end", handle)))
     calls.clear()
-    with Recorder(0, torch.device("cpu")).span("forward"):
+    handle = rec.open_range("comm", "all_reduce bucket 0")
+    rec.add_span("comm", "all_reduce bucket 0", rec.mark(), rec.mark(), nvtx=handle)
+    assert [c for c in calls if c != "event"] == [("start", "comm all_reduce bucket 0"), ("end", 7)]
+    calls.clear()
+    cpu = Recorder(0, torch.device("cpu"))
+    with cpu.span("forward"):
         pass
-    assert calls == []
+    assert cpu.open_range("comm", "x") is None and calls == []
 
 
 def test_memory_snapshot_records_until_the_end_even_an_oom(tmp_path, monkeypatch):

@@ -126,12 +126,13 @@ def _recording_allreduce_hook(state, bucket):
     """DDP's own averaging all-reduce, with its time recorded (its bytes are counted by comm.counting)."""
     rec, group = state
     tensor = bucket.buffer()
-    start = rec.mark()
+    name = f"all_reduce bucket {bucket.index()}"
+    start, nvtx = rec.mark(), rec.open_range("comm", name)
     tensor.div_(dist.get_world_size(group))
     fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
 
     def done(f):
-        rec.add_span("comm", f"all_reduce bucket {bucket.index()}", start, rec.mark())
+        rec.add_span("comm", name, start, rec.mark(), nvtx=nvtx)
         return f.value()[0]
 
     return fut.then(done)
