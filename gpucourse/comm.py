@@ -135,9 +135,9 @@ class Pending:
     compute stream has waited for it).
     """
 
-    def __init__(self, work, name: str, meta: dict | None = None):
+    def __init__(self, work, name: str, meta: dict | None = None, start=None):
         self._work, self._name, self._rec, self._meta = work, name, _RECORDER, meta or {}
-        self._start = self._rec.mark() if self._rec else None
+        self._start = start if start is not None else self._rec.mark() if self._rec else None
         self._nvtx = self._rec.open_range("comm", name) if self._rec else None  # on CUDA: launch to completion
         self._done = None
         if self._rec is not None and not self._rec._cuda:
@@ -182,7 +182,9 @@ def _run(op: str, name: str, fn, tensor: torch.Tensor, group, async_op: bool, pe
 
 def _call(name: str, fn, async_op: bool, meta: dict | None = None):
     if async_op:
-        return Pending(fn(async_op=True), name, meta)
+        # Marked before the launch: gloo may already move the data inside an isend call.
+        start = _RECORDER.mark() if _RECORDER is not None else None
+        return Pending(fn(async_op=True), name, meta, start)
     if _RECORDER is None:
         fn(async_op=False)
         return None

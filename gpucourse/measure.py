@@ -433,6 +433,8 @@ def note_waits(timeline: list[dict]) -> None:
     receive meet: until then a rank that got there first is *waiting* (idle), not
     transferring. Calls are matched across ranks the way they are matched when they
     run: the k-th collective on a group on every member, the k-th message from a to b.
+    A receive also gets its send's start, ``sent_s``: the message is on its way from the
+    later of that and the moment the receiver needs it until the receive ends.
     """
     calls: dict[tuple, list[dict]] = {}
     seen: dict[tuple, int] = {}
@@ -452,6 +454,9 @@ def note_waits(timeline: list[dict]) -> None:
         last = max(s["start_s"] for s in spans)
         for s in spans:
             s["wait_s"] = min(max(0.0, last - s["start_s"]), s["end_s"] - s["start_s"])
+        if what == "p2p":
+            send, recv = sorted(spans, key=lambda s: s["op"] != "send")
+            recv["sent_s"] = send["start_s"]
 
 
 def waiting(span: dict) -> tuple[float, float] | None:

@@ -207,3 +207,57 @@ def test_importing_the_bench_needs_torch_alone():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1]).stdout
     assert out.strip() == "[]"
+
+
+# --- the pipeline bubble: what a run's timeline is read as -----------------------------------------------------
+
+def _timeline_of(sim, async_sends: bool, step: int) -> list[dict]:
+    """The spans a run would record had it gone exactly as ``sim`` laid it out, one step: compute ops as forward and
+    backward spans, each transfer as a comm span from the moment its rank reached it (asynchronous: a send posted
+    and waited for at once, a receive posted and waited for when reached)."""
+    from gpucourse.parallel.schedules import COMPUTE, F, PEER, SEND_B, SEND_F, W
+
+    spans = []
+    for stage, row in enumerate(sim.timeline):
+        reached = 0.0
+        for op, start, end in row:
+            base = {"rank": stage, "step": step, "microbatch": op.microbatch, "start_s": reached, "end_s": end}
+            if op.kind in COMPUTE:
+                base["start_s"] = start
+                kind = "forward" if op.kind == F else "backward"
+                spans.append({**base, "kind": kind, "name": f"weights {op}" if op.kind == W else kind})
+            else:
+                sends = op.kind in (SEND_F, SEND_B)
+                peer = stage + PEER[op.kind]
+                spans.append({**base, "kind": "comm", "name": f"{'send' if sends else 'recv'} {op}",
+                              "op": "send" if sends else "recv", "peer": peer, "group": [0, 1], "bytes": 4,
+                              **({"waited_s": reached} if async_sends else {})})
+            reached = end
+    return spans
+
+
+@pytest.mark.parametrize("name", ["gpipe", "zb-h1"])
+def test_a_run_that_went_as_simulated_measures_the_simulators_bubble_and_costs(name):
+    from types import SimpleNamespace
+
+    from gpucourse.measure import note_waits
+    from gpucourse.parallel import schedules, schedules_virtual
+
+    pp, m, comm = 2, 4, 0.25
+    config = {"schedule": name, "pp": pp, "microbatches": m, "virtual_stages": 1}
+    if name in schedules.SCHEDULES:
+        sim = schedules.simulate(schedules.build(name, pp, m), pp, m, cost_f=[1, 1.5], cost_b=[2, 3], cost_comm=comm)
+    else:
+        ops, layout = schedules_virtual.build(name, pp, m, 1)
+        sim = schedules_virtual.simulate(ops, layout, m, cost_f=[1, 1.5], cost_b=[1, 2], cost_w=[1, 1],
+                                         cost_comm=comm)
+    timeline = _timeline_of(sim, async_sends=name not in schedules.SCHEDULES, step=bench.WARMUP_STEPS)
+    note_waits(timeline)
+    result = SimpleNamespace(config=config, extras={"stage_of_rank": {"0": 0, "1": 1}}, timeline=timeline,
+                             losses=[0.0] * (bench.WARMUP_STEPS + 1))
+    measured, cost = bench.measured_bubble(result)
+    assert measured == pytest.approx(sim.bubble_fraction)
+    assert cost["comm"] == pytest.approx(comm)  # each message's time from when both sides were there
+    assert cost["ops"] == [[[pytest.approx(b - a) for op, a, b in row if op.kind in ("F", "B", "W")]
+                            for row in sim.timeline]]  # one steady step
+    assert bench.simulated_bubble(config, cost) == pytest.approx(sim.bubble_fraction)

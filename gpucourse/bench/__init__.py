@@ -131,80 +131,97 @@ def tp_scratch_vs_torch(reps: int, steps: int) -> Reading:
     return _model_parallel_ratio(dict(tp=2), reps, steps, "DTensor")
 
 
+def _blocking(span: dict) -> tuple[float, float]:
+    """When a communication span kept its rank from computing: a blocking call all along, an asynchronous one
+    from the moment the rank asked for its result (``waited_s``) until it had it."""
+    return span.get("waited_s", span["start_s"]), span["end_s"]
+
+
+def _in_flight(span: dict) -> float | None:
+    """A message's time on its way, read at its receive: from the later of the send's start and the moment the
+    receiver needed it, to the receive's end. None where a run cannot show it: an asynchronous receive whose
+    data were sent before the rank asked for them (they may have come long before)."""
+    needed = span.get("waited_s", span["start_s"])
+    if span.get("op") != "recv" or "sent_s" not in span or ("waited_s" in span and needed > span["sent_s"]):
+        return None
+    return max(0.0, span["end_s"] - max(span["sent_s"], needed))
+
+
 def measured_bubble(result) -> tuple[float, dict]:
-    """Idle share of a pipeline run's steps, and the op costs measured in it.
+    """Share of a pipeline run's stage-time not spent computing, and the op costs measured in it.
 
-    A stage is idle when it waits for a neighbour — inside a receive (or a send)
-    until the peer arrives (``wait_s``), and before its first op and after its
-    last within the step. The Python between its ops is not idling: it is part of
-    the stage's work, so it is spread over the compute ops' costs. Per step, from
-    the first op to the last on any stage; the median over the steps after the
-    warm-up. Costs per stage: forward, backward (B, or the whole backward when it
-    is not split) and weight gradient (W) of one microbatch's chunk; a transfer is
-    a send's or receive's time less its wait.
+    What the simulator's bubble fraction counts: all but F, B and W. So a stage's
+    time inside a send or a receive counts (an asynchronous one from when the rank
+    waits for it), waiting and transferring alike, and so does its time before its
+    first op and after its last — from the step's first forward on any stage (a
+    stage already waiting for the next step's data is not in this step's bubble) to
+    its last op. The Python between ops is work: each compute op costs its span
+    plus what its stage did after it, outside communication, until its next one.
+    The fraction is the median over the steps after the warm-up (runs without
+    gradient accumulation; one pipeline's ranks).
+
+    Costs: ``ops``, each steady step's compute-op costs, per stage in its order
+    (what :func:`simulated_bubble` feeds the simulator); ``F``, ``B``, ``W``, their
+    means per stage; ``comm``, the mean time a message was on its way
+    (:func:`_in_flight`; on CPU ranks mostly waking the other side, with a long tail).
     """
-    from ..measure import waiting
-
+    stage_of = {int(r): s for r, s in result.extras["stage_of_rank"].items()}
     pp = result.config["pp"]
-    stage_of = {r: r // (result.config["dp"] * result.config["tp"]) for r in range(result.world_size)}
-    fractions = []
-    costs = {"F": [[] for _ in range(pp)], "B": [[] for _ in range(pp)], "W": [[] for _ in range(pp)], "comm": []}
+    ranks = [min(r for r, s in stage_of.items() if s == stage) for stage in range(pp)]
+    fractions, ops, flights = [], [], []
+    kinds = {"F": [[] for _ in range(pp)], "B": [[] for _ in range(pp)], "W": [[] for _ in range(pp)]}
     for step in range(WARMUP_STEPS, len(result.losses)):
-        spans = [s for s in result.timeline if s["step"] == step and stage_of[s["rank"]] < pp
-                 and s["kind"] in ("forward", "backward", "comm") and s["rank"] < pp]
-        first, last = min(s["start_s"] for s in spans), max(s["end_s"] for s in spans)
-        idle = 0.0
-        for stage in range(pp):
-            mine = [s for s in spans if s["rank"] == stage]
-            start, end = min(s["start_s"] for s in mine), max(s["end_s"] for s in mine)
-            waits = [w for w in map(waiting, mine) if w]
-            idle += (start - first) + (last - end) + sum(b - a for a, b in waits)
-            work = [s for s in mine if s["kind"] != "comm"]
-            # What is neither waiting, computing nor a blocking transfer (asynchronous ones run beside compute).
-            overhead = max(0.0, (end - start) - sum(b - a for a, b in waits)
-                           - sum(s["end_s"] - s["start_s"] for s in work)
-                           - sum(s["end_s"] - s["start_s"] - s.get("wait_s", 0.0) for s in mine
-                                 if s["kind"] == "comm" and "waited_s" not in s)) / len(work)
-            for s in mine:
-                seconds = s["end_s"] - s["start_s"]
-                if s["kind"] == "comm":
-                    if s.get("op") == "recv":  # a message's time: from the later of the two sides to its arrival
-                        costs["comm"].append(seconds - s.get("wait_s", 0.0))
-                else:
-                    kind = "F" if s["kind"] == "forward" else "W" if s["name"].startswith("weights") else "B"
-                    costs[kind][stage].append(seconds + overhead)
-        fractions.append(idle / (pp * (last - first)))
-    mean = {k: [statistics.mean(c) if c else 0.0 for c in v] for k, v in costs.items() if k != "comm"}
-    mean["comm"] = statistics.median(costs["comm"]) if costs["comm"] else 0.0
-    return statistics.median(fractions), mean
+        spans = [s for s in result.timeline if s["step"] == step and s["rank"] in ranks
+                 and s["kind"] in ("forward", "backward", "comm")]
+        first = min(s["start_s"] for s in spans if s["kind"] != "comm")
+        last = max(s["end_s"] for s in spans)
+        step_ops = []
+        for stage, rank in enumerate(ranks):
+            mine = [s for s in spans if s["rank"] == rank]
+            compute = sorted((s for s in mine if s["kind"] != "comm"), key=lambda s: s["start_s"])
+            blocked = [_blocking(s) for s in mine if s["kind"] == "comm"]
+            # Each compute op's share of the stage's time: from its start (the first: the stage's) to the next one's.
+            edges = [max(first, min(s["start_s"] for s in mine))] + [s["start_s"] for s in compute[1:]] \
+                + [max(s["end_s"] for s in mine)]
+            costs = [(b - a) - sum(max(0.0, min(b, y) - max(a, x)) for x, y in blocked)
+                     for a, b in zip(edges, edges[1:])]
+            step_ops.append(costs)
+            for s, c in zip(compute, costs):
+                kind = "F" if s["kind"] == "forward" else "W" if s["name"].startswith("weights") else "B"
+                kinds[kind][stage].append(c)
+        ops.append(step_ops)
+        fractions.append(1 - sum(map(sum, step_ops)) / (pp * (last - first)))
+        flights += [t for s in spans if (t := _in_flight(s)) is not None]
+    cost = {k: [statistics.mean(c) if c else 0.0 for c in v] for k, v in kinds.items()}
+    return statistics.median(fractions), {**cost, "comm": statistics.mean(flights) if flights else 0.0, "ops": ops}
 
 
 def simulated_bubble(config: dict, cost: dict) -> float:
-    """The simulator's idle share for ``config``'s schedule, fed a run's measured op costs (see measured_bubble)."""
+    """The simulator's bubble fraction for ``config``'s schedule fed a run's measured costs (see measured_bubble):
+    each steady step laid out with its own ops' times and the mean message time; the median over the steps."""
     from ..parallel import schedules, schedules_virtual
 
     name, pp, m = config["schedule"], config["pp"], config["microbatches"]
     if name in schedules.SCHEDULES:
-        sim = schedules.simulate(schedules.SCHEDULES[name](pp, m), pp, m, cost_f=cost["F"], cost_b=cost["B"],
-                                 cost_comm=cost["comm"])
-    else:  # each measured span is one chunk's: a rank-stage costs v of them
+        ops = schedules.SCHEDULES[name](pp, m)
+        sims = [schedules.simulate(ops, pp, m, cost_comm=cost["comm"], op_costs=step) for step in cost["ops"]]
+    else:
         ops, layout = schedules_virtual.build(name, pp, m, config["virtual_stages"])
-        v = layout.v
-        sim = schedules_virtual.simulate(ops, layout, m, cost_f=[v * c for c in cost["F"]],
-                                         cost_b=[v * c for c in cost["B"]], cost_w=[v * c for c in cost["W"]],
-                                         cost_comm=cost["comm"])
-    return sim.bubble_fraction
+        sims = [schedules_virtual.simulate(ops, layout, m, cost_comm=cost["comm"], op_costs=step)
+                for step in cost["ops"]]
+    return statistics.median(sim.bubble_fraction for sim in sims)
 
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 
 
-@figure("pp_bubble_measured_vs_simulated", target="0.8..1.25", quick=dict(reps=2, steps=8, microbatches=4),
+@figure("pp_bubble_measured_vs_simulated", target="0.8..1.25", quick=dict(reps=3, steps=8, microbatches=4),
         full=dict(reps=3, steps=20, microbatches=4))
 def pp_bubble_measured_vs_simulated(reps: int, steps: int, microbatches: int) -> Reading:
-    """Measured idle share of 2-stage pipelines over the simulator's fed the same runs' op costs, for every schedule;
-    the value is the one furthest from 1. Each schedule runs ``reps`` times, interleaved with the others, and each
-    side is the median over its runs: a moment of load on the machine moves one run, not the figure."""
+    """Measured bubble (stage-time not computing) of 2-stage pipelines over the simulator's, fed the same runs'
+    op costs (each step with its own ops' times: see measured_bubble), for every schedule; the value is the one
+    furthest from 1. Each schedule runs ``reps`` times, interleaved with the others, and each side is the median
+    over its runs: a moment of load on the machine moves one run, not the figure."""
     configs = {name: _bench_config(impl="scratch", dp=1, pp=RANKS, schedule=name, microbatches=microbatches,
                                    batch_size=16, steps=steps) for name in PIPELINE_SCHEDULES}
     pairs = interleave({name: (lambda c=c: _bubble_pair(c)) for name, c in configs.items()}, reps)

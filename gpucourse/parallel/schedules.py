@@ -176,17 +176,19 @@ def per_stage_costs(cost, pp: int, name: str) -> list[float]:
     return costs
 
 
-def simulate(schedule: list[list[Op]], pp: int, m: int, cost_f=1.0, cost_b=2.0, cost_comm=0.0) -> Simulation:
+def simulate(schedule: list[list[Op]], pp: int, m: int, cost_f=1.0, cost_b=2.0, cost_comm=0.0,
+             op_costs=None) -> Simulation:
     """Run ``schedule`` on a clock: compute ops take their cost, each send/recv pair is a rendezvous.
 
     ``cost_f`` and ``cost_b`` are one number or one per stage; ``cost_comm`` is the
-    time one transfer takes. Raises :class:`ScheduleError` if the schedule is
+    time one transfer takes. ``op_costs`` (see :func:`run_clock`) gives each compute
+    op its own time instead. Raises :class:`ScheduleError` if the schedule is
     malformed or deadlocks. Each op is visited once: 64 stages × 256
     microbatches take under a second.
     """
     _check_ops(schedule, pp, m)
     return run_clock(schedule, pp, per_stage_costs(cost_f, pp, "cost_f"), per_stage_costs(cost_b, pp, "cost_b"),
-                     float(cost_comm))
+                     float(cost_comm), op_costs=op_costs)
 
 
 def _neighbour(s: int, op: Op) -> tuple[int, Op]:
@@ -196,9 +198,12 @@ def _neighbour(s: int, op: Op) -> tuple[int, Op]:
 
 def run_clock(schedule, pp: int, cost_f: list[float], cost_b: list[float], cost_comm: float,
               cost_w: list[float] | None = None, route=_neighbour, share: float = 1.0,
-              async_sends: bool = False) -> Simulation:
+              async_sends: bool = False, op_costs: list[list[float]] | None = None) -> Simulation:
     """Lay ``schedule`` out on a clock. ``route(stage, op) -> (peer, partner op)`` pairs the transfers;
     each compute op costs ``share`` × its stage's cost (a chunk's share of the stage's blocks).
+
+    ``op_costs``: instead, each stage's compute ops' own times, in the stage's order
+    (a recorded run's ops, each as long as it took).
 
     ``async_sends``: a send is posted and the stage goes on (an ``isend``); its data
     reaches the receiver ``cost_comm`` later, and only a receive waits. Otherwise
@@ -208,20 +213,23 @@ def run_clock(schedule, pp: int, cost_f: list[float], cost_b: list[float], cost_
     stage is a rank whose ops run one after another, a send and its receive one match.
     """
     with clock.no_gc_pauses():
-        return _run_clock(schedule, pp, cost_f, cost_b, cost_comm, cost_w, route, share, async_sends)
+        return _run_clock(schedule, pp, cost_f, cost_b, cost_comm, cost_w, route, share, async_sends, op_costs)
 
 
-def _run_clock(schedule, pp, cost_f, cost_b, cost_comm, cost_w, route, share, async_sends) -> Simulation:
+def _run_clock(schedule, pp, cost_f, cost_b, cost_comm, cost_w, route, share, async_sends, op_costs) -> Simulation:
     cost_w = cost_w or [0.0] * pp
     costs = {F: cost_f, B: cost_b, W: cost_w}
+    if op_costs is not None and [len(c) for c in op_costs] != [sum(op.kind in COMPUTE for op in o) for o in schedule]:
+        raise ScheduleError("op_costs must give every stage one time per compute op of its schedule.")
     tasks, ops_of, index_of = [], [], []    # the tasks, and each one's op and its place in its stage's list
     for s, ops in enumerate(schedule):
+        own = iter(op_costs[s]) if op_costs is not None else None
         for k, op in enumerate(ops):
             after = (len(tasks) - 1,) if k else ()
             ops_of.append(op)
             index_of.append(k)
             if op.kind in COMPUTE:
-                tasks.append(Task(s, share * costs[op.kind][s], after, kind=op.kind))
+                tasks.append(Task(s, next(own) if own is not None else share * costs[op.kind][s], after, kind=op.kind))
                 continue
             peer, partner = route(s, op)
             sends = op.kind in (SEND_F, SEND_B)

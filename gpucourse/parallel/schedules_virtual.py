@@ -265,15 +265,15 @@ def check(schedule: list[list[Op]], layout: Layout, m: int) -> None:
 
 
 def simulate(schedule: list[list[Op]], layout: Layout, m: int, cost_f=1.0, cost_b=1.0, cost_w=1.0,
-             cost_comm=0.0) -> Simulation:
+             cost_comm=0.0, op_costs=None) -> Simulation:
     """Lay ``schedule`` out on a clock (asynchronous sends). The costs are a whole rank-stage's (one number or
     one per rank); each chunk's op costs 1/v of it. Without W ops, a B is the whole backward: give ``cost_b``
-    the cost of B and W together."""
+    the cost of B and W together. ``op_costs``: each compute op's own time instead (see ``run_clock``)."""
     check(schedule, layout, m)
     pp = layout.pp
     return run_clock(schedule, pp, per_stage_costs(cost_f, pp, "cost_f"), per_stage_costs(cost_b, pp, "cost_b"),
                   float(cost_comm), per_stage_costs(cost_w, pp, "cost_w"), route=layout.route, share=1 / layout.v,
-                  async_sends=True)
+                  async_sends=True, op_costs=op_costs)
 
 
 def validate(schedule: list[list[Op]], layout: Layout, m: int) -> None:
