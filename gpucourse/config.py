@@ -367,7 +367,9 @@ class TrainConfig:
         torch_impl = self.impl != "scratch"
         parts = []
         if self.pp > 1:
-            parts.append("torch.distributed.pipelining" if torch_impl else f"pipeline, {self.schedule} schedule")
+            parts.append(("torch.distributed.pipelining" if torch_impl else "pipeline")
+                         + ("" if torch_impl and self.schedule in ("1f1b", "gpipe") else f", {self.schedule} schedule")
+                         + (f", {self.virtual_stages} chunks per rank" if self.schedule == "interleaved-1f1b" else ""))
         if self.tp > 1:
             parts.append("DTensor tensor parallel" if torch_impl else "Megatron-style column/row parallel")
             if self.sequence_parallel:
@@ -406,6 +408,13 @@ class TrainConfig:
         moe = "+moe" if self.moe_experts and self.ep == 1 else ""
         return "×".join(names) + ("+sp" if self.sequence_parallel else "") + moe if names else "single" + moe
 
+    def list_name(self) -> str:
+        """The layout's row name in ``--list``: :meth:`kind`, plus the schedule where the many-chunk pipeline engine
+        runs it (``pp+zb-h1``); GPipe and 1F1B share the one-stage engine and its rows."""
+        from .parallel.schedules_virtual import SCHEDULES as VIRTUAL
+
+        return self.kind() + (f"+{self.schedule}" if self.pp > 1 and self.schedule in VIRTUAL else "")
+
 
 def has_replicate() -> bool:
     """Whether this torch has the composable ``replicate`` built on FSDP2 (DDP that takes DTensor parameters)."""
@@ -442,7 +451,7 @@ def supported() -> list[tuple[str, str, str, dict]]:
                         cfg = TrainConfig(**changes).validate()
                     except ConfigError:
                         continue
-                    rows.append((cfg.kind(), impl, cfg.describe(), changes))
+                    rows.append((cfg.list_name(), impl, cfg.describe(), changes))
         if mesh in (dict(), dict(dp=2), dict(dp=2, tp=2), dict(dp=2, pp=2)):  # a mixture of 4 experts on it
             for ep, zero in ((1, 0), (2, 0), (2, 1), (2, 2)) if "dp" in mesh else [(1, 0)]:
                 if zero and mesh != dict(dp=2):
@@ -451,6 +460,19 @@ def supported() -> list[tuple[str, str, str, dict]]:
                            **({"ep": ep} if ep > 1 else {}), **({"zero": zero} if zero else {})}
                 cfg = TrainConfig(**changes).validate()
                 rows.append((cfg.kind(), "scratch", cfg.describe(), changes))
+        if mesh == dict(pp=2):  # the many-chunk engine's schedules, in each impl that runs them
+            from .parallel.schedules_virtual import SCHEDULES as VIRTUAL
+
+            for schedule in VIRTUAL:
+                for impl in IMPLS:
+                    changes = {"pp": 2, "microbatches": 4, "schedule": schedule,
+                               **({"virtual_stages": 2} if schedule == "interleaved-1f1b" else {}),
+                               **({"impl": impl} if impl != "scratch" else {})}
+                    try:
+                        cfg = TrainConfig(**changes).validate()
+                    except ConfigError:
+                        continue
+                    rows.append((cfg.list_name(), impl, cfg.describe(), changes))
         if mesh == dict(tp=2):  # sequence parallelism: an option of tensor parallelism, shown on its own mesh
             for impl in ("scratch", "torch"):
                 changes = {"tp": 2, "sequence_parallel": True, **({"impl": impl} if impl != "scratch" else {})}

@@ -17,6 +17,7 @@ import test_context_parallel
 import test_equality
 import test_experts
 import test_pipeline
+import test_pipeline_virtual
 import test_tensor_parallel
 
 
@@ -26,6 +27,7 @@ def checked() -> list[TrainConfig]:
                                 *test_equality.ACCELERATE]),
                (test_tensor_parallel, test_tensor_parallel.LAYOUTS.values()),
                (test_pipeline, test_pipeline.LAYOUTS.values()),
+               (test_pipeline_virtual, test_pipeline_virtual.LAYOUTS.values()),
                (test_context_parallel, test_context_parallel.LAYOUTS.values()),
                (test_experts, test_experts.LAYOUTS.values())]
     return [TrainConfig(**{**module.BASE, **kw}) for module, layouts in by_file for kw in layouts]
@@ -46,7 +48,7 @@ def test_at_least_30_distinct_layouts_up_to_8_ranks():
 
 
 def test_every_row_of_the_list_that_runs_on_cpu_is_checked():
-    seen = {(c.kind(), c.impl, c.bucket_mb is not None) for c in checked()}
+    seen = {(c.list_name(), c.impl, c.bucket_mb is not None) for c in checked()}
     missing = []
     for layout, impl, _, changes in supported():
         cfg = TrainConfig(**changes)
