@@ -478,3 +478,32 @@ def test_schedule_figure_draws_the_virtual_schedules_and_both_bubbles():
         assert (len(weights.x) == 4 * 8 * layout.v) == (name != "interleaved-1f1b")
     interleaved = viz.schedule(pp=4, microbatches=12, schedule="interleaved-1f1b")
     assert [f.name for f in interleaved.frames] == ["4", "8", "12"]  # multiples of pp only
+
+
+# --- titles: plotly never wraps one, and cuts what runs past the figure ------------------------------------------
+
+def test_fit_title_breaks_at_clauses_and_keeps_markup():
+    from gpucourse.viz.style import TITLE_CHARS, fit_title
+
+    assert fit_title("short title") == "short title"
+    long = "gpipe schedule, 4 stages, 8 microbatches: bubble 27.3% (equal-cost formula 27.3%); and a clause more"
+    lines = fit_title(long).split("<br>")
+    assert lines[0].endswith("microbatches:") and all(len(line) <= TITLE_CHARS for line in lines)
+    assert " ".join(lines) == long
+    marked = "head<br><sup>" + "word " * 30 + "</sup>"
+    assert fit_title(marked) == marked  # a line with markup is not cut inside its tags
+
+
+def test_schedule_and_timeline_titles_fit_the_figure(runs):
+    from gpucourse.parallel import schedules_virtual
+    from gpucourse.viz.style import TITLE_CHARS
+
+    figures = [viz.timeline(runs["pp"]), viz.timeline(runs["pp"], steps=2, on="h100"), viz.schedule(runs["pp"])]
+    figures += [viz.schedule(pp=p, microbatches=m, schedule=s) for s in ("naive", "gpipe", "1f1b")
+                for p, m in ((4, 16), (8, 64))]
+    figures += [viz.schedule(pp=4, microbatches=8, schedule=s, slider=False) for s in schedules_virtual.SCHEDULES]
+    for fig in figures:
+        texts = [fig.layout.title.text] + [a.text for a in fig.layout.annotations]
+        texts += [f.layout.title.text for f in fig.frames or () if f.layout.title.text]
+        for line in (line for text in texts for line in text.split("<br>")):
+            assert len(line) <= TITLE_CHARS, line
