@@ -116,6 +116,8 @@ class VirtualPipelineSchedule:
         last_vs = self.layout.stages - 1
         inputs, outputs, grads, pending_w, handles = {}, {}, {}, {}, []
         self.posted, self.next_arrival = {}, {peer: 0 for peer in self.arrivals}
+        for peer in self.arrivals:  # the first message from each neighbour can arrive while this rank computes
+            self._post_next(peer, shape, x.device)
         loss = torch.zeros((), device=x.device) if chunks.last else None
         for n, op in enumerate(self.ops):
             key, vs = (op.microbatch, op.chunk), chunks.vstages[op.chunk]
@@ -185,18 +187,27 @@ class VirtualPipelineSchedule:
         pending_w[key] = list(zip(layer_outputs, got))
 
     def _recv(self, op, shape, device) -> torch.Tensor:
-        """Wait for ``op``'s data, posting the receives of everything its sender sent before it first."""
+        """Wait for ``op``'s data, posting the receives of everything its sender sent before it first; then post
+        the sender's next message before waiting, so that it can arrive while this rank computes (a posted
+        receive is what lets a transport move a message sent early)."""
         peer, _ = self.layout.route(self.rank, op)
         while op not in self.posted:
-            expected = self.arrivals[peer][self.next_arrival[peer]]
-            self.next_arrival[peer] += 1
-            buf = torch.empty(shape, device=device)
-            what = "activation" if expected.kind == RECV_F else "gradient"
-            self.posted[expected] = (buf, comm.irecv(buf, dist.get_global_rank(self.pp_group, peer),
-                                                     group=self.pp_group, name=f"recv {what} {expected}"))
+            self._post_next(peer, shape, device)
         buf, handle = self.posted.pop(op)
+        self._post_next(peer, shape, device)
         handle.wait()
         return buf
+
+    def _post_next(self, peer: int, shape, device) -> None:
+        """Post the receive of the next message ``peer`` sends this rank in this step (if any is left)."""
+        if self.next_arrival[peer] == len(self.arrivals[peer]):
+            return
+        expected = self.arrivals[peer][self.next_arrival[peer]]
+        self.next_arrival[peer] += 1
+        buf = torch.empty(shape, device=device)
+        what = "activation" if expected.kind == RECV_F else "gradient"
+        self.posted[expected] = (buf, comm.irecv(buf, dist.get_global_rank(self.pp_group, peer),
+                                                 group=self.pp_group, name=f"recv {what} {expected}"))
 
 
 class _Capture:
