@@ -874,15 +874,9 @@ def test_moe_ep_groups_stay_inside_a_node(monkeypatch):
         assert len(edp_group) == 64 // 8 == 8 and {r // 8 for r in edp_group} == set(range(8))
 
 
-def test_moe_questions_are_not_gameable():
-    """The MoE questions: scenarios, choices of like length, the right one rarely the longest, letters spread."""
-    qs = [q for q in BANK if q["id"].startswith("moe-")]
-    assert len(qs) >= 14 and all(q["notebook"] == MOE_NOTEBOOK for q in qs)
-    assert quiz.load_bank(notebook=MOE_NOTEBOOK) == qs
-    kinds = Counter(q["kind"] for q in qs)
-    assert kinds["numeric"] == 0 and kinds["multiple"] <= 2
-    assert Counter(q["topic"] for q in qs).most_common(1)[0][0] == "parallelism"
-    assert sum(len(q["question"]) > 150 for q in qs) >= 0.8 * len(qs)
+def assert_not_gameable(qs, letters: int = 3) -> None:
+    """A group of questions: choices of like length, select-all answers not leading, the right single choice the
+    strictly longest (or shortest) in at most a quarter, and its letter spread over at least ``letters`` of 4."""
     for q in qs:
         lengths = [len(c) for c in q["choices"]]
         assert min(lengths) >= 0.8 * max(lengths), f"{q['id']}: choices of very different lengths"
@@ -900,7 +894,19 @@ def test_moe_questions_are_not_gameable():
     assert longest <= 0.25 * len(singles), f"the right choice is the longest in {longest} of {len(singles)}"
     assert shortest <= 0.25 * len(singles), f"the right choice is the shortest in {shortest} of {len(singles)}"
     positions = Counter(q["answer"] for q in singles)
-    assert len(positions) >= 3 and max(positions.values()) <= 0.4 * len(singles), positions
+    assert len(positions) >= letters and max(positions.values()) <= 0.4 * len(singles), positions
+
+
+def test_moe_questions_are_not_gameable():
+    """The MoE questions: scenarios, choices of like length, the right one rarely the longest, letters spread."""
+    qs = [q for q in BANK if q["id"].startswith("moe-")]
+    assert len(qs) >= 14 and all(q["notebook"] == MOE_NOTEBOOK for q in qs)
+    assert quiz.load_bank(notebook=MOE_NOTEBOOK) == qs
+    kinds = Counter(q["kind"] for q in qs)
+    assert kinds["numeric"] == 0 and kinds["multiple"] <= 2
+    assert Counter(q["topic"] for q in qs).most_common(1)[0][0] == "parallelism"
+    assert sum(len(q["question"]) > 150 for q in qs) >= 0.8 * len(qs)
+    assert_not_gameable(qs)
 
 
 # --- pipeline schedules: virtual stages, the split backward, the V placement ------------------------------
@@ -1125,25 +1131,9 @@ def test_pipeline_schedule_questions_are_not_gameable():
     assert topics.most_common(1)[0][0] == "parallelism" and topics["parallelism"] > 0.4 * len(qs)
     assert sum(len(q["question"]) > 150 for q in qs) >= 0.8 * len(qs)
     for q in qs:
-        lengths = [len(c) for c in q["choices"]]
-        assert min(lengths) >= 0.8 * max(lengths), f"{q['id']}: choices of very different lengths"
-        if q["kind"] == "multiple":
-            assert sorted(q["answer"]) != list(range(len(q["answer"]))), f"{q['id']}: the right ones lead"
-            assert len(q["answer"]) < len(q["choices"])
         if "bubble" in q["question"] and re.search(r"\d+/\d+|%", q["question"]):
             assert "idle over compute" in q["question"] or "idle time over compute" in q["question"], q["id"]
-    singles = [q for q in qs if q["kind"] == "single"]
-
-    def strictly(q, pick) -> bool:
-        lengths = [len(c) for c in q["choices"]]
-        return all(pick(lengths[q["answer"]], n) for i, n in enumerate(lengths) if i != q["answer"])
-
-    longest = sum(strictly(q, lambda right, other: right > other) for q in singles)
-    shortest = sum(strictly(q, lambda right, other: right < other) for q in singles)
-    assert longest <= 0.25 * len(qs), f"the right choice is the longest in {longest} of {len(qs)}"
-    assert shortest <= 0.25 * len(singles), f"the right choice is the shortest in {shortest} of {len(singles)}"
-    positions = Counter(q["answer"] for q in singles)
-    assert set(positions) == {0, 1, 2, 3} and max(positions.values()) <= 0.4 * len(singles), positions
+    assert_not_gameable(qs, letters=4)
 
 
 # --- the bank's two bench figures -------------------------------------------------------------------------------
@@ -1530,22 +1520,7 @@ def test_nvidia_stack_questions_are_scenarios_and_not_gameable():
                for nb, ids in NVIDIA_STACK.items() for q in (BY_ID[i] for i in ids))
     assert sum(scenario_detail(q["question"]) is not None for q in qs) >= 10
     assert all(q["kind"] != "numeric" for q in qs) and sum(q["kind"] == "multiple" for q in qs) <= 3
-    for q in qs:
-        lengths = [len(c) for c in q["choices"]]
-        assert min(lengths) >= 0.8 * max(lengths), f"{q['id']}: choices of very different lengths"
-        if q["kind"] == "multiple":
-            assert sorted(q["answer"]) != list(range(len(q["answer"]))), f"{q['id']}: the right ones lead"
-            assert len(q["answer"]) < len(q["choices"])
-    singles = [q for q in qs if q["kind"] == "single"]
-
-    def strictly(q, pick) -> bool:
-        lengths = [len(c) for c in q["choices"]]
-        return all(pick(lengths[q["answer"]], n) for i, n in enumerate(lengths) if i != q["answer"])
-
-    assert sum(strictly(q, lambda right, other: right > other) for q in singles) <= 0.25 * len(singles)
-    assert sum(strictly(q, lambda right, other: right < other) for q in singles) <= 0.25 * len(singles)
-    positions = Counter(q["answer"] for q in singles)
-    assert set(positions) == {0, 1, 2, 3} and max(positions.values()) <= 0.4 * len(singles), positions
+    assert_not_gameable(qs, letters=4)
 
 
 # setup-topo-nic-near's server, as nvidia-smi would print it: PCIe only, a NIC beside each pair of GPUs.
