@@ -212,8 +212,8 @@ def fit_alpha_beta(rows: list[dict], op: str, world_size: int) -> dict:
     mean_t = sum(t for _, t in points) / n
     slope = (sum((b - mean_b) * (t - mean_t) for b, t in points) / sum((b - mean_b) ** 2 for b, _ in points))
     if slope <= 0:
-        raise ValueError(f"the measured {op} times do not grow with the size (noise swamped them): measure again, "
-                         f"or with more and larger sizes.")
+        raise ValueError(f"{op} times do not grow with the size (noise swamped them): measure again, "
+                         f"or with larger sizes.")
     intercept = max(0.0, mean_t - slope * mean_b)
     steps = 2 * (world_size - 1) if op == "all_reduce" else world_size - 1
     return {"alpha_s": intercept / max(steps, 1), "busbw_GBps": bus_factor(op, world_size) / slope / 1e9,
@@ -232,7 +232,8 @@ def format_table(measured: dict) -> str:
     copy = measured.get("memcpy")
     if copy:
         lines.append(f"memory copy of {human_bytes(copy['bytes'], binary=True)} on one rank: {copy['GBps']:.2f} GB/s "
-                     f"({copy['time_s'] * 1e3:.2f} ms) — the ceiling for CPU ranks, whose collectives are copies")
+                     f"({copy['time_s'] * 1e3:.2f} ms)")
+        lines.append("  — the ceiling for CPU ranks, whose collectives are copies")
     return "\n".join(lines)
 
 

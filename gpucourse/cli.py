@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import sys
+import textwrap
 
 from .config import ConfigError, TrainConfig, supported_table
 from .parallel.schedules import SCHEDULES
@@ -436,7 +437,7 @@ def cmd_batch_size(args) -> int:
                 raise
             return max(m.get("device_peak", 0) for m in result.memory.values()) <= budget
     found = memory.largest_microbatch(cfg, budget, fits=fits)
-    how = "measured on CUDA (allocator peak of a one-step trial)" if measured else "estimated"
+    how = "measured on CUDA" if measured else "estimated"
     if not found["microbatch"]:
         print(f"not even one sequence per microbatch fits in {args.budget_gb:g} GiB ({how}).")
         return 1
@@ -446,9 +447,12 @@ def cmd_batch_size(args) -> int:
           f"budget {args.budget_gb:g} GiB)")
     print(f"  global batch = microbatch × {'microbatches' if cfg.pp > 1 else 'grad_accum'} × dp = "
           f"{m} × {accum} × {cfg.dp} = {found['batch_size']} sequences per optimizer step")
-    print("  a bigger global batch at the same memory: raise grad_accum (more microbatches per step, same peak);"
-          " a bigger microbatch raises the peak (activations grow with it).")
-    print("  tried: " + ", ".join(f"{b}{'✓' if ok else '✗'}" for b, ok in sorted(found["tried"].items())))
+    if measured:
+        print("  measured: the CUDA allocator's peak in a one-step trial of each microbatch tried")
+    print("  a bigger global batch at the same memory: raise grad_accum (more microbatches per step, same peak);\n"
+          "  a bigger microbatch raises the peak (activations grow with it).")
+    tried = ", ".join(f"{b}{'✓' if ok else '✗'}" for b, ok in sorted(found["tried"].items()))
+    print("\n".join(textwrap.wrap(f"tried: {tried}", width=100, initial_indent="  ", subsequent_indent=" " * 9)))
     return 0
 
 

@@ -43,12 +43,14 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import textwrap
 
 import torch
 
 from .measure import RunResult, waiting
 
 COMPUTE_KINDS = ("forward", "backward", "optimizer")
+NOTE_WIDTH = 110  # characters a line of format_summary's notes: a notebook's output area shows them whole
 # Steps recorded by the profiler: skip one (set-up), warm one up, record up to three.
 WAIT, WARMUP, ACTIVE = 1, 1, 3
 
@@ -252,7 +254,7 @@ def summarize(result, peak_flops: float | None = None, baseline=None, n_params: 
     if cfg.get("profile"):
         wait, warmup, active = _schedule(steps)
         notes.append(f"steps {wait}-{wait + warmup + active - 1} ran under torch.profiler, which slows them "
-                     f"a little; compare throughput with a run without --profile.")
+                     f"a little; compare throughput without --profile.")
     achieved = 6 * n * result.tokens_per_s
     mfu = None
     if peak_flops:
@@ -293,9 +295,9 @@ def format_summary(summary: dict, peak_name: str | None = None) -> str:
     """
     lines = []
     if summary["ranks"]:
-        lines.append(f"time per step, steps {summary['steps_analysed'][0]}-{summary['steps_analysed'][-1]} "
-                     f"(compute = forward+backward+optimizer; communication = collectives not hidden behind "
-                     f"compute):")
+        head = f"time per step, steps {summary['steps_analysed'][0]}-{summary['steps_analysed'][-1]} ("
+        lines += [f"{head}compute = forward+backward+optimizer;",
+                  f"{' ' * len(head)}communication = collectives not hidden behind compute):"]
     for rank, s in sorted(summary["ranks"].items(), key=lambda kv: int(kv[0])):
         lines.append(f"  rank {rank}: compute {s['compute']:6.1%}  communication {s['comm']:6.1%}  "
                      f"idle {s['idle']:6.1%}   of {1e3 * s['wall_s'] / len(summary['steps_analysed']):.1f} ms")
@@ -311,5 +313,7 @@ def format_summary(summary: dict, peak_name: str | None = None) -> str:
         lines.append(f"scaling         {summary['scaling_efficiency']:.1%} efficiency: "
                      f"{summary['tokens_per_s_per_rank']:,.0f} tokens/s per rank vs "
                      f"{summary['baseline_tokens_per_s_per_rank']:,.0f} in the baseline")
-    lines += [f"note: {n}" for n in summary["notes"]]
+    for note in summary["notes"]:  # folded at words, so that a notebook's output area need not break them
+        lines += textwrap.wrap(f"note: {note}", width=NOTE_WIDTH, subsequent_indent="      ",
+                               break_long_words=False, break_on_hyphens=False)
     return "\n".join(lines)
