@@ -471,8 +471,9 @@ def launch(fn, *args, world_size: int, timeout: float | None = None, device: str
 
 
 def _startup_s(method: str, world_size: int) -> float:
-    # Joining the group takes well under a second after a fork; a spawned rank first imports torch.
-    return 30.0 if method == "fork" else 30.0 + 5.0 * world_size
+    # Joining the group takes well under a second after a fork (15 s is that many times over, and what a stalled
+    # start costs before it is started again); a spawned rank first imports torch.
+    return 15.0 if method == "fork" else 30.0 + 5.0 * world_size
 
 
 def _launch_once(fn, args, kwargs, world_size, left, timeout, plan, method, pg_timeout, on_message) -> list:
