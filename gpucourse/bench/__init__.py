@@ -212,7 +212,7 @@ def simulated_bubble(config: dict, cost: dict) -> float:
     return statistics.median(sim.bubble_fraction for sim in sims)
 
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
 
 
 @figure("pp_bubble_measured_vs_simulated", target="0.8..1.25", quick=dict(reps=3, steps=8, microbatches=4),
