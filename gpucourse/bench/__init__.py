@@ -161,22 +161,21 @@ def measured_bubble(result) -> tuple[float, dict]:
     gradient accumulation; one pipeline's ranks).
 
     Costs: ``ops``, each steady step's compute-op costs, per stage in its order
-    (what :func:`simulated_bubble` feeds the simulator); ``F``, ``B``, ``W``, their
-    means per stage; ``comm``, the mean time a message was on its way
-    (:func:`_in_flight`; on CPU ranks mostly waking the other side, with a long tail).
+    (what :func:`simulated_bubble` feeds the simulator); ``comm``, the mean time a
+    message was on its way (:func:`_in_flight`; on CPU ranks mostly waking the other
+    side, with a long tail).
     """
     stage_of = {int(r): s for r, s in result.extras["stage_of_rank"].items()}
     pp = result.config["pp"]
     ranks = [min(r for r, s in stage_of.items() if s == stage) for stage in range(pp)]
     fractions, ops, flights = [], [], []
-    kinds = {"F": [[] for _ in range(pp)], "B": [[] for _ in range(pp)], "W": [[] for _ in range(pp)]}
     for step in range(WARMUP_STEPS, len(result.losses)):
         spans = [s for s in result.timeline if s["step"] == step and s["rank"] in ranks
                  and s["kind"] in ("forward", "backward", "comm")]
         first = min(s["start_s"] for s in spans if s["kind"] != "comm")
         last = max(s["end_s"] for s in spans)
         step_ops = []
-        for stage, rank in enumerate(ranks):
+        for rank in ranks:
             mine = [s for s in spans if s["rank"] == rank]
             compute = sorted((s for s in mine if s["kind"] != "comm"), key=lambda s: s["start_s"])
             blocked = [_blocking(s) for s in mine if s["kind"] == "comm"]
@@ -186,14 +185,10 @@ def measured_bubble(result) -> tuple[float, dict]:
             costs = [(b - a) - sum(max(0.0, min(b, y) - max(a, x)) for x, y in blocked)
                      for a, b in zip(edges, edges[1:])]
             step_ops.append(costs)
-            for s, c in zip(compute, costs):
-                kind = "F" if s["kind"] == "forward" else "W" if s["name"].startswith("weights") else "B"
-                kinds[kind][stage].append(c)
         ops.append(step_ops)
         fractions.append(1 - sum(map(sum, step_ops)) / (pp * (last - first)))
         flights += [t for s in spans if (t := _in_flight(s)) is not None]
-    cost = {k: [statistics.mean(c) if c else 0.0 for c in v] for k, v in kinds.items()}
-    return statistics.median(fractions), {**cost, "comm": statistics.mean(flights) if flights else 0.0, "ops": ops}
+    return statistics.median(fractions), {"comm": statistics.mean(flights) if flights else 0.0, "ops": ops}
 
 
 def simulated_bubble(config: dict, cost: dict) -> float:
