@@ -192,22 +192,24 @@ class VirtualPipelineSchedule:
         receive is what lets a transport move a message sent early)."""
         peer, _ = self.layout.route(self.rank, op)
         while op not in self.posted:
-            self._post_next(peer, shape, device)
+            if not self._post_next(peer, shape, device):
+                raise RuntimeError(f"{op}: rank {peer} sends this rank nothing more in this step.")
         buf, handle = self.posted.pop(op)
         self._post_next(peer, shape, device)
         handle.wait()
         return buf
 
-    def _post_next(self, peer: int, shape, device) -> None:
-        """Post the receive of the next message ``peer`` sends this rank in this step (if any is left)."""
+    def _post_next(self, peer: int, shape, device) -> bool:
+        """Post the receive of the next message ``peer`` sends this rank in this step; False when none is left."""
         if self.next_arrival[peer] == len(self.arrivals[peer]):
-            return
+            return False
         expected = self.arrivals[peer][self.next_arrival[peer]]
         self.next_arrival[peer] += 1
         buf = torch.empty(shape, device=device)
         what = "activation" if expected.kind == RECV_F else "gradient"
         self.posted[expected] = (buf, comm.irecv(buf, dist.get_global_rank(self.pp_group, peer),
                                                  group=self.pp_group, name=f"recv {what} {expected}"))
+        return True
 
 
 class _Capture:
