@@ -83,6 +83,7 @@ _FUNCTIONAL_OPS = {
     "all_reduce": ("all_reduce", False), "all_reduce_": ("all_reduce", False),
     "all_gather_into_tensor": ("all_gather", True), "reduce_scatter_tensor": ("reduce_scatter", False),
     "broadcast": ("broadcast", False), "broadcast_": ("broadcast", False),
+    "all_to_all_single": ("all_to_all", False),
 }
 
 
@@ -96,12 +97,25 @@ def _group_size(func, args, kwargs) -> int:
     return _resolve_process_group(values["group_name"]).size()
 
 
+def _dtensor_handler(func, args):
+    """The handler PyTorch's context parallelism gives DTensor for this attention kernel on these args, or None."""
+    if not func._schema.name.startswith("aten::_scaled_dot_product"):
+        return None
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(a, DTensor) for a in args):
+        return DTensor._op_dispatcher._custom_op_handlers.get(func)
+    return None
+
+
 class counting:
     """Count the bytes of every collective issued inside this ``with`` block.
 
     Used around PyTorch's own strategies, whose collectives we do not call
     ourselves: a dispatch mode sees each c10d operator with its tensors and
-    process group, on whatever thread autograd runs it.
+    process group, on whatever thread autograd runs it. PyTorch's context
+    parallelism talks inside DTensor's dispatch of the attention kernel, where a
+    mode is off: the mode runs that handler itself, on again.
     """
 
     def __enter__(self):
@@ -117,6 +131,10 @@ class counting:
                     op, gathered = _FUNCTIONAL_OPS[name]
                     n = _group_size(func, args, kwargs)
                     _count(op, _nbytes(args[0]) * (n if gathered else 1), n)
+                handler = _dtensor_handler(func, args)
+                if handler is not None:  # its collectives would run inside DTensor's dispatch, unseen
+                    with self:
+                        return handler(func, args, kwargs or {})
                 return func(*args, **(kwargs or {}))
 
         self._mode = _Mode()

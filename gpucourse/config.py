@@ -184,9 +184,9 @@ class TrainConfig:
         if self.bucket_mb is not None:
             if not self.bucket_mb > 0:
                 raise ConfigError(f"bucket_mb={self.bucket_mb} must be a positive number of megabytes.")
-            if self.dp == 1 or self.zero or self.impl == "accelerate":
+            if self.dp * self.cp == 1 or self.zero or self.impl == "accelerate":
                 raise ConfigError("bucket_mb sets the gradient buckets of plain data parallelism "
-                                  "(dp > 1, zero=0, impl scratch or torch).")
+                                  "(dp × cp > 1, zero=0, impl scratch or torch).")
         if runnable:
             self._check_supported()
         return self
@@ -275,10 +275,22 @@ class TrainConfig:
         if self.dropout:
             raise ConfigError(f"dropout={self.dropout} inside context-parallel attention is not written: "
                               f"use dropout=0 with cp > 1.")
-        if self.impl != "scratch":
-            raise ConfigError(f"context parallelism runs from scratch in this build (impl='scratch'), not "
-                              f"impl={self.impl!r}: PyTorch's context_parallel shards CUDA's attention kernels "
-                              f"only (on CPU its SDPA has no sharding strategy).")
+        if self.impl == "torch":
+            self._check_torch_context_parallel()
+        elif self.impl != "scratch":
+            raise ConfigError(f"context parallelism runs with impl='scratch' or 'torch', not impl={self.impl!r}.")
+
+    def _check_torch_context_parallel(self) -> None:
+        import torch
+
+        from .parallel.context_parallel import TORCH_ROTATE, torch_context_parallel
+
+        if self.cp_algo not in TORCH_ROTATE:
+            raise ConfigError(f"PyTorch's context parallelism is a ring ({' or '.join(TORCH_ROTATE)}); it has no "
+                              f"cp_algo={self.cp_algo!r}: use impl='scratch' for it.")
+        if torch_context_parallel() is None:
+            raise ConfigError(f"this torch ({torch.__version__}) lacks the context-parallel ring this build uses "
+                              f"(torch.distributed.tensor.experimental._context_parallel): use impl='scratch'.")
 
     def _check_experts(self, mc, runnable: bool) -> None:
         given = [f"moe_{n}" for n in ("top_k", "every", "capacity", "aux") if getattr(self, f"moe_{n}") is not None]
@@ -375,7 +387,9 @@ class TrainConfig:
             if self.sequence_parallel:
                 parts.append("sequence parallel")
         if self.cp > 1:
-            parts.append(f"context parallel, {self.cp_algo} attention{' (zig-zag)' if self.zigzag else ''}")
+            moved = "all-to-all hops" if self.cp_algo == "ring" else "one all-gather"
+            algo = f"PyTorch's ring, K/V by {moved}" if torch_impl else f"{self.cp_algo} attention"
+            parts.append(f"context parallel, {algo}{' (zig-zag)' if self.zigzag else ''}")
         if self.ep > 1:
             parts.append(f"expert parallel, {self.moe_experts // self.ep} of {self.moe_experts} experts per rank "
                          f"(all-to-all dispatch)")

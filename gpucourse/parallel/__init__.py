@@ -64,8 +64,12 @@ def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, devi
             gathers.insert(0, functools.partial(tensor_parallel.gather_shards, model, mesh["tp"].get_group()))
             placements.append(tensor_parallel.ShardPlacement(model, mesh["tp"]))
     if cfg.cp > 1:  # each rank attends over the other cp ranks' keys
-        from .context_parallel import apply_context_parallel
-        apply_context_parallel(model, mesh["cp"].get_group(), cfg.seq_len, cfg.cp_algo, cfg.zigzag)
+        from . import context_parallel
+        if cfg.impl == "torch":
+            context_parallel.apply_torch_context_parallel(model, mesh["cp"], cfg.seq_len, cfg.cp_algo, cfg.zigzag)
+        else:
+            context_parallel.apply_context_parallel(model, mesh["cp"].get_group(), cfg.seq_len, cfg.cp_algo,
+                                                    cfg.zigzag)
     if cfg.ep > 1:  # each rank keeps E/ep experts of every MoE block; tokens travel to the others by all-to-all
         from . import expert_parallel
         ep_group, edp_group = expert_parallel.expert_groups(mesh, cfg.ep)

@@ -67,15 +67,21 @@ def apply_context_parallel(module: torch.nn.Module, cp_group, seq_len: int, algo
     Its position embedding looks up this rank's true positions, and each block's
     attention attends over every rank's keys with ``algo``.
     """
-    cp, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
-    every = [context_positions(seq_len, r, cp, zigzag) for r in range(cp)]  # each rank's positions
-    mine = every[rank]
-    if hasattr(module, "wpe"):  # the first stage embeds: at this rank's positions, not 0..T/cp-1
-        module.wpe.register_forward_pre_hook(lambda m, args: (mine.to(args[0].device),))
+    every = _embed_at_positions(module, cp_group, seq_len, zigzag)
     attend = {"ring": RingAttention.apply, "allgather": allgather_attention, "ulysses": ulysses_attention}[algo]
     for block in blocks_of(module):
         block.attn.attend = lambda q, k, v: attend(q, k, v, cp_group, every)
     return module
+
+
+def _embed_at_positions(module: torch.nn.Module, cp_group, seq_len: int, zigzag: bool) -> list[torch.Tensor]:
+    """Embed this rank's tokens at their true positions; return every cp rank's positions."""
+    cp, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    every = [context_positions(seq_len, r, cp, zigzag) for r in range(cp)]
+    mine = every[rank]
+    if hasattr(module, "wpe"):  # the first stage embeds: at this rank's positions, not 0..T/cp-1
+        module.wpe.register_forward_pre_hook(lambda m, args: (mine.to(args[0].device),))
+    return every
 
 
 def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -132,21 +138,75 @@ def ulysses_attention(q, k, v, group, every: list[torch.Tensor]) -> torch.Tensor
 
 # --- ring: K and V blocks passed around, partial results merged -----------------------------------
 
-def attention_block(q, k, q_pos, k_pos, scale):
-    """Masked scores of the queries that see any key of this block, against the keys any query sees.
+def visible_part(q_pos: torch.Tensor, k_pos: torch.Tensor):
+    """The part of a block the causal mask lets any query see: ``(rows, cols, bias, causal)``, or None if none.
 
-    Returns ``(rows, cols, scores)``: the indices of those queries and keys and their
-    (rows × cols) scores, masked; ``scores`` is None when the mask hides the whole
-    block (keys all in the future: the causal imbalance). Only that part is
-    computed: under the zig-zag split a block away from the diagonal is half of one.
+    ``rows``: the queries that see at least one key of the block; ``cols``: the keys
+    at least one of them sees. Over rows × cols, ``causal``: query i sees keys 0..i
+    (the rank's own block, its positions in order), else ``bias``: 0 where a query
+    sees a key and −inf where not (None where each sees all). Only that part is
+    computed: under the zig-zag split a block away from the diagonal is half of one,
+    and a block in the future of every query (the causal imbalance) is skipped.
     """
-    mask = causal_mask(q_pos, k_pos).to(q.device)
+    mask = causal_mask(q_pos, k_pos)
     rows, cols = mask.any(1).nonzero()[:, 0], mask.any(0).nonzero()[:, 0]
     if len(rows) == 0:
-        return rows, cols, None
+        return None
     part = mask[rows][:, cols]
-    scores = q.index_select(-2, rows) @ k.index_select(-2, cols).transpose(-2, -1) * scale
-    return rows, cols, scores.masked_fill(~part, float("-inf"))
+    if part.all():
+        return rows, cols, None, False
+    if part.shape[0] == part.shape[1] and torch.equal(part, torch.ones_like(part).tril()):
+        return rows, cols, None, True
+    return rows, cols, torch.zeros(part.shape, device=part.device).masked_fill(~part, float("-inf")), False
+
+
+def block_attention(q, k, v, bias, causal, scale):
+    """softmax(q·kᵀ·scale + bias)·v, and each query's log-sum-exp of its scores: ``(o, lse)``.
+
+    On CPU the fused (flash) kernel SDPA itself uses returns both in one pass,
+    never holding the scores; elsewhere the same written out, scores held (as
+    exercise ex11 writes it).
+    """
+    bias = None if bias is None else bias.to(q.device, q.dtype)
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal, attn_mask=bias,
+                                                                          scale=scale)
+    return written_out(q, k, v, _causal_bias(q, k) if causal else bias, scale)
+
+
+def block_attention_backward(grad_out, q, k, v, out, lse, bias, causal, scale):
+    """The gradients ``(dq, dk, dv)`` of one block, given the *whole* attention's output and log-sum-exp.
+
+    With the final ``out`` and ``lse`` (not the block's own), exp(scores − lse) is
+    this block's share of the true softmax and rowsum(dO ∘ O) the true delta, so
+    the blocks' gradients add up to full attention's (as FlashAttention's backward).
+    """
+    bias = None if bias is None else bias.to(q.device, q.dtype)
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
+    return written_out_backward(grad_out, q, k, v, out, lse, _causal_bias(q, k) if causal else bias, scale)
+
+
+def _causal_bias(q, k):
+    return torch.zeros(q.shape[-2], k.shape[-2], dtype=q.dtype, device=q.device).masked_fill(
+        causal_mask(torch.arange(q.shape[-2]), torch.arange(k.shape[-2])).logical_not().to(q.device), float("-inf"))
+
+
+def written_out(q, k, v, bias, scale):
+    """:func:`block_attention` with the scores held: the math the fused kernel does in tiles."""
+    scores = q @ k.transpose(-2, -1) * scale + (0 if bias is None else bias)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse[..., None]) @ v, lse
+
+
+def written_out_backward(grad_out, q, k, v, out, lse, bias, scale):
+    """:func:`block_attention_backward` with the scores held."""
+    scores = q @ k.transpose(-2, -1) * scale + (0 if bias is None else bias)
+    p = torch.exp(scores - lse[..., None]).to(q.dtype)  # softmax probabilities (0: masked)
+    delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO ∘ O): softmax's backward
+    ds = p * (grad_out @ v.transpose(-2, -1) - delta)
+    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ grad_out
 
 
 def _pass(tensors: list[torch.Tensor], group, name: str) -> tuple[list[torch.Tensor], list]:
@@ -176,39 +236,42 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, every):
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        q_pos = every[rank]
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        acc = torch.promote_types(q.dtype, torch.float32)  # half precision merges in fp32, as the kernels' lse is
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        # What each block shows this rank's queries, worked out once (on q's device, as index_select needs).
+        parts = [visible_part(every[rank].to(q.device), every[owner].to(q.device)) for owner in range(n)]
         k_cur, v_cur = k, v
         for step in range(n):
             owner = (rank - step) % n  # whose block this rank holds now
             if step < n - 1:  # the next block is on its way while this one is computed
                 (k_next, v_next), handles = _pass([k_cur, v_cur], group, "K/V")
-            rows, cols, scores = attention_block(q, k_cur, q_pos, every[owner], scale)
-            if scores is not None:  # every row here sees at least one key: lse_j is finite
-                lse_j = torch.logsumexp(scores, dim=-1)
-                o_j = torch.exp(scores - lse_j[..., None]) @ v_cur.index_select(-2, cols)
+            part = parts[owner]
+            if part is not None:  # every row here sees at least one key: lse_j is finite
+                rows, cols, bias, causal = part
+                o_j, lse_j = block_attention(q.index_select(-2, rows), k_cur.index_select(-2, cols),
+                                             v_cur.index_select(-2, cols), bias, causal, scale)
                 seen = lse.index_select(-1, rows)
-                new = torch.logaddexp(seen, lse_j)  # (a row that has seen nothing yet: -inf, e^-inf = 0)
+                new = torch.logaddexp(seen, lse_j.to(lse.dtype))  # (a row that has seen nothing: -inf, e^-inf = 0)
                 merged = out.index_select(-2, rows) * torch.exp(seen - new)[..., None] + \
                     o_j * torch.exp(lse_j - new)[..., None]
-                out.index_copy_(-2, rows, merged)
+                out.index_copy_(-2, rows, merged.to(acc))
                 lse.index_copy_(-1, rows, new)
             if step < n - 1:
                 for h in handles:
                     h.wait()
                 k_cur, v_cur = k_next, v_next
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.every, ctx.scale = group, every, scale
+        ctx.group, ctx.parts, ctx.scale = group, parts, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, every, scale = ctx.group, ctx.every, ctx.scale
+        group, parts, scale = ctx.group, ctx.parts, ctx.scale
         n, rank = dist.get_world_size(group), dist.get_rank(group)
-        q_pos = every[rank]
-        delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO ∘ O): softmax's backward, once per query
+        grad_out = grad_out.contiguous()
         dq = torch.zeros_like(q)
         k_cur, v_cur = k, v
         dk_cur, dv_cur = torch.zeros_like(k), torch.zeros_like(v)  # travel with their block, home at the end
@@ -216,17 +279,103 @@ class RingAttention(torch.autograd.Function):
             owner = (rank - step) % n
             if step < n - 1:
                 (k_next, v_next), kv_handles = _pass([k_cur, v_cur], group, "K/V (backward)")
-            rows, cols, scores = attention_block(q, k_cur, q_pos, every[owner], scale)
-            if scores is not None:
-                p = torch.exp(scores - lse.index_select(-1, rows)[..., None])  # softmax probabilities (0: masked)
-                g = grad_out.index_select(-2, rows)
-                dv_cur = dv_cur.index_add(-2, cols, p.transpose(-2, -1) @ g)
-                ds = p * (g @ v_cur.index_select(-2, cols).transpose(-2, -1) - delta.index_select(-2, rows))
-                dq = dq.index_add(-2, rows, ds @ k_cur.index_select(-2, cols) * scale)
-                dk_cur = dk_cur.index_add(-2, cols, ds.transpose(-2, -1) @ q.index_select(-2, rows) * scale)
+            part = parts[owner]
+            if part is not None:
+                rows, cols, bias, causal = part
+                dq_j, dk_j, dv_j = block_attention_backward(
+                    grad_out.index_select(-2, rows), q.index_select(-2, rows), k_cur.index_select(-2, cols),
+                    v_cur.index_select(-2, cols), out.index_select(-2, rows), lse.index_select(-1, rows), bias,
+                    causal, scale)
+                dq = dq.index_add(-2, rows, dq_j)
+                dk_cur, dv_cur = dk_cur.index_add(-2, cols, dk_j), dv_cur.index_add(-2, cols, dv_j)
             (dk_cur, dv_cur), grad_handles = _pass([dk_cur, dv_cur], group, "K/V gradients")
             for h in grad_handles + (kv_handles if step < n - 1 else []):
                 h.wait()
             if step < n - 1:
                 k_cur, v_cur = k_next, v_next
         return dq, dk_cur, dv_cur, None, None
+
+
+# --- PyTorch's ring attention ---------------------------------------------------------------------
+#
+# ``torch.distributed.tensor.experimental`` holds PyTorch's context parallelism: q, k and v become
+# DTensors sharded along the sequence (dimension 2) over the cp mesh, and with its dispatcher on,
+# SDPA on such DTensors runs PyTorch's ring (``_templated_ring_attention``): each K/V shard visits
+# every rank, partial results merged by their log-sum-exp, the causal blocks skipped or halved by
+# the head-tail load balancer — the zig-zag split above. The shards travel by one all-to-all a hop
+# (``set_rotate_method("alltoall")``: our ``ring``) or are all-gathered once and taken one by one
+# (``"allgather"``, its default: our ``allgather``). Backward is a ring too; the K/V gradients
+# travel home by all-to-all in both. ``torch.distributed.tensor.experimental.context_parallel``
+# wraps the same dispatcher and also shards the batch; here the data module already hands each
+# rank its tokens.
+#
+# Bytes per layer and step, each rank, K and V blocks of 2·4·b·H·(T/cp)·d (fp32):
+# ring: forward cp − 1 all-to-alls of a block pair, backward cp − 1 more and cp of their gradients;
+# allgather: forward and backward one all-gather each (cp block pairs), and cp all-to-alls of gradients.
+#
+# PyTorch registers its ring for CUDA's attention kernels (flash, memory-efficient, cuDNN). On CPU
+# SDPA calls its CPU flash kernel, which returns the same output and log-sum-exp; ``_cpu_ring``
+# registers PyTorch's same ring around that kernel, so the algorithm runs on a laptop unchanged.
+
+TORCH_ROTATE = {"ring": "alltoall", "allgather": "allgather"}  # our --cp-algo -> PyTorch's rotate method
+
+
+def torch_context_parallel():
+    """PyTorch's context-parallel module, or None where this torch lacks the pieces used here."""
+    try:
+        from torch.distributed.tensor.experimental._context_parallel import _attention
+    except ImportError:
+        return None
+    needed = ("_templated_ring_attention", "_templated_ring_attention_backward", "_cp_options",
+              "set_rotate_method", "_enable_context_parallel_dispatcher")
+    return _attention if all(hasattr(_attention, name) for name in needed) else None
+
+
+def apply_torch_context_parallel(module: torch.nn.Module, cp_mesh, seq_len: int, algo: str = "ring",
+                                 zigzag: bool = False) -> torch.nn.Module:
+    """Make ``module``'s attention PyTorch's ring attention over ``cp_mesh`` (a 1-D mesh); return it."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    cp_api = torch_context_parallel()
+    cp_api._cp_options.enable_load_balance = zigzag  # head-tail: rank i holds chunks i and 2·cp − 1 − i
+    cp_api.set_rotate_method(TORCH_ROTATE[algo])
+    cp_api._enable_context_parallel_dispatcher()
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for op in _CPU_KERNELS:
+        handlers[op] = _cpu_ring
+    _embed_at_positions(module, cp_mesh.get_group(), seq_len, zigzag)
+
+    def attend(q, k, v):
+        q, k, v = (DTensor.from_local(t, cp_mesh, [Shard(2)], run_check=False) for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).to_local()
+
+    for block in blocks_of(module):
+        block.attn.attend = attend
+    return module
+
+
+_CPU_KERNELS = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+
+
+def _cpu_ring(op_call, args, kwargs):
+    """DTensor's handler for the CPU flash kernel, forward or backward: PyTorch's ring around it."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._utils import compute_global_tensor_info
+
+    cp_api = torch_context_parallel()
+    info = DTensor._op_dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    named = dict(zip((a.name for a in op_call._schema.arguments), info.local_args), **info.local_kwargs)
+    group = info.compute_mesh.get_group()
+    if op_call is _CPU_KERNELS[0]:
+        results = cp_api._templated_ring_attention(group, 2, op_call, **named)
+    else:
+        results = cp_api._templated_ring_attention_backward(group, 2, op_call, grad_out_name="grad_out", **named)
+    wrapped = []
+    for local in results:  # every output is sharded along the sequence, as the inputs were
+        placements = (Shard(2),)
+        shape, stride = compute_global_tensor_info(local, info.compute_mesh, placements)
+        spec = DTensorSpec(info.compute_mesh, placements, TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+        wrapped.append(DTensor(local, spec, requires_grad=False))
+    return tuple(wrapped)
