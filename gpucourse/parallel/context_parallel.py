@@ -237,7 +237,7 @@ class RingAttention(torch.autograd.Function):
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         scale = 1.0 / math.sqrt(q.shape[-1])
         acc = torch.promote_types(q.dtype, torch.float32)  # half precision merges in fp32, as the kernels' lse is
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        out = torch.zeros_like(q, dtype=acc)  # q's layout, (B, T, H, d) in memory: the projection needs no copy
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         # What each block shows this rank's queries, worked out once (on q's device, as index_select needs).
         parts = [visible_part(every[rank].to(q.device), every[owner].to(q.device)) for owner in range(n)]
@@ -306,8 +306,9 @@ class RingAttention(torch.autograd.Function):
 # (``set_rotate_method("alltoall")``: our ``ring``) or are all-gathered once and taken one by one
 # (``"allgather"``, its default: our ``allgather``). Backward is a ring too; the K/V gradients
 # travel home by all-to-all in both. ``torch.distributed.tensor.experimental.context_parallel``
-# wraps the same dispatcher and also shards the batch; here the data module already hands each
-# rank its tokens.
+# turns the same dispatcher on for a ``with`` block (patching F.scaled_dot_product_attention) and
+# shards the buffers it is given (inputs, labels, positions) along the sequence; here the data
+# module already hands each rank its tokens.
 #
 # Bytes per layer and step, each rank, K and V blocks of 2·4·b·H·(T/cp)·d (fp32):
 # ring: forward cp − 1 all-to-alls of a block pair, backward cp − 1 more and cp of their gradients;
