@@ -17,6 +17,7 @@ import torch
 
 import rankfns
 from gpucourse import LaunchError, LaunchTimeout, WorkerError, launch
+from gpucourse.runtime import launcher
 from gpucourse.runtime.launcher import cpu_rank_limit
 from procs import clean_env, read_identities, wait_for, wait_gone
 
@@ -91,7 +92,10 @@ def test_a_rank_that_raises_fails_the_launch_at_once(tmp_path):
     assert 'raise ValueError(f"rank {bad} was told to fail")' in error.remote_traceback
     assert "rankfns.py" in error.remote_traceback
     assert str(error).startswith("rank 1 failed: ValueError: rank 1 was told to fail")
-    assert elapsed < 15, f"the failure took {elapsed:.1f} s to reach the caller"
+    # Far below the 60 s timeout and the 600 s group timeout; a start that stalls is started again once
+    # (launcher._startup_s), which the bound allows.
+    bound = 15 + launcher._startup_s("fork", 3)
+    assert elapsed < bound, f"the failure took {elapsed:.1f} s to reach the caller"
     identities = read_identities(tmp_path)
     assert sorted(identities) == [0, 1, 2]
     assert wait_gone(identities.values()) == [], "ranks still run after a failed launch"
