@@ -283,7 +283,7 @@ class TrainConfig:
     def _check_torch_context_parallel(self) -> None:
         import torch
 
-        from .parallel.context_parallel import TORCH_ROTATE, torch_context_parallel
+        from .parallel.context_parallel_torch import TORCH_ROTATE, torch_context_parallel
 
         if self.cp_algo not in TORCH_ROTATE:
             raise ConfigError(f"PyTorch's context parallelism is a ring ({' or '.join(TORCH_ROTATE)}); it has no "

@@ -66,7 +66,8 @@ def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, devi
     if cfg.cp > 1:  # each rank attends over the other cp ranks' keys
         from . import context_parallel
         if cfg.impl == "torch":
-            context_parallel.apply_torch_context_parallel(model, mesh["cp"], cfg.seq_len, cfg.cp_algo, cfg.zigzag)
+            from .context_parallel_torch import apply_torch_context_parallel
+            apply_torch_context_parallel(model, mesh["cp"], cfg.seq_len, cfg.cp_algo, cfg.zigzag)
         else:
             context_parallel.apply_context_parallel(model, mesh["cp"].get_group(), cfg.seq_len, cfg.cp_algo,
                                                     cfg.zigzag)
