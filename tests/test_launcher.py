@@ -330,6 +330,36 @@ def test_launch_from_a_notebook_cell(tmp_path):
     assert "[rank" not in text and "Traceback" not in text, "the refusal started ranks"
 
 
+def test_no_rank_joins_its_group_before_every_rank_is_forked(tmp_path, monkeypatch):
+    # A rank forked while another thread of the launching process held a lock waits on it
+    # forever: the agent's store naming an earlier rank's connection (getnameinfo) held
+    # glibc's resolver lock, about once in 40 launches of four ranks. So nothing may connect
+    # while ranks are forked. Forks are slowed down here; every join must come after the last.
+    import multiprocessing.popen_fork as popen_fork
+
+    forks, joins = tmp_path / "forks", tmp_path / "joins"
+    real_launch, real_init = popen_fork.Popen._launch, torch.distributed.init_process_group
+
+    def slow_fork(self, process_obj):
+        real_launch(self, process_obj)  # a forked child never returns from it
+        with open(forks, "a") as f:
+            f.write(f"{time.time()}\n")
+        time.sleep(0.3)
+
+    def init(*args, **kwargs):  # the forked ranks inherit this
+        with open(joins, "a") as f:
+            f.write(f"{time.time()}\n")
+        return real_init(*args, **kwargs)
+
+    monkeypatch.setattr(popen_fork.Popen, "_launch", slow_fork)
+    monkeypatch.setattr(torch.distributed, "init_process_group", init)
+    assert [v[:2] for v in launch(rankfns.whoami, world_size=3, timeout=60, quiet=True)] == [(0, 3), (1, 3), (2, 3)]
+    fork_times = [float(t) for t in forks.read_text().split()]
+    join_times = [float(t) for t in joins.read_text().split()]
+    assert len(fork_times) == len(join_times) == 3
+    assert min(join_times) > max(fork_times), "a rank joined its group while others were still being forked"
+
+
 def test_ranks_that_never_finish_starting_are_started_again(tmp_path, monkeypatch, capsys):
     # Simulate the rare stall of a rank in its first connection: on the first
     # attempt rank 1 never reports that it joined its group.

@@ -122,6 +122,10 @@ def rank_main(fn, args: tuple, kwargs: dict, spec: dict):
     _note(run_dir, f"pid-{rank}.json", {"pid": os.getpid()})
     try:
         device = pick_device(spec["device_type"], int(os.environ["LOCAL_RANK"]))
+        # No rank connects to the store until every rank exists: a rank forked while the launching
+        # process (the store's server thread) held a lock, the resolver's in getnameinfo, would wait
+        # on that lock forever.
+        spec["all_started"].wait(spec["startup_s"])
         dist.init_process_group(spec["backend"], timeout=datetime.timedelta(seconds=spec["pg_timeout"]))
         _note(run_dir, f"ready-{rank}.json", {"time": time.time()})
         _CONTEXT = RankContext(rank, dist.get_world_size(), int(os.environ["LOCAL_RANK"]), device,
