@@ -36,7 +36,10 @@ LAUNCHES = {
         "torch-dp2×cp2-zigzag": dict(dp=2, cp=2, zigzag=True, **TORCH),
         "torch-zero1-dp2×cp2": dict(dp=2, cp=2, zero=1, **TORCH),
         "torch-zero2-dp2×cp2": dict(dp=2, cp=2, zero=2, cp_algo="allgather", **TORCH),
-        "torch-zero3-dp2×cp2": dict(dp=2, cp=2, zero=3, zigzag=True, **TORCH)},
+        "torch-zero3-dp2×cp2": dict(dp=2, cp=2, zero=3, zigzag=True, **TORCH),
+        "torch-cp4-ring-zigzag": dict(cp=4, zigzag=True, **TORCH),
+        "torch-cp2×tp2-sp": dict(cp=2, tp=2, sequence_parallel=True, **TORCH),
+        "torch-cp2×pp2": dict(cp=2, pp=2, microbatches=2, **TORCH)},
 }
 LAYOUTS = {name: kw for layouts in LAUNCHES.values() for name, kw in layouts.items()}
 _RUNS: dict = {}
