@@ -81,13 +81,9 @@ def no_gc_pauses():
             gc.enable()
 
 
+@no_gc_pauses()
 def run(tasks: list[Task]) -> Layout:
     """Lay ``tasks`` out on the clock (see the module docstring)."""
-    with no_gc_pauses():
-        return _run(tasks)
-
-
-def _run(tasks: list[Task]) -> Layout:
     n = len(tasks)
     start, end, ready = [0.0] * n, [None] * n, [0.0] * n
     by_rank: dict[int, list[int]] = {}

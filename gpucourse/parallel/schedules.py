@@ -196,6 +196,7 @@ def _neighbour(s: int, op: Op) -> tuple[int, Op]:
     return s + PEER[op.kind], Op(PARTNER[op.kind], op.microbatch, op.chunk)
 
 
+@clock.no_gc_pauses()  # many small tasks are made here, none of them garbage yet
 def run_clock(schedule, pp: int, cost_f: list[float], cost_b: list[float], cost_comm: float,
               cost_w: list[float] | None = None, route=_neighbour, share: float = 1.0,
               async_sends: bool = False, op_costs: list[list[float]] | None = None) -> Simulation:
@@ -212,11 +213,6 @@ def run_clock(schedule, pp: int, cost_f: list[float], cost_b: list[float], cost_
     The clock is :mod:`gpucourse.clock`'s, the one a recorded run is replayed on: each
     stage is a rank whose ops run one after another, a send and its receive one match.
     """
-    with clock.no_gc_pauses():
-        return _run_clock(schedule, pp, cost_f, cost_b, cost_comm, cost_w, route, share, async_sends, op_costs)
-
-
-def _run_clock(schedule, pp, cost_f, cost_b, cost_comm, cost_w, route, share, async_sends, op_costs) -> Simulation:
     cost_w = cost_w or [0.0] * pp
     costs = {F: cost_f, B: cost_b, W: cost_w}
     if op_costs is not None and [len(c) for c in op_costs] != [sum(op.kind in COMPUTE for op in o) for o in schedule]:
