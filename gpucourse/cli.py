@@ -513,6 +513,9 @@ def cmd_lab(args) -> int:
         raise UsageError("JupyterLab is not installed in this Python: run 'make lab' (or pip install -e .).")
     argv = lab.server_argv(lab.NOTEBOOKS, port=args.port)
     lab.install_course_defaults()  # no news pop-up over the first notebook
+    runtime = lab.kernels_runtime_folder()
+    if runtime is not None:
+        os.environ["JUPYTER_RUNTIME_DIR"] = str(runtime)
     print("gpucourse: serving the course on 127.0.0.1 with a token; open the URL Jupyter prints below.",
           file=sys.stderr, flush=True)
     os.execv(argv[0], argv)
@@ -663,7 +666,7 @@ def cmd_progress(args) -> int:
 
 
 def cmd_workshop(args) -> int:
-    from .workshop import collect, hub, report
+    from .workshop import collect, hub, kernels, report
     from .workshop.errors import WorkshopError
 
     try:
@@ -678,6 +681,10 @@ def cmd_workshop(args) -> int:
         elif args.action == "status":
             found = report.status(args.dir)
             print(json.dumps(found, indent=1) if args.json else report.format_report(found))
+        elif args.action == "check":
+            found = kernels.check(args.dir, seats=args.seat or None, rounds=args.rounds, timeout=args.timeout)
+            print(kernels.format_check(found))
+            return 1 if found["failed"] else 0
         elif args.action == "collect":
             def done(name, result):
                 print(f"  {name:<12} {result['score']:>4}/{result['max_score']}  ({result['time_s']:.1f} s)",
@@ -909,6 +916,15 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--new-codes", action="store_true", help="new codes (or password) instead of the same ones")
     w = actions.add_parser("status", help="each seat's progress, what to explain next, GPU use")
     w.add_argument("--json", action="store_true", help="print JSON")
+    w = actions.add_parser("check", help="open a notebook in every seat at once and run a cell: do the kernels work?",
+                           description="What a class does at 9:00, done before it: a kernel in every seat (or "
+                                       "those named), all started in the same moment through the hub, each running "
+                                       "one cell, then shut down. Exit status 1 when a seat failed; its server's "
+                                       "log is printed.")
+    w.add_argument("seat", nargs="*", help="which seats (default: all)")
+    w.add_argument("--rounds", type=int, default=1, help="how many times (default 1)")
+    w.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="seconds for each seat's kernel to start and run the cell (default 120)")
     w = actions.add_parser("collect", help="grade every seat's exercises into one CSV")
     w.add_argument("exercises", nargs="*", metavar="EXERCISE", help="which ones (ex03, or 3); default all")
     w.add_argument("--out", default="grades.csv", metavar="FILE.csv",

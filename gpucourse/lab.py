@@ -28,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 
+from . import kernel_sockets
 from .measure import write_atomic
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,9 +80,11 @@ class LabError(RuntimeError):
 
 def server_argv(root: str | os.PathLike = NOTEBOOKS, port: int = 8888, token: str | None = None,
                 open_browser: bool | None = None) -> list[str]:
-    """The command that serves ``root``: 127.0.0.1 only, a token always (made up by Jupyter unless given)."""
+    """The command that serves ``root``: 127.0.0.1 only, a token always (made up by Jupyter unless given), and
+    kernels reached over Unix sockets, which no other server on this machine can take (see
+    :mod:`gpucourse.kernel_sockets`)."""
     argv = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={root}", "--ServerApp.ip=127.0.0.1",
-            f"--ServerApp.port={port}"]
+            f"--ServerApp.port={port}", *kernel_sockets.SERVER_ARGS]
     if token is not None:
         argv.append(f"--IdentityProvider.token={token}")
     if hasattr(os, "getuid") and os.getuid() == 0:
@@ -91,6 +94,14 @@ def server_argv(root: str | os.PathLike = NOTEBOOKS, port: int = 8888, token: st
     if not open_browser:
         argv.append("--no-browser")
     return argv
+
+
+def kernels_runtime_folder() -> Path | None:
+    """A runtime folder for ``gpucourse lab`` when Jupyter's own is too long a path for its kernels' Unix sockets
+    (a deep home folder); None when Jupyter's own will do."""
+    from jupyter_core.paths import jupyter_runtime_dir
+
+    return kernel_sockets.runtime_folder(jupyter_runtime_dir(), "lab")
 
 
 def find_chromium() -> str | None:
@@ -136,9 +147,10 @@ class LabServer:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(values))
         env = dict(os.environ)
+        runtime = kernel_sockets.runtime_folder(state / "runtime", f"lab-{state.name}") or state / "runtime"
         env.update({"JUPYTERLAB_SETTINGS_DIR": str(state / "settings"),
                     "JUPYTERLAB_WORKSPACES_DIR": str(state / "workspaces"),
-                    "JUPYTER_RUNTIME_DIR": str(state / "runtime")})
+                    "JUPYTER_RUNTIME_DIR": str(runtime)})
         env.update(self.extra_env)
         return env
 
@@ -352,7 +364,8 @@ def execute(nb, path: str | os.PathLike, kernels: str | os.PathLike, name: str =
     if smoke:
         kernel_env["GPUCOURSE_SMOKE"] = "1"
     kernel_env.update(env or {})
-    km = KernelManager(kernel_name=name, kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernels)]))
+    km = KernelManager(kernel_name=name, kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernels)]),
+                       **kernel_sockets.kernel_manager_options(kernels))
     try:
         NotebookClient(nb, km=km, timeout=cell_timeout, allow_errors=False,
                        resources={"metadata": {"path": str(Path(path).parent)}}).execute(env=kernel_env)

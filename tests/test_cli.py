@@ -5,10 +5,12 @@ failed run leaves no half-written file."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,6 +173,21 @@ def test_lab_serves_the_notebooks_on_localhost_behind_a_token(monkeypatch, capsy
     assert f"--ServerApp.root_dir={lab.NOTEBOOKS}" in argv and "--ServerApp.ip=127.0.0.1" in argv
     assert "--ServerApp.port=0" in argv
     assert not any("token=" in a.lower() and a.rstrip().endswith("=") for a in argv), argv
+    # Its kernels are reached over Unix sockets: two servers started at once can never be handed one TCP port.
+    assert "--KernelManager.transport=ipc" in argv
+
+
+def test_lab_moves_its_kernels_sockets_out_of_a_runtime_folder_too_deep_for_them(monkeypatch, tmp_path):
+    from gpucourse import kernel_sockets, lab
+
+    monkeypatch.setattr("os.execv", lambda path, argv: None)
+    monkeypatch.setattr(lab, "install_course_defaults", lambda: None)
+    monkeypatch.setattr(kernel_sockets, "_base", lambda: tmp_path)
+    for runtime, moved in ((Path("/tmp/jupyter-runtime"), False), (tmp_path / ("deep" * 20), True)):
+        monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
+        cli.main(["lab", "--port", "0"])
+        expected = tmp_path / f"gpucourse-{os.getuid()}" / "lab" if moved else runtime
+        assert os.environ["JUPYTER_RUNTIME_DIR"] == str(expected)
 
 
 def test_each_supported_rows_command_describes_that_rows_config():

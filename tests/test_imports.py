@@ -18,7 +18,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gpucourse"
 # The core trains and measures; it imports only torch and itself (DESIGN.md, "Layers").
 CORE = ("config", "model", "data", "optim", "comm", "measure", "runtime", "parallel", "train",
         "checkpoint", "profiling", "readable", "clock")
-TOOLS = ("bench", "tour", "troubleshoot", "viz", "cli", "lab", "grading", "quiz")
+TOOLS = ("bench", "tour", "troubleshoot", "viz", "cli", "lab", "kernel_sockets", "grading", "quiz", "workshop")
 
 
 def _modules() -> dict[str, pathlib.Path]:

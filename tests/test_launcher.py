@@ -298,9 +298,7 @@ def cell_text(cell) -> str:
 
 @pytest.mark.timeout(240)
 def test_launch_from_a_notebook_cell(tmp_path):
-    from jupyter_client.kernelspec import KernelSpecManager
-    from jupyter_client.manager import KernelManager
-    from nbclient import NotebookClient
+    from gpucourse import lab
 
     # A kernel spec of our own makes the kernel this venv's python, whatever python3 means elsewhere.
     spec = tmp_path / "kernels" / "python3"
@@ -308,15 +306,10 @@ def test_launch_from_a_notebook_cell(tmp_path):
     (spec / "kernel.json").write_text(json.dumps({
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "Python 3 (gpucourse venv)", "language": "python"}))
-    km = KernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec.parent)]))
     nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                            "language": "python"}})
     nb.cells = [nbformat.v4.new_code_cell(src) for src in NOTEBOOK_CELLS]
-    try:
-        NotebookClient(nb, km=km, timeout=180, resources={"metadata": {"path": str(tmp_path)}}).execute()
-    finally:  # nbclient shuts down only kernels it started itself
-        if km.has_kernel:
-            km.shutdown_kernel(now=True)
+    lab.execute(nb, tmp_path / "cells.ipynb", spec.parent, name="python3", cell_timeout=180, smoke=False)
 
     setup, _, launched, trained, spawn = nb.cells
     assert f"EXE {sys.executable}" in cell_text(setup)

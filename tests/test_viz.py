@@ -17,11 +17,8 @@ import time
 
 import nbformat
 import pytest
-from jupyter_client.kernelspec import KernelSpecManager
-from jupyter_client.manager import KernelManager
-from nbclient import NotebookClient
 
-from gpucourse import TrainConfig, bench, run, viz
+from gpucourse import TrainConfig, bench, lab, run, viz
 from gpucourse.parallel.schedules import SCHEDULES, build, simulate
 from gpucourse.viz import PALETTE
 from gpucourse.viz.live import MIME, LiveView
@@ -400,14 +397,8 @@ def test_live_mode_in_a_notebook_leaves_one_figure(tmp_path):
                                   "view.finish(run(cfg, quiet=True, on_step=view.on_step))\n"
                                   "print('redraws', view.redraws)"),
     ]
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
-    env["JUPYTER_PATH"] = str(tmp_path)
-    km = KernelManager(kernel_name=KERNEL, kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec.parent)]))
-    try:
-        NotebookClient(nb, km=km, timeout=180, allow_errors=False).execute(env=env)
-    finally:  # nbclient shuts down only kernels it started itself
-        if km.has_kernel:
-            km.shutdown_kernel(now=True)
+    lab.execute(nb, tmp_path / "live.ipynb", spec.parent, name=KERNEL, cell_timeout=180, smoke=False,
+                env={"JUPYTER_PATH": str(tmp_path)})
 
     live, direct = nb.cells
     figures = [o for o in live.outputs if o.output_type == "display_data" and MIME in o.data]

@@ -26,7 +26,7 @@ import pytest
 
 import browsers
 from gpucourse import cli, lab, progress
-from gpucourse.workshop import auth, dashboard, hub, plan, processes, report
+from gpucourse.workshop import auth, dashboard, hub, kernels, plan, processes, report
 from gpucourse.workshop.errors import WorkshopError
 from gpucourse.workshop.folder import Workshop
 from procs import free_port
@@ -122,7 +122,8 @@ def test_the_generated_config_for_generated_seats(tmp_path):
     assert values["Authenticator.allowed_users"] == {"seat01", "seat02"}
     assert values["Authenticator.admin_users"] == {"instructor"}
     assert values["JupyterHub.spawner_class"] == "gpucourse.workshop.spawner.SeatSpawner"
-    assert values["SeatSpawner.system_users"] is False and values["Spawner.args"] == ["--allow-root"]
+    assert values["SeatSpawner.system_users"] is False
+    assert values["Spawner.args"] == ["--allow-root", "--KernelManager.transport=ipc"]
     dashboard_service = values["JupyterHub.services"][0]
     assert dashboard_service["name"] == "dashboard" and dashboard_service["environment"] == {processes.MARKER: "id123"}
     assert _config(ws, _settings("codes", ["seat01"], "instructor"), public=True)["JupyterHub.bind_url"] == \
@@ -141,7 +142,7 @@ def test_the_generated_config_for_real_accounts_uses_pam(tmp_path, monkeypatch):
     ws = Workshop(tmp_path)
     values = _config(ws, _settings("system", ["alice", "bob"], "teacher"))
     assert values["JupyterHub.authenticator_class"] == "pam"
-    assert values["SeatSpawner.system_users"] is True and values["Spawner.args"] == []
+    assert values["SeatSpawner.system_users"] is True and values["Spawner.args"] == ["--KernelManager.transport=ipc"]
     assert values["Authenticator.allowed_users"] == {"alice", "bob"}
     assert values["Authenticator.admin_users"] == {"teacher"}
     assert "SeatAuthenticator.codes_file" not in values
@@ -305,6 +306,51 @@ def test_gpu_use_reads_each_seats_own_gpus_from_nvml(tmp_path, monkeypatch):
     assert use["seats"]["seat01"][0]["memory_total"] == 80 * 2**30
 
 
+# What a seat's server writes about its kernels, in its own words (jupyter_server 2, jupyter_client 8).
+KERNEL_LOG = """\
+[I 2026-12-04 09:00:41.242 ServerApp] Kernel started: 9ec96b2f-2410-4151-b004-1ba9bee46011
+[I 2026-12-04 09:00:41.244 ServerApp] 201 POST /user/seat03/api/sessions (seat03@127.0.0.1) 22.84ms
+zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:40197')
+[I 2026-12-04 09:00:44.234 ServerApp] AsyncIOLoopKernelRestarter: restarting kernel (1/5), new random ports
+"""
+KERNEL_GAVE_UP = """\
+[W 2026-12-04 09:00:59.315 ServerApp] AsyncIOLoopKernelRestarter: restart failed
+[W 2026-12-04 09:00:59.315 ServerApp] Kernel 9ec96b2f-2410-4151-b004-1ba9bee46011 died, removing from map.
+"""
+KERNEL_AGAIN = "[I 2026-12-04 09:03:10.001 ServerApp] Kernel started: 2898b6d8-065c-4a0b-8983-217893d1d3a6\n"
+
+
+def test_the_report_names_a_seat_whose_kernel_died_until_one_starts_again(tmp_path):
+    ws = Workshop(tmp_path)
+    ws.hub_dir.mkdir()
+    folders = {n: tmp_path / "seats" / n for n in plan.seat_names(2)}
+    ws.save_plan(plan.make_plan(folders, [], cores=2), processes.marker_env("x"))
+    log = kernels.seat_log(ws, "seat02")
+    log.parent.mkdir()
+    seen = []
+    for text in (KERNEL_LOG, KERNEL_GAVE_UP, KERNEL_AGAIN):
+        with log.open("a") as f:
+            f.write(text)
+        seen.append({s["name"]: s["kernels"] for s in report.class_report(ws)["seats"]})
+    restarting, died, again = (s["seat02"] for s in seen)
+    assert all(s["seat01"] == {"state": "none", "died": 0, "restarts": 0, "problem": None, "log": None} for s in seen)
+    assert restarting["state"] == "restarting" and "(1/5 tries)" in restarting["problem"]
+    assert died["state"] == "died" and died["died"] == 1 and died["restarts"] == 1
+    assert "died at 2026-12-04 09:00:59" in died["problem"] and "Address already in use" in died["log"]
+    assert again["state"] == "ok, 1 died before" and again["problem"] is None and again["log"] is None
+    # What the instructor reads: the terminal names the seat and shows its log; the dashboard marks it.
+    found = report.class_report(ws)
+    found["seats"][1]["kernels"] = died
+    text = report.format_report(found)
+    assert re.search(r"^seat02\s+CPU, 1 thread\s+stopped\s+died\s", text, re.M), text
+    assert "kernels in trouble" in text and "seat02: a kernel died at 2026-12-04 09:00:59" in text
+    assert "      [W 2026-12-04 09:00:59.315 ServerApp] Kernel 9ec96b2f" in text
+    page = dashboard.render(found, report.course_exercises())
+    row = page.split('id="seat-seat02"')[1].split("</tr>")[0]
+    assert '<span class="trouble">died</span>' in row and "removing from map" in row
+    assert "trouble" not in page.split('id="seat-seat01"')[1].split("</tr>")[0]
+
+
 # --- one real workshop ----------------------------------------------------------------------------------------
 
 SCRATCH = "scratch.ipynb"  # a notebook each learner makes in their seat
@@ -434,3 +480,51 @@ def test_a_real_workshop_from_start_to_stop(tmp_path, capsys):
     assert (seats / "seat01" / "exercises" / SOLVED_EX01.name).read_bytes() == SOLVED_EX01.read_bytes()
     assert json.loads((seats / "seat01" / ".gpucourse" / "progress.json").read_text())["exercises"]
     print(f"workshop: started in {started_s:.1f} s, whole test {time.monotonic() - t0:.1f} s")
+
+
+# --- a class opening its first notebook in the same second -----------------------------------------------------
+
+STRESS_SEATS, STRESS_ROUNDS = 6, 10
+# Run in each seat's kernel: how it reaches its server, and which TCP ports it listens on besides ipykernel's pipe
+# for forked processes' output (which zmq binds at once, never picked first and bound later). With IPC: none, so
+# no other seat's server can be handed one of them.
+TRANSPORT_CELL = ("import json, sys, psutil\n"
+                  "from ipykernel.connect import get_connection_info\n"
+                  "pipe = getattr(sys.stdout.pub_thread, '_pipe_port', None)\n"
+                  "ports = [c.laddr.port for c in psutil.Process().net_connections('inet')\n"
+                  "         if c.status == 'LISTEN' and c.laddr.port != pipe]\n"
+                  "print(json.loads(get_connection_info())['transport'], 'tcp ports', len(ports))")
+NO_KERNEL = "this seat's kernels exit as they start"
+
+
+@pytest.mark.timeout(600)
+def test_six_seats_open_a_notebook_in_the_same_second_ten_times(tmp_path, capsys):
+    """Kernels only, through the hub and the proxy as a browser goes: every seat's kernel starts, with no restart,
+    and runs a cell, 10 rounds; then a seat whose kernel cannot start is named by `check` and by `status`."""
+    browsers.needed(hub.find_proxy(), "no configurable-http-proxy for the workshop test: run scripts/install-proxy "
+                                      "(or make workshop-deps)")
+    root = tmp_path / "ws"
+    hub.start(root, seats=STRESS_SEATS, gpus=[], port=free_port())
+    try:
+        found = kernels.check(root, rounds=STRESS_ROUNDS, code=TRANSPORT_CELL, expect="ipc tcp ports 0")
+        assert found["failed"] == {}, kernels.format_check(found)
+        assert [len(r) for r in found["rounds"]] == [STRESS_SEATS] * STRESS_ROUNDS
+        ready = sorted(r["ready_s"] for results in found["rounds"] for r in results)
+        print(f"{STRESS_SEATS} seats × {STRESS_ROUNDS} rounds: kernels answered in {ready[0]:.1f}–{ready[-1]:.1f} s")
+        # A seat whose kernel cannot start: an IPython start-up file in the seat (its HOME) ends every kernel.
+        last = plan.seat_names(STRESS_SEATS)[-1]
+        startup = root / "seats" / last / ".ipython" / "profile_default" / "startup"
+        startup.mkdir(parents=True, exist_ok=True)  # the kernels so far made the profile
+        (startup / "00-broken.py").write_text(f"import os\nos.write(2, b{NO_KERNEL + chr(10)!r})\nos._exit(3)\n")
+        assert cli.main(["workshop", "check", "--dir", str(root)]) == 1
+        printed = capsys.readouterr().out
+        assert f"round 1: {STRESS_SEATS - 1}/{STRESS_SEATS} seats' kernels started" in printed, printed
+        assert f"  {last}: connecting to the kernel: the kernel kept dying" in printed, printed
+        assert f"{last}'s server log ends with:" in printed and NO_KERNEL in printed, printed
+        assert cli.main(["workshop", "status", "--dir", str(root)]) == 0
+        status = capsys.readouterr().out
+        assert re.search(rf"^{last}\s+CPU, 1 thread\s+running\s+died\s", status, re.M), status
+        assert re.search(r"^seat01\s+CPU, 1 thread\s+running\s+ok\s", status, re.M), status
+        assert f"{last}: a kernel died at " in status and NO_KERNEL in status.split("kernels in trouble")[1]
+    finally:
+        hub.stop(root)

@@ -37,6 +37,7 @@ th { background: #f4f4f4; }
 .passed { background: #d6f5dd; color: #1a7f37; } .tried { background: #fde9cf; color: #8a4b00; }
 .untried { background: #eee; color: #999; }
 .hint { color: #555; font-size: 90%; } .note { color: #555; }
+.trouble { color: #b42318; font-weight: bold; } pre { font-size: 80%; max-width: 60em; overflow-x: auto; }
 """
 
 
@@ -60,13 +61,22 @@ def _exercise_chips(seat: dict, modules: list[str]) -> str:
     return "".join(chips)
 
 
+def _kernels(kernels: dict) -> str:
+    """A seat's kernels: their state, and for one in trouble what happened and the end of the server's log."""
+    if not kernels["problem"]:
+        return _e(kernels["state"])
+    return (f'<span class="trouble">{_e(kernels["state"])}</span><div class="hint">{_e(kernels["problem"])}</div>'
+            f'<details><summary>server log</summary><pre>{_e(kernels["log"])}</pre></details>')
+
+
 def render(report: dict, modules: list[str]) -> str:
     """The dashboard page for a class report (plain HTML that reloads itself)."""
     parts = [f'<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{REFRESH_S}">'
              f'<title>gpucourse workshop</title><style>{STYLE}</style></head><body>',
              f'<h2>gpucourse workshop — {len(report["seats"])} seats</h2>',
              '<p class="note">' + "<br>".join(_e(n) for n in report["notes"]) + "</p>",
-             "<h3>Seats</h3><table><tr><th>seat</th><th>resources</th><th>server</th><th>last activity</th>"
+             "<h3>Seats</h3><table><tr><th>seat</th><th>resources</th><th>server</th><th>kernels</th>"
+             "<th>last activity</th>"
              "<th>exercises</th><th>score</th><th>quiz by topic</th><th>stuck on</th></tr>"]
     for s in report["seats"]:
         quiz = "<br>".join(f"{_e(t)} {c}/{n}" for t, (c, n) in sorted(s["quiz"].items())) or "—"
@@ -81,7 +91,8 @@ def render(report: dict, modules: list[str]) -> str:
         else:
             stuck = "—"
         parts.append(f'<tr id="seat-{_e(s["name"])}"><td><b>{_e(s["name"])}</b></td><td>{_e(s["resources"])}</td>'
-                     f'<td>{_e(s["server"])}</td><td>{_e(ago(s["last_activity"]))}</td>'
+                     f'<td>{_e(s["server"])}</td><td>{_kernels(s["kernels"])}</td>'
+                     f'<td>{_e(ago(s["last_activity"]))}</td>'
                      f'<td>{s["passed"]}/{s["exercises_total"]} passed<br>{_exercise_chips(s, modules)}</td>'
                      f'<td>{score}</td><td>{quiz}</td><td>{stuck}</td></tr>')
     parts.append("</table><h3>What to explain next</h3>")

@@ -30,10 +30,11 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from .. import kernel_sockets
 from . import processes
 from .errors import WorkshopError
 from .folder import Workshop, copy_course, write_private
-from .plan import INSTRUCTOR, Plan, seat_names, visible_gpu_ids
+from .plan import INSTRUCTOR, Plan, kernel_folder, seat_names, visible_gpu_ids
 
 DEFAULT_PORT = 8000
 START_TIMEOUT_S = 300.0   # for the hub and every seat to answer, on a busy machine
@@ -121,7 +122,8 @@ def config_values(ws: Workshop, settings: dict, *, port: int, public: bool, prox
         "SeatSpawner.plan_file": str(ws.plan_file),
         "SeatSpawner.system_users": system,
         "Spawner.cmd": [python, "-m", "jupyterhub.singleuser"],
-        "Spawner.args": ["--allow-root"] if as_root and not system else [],
+        # Kernels over Unix sockets: seats' servers never race for the same TCP port (gpucourse.kernel_sockets).
+        "Spawner.args": (["--allow-root"] if as_root and not system else []) + kernel_sockets.SERVER_ARGS,
         "Spawner.default_url": "/lab",
         "Spawner.start_timeout": int(START_TIMEOUT_S),
         "Spawner.http_timeout": int(START_TIMEOUT_S),
@@ -282,6 +284,16 @@ def _hashes(settings: dict, codes: dict[str, str]) -> dict[str, str]:
     return {name: hash_code(code) for name, code in codes.items()}
 
 
+def _kernel_folder(settings: dict, seat: str) -> Path:
+    """The seat's folder for its kernels' sockets (the one :class:`.spawner.SeatSpawner` gives its server)."""
+    uid = None
+    if settings["login"] == "system":
+        import pwd
+
+        uid = pwd.getpwnam(seat).pw_uid
+    return kernel_folder(settings["id"], seat, uid)
+
+
 def prepare(root=None, *, seats: int | None = None, gpus_per_seat: int | None = None, port: int = DEFAULT_PORT,
             public: bool = False, password: bool = False, users: list[str] | None = None, admin: str | None = None,
             new_codes: bool = False, gpus: list[str] | None = None, say=None) -> dict:
@@ -307,6 +319,11 @@ def prepare(root=None, *, seats: int | None = None, gpus_per_seat: int | None = 
     if settings["login"] == "system":
         _check_accounts(settings)
     plan = ws.plan(settings, visible_gpu_ids() if gpus is None else gpus)
+    for seat in plan.seats:
+        folder = _kernel_folder(settings, seat.name)
+        if not kernel_sockets.fits(folder):
+            raise WorkshopError(f"{seat.name}'s kernels would have their sockets in {folder}, a path too long for "
+                                f"a Unix socket; make /tmp writable, or set TMPDIR to a short folder.")
     if not port_free("0.0.0.0" if public else "127.0.0.1", port):
         raise WorkshopError(f"port {port} is in use; choose another with --port.")
 
@@ -412,6 +429,7 @@ def log_tail(ws: Workshop, lines: int = 15) -> str:
 
 # --- stop ----------------------------------------------------------------------------------------------------
 
+
 def _end_leftovers(workshop_id: str, say) -> None:
     """End processes of this workshop that outlived an earlier hub (one killed, or a machine's crash)."""
     left = processes.marked(workshop_id)
@@ -438,6 +456,8 @@ def stop(root=None) -> dict:
     still = processes.end(left) if left else []
     if still:
         raise WorkshopError(f"processes {', '.join(map(str, still))} of the workshop could not be ended.")
+    for seat in settings["seats"]:  # what a killed kernel left there: nothing of a learner's work
+        shutil.rmtree(_kernel_folder(settings, seat), ignore_errors=True)
     ws.running_file.unlink(missing_ok=True)
     return {"was_running": state is not None, "ended": left, "seats": settings["seats"]}
 

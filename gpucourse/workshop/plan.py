@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..kernel_sockets import private_folder_path
 from .errors import WorkshopError
 
 INSTRUCTOR = "instructor"  # the hub's admin user when seats are generated
@@ -143,7 +144,19 @@ def seat_environment(seat: Seat, marker: dict[str, str] | None = None) -> dict[s
     threads = str(seat.threads)
     env = {"CUDA_VISIBLE_DEVICES": ",".join(seat.gpus), "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
            "GPUCOURSE_PROGRESS": str(seat.progress_file), "GPUCOURSE_SEAT": seat.name,
-           "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-           "JUPYTER_RUNTIME_DIR": str(seat.folder / ".jupyter-runtime")}
+           "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     env.update(marker or {})
     return env
+
+
+def kernel_folder(workshop_id: str, seat: str, uid: int | None = None) -> Path:
+    """Where a seat's server keeps its kernels' connection files and sockets (its ``JUPYTER_RUNTIME_DIR``).
+
+    Kernels talk to their server over Unix sockets, so that no two seats can
+    race for a TCP port (:mod:`gpucourse.kernel_sockets`); a socket's path must
+    be short, so the folder is under /tmp, private to the account the server
+    runs as. ``uid``: the seat's own account (``--users``), whose folder is
+    its alone; None: the hub's account, one folder per seat.
+    """
+    name = f"workshop-{workshop_id[:8]}" if uid is not None else f"workshop-{workshop_id[:8]}-{seat}"
+    return private_folder_path(name, uid)

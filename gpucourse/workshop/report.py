@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .folder import REPO, Workshop
+from .kernels import seat_kernels
 from .plan import Plan
 
 NVDASHBOARD = ("for each learner's own view of their GPUs, install jupyterlab-nvdashboard "
@@ -155,6 +156,7 @@ def class_report(ws: Workshop, hub_users: dict | None = None, running: bool = Fa
         server = (user or {}).get("servers", {}).get("")
         row["server"] = ("running" if server and server.get("ready") else "starting" if server else "stopped") \
             if hub_users is not None else ("unknown" if running else "stopped")
+        row["kernels"] = seat_kernels(ws, seat.name)
         hub_seen = (user or {}).get("last_activity")
         row["last_activity"] = max((t for t in (row["last"], hub_seen) if _when(t)), key=_when, default=None)
         seats.append(row)
@@ -179,7 +181,8 @@ def format_report(report: dict) -> str:
     lines = [f"workshop {report['workshop']}: " + (f"running at {report.get('url')}" if report["running"]
                                                    else "stopped")]
     lines += [f"  {n}" for n in report["notes"]]
-    head = ("seat", "resources", "server", "last activity", "passed", "score", "quiz (right/asked)", "stuck on")
+    head = ("seat", "resources", "server", "kernels", "last activity", "passed", "score", "quiz (right/asked)",
+            "stuck on")
     rows = [head]
     for s in report["seats"]:
         quiz = ", ".join(f"{t} {c}/{n}" for t, (c, n) in sorted(s["quiz"].items())) or "-"
@@ -189,13 +192,22 @@ def format_report(report: dict) -> str:
         elif s["stuck"]:
             stuck = f"{s['stuck']['exercise']}" + (f": {s['stuck']['check']}" if s["stuck"]["check"] else "") + \
                 f" ({tries(s['stuck']['attempts'])})"
-        rows.append((s["name"], s["resources"], s["server"], ago(s["last_activity"]),
+        rows.append((s["name"], s["resources"], s["server"], s["kernels"]["state"], ago(s["last_activity"]),
                      f"{s['passed']}/{s['exercises_total']}", f"{s['score']:g}/{s['max_score']:g}" if s["max_score"] else "-",
                      quiz, stuck))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(head) - 1)]
     lines.append("")
     lines += ["  ".join(f"{str(c):<{w}}" for c, w in zip(r, widths)) + "  " + str(r[-1]) for r in rows]
     lines.append("")
+    trouble = [s for s in report["seats"] if s["kernels"]["problem"]]
+    if trouble:
+        lines.append("kernels in trouble (see to them before the learner has to ask):")
+        for s in trouble:
+            lines.append(textwrap.fill(f"{s['name']}: {s['kernels']['problem']}", 110, initial_indent="  ",
+                                       subsequent_indent=" " * 6))
+            lines.append(f"    its server's log ends with:")
+            lines += [f"      {line}" for line in s["kernels"]["log"].splitlines()]
+        lines.append("")
     if report["common_failures"]:
         lines.append("what to explain next (checks failing for the most seats):")
         for f in report["common_failures"]:

@@ -8,12 +8,18 @@ generated seats every server runs under the instructor's account, each in a
 session of its own (so the hub can stop it, and everything it started, as one
 group). With real accounts (``--users``) it switches to the learner's account
 first, exactly as ``LocalProcessSpawner`` does.
+
+Each server reaches its kernels over Unix sockets in a folder of its own
+(:func:`.plan.kernel_folder`), never over TCP ports that another seat's server
+could be handed at the same moment, and writes what it and its kernels say to
+``hub/logs/<seat>.log``, which the class report reads for kernels that died.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +27,8 @@ from jupyterhub.spawner import LocalProcessSpawner
 from jupyterhub.utils import url_path_join
 from traitlets import Bool, Unicode
 
-from .plan import Seat, seat_environment
+from ..kernel_sockets import private_folder
+from .plan import Seat, kernel_folder, seat_environment
 
 
 class SeatSpawner(LocalProcessSpawner):
@@ -60,13 +67,33 @@ class SeatSpawner(LocalProcessSpawner):
         env = super().get_env()
         seat, marker = self.seat()
         env.update(seat_environment(seat, marker))
+        env["JUPYTER_RUNTIME_DIR"] = str(self._kernel_folder())
         # The course's Python first, so that 'gpucourse' and 'python' in a seat's terminal are the hub's own.
         env["PATH"] = os.pathsep.join(p for p in (str(Path(sys.executable).parent), env.get("PATH", "")) if p)
         return env
 
+    def _kernel_folder(self, make: bool = False) -> Path:
+        """The seat's private folder for its kernels' sockets, made (owned by the seat's account) if asked."""
+        from .processes import MARKER
+
+        seat, marker = self.seat()
+        if not self.system_users:
+            folder = kernel_folder(marker[MARKER], seat.name)
+            return private_folder(folder.name) if make else folder
+        import pwd
+
+        account = pwd.getpwnam(self.user.name)
+        folder = kernel_folder(marker[MARKER], seat.name, account.pw_uid)
+        return private_folder(folder.name, account.pw_uid, account.pw_gid) if make else folder
+
     async def start(self):
         self.notebook_dir = str(self.seat()[0].folder)
-        return await super().start()
+        self._kernel_folder(make=True)
+        log = Path(self.plan_file).parent / "logs" / f"{self.user.name}.log"
+        log.parent.mkdir(exist_ok=True)
+        with open(log, "ab") as out:  # the server keeps its own copy of the descriptor
+            self.popen_kwargs = {**self.popen_kwargs, "stdout": out, "stderr": subprocess.STDOUT}
+            return await super().start()
 
 
 def landing_page(handler) -> str:
