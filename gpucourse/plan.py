@@ -12,13 +12,16 @@ real runs here — and timed with a simple model:
   checkpointing one more forward, 8·N + 16·L·C·T; spread over the G GPUs at
   ``efficiency`` × the GPU's peak (default: its ``achievable`` share, see :mod:`gpucourse.gpus`; a
   mixture of experts: N its active parameters);
-- **bubble**: a pipeline of p stages and m microbatches idles (p−1)/m of its
-  compute time (1F1B and GPipe alike);
+- **bubble**: a pipeline of p stages and m microbatches idles the share of its
+  compute time that its schedule leaves idle, as ``gpucourse schedule`` lays it
+  out (:func:`bubble_ratio`): (p−1)/m for GPipe and 1F1B, (p−1)/(v·m) for
+  interleaved 1F1B with v chunks per rank, less for the zero-bubble schedules;
 - **tensor-parallel communication**: per block and microbatch, two all-reduces
-  forward and two backward of the microbatch's activations (b·T·C values),
-  ring cost 2(tp−1)/tp of the payload, at the intra-node bandwidth;
-- **pipeline communication**: each microbatch's activation crosses each stage
-  boundary forward and its gradient backward;
+  forward and two backward of the activations a rank holds (b·T/cp·C values:
+  with context parallelism each rank has only its T/cp tokens), ring cost
+  2(tp−1)/tp of the payload, at the intra-node bandwidth;
+- **pipeline communication**: each microbatch's activation (again T/cp tokens a
+  rank) crosses each stage boundary forward and its gradient backward;
 - **data-parallel communication**: one all-reduce of the gradients per step
   (ZeRO-1/2: reduce-scatter plus all-gather, the same volume; ZeRO-3 gathers
   the weights once more for backward: 1.5×), at the intra-node bandwidth when
@@ -53,6 +56,7 @@ multiple of 8 heads, so that tensor parallelism of 2, 4 or 8 divides the heads.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from .cluster import Cluster
@@ -131,6 +135,30 @@ def attention_flops(n_layer: int, n_embd: int, seq_len: int, recompute: bool = F
     return (16 if recompute else 12) * n_layer * n_embd * seq_len
 
 
+@functools.lru_cache(maxsize=512)
+def bubble_ratio(schedule: str, pp: int, m: int, v: int = 2) -> float:
+    """Idle over compute time of a pipeline ``schedule`` of ``pp`` stages and ``m`` microbatches: what
+    ``gpucourse schedule`` prints as Megatron-LM's bubble (a backward twice a forward, split evenly into B and W
+    where the schedule splits it; transfers free). ``v``: chunks per rank of interleaved-1f1b.
+
+    For gpipe, 1f1b and interleaved-1f1b the clock gives exactly the papers' formulas, (p−1)/m and
+    (p−1)/(v·m) (tests/test_schedules.py lays them out on many shapes), so those are used as they are: a
+    planner sizes hundreds of layouts. The others are laid out on the clock, once per shape.
+    """
+    from .parallel import schedules, schedules_virtual
+
+    if pp == 1:
+        return 0.0
+    if schedule in ("gpipe", "1f1b"):
+        return schedules.formula_bubble_ratio(schedule, pp, m)
+    if schedule == "interleaved-1f1b":
+        return schedules_virtual.formula_bubble_ratio(schedule, pp, m, v)
+    if schedule in schedules.SCHEDULES:
+        return schedules.simulate(schedules.build(schedule, pp, m), pp, m, 1.0, 2.0, 0.0).bubble_ratio
+    ops, layout = schedules_virtual.build(schedule, pp, m, v)
+    return schedules_virtual.simulate(ops, layout, m, 1.0, 1.0, 1.0, 0.0).bubble_ratio
+
+
 def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, efficiency: float | None = None) -> dict:
     """The timing model above for one layout: seconds per step, by part.
 
@@ -148,8 +176,9 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
     flops += attention_flops(mc.n_layer, mc.n_embd, cfg.seq_len, cfg.checkpoint_activations) * tokens
     compute = cluster.compute_s(flops / cfg.world_size, precision=cfg.precision, efficiency=efficiency)
     m = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
-    bubble = compute * (cfg.pp - 1) / m if cfg.pp > 1 else 0.0
+    bubble = compute * bubble_ratio(cfg.schedule, cfg.pp, m, cfg.virtual_stages) if cfg.pp > 1 else 0.0
     micro_tokens = tokens // (cfg.dp * m)
+    local_tokens = micro_tokens / cfg.cp  # what one rank of a context-parallel group holds and sends
     # One group of each kind, as the runtime numbers ranks: rank = ((stage·dp + d)·cp + c)·tp + t.
     tp_group = range(cfg.tp)
     cp_neighbours = (0, cfg.tp)
@@ -162,15 +191,15 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
 
     tp_comm = pp_comm = cp_comm = ep_comm = dp_comm = 0.0
     if cfg.tp > 1:  # per block and microbatch: two all-reduces forward, two backward
-        tp_comm = 4 * (mc.n_layer / cfg.pp) * m * cost("all_reduce", micro_tokens * mc.n_embd * elem, tp_group)
+        tp_comm = 4 * (mc.n_layer / cfg.pp) * m * cost("all_reduce", local_tokens * mc.n_embd * elem, tp_group)
     if cfg.pp > 1:  # each microbatch's activation forward and its gradient back
-        pp_comm = 2 * m * cost("send", micro_tokens * mc.n_embd * elem, stage_neighbours)
+        pp_comm = 2 * m * cost("send", local_tokens * mc.n_embd * elem, stage_neighbours)
     if cfg.cp > 1:
-        block = 2 * micro_tokens / cfg.cp * mc.n_embd / cfg.tp * elem  # a rank's K and V of one microbatch
+        block = 2 * local_tokens * mc.n_embd / cfg.tp * elem  # a rank's K and V of one microbatch
         cp_comm = (mc.n_layer / cfg.pp) * m * (3 * (cfg.cp - 1) + cfg.cp) * cost("send", block, cp_neighbours)
     if cfg.ep > 1:  # per MoE block and microbatch: dispatch and combine forward, both again backward
         blocks = sum(mc.is_moe(i) for i in range(mc.n_layer)) / cfg.pp
-        rows = micro_tokens / cfg.cp * mc.moe_top_k * mc.n_embd * elem
+        rows = local_tokens * mc.moe_top_k * mc.n_embd * elem
         ep_comm = blocks * m * 4 * cost("all_to_all", rows, ep_group)
     experts = _expert_params(mc) if cfg.ep > 1 else 0  # averaged over their dp/ep replicas instead
     if len(replicas) > 1:

@@ -84,3 +84,33 @@ def test_a_kernel_outside_a_server_gets_ipc_and_a_short_folder(short_tmp, tmp_pa
     lab.execute(nb, tmp_path / "transport.ipynb", kernels, name="gpucourse-course", smoke=False, cell_timeout=120)
     assert nb.cells[0].outputs[0]["text"].strip() == "ipc"
     assert not list(short_tmp.glob(f"gpucourse-{os.getuid()}/kernels/*")), "the kernel left its sockets behind"
+
+
+def test_a_kernel_killed_outright_starts_again_on_its_own_sockets(short_tmp):
+    """A kernel that dies leaves its socket files behind; restarted, it binds them again and answers."""
+    import signal
+
+    from jupyter_client.manager import KernelManager
+
+    km = KernelManager(kernel_name="python3", **kernel_sockets.kernel_manager_options(short_tmp))
+    km.start_kernel()
+    try:
+        for attempt in range(2):
+            client = km.client()
+            client.start_channels()
+            try:
+                client.wait_for_ready(timeout=60)
+                reply = client.execute_interactive("x = 6 * 7", timeout=60)
+                assert reply["content"]["status"] == "ok"
+            finally:
+                client.stop_channels()
+            sockets = sorted(p.name for p in short_tmp.glob("kernel-*-ipc-*"))
+            assert len(sockets) == 5, sockets  # shell, iopub, stdin, control, heartbeat: files, no TCP port
+            if attempt == 0:
+                os.kill(km.provisioner.process.pid, signal.SIGKILL)
+                km.provisioner.process.wait()
+                assert sorted(p.name for p in short_tmp.glob("kernel-*-ipc-*")) == sockets  # left behind
+                km.restart_kernel(now=True)
+    finally:
+        km.shutdown_kernel(now=True)
+    assert not list(short_tmp.glob("kernel-*")), "shutting down leaves no socket or connection file"

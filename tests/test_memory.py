@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import json
+
 import pytest
 import torch
 
@@ -228,3 +230,51 @@ def test_the_planner_counts_attentions_flops_which_rule_long_sequences():
     from gpucourse.plan import shape_for_params
     shape = shape_for_params(70e9)
     assert round(100 * attention_flops(shape["n_layer"], shape["n_embd"], 4096) / (6 * 70e9)) == 8
+
+
+def _layout(**layout):
+    """A 70 B-like shape at 32 k tokens, with ``layout`` (dp, tp, pp, cp, schedule, ...)."""
+    return TrainConfig(model="gpt2-small", overrides={"n_layer": 80, "n_embd": 8192, "n_head": 64,
+                                                      "vocab_size": 32000, "block_size": 32768},
+                       seq_len=32768, precision="bf16", master_weights=True, **layout)
+
+
+def test_context_parallelism_divides_what_tensor_and_pipeline_parallelism_move_by_cp():
+    """Each context-parallel rank holds T/cp tokens: its tp all-reduces and pp sends carry T/cp, not T."""
+    from gpucourse.cluster import Cluster
+    from gpucourse.gpus import get_gpu
+    from gpucourse.plan import step_time
+
+    gpu, n = get_gpu("h100"), int(70e9)
+    one = step_time(_layout(tp=8, pp=2, microbatches=4, batch_size=4, sequence_parallel=True), n, gpu, 8)
+    four = step_time(_layout(tp=2, cp=4, pp=2, microbatches=4, batch_size=4, sequence_parallel=True, zigzag=True),
+                     n, gpu, 8)
+    cluster = Cluster(gpu, 8, 2)
+    # Per block and microbatch: four all-reduces of a rank's activations (tokens × width × 2 bytes).
+    for got, tp, cp in ((one, 8, 1), (four, 2, 4)):
+        activations = 32768 / cp * 8192 * 2
+        assert got["tp_comm_s"] == pytest.approx(4 * 40 * 4 * cluster.collective_s("all_reduce", activations,
+                                                                                   range(tp))[0])
+        assert got["pp_comm_s"] == pytest.approx(2 * 4 * cluster.collective_s("send", activations,
+                                                                               (0, tp * cp))[0])
+
+
+@pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2),
+                                         ("interleaved-1f1b", 4), ("zb-h1", 1), ("zbv", 2), ("dualpipev", 2)])
+def test_the_planners_bubble_is_the_schedule_commands(schedule, v, tmp_path, capsys):
+    """plan.step_time charges the bubble `gpucourse schedule` lays out for the same schedule, pp and m."""
+    from gpucourse import cli
+    from gpucourse.gpus import get_gpu
+    from gpucourse.plan import step_time
+
+    pp, m = 4, 8
+    cfg = _layout(tp=8, pp=pp, microbatches=m, batch_size=m, schedule=schedule, virtual_stages=max(v, 2))
+    got = step_time(cfg, int(70e9), get_gpu("h100"), 8)
+    out = tmp_path / "schedule.json"
+    argv = ["schedule", "--schedule", schedule, "--pp", str(pp), "--microbatches", str(m), "--json", str(out)]
+    assert cli.main(argv + (["--virtual-stages", str(v)] if schedule == "interleaved-1f1b" else [])) == 0
+    capsys.readouterr()
+    laid_out = json.loads(out.read_text())["bubble_ratio"]
+    assert got["bubble_s"] / got["compute_s"] == pytest.approx(laid_out)
+    if schedule == "interleaved-1f1b":
+        assert laid_out == pytest.approx((pp - 1) / (v * m))

@@ -12,6 +12,7 @@
         jupyterhub_config.py      generated at every start (see hub.py)
         seats.json                the plan the hub's spawner reads: folder, GPUs, threads per seat
         jupyterhub.sqlite, hub.log, running.json (while it runs)
+        logs/seat01.log           what each seat's server and its kernels say (the report reads it)
       seats/seat01/               one learner's copy of the course: notebooks/, exercises/,
                                   .gpucourse/progress.json — kept by 'stop', resumed by 'start'
 

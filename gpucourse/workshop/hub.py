@@ -34,6 +34,7 @@ from .. import kernel_sockets
 from . import processes
 from .errors import WorkshopError
 from .folder import Workshop, copy_course, write_private
+from .kernels import seat_log, seat_log_tail
 from .plan import INSTRUCTOR, Plan, kernel_folder, seat_names, visible_gpu_ids
 
 DEFAULT_PORT = 8000
@@ -394,13 +395,15 @@ def _wait_until_serving(ws: Workshop, state: dict, plan: Plan, deadline: float, 
     """Wait for the hub, ask it to start every seat's server, and wait until each answers through the proxy."""
     base, token = local_url(state), api_token(ws)
 
-    def check(what: str, condition) -> None:
+    def check(what: str, condition, seat: str | None = None) -> None:
         while not condition():
             if not processes.alive(state["identity"]):
                 raise WorkshopError(f"the hub stopped while {what}; its log, {ws.log_file}, ends with:\n"
                                     + log_tail(ws))
             if time.monotonic() > deadline:
-                raise WorkshopError(f"gave up {what}: the deadline passed; see {ws.log_file}:\n" + log_tail(ws))
+                log, tail = (ws.log_file, log_tail(ws)) if seat is None else (seat_log(ws, seat),
+                                                                           seat_log_tail(ws, seat))
+                raise WorkshopError(f"gave up {what}: the deadline passed; see {log}:\n{tail}")
             time.sleep(0.2)
 
     check("starting", lambda: request(f"{base}/hub/api", timeout=2)[0] == 200)
@@ -415,12 +418,12 @@ def _wait_until_serving(ws: Workshop, state: dict, plan: Plan, deadline: float, 
                 raise WorkshopError(f"the hub did not start {seat.name}'s server (HTTP {status}: {body}).")
     for seat in plan.seats:
         check(f"waiting for {seat.name}'s server",
-              lambda s=seat: request(f"{base}/user/{s.name}/api/status", token, timeout=5)[0] == 200)
+              lambda s=seat: request(f"{base}/user/{s.name}/api/status", token, timeout=5)[0] == 200, seat.name)
         say(f"{seat.name} answers ({seat.describe()})")
 
 
 def log_tail(ws: Workshop, lines: int = 15) -> str:
-    """The last lines of the hub's log (where the hub, the proxy and every seat's server write)."""
+    """The last lines of the hub's log (where the hub and its proxy write; each seat's server has its own)."""
     try:
         return "\n".join(ws.log_file.read_text(errors="replace").splitlines()[-lines:])
     except OSError:

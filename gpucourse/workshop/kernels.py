@@ -3,9 +3,9 @@
 :func:`check` opens a notebook in every seat at the same moment, as a room of
 learners does, through the hub's proxy and each seat's own REST API and
 websocket — the path a browser takes — and in each new kernel runs one cell.
-A seat passes when its kernel answers, runs the cell without being restarted,
-and prints what the cell prints; the kernel is shut down afterwards, leaving
-the seat as it was. ``gpucourse workshop check`` prints the result, and says
+A seat passes when its kernel answers without being restarted and the cell
+prints what it should; the kernel is shut down afterwards, leaving the seat as
+it was. ``gpucourse workshop check`` prints the result, and says
 which seats failed with the last lines of their server's log.
 
 :func:`seat_kernels` is what the class report shows of a seat's kernels, read
