@@ -13,7 +13,9 @@ launch-bound, which is why a toy run scales worse on GPUs than a big one).
 
 **Collectives** follow the α–β model: each algorithm takes some steps of latency
 α and moves some bytes at bandwidth β, the *slowest link* the group crosses —
-NVLink when every member is in one server, the network card when not. For n
+NVLink when every member is in one server, the network cards when not: one per
+GPU, as DGX-class servers have them, so a group with k members in each server
+crosses over k cards at once (NCCL gives each card a channel of its own). For n
 ranks and a payload of S bytes (the tensor of an all-reduce; the whole gathered
 tensor of an all-gather or reduce-scatter):
 
@@ -64,12 +66,23 @@ class Cluster:
         return rank // self.gpus_per_node
 
     def link(self, ranks) -> tuple[str, float, float]:
-        """The slowest link among ``ranks``: (name, bytes/s as NCCL reaches it, latency in s)."""
+        """The slowest link among ``ranks``: (name, bytes/s as NCCL reaches it, latency in s).
+
+        Across servers each GPU has its own network card (DGX-class servers are "rail-optimised": one NIC per
+        GPU), and NCCL spreads a collective over as many channels as there are cards: a group with k members in
+        each server crosses between servers over k cards at once, k × one card's bandwidth, but never faster
+        than the NVLink each member's traffic also takes inside its server.
+        """
         g = self.gpu
-        if len({self.node(r) for r in ranks}) <= 1:
-            return "NVLink" if g.intra_node_GBps >= 100 else "PCIe", \
-                g.intra_node_GBps * 1e9 * g.bus_efficiency, g.intra_node_latency_us * 1e-6
-        return "network", g.inter_node_GBps * 1e9 * g.bus_efficiency, g.inter_node_latency_us * 1e-6
+        per_node: dict[int, int] = {}
+        for r in ranks:
+            per_node[self.node(r)] = per_node.get(self.node(r), 0) + 1
+        intra = g.intra_node_GBps * 1e9 * g.bus_efficiency
+        if len(per_node) <= 1:
+            return "NVLink" if g.intra_node_GBps >= 100 else "PCIe", intra, g.intra_node_latency_us * 1e-6
+        cards = min(per_node.values())
+        return ("network", min(intra, cards * g.inter_node_GBps * 1e9 * g.bus_efficiency),
+                g.inter_node_latency_us * 1e-6)
 
     def compute_s(self, flops: float, nbytes: float = 0.0, kernels: int = 0, precision: str = "bf16",
                   efficiency: float | None = None) -> float:
