@@ -78,7 +78,7 @@ import torch.distributed as dist
 
 from . import comm
 from .config import ConfigError, TrainConfig
-from .measure import write_atomic
+from .files import write_atomic
 
 FAULT_ENV = "GPUCOURSE_FAULT"
 META = "meta.json"

@@ -14,6 +14,7 @@ import sys
 import textwrap
 
 from .config import ConfigError, TrainConfig, supported_table
+from .files import write_atomic
 from .parallel.schedules import SCHEDULES
 from .readable import human_bytes
 from .runtime.launcher import (LaunchError, LaunchTimeout, WorkerError, check_in_place_world, in_place,
@@ -298,7 +299,6 @@ def cmd_troubleshoot(args) -> int:
 
 
 def cmd_schedule(args) -> int:
-    from .measure import write_atomic
     from .parallel import schedules, schedules_virtual
 
     known = [*schedules.SCHEDULES, *schedules_virtual.SCHEDULES]
@@ -370,8 +370,6 @@ def cmd_schedule(args) -> int:
 
 def _write_json(path: str | None, data) -> None:
     if path:
-        from .measure import write_atomic
-
         write_atomic(path, json.dumps(data, indent=1, default=str))
         print(f"  written to {path}")
 
@@ -550,8 +548,6 @@ def cmd_tour(args) -> int:
 
 def cmd_grade(args) -> int:
     from .grading import core, report, runner
-    from .measure import write_atomic
-
     for flag, value in (("--timeout", args.timeout), ("--memory-gb", args.memory_gb)):
         if value <= 0:
             raise UsageError(f"{flag} {value:g} must be more than 0.")

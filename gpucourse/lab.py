@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from . import kernel_sockets
-from .measure import write_atomic
+from .files import write_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"

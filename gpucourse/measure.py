@@ -20,12 +20,13 @@ import dataclasses
 import json
 import os
 import socket
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .files import write_atomic
 
 SPAN_KINDS = ("forward", "backward", "comm", "optimizer", "idle", "step")
 
@@ -348,21 +349,6 @@ def optimizer_state_bytes(optimizer) -> int:
     """
     return tensor_bytes(v for state in optimizer.state.values() for v in state.values()
                         if torch.is_tensor(v) and v.dim() > 0)
-
-
-def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def merge(config: dict, rank_outputs: list[dict], device: str, backend: str) -> RunResult:

@@ -8,7 +8,7 @@ progress`` prints :func:`format_summary`.
 Two notebooks may record at the same moment. Each change is therefore a
 read-modify-write done while holding an exclusive lock (``fcntl.flock`` on
 ``progress.json.lock`` next to the file), and the new content replaces the old
-in one rename (:func:`gpucourse.measure.write_atomic`): no record is lost, and
+in one rename (:func:`gpucourse.files.write_atomic`): no record is lost, and
 a crash mid-write leaves the previous file whole.
 """
 
@@ -20,6 +20,8 @@ import json
 import os
 from datetime import datetime
 from pathlib import Path
+
+from .files import write_atomic
 
 ENV_VAR = "GPUCOURSE_PROGRESS"
 FORMAT = 1
@@ -71,8 +73,6 @@ def _locked():
 @contextlib.contextmanager
 def _update():
     """Read the record under the lock, let the caller change it, write it back atomically."""
-    from .measure import write_atomic
-
     with _locked() as path:
         data = _read(path)
         yield data

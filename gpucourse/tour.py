@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ConfigError, TrainConfig, supported
+from .files import write_atomic
 from .runtime import LaunchError, LaunchTimeout, WorkerError, plan_device, visible_gpus
 from .runtime.launcher import preimport
 
@@ -260,8 +261,6 @@ def main(quick: bool = False, out: str | None = "gpucourse-tour.html", device: s
     ``bandwidth`` rows (``{op, bytes, algbw_GBps, busbw_GBps}``) are drawn
     instead of measuring a small sweep on 2 ranks.
     """
-    from .measure import write_atomic
-
     start = time.perf_counter()
     rows = run_tour(quick=quick, only=only, device=device)
     print(format_table(rows), flush=True)

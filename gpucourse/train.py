@@ -18,7 +18,8 @@ import torch
 
 from . import checkpoint, comm, data, profiling
 from .config import TrainConfig
-from .measure import Recorder, RunResult, merge, write_atomic
+from .files import write_atomic
+from .measure import Recorder, RunResult, merge
 from .model import MoE, blocks_of, build_model
 from .parallel import parallelize
 from .runtime import current, launch, report

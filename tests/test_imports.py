@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gpucourse"
 
 # The core trains and measures; it imports only torch and itself (DESIGN.md, "Layers").
-CORE = ("config", "model", "data", "optim", "comm", "measure", "runtime", "parallel", "train",
+CORE = ("config", "model", "data", "optim", "comm", "measure", "files", "runtime", "parallel", "train",
         "checkpoint", "profiling", "readable", "clock")
 TOOLS = ("bench", "tour", "troubleshoot", "viz", "cli", "lab", "kernel_sockets", "grading", "quiz", "workshop")
 
@@ -165,3 +166,17 @@ def test_no_private_name_is_reached_through_another_module():
 def test_the_cycle_finder_finds_a_planted_cycle(monkeypatch, planted, expected):
     monkeypatch.setattr(sys.modules[__name__], "GRAPH", planted)
     assert _cycles() == expected
+
+
+# What runs without torch: a workshop's hub (its spawner, dashboard and reports), the lab server's helper, the
+# progress file and the quiz, and writing a file whole. Each pays seconds and hundreds of MB for importing torch.
+TORCH_FREE = ("gpucourse.files", "gpucourse.kernel_sockets", "gpucourse.lab", "gpucourse.progress", "gpucourse.quiz",
+              "gpucourse.workshop.hub", "gpucourse.workshop.spawner", "gpucourse.workshop.dashboard",
+              "gpucourse.workshop.report", "gpucourse.workshop.kernels")
+
+
+def test_the_hub_the_lab_and_the_progress_file_import_without_torch():
+    code = f"import sys\nfor m in {TORCH_FREE!r}:\n    __import__(m)\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"

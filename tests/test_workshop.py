@@ -325,7 +325,7 @@ def test_the_report_names_a_seat_whose_kernel_died_until_one_starts_again(tmp_pa
     ws.hub_dir.mkdir()
     folders = {n: tmp_path / "seats" / n for n in plan.seat_names(2)}
     ws.save_plan(plan.make_plan(folders, [], cores=2), processes.marker_env("x"))
-    log = kernels.seat_log(ws, "seat02")
+    log = ws.seat_log("seat02")
     log.parent.mkdir()
     seen = []
     for text in (KERNEL_LOG, KERNEL_GAVE_UP, KERNEL_AGAIN):

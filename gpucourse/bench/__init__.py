@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import TrainConfig
-from ..measure import write_atomic
+from ..files import write_atomic
 from ..readable import human_bytes
 from ..runtime import launch
 from ..runtime.launcher import plan_device, preimport, visible_gpus

@@ -33,7 +33,7 @@ import sys
 import time
 import uuid
 
-from ..measure import write_atomic
+from ..files import write_atomic
 from ..runtime import collective_status
 from . import core, source, wire
 from .results import describe_exception, static_result

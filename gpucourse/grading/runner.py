@@ -25,7 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from ..measure import write_atomic
+from ..files import write_atomic
 from . import core
 from .report import gradescope
 from .results import static_result

@@ -28,6 +28,8 @@ import random
 import re
 from importlib import resources
 
+from ..files import write_atomic
+
 TOPICS = {
     "distributed-setups": "multi-GPU and distributed setups: collectives, interconnects, launchers",
     "parallelism": "parallelism techniques: data, ZeRO/FSDP, pipeline, tensor, hybrids",
@@ -271,8 +273,6 @@ def grade(question: dict, response) -> tuple[bool, str]:
 
 def export_bank(path, topic: str | None = None) -> int:
     """Write the whole bank (or one ``topic``) to ``path`` as JSON, atomically; return how many questions."""
-    from ..measure import write_atomic
-
     questions = load_bank(topic)
     write_atomic(path, json.dumps({"format": 1, "topics": TOPICS, "questions": questions},
                                   indent=1, ensure_ascii=False) + "\n")

@@ -20,7 +20,7 @@ from pathlib import Path
 from ..grading import core
 from ..grading.report import gradescope as gradescope_json
 from ..grading.runner import DEFAULT_TIMEOUT_S, grade_class, results_folder
-from ..measure import write_atomic
+from ..files import write_atomic
 from .errors import WorkshopError
 from .folder import Workshop
 

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from datetime import datetime
 from pathlib import Path
 
+from ..files import write_atomic
 from .errors import WorkshopError
 from .plan import Plan, Seat, make_plan
 
@@ -35,6 +37,8 @@ COURSE = ("notebooks", "exercises")  # what each seat gets a copy of
 FORMAT = 1
 ENV_VAR = "GPUCOURSE_WORKSHOP"
 SYSTEM_COURSE_FOLDER = "gpucourse-workshop"  # in each real account's home, with --users
+# A Jupyter server's line for one HTTP request it answered ("[I 2026-12-04 09:00:01.123 ServerApp] 200 GET /…").
+_ACCESS_LINE = re.compile(r"^\[\w \S+ \S+ \w+\] (\d{3} [A-Z]+ /|wrote error: )")
 
 
 def default_dir() -> Path:
@@ -74,6 +78,19 @@ class Workshop:
     def log_file(self) -> Path:
         return self.hub_dir / "hub.log"
 
+    def seat_log(self, seat: str) -> Path:
+        """Where ``seat``'s JupyterLab (and the kernels it starts) write."""
+        return self.hub_dir / "logs" / f"{seat}.log"
+
+    def seat_log_tail(self, seat: str, lines: int = 12) -> str:
+        """The last lines of a seat's server log, without its requests' access lines (they push out what
+        matters)."""
+        try:
+            text = self.seat_log(seat).read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join([line for line in text.splitlines() if not _ACCESS_LINE.match(line)][-lines:])
+
     def exists(self) -> bool:
         return self.settings_file.is_file()
 
@@ -90,8 +107,6 @@ class Workshop:
             raise WorkshopError(f"{self.settings_file} is not valid JSON ({e}); fix or remove it.") from None
 
     def save_settings(self, settings: dict) -> None:
-        from ..measure import write_atomic
-
         write_atomic(self.settings_file, json.dumps(settings, indent=1) + "\n")
 
     @staticmethod
@@ -120,8 +135,6 @@ class Workshop:
                     data["notes"])
 
     def save_plan(self, plan: Plan, marker: dict[str, str]) -> None:
-        from ..measure import write_atomic
-
         seats = [{"name": s.name, "folder": str(s.folder), "gpus": list(s.gpus), "threads": s.threads}
                  for s in plan.seats]
         write_atomic(self.plan_file, json.dumps({"seats": seats, "notes": plan.notes, "marker": marker}, indent=1))
@@ -151,8 +164,6 @@ def copy_course(folder: Path, owner: tuple[int, int] | None = None) -> bool:
 
 def write_private(path: Path, text: str) -> None:
     """Write a secret: its folder and the file are readable by their owner only."""
-    from ..measure import write_atomic
-
     path.parent.mkdir(parents=True, exist_ok=True)
     os.chmod(path.parent, 0o700)
     write_atomic(path, text)  # a fresh temporary file is created 0600

@@ -34,7 +34,6 @@ from .. import kernel_sockets
 from . import processes
 from .errors import WorkshopError
 from .folder import Workshop, copy_course, write_private
-from .kernels import seat_log, seat_log_tail
 from .plan import INSTRUCTOR, Plan, kernel_folder, seat_names, visible_gpu_ids
 
 DEFAULT_PORT = 8000
@@ -401,8 +400,8 @@ def _wait_until_serving(ws: Workshop, state: dict, plan: Plan, deadline: float, 
                 raise WorkshopError(f"the hub stopped while {what}; its log, {ws.log_file}, ends with:\n"
                                     + log_tail(ws))
             if time.monotonic() > deadline:
-                log, tail = (ws.log_file, log_tail(ws)) if seat is None else (seat_log(ws, seat),
-                                                                           seat_log_tail(ws, seat))
+                log, tail = ((ws.log_file, log_tail(ws)) if seat is None
+                             else (ws.seat_log(seat), ws.seat_log_tail(seat)))
                 raise WorkshopError(f"gave up {what}: the deadline passed; see {log}:\n{tail}")
             time.sleep(0.2)
 

@@ -35,7 +35,6 @@ CHECK_NOTEBOOK = "notebooks/kernel-check.ipynb"  # the session's path: never wri
 _STARTED = re.compile(r"^\[I (\S+ \S+) \w+\] Kernel started: ([0-9a-f-]{36})")
 _DIED = re.compile(r"^\[W (\S+ \S+) \w+\] Kernel ([0-9a-f-]{36}) died, removing from map")
 _RESTARTING = re.compile(r"^\[I (\S+ \S+) \w+\] \w*KernelRestarter: restarting kernel \((\d+)/(\d+)\)")
-_ACCESS = re.compile(r"^\[\w \S+ \S+ \w+\] (\d{3} [A-Z]+ /|wrote error: )")
 _RESTARTED = re.compile(r"^\[W (\S+ \S+) \w+\] kernel ([0-9a-f-]{36}) restarted")
 
 
@@ -201,7 +200,7 @@ def check(root=None, seats: list[str] | None = None, rounds: int = 1, timeout: f
         for r in results:
             if not r["ok"]:
                 failed.setdefault(r["seat"], []).append(r["problem"])
-    return {"rounds": every_round, "failed": failed, "logs": {s: seat_log_tail(ws, s) for s in failed}}
+    return {"rounds": every_round, "failed": failed, "logs": {s: ws.seat_log_tail(s) for s in failed}}
 
 
 def format_check(found: dict) -> str:
@@ -221,20 +220,6 @@ def format_check(found: dict) -> str:
 
 
 # --- what a seat's server says about its kernels ------------------------------------------------------------
-
-def seat_log(ws: Workshop, seat: str) -> Path:
-    """Where ``seat``'s JupyterLab (and the kernels it starts) write: ``hub/logs/<seat>.log``."""
-    return ws.hub_dir / "logs" / f"{seat}.log"
-
-
-def seat_log_tail(ws: Workshop, seat: str, lines: int = 12) -> str:
-    """The last lines of a seat's server log, without its requests' access lines (they push out what matters)."""
-    try:
-        text = seat_log(ws, seat).read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join([line for line in text.splitlines() if not _ACCESS.match(line)][-lines:])
-
 
 def kernel_history(log_text: str) -> dict:
     """What a seat's log says of its kernels: ``{"started": time of the last start, "died": [(time, kernel id),
@@ -264,7 +249,7 @@ def seat_kernels(ws: Workshop, seat: str) -> dict:
     problem until a kernel starts in that seat again; so is a restart under way.
     """
     try:
-        text = seat_log(ws, seat).read_text(errors="replace")
+        text = ws.seat_log(seat).read_text(errors="replace")
     except OSError:
         text = ""
     history = kernel_history(text)
@@ -280,4 +265,4 @@ def seat_kernels(ws: Workshop, seat: str) -> dict:
         problem = (f"a kernel died at {last_death[:19]} and could not be restarted, and none has started since: "
                    f"the learner's notebook has no kernel (Kernel → Restart Kernel starts a new one)")
     return {"state": state, "died": len(history["died"]), "restarts": history["restarts"], "problem": problem,
-            "log": seat_log_tail(ws, seat) if problem else None}
+            "log": ws.seat_log_tail(seat) if problem else None}

@@ -205,7 +205,7 @@ def format_report(report: dict) -> str:
         for s in trouble:
             lines.append(textwrap.fill(f"{s['name']}: {s['kernels']['problem']}", 110, initial_indent="  ",
                                        subsequent_indent=" " * 6))
-            lines.append(f"    its server's log ends with:")
+            lines.append("    its server's log ends with:")
             lines += [f"      {line}" for line in s["kernels"]["log"].splitlines()]
         lines.append("")
     if report["common_failures"]:
