@@ -20,6 +20,17 @@ LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 
 
+# Run in a kernel: how it reaches its server, and how many TCP ports it listens on besides ipykernel's pipe for
+# forked processes' output (which zmq binds at once, never picked first and bound later). Over IPC: "ipc tcp
+# ports 0", so no other Jupyter server on the machine can be handed one of them.
+KERNEL_TRANSPORT = ("import json, sys, psutil\n"
+                    "from ipykernel.connect import get_connection_info\n"
+                    "pipe = getattr(sys.stdout.pub_thread, '_pipe_port', None)\n"
+                    "ports = [c.laddr.port for c in psutil.Process().net_connections('inet')\n"
+                    "         if c.status == 'LISTEN' and c.laddr.port != pipe]\n"
+                    "print(json.loads(get_connection_info())['transport'], 'tcp ports', len(ports))")
+
+
 def free_port() -> int:
     """A TCP port nobody listens on right now (the OS picks it: bind port 0)."""
     with socket.socket() as s:

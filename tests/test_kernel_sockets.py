@@ -114,3 +114,28 @@ def test_a_kernel_killed_outright_starts_again_on_its_own_sockets(short_tmp):
     finally:
         km.shutdown_kernel(now=True)
     assert not list(short_tmp.glob("kernel-*")), "shutting down leaves no socket or connection file"
+
+
+@pytest.mark.timeout(300)
+def test_two_labs_started_at_once_run_their_kernels_over_ipc(tmp_path):
+    """One learner's two `gpucourse lab` (LabServer runs its command line): started side by side, a kernel opened in
+    each in the same moment runs over Unix sockets and listens on no TCP port a neighbour could be handed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpucourse.workshop import kernels
+    from procs import KERNEL_TRANSPORT
+
+    servers = [lab.LabServer(tmp_path / name) for name in ("a", "b")]
+    for server in servers:
+        server.root.mkdir()
+        (server.root / "notebooks").mkdir()  # where the check's session puts its kernel
+        server.token = servers[0].token  # one token, so one request shape for both
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda s: s.__enter__(), servers))
+        found = kernels.open_all_at_once({f"lab{i}": f"http://127.0.0.1:{s.port}/api" for i, s in enumerate(servers)},
+                                         servers[0].token, KERNEL_TRANSPORT, "ipc tcp ports 0", timeout=120)
+        assert [r["problem"] for r in found] == [None, None], found
+    finally:
+        for server in servers:
+            server.__exit__(None, None, None)

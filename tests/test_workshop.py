@@ -29,7 +29,7 @@ from gpucourse import cli, lab, progress
 from gpucourse.workshop import auth, dashboard, hub, kernels, plan, processes, report
 from gpucourse.workshop.errors import WorkshopError
 from gpucourse.workshop.folder import Workshop
-from procs import free_port
+from procs import KERNEL_TRANSPORT, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SOLVED_EX01 = next((REPO / "solutions").glob("ex01_*.py"))
@@ -451,6 +451,7 @@ def test_a_real_workshop_from_start_to_stop(tmp_path, capsys):
             instructor.wait_for_url("**/services/dashboard/**")
             row = instructor.locator("#seat-seat01").inner_text()
             assert "1/13 passed" in row and "ex01 ✔" in row, row
+            assert instructor.locator("#seat-seat01 td").nth(3).inner_text() == "ok"  # its kernel started, none died
             assert "0/13 passed" in instructor.locator("#seat-seat02").inner_text()
         assert cli.main(["workshop", "status", "--dir", str(root)]) == 0
         status = capsys.readouterr().out
@@ -485,15 +486,6 @@ def test_a_real_workshop_from_start_to_stop(tmp_path, capsys):
 # --- a class opening its first notebook in the same second -----------------------------------------------------
 
 STRESS_SEATS, STRESS_ROUNDS = 6, 10
-# Run in each seat's kernel: how it reaches its server, and which TCP ports it listens on besides ipykernel's pipe
-# for forked processes' output (which zmq binds at once, never picked first and bound later). With IPC: none, so
-# no other seat's server can be handed one of them.
-TRANSPORT_CELL = ("import json, sys, psutil\n"
-                  "from ipykernel.connect import get_connection_info\n"
-                  "pipe = getattr(sys.stdout.pub_thread, '_pipe_port', None)\n"
-                  "ports = [c.laddr.port for c in psutil.Process().net_connections('inet')\n"
-                  "         if c.status == 'LISTEN' and c.laddr.port != pipe]\n"
-                  "print(json.loads(get_connection_info())['transport'], 'tcp ports', len(ports))")
 NO_KERNEL = "this seat's kernels exit as they start"
 
 
@@ -506,7 +498,7 @@ def test_six_seats_open_a_notebook_in_the_same_second_ten_times(tmp_path, capsys
     root = tmp_path / "ws"
     hub.start(root, seats=STRESS_SEATS, gpus=[], port=free_port())
     try:
-        found = kernels.check(root, rounds=STRESS_ROUNDS, code=TRANSPORT_CELL, expect="ipc tcp ports 0")
+        found = kernels.check(root, rounds=STRESS_ROUNDS, code=KERNEL_TRANSPORT, expect="ipc tcp ports 0")
         assert found["failed"] == {}, kernels.format_check(found)
         assert [len(r) for r in found["rounds"]] == [STRESS_SEATS] * STRESS_ROUNDS
         ready = sorted(r["ready_s"] for results in found["rounds"] for r in results)

@@ -73,9 +73,10 @@ async def _talk(ws, request: dict, deadline: float, restarts: list[str]) -> tupl
     return reply, "".join(printed)
 
 
-async def _one_seat(base: str, seat: str, token: str, code: str, expect: str | None, timeout: float,
-                    kernel: str) -> dict:
-    """Open a notebook session in ``seat``, wait for its kernel, run ``code``, shut the kernel down."""
+async def _one_server(seat: str, api: str, token: str, code: str, expect: str | None, timeout: float,
+                      kernel: str) -> dict:
+    """Open a notebook session on the Jupyter server whose REST API is at ``api`` (``seat``'s), wait for its
+    kernel, run ``code``, shut the kernel down."""
     from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
     from tornado.websocket import websocket_connect
 
@@ -83,7 +84,6 @@ async def _one_seat(base: str, seat: str, token: str, code: str, expect: str | N
     deadline = t0 + timeout
     left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
     headers = {"Authorization": f"token {token}"}
-    api = f"{base}/user/{seat}/api"
     client = AsyncHTTPClient(force_instance=True)
     result = {"seat": seat, "ok": False, "seconds": None, "ready_s": None, "output": "", "restarts": 0,
               "problem": None}
@@ -151,17 +151,20 @@ async def _one_seat(base: str, seat: str, token: str, code: str, expect: str | N
     return result
 
 
-def open_all_at_once(base: str, seats: list[str], token: str, code: str = CELL, expect: str | None = ANSWER,
+def open_all_at_once(servers: dict[str, str], token: str, code: str = CELL, expect: str | None = ANSWER,
                      timeout: float = KERNEL_TIMEOUT_S, kernel: str = "python3") -> list[dict]:
-    """One kernel per seat, all asked for in the same moment; each runs ``code``. One dict per seat, in order:
-    ``{"seat", "ok", "seconds", "ready_s" (until the kernel answered), "output", "restarts", "problem"}``.
+    """One kernel on each Jupyter server, all asked for in the same moment; each runs ``code``. One dict per
+    server, in order: ``{"seat", "ok", "seconds", "ready_s" (until the kernel answered), "output", "restarts",
+    "problem"}``.
 
-    ``base`` is the hub's address on this machine, ``token`` one allowed to
-    reach every seat's server (``access:servers``); ``expect``, when given, is
-    what the cell must print.
+    ``servers``: a name for each server (a seat) and its REST API's address
+    (``http://127.0.0.1:8000/user/seat01/api`` through a hub);
+    ``token``: one every server accepts (a hub's with ``access:servers``);
+    ``expect``, when given, is what the cell must print.
     """
     async def every_seat():
-        return await asyncio.gather(*(_one_seat(base, s, token, code, expect, timeout, kernel) for s in seats))
+        return await asyncio.gather(*(_one_server(name, api, token, code, expect, timeout, kernel)
+                                      for name, api in servers.items()))
 
     return asyncio.run(every_seat())
 
@@ -194,7 +197,8 @@ def check(root=None, seats: list[str] | None = None, rounds: int = 1, timeout: f
         raise WorkshopError(f"--timeout {timeout:g} must be more than 0.")
     every_round, failed = [], {}
     for _ in range(rounds):
-        results = open_all_at_once(hub.local_url(state), names, hub.api_token(ws), code, expect,
+        base = hub.local_url(state)
+        results = open_all_at_once({s: f"{base}/user/{s}/api" for s in names}, hub.api_token(ws), code, expect,
                                    timeout or KERNEL_TIMEOUT_S)
         every_round.append(results)
         for r in results:
