@@ -76,11 +76,29 @@ def private_folder(name: str, uid: int | None = None, gid: int | None = None) ->
                 os.chown(level, owner, os.getgid() if gid is None else gid)
         except FileExistsError:
             pass
-        info = level.lstat()
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != owner or info.st_mode & 0o077:
-            raise KernelSocketError(f"{level} is not a private folder of user {owner} (a folder owned by it, "
-                                    f"mode 0700); remove it, and kernels' sockets will be made there again.")
+    problem = unusable(folder, uid)
+    if problem:
+        raise KernelSocketError(problem)
     return folder
+
+
+def unusable(folder: Path, uid: int | None = None) -> str | None:
+    """Why ``folder`` (from :func:`private_folder_path`) cannot hold ``uid``'s kernels' sockets, in one sentence; None
+    when it can or does not exist yet. Its parent, or itself, owned by another account or open to others is refused:
+    another account could then read or replace the sockets."""
+    owner = os.getuid() if uid is None else uid
+    if not fits(folder):
+        return (f"kernels' sockets in {folder} would have paths too long for a Unix socket; make /tmp writable, or "
+                f"set TMPDIR to a short folder.")
+    for level in (folder.parent, folder):
+        try:
+            info = level.lstat()
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != owner or info.st_mode & 0o077:
+            return (f"{level} is not a private folder of user {owner} (a folder owned by it, mode 0700); remove "
+                    f"it, and kernels' sockets will be made there again.")
+    return None
 
 
 def runtime_folder(default: str | os.PathLike, name: str) -> Path | None:

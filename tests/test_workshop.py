@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import os
 import re
 import shutil
 import socket
@@ -228,9 +229,34 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path, capsys, monkeypat
     monkeypatch.setattr(hub.importlib.util, "find_spec", lambda name: None)
     assert "JupyterHub is not installed in this Python; 'make workshop-deps'" in \
         _refused(capsys, ["workshop", "start", "--seats", "2", *where])
-    for action in (["collect", "--out", str(tmp_path / "g.csv")], ["status"], ["stop"]):
+    for action in (["collect", "--out", str(tmp_path / "g.csv")], ["status"], ["check"], ["stop"]):
         assert f"no workshop in {root}" in _refused(capsys, ["workshop", *action, *where])
     assert not root.exists() and not (tmp_path / "g.csv").exists()
+
+
+def test_a_kernel_folder_too_deep_or_open_to_others_is_refused_before_anything_starts(tmp_path, capsys, monkeypatch):
+    """Kernels' sockets go under /tmp/gpucourse-<uid>/: a base too deep for a socket's path, or a folder other
+    accounts can open, is refused in one sentence and nothing starts."""
+    import tempfile
+
+    from gpucourse import kernel_sockets
+
+    monkeypatch.setenv("GPUCOURSE_PROXY", shutil.which("true"))
+    root = tmp_path / "ws"
+    start = ["workshop", "start", "--seats", "2", "--port", str(free_port()), "--dir", str(root)]
+    monkeypatch.setattr(kernel_sockets, "_base", lambda: tmp_path / ("deep" * 10))
+    assert "seat01: kernels' sockets in " in _refused(capsys, start) and "too long for a Unix socket" in \
+        _refused(capsys, start)
+    short = Path(tempfile.mkdtemp(dir="/tmp", prefix="gc-"))
+    try:
+        monkeypatch.setattr(kernel_sockets, "_base", lambda: short)
+        shared = short / f"gpucourse-{os.getuid()}"
+        shared.mkdir()
+        os.chmod(shared, 0o777)
+        assert f"seat01: {shared} is not a private folder of user {os.getuid()}" in _refused(capsys, start)
+    finally:
+        shutil.rmtree(short)
+    assert not root.exists()
 
 
 # --- progress, report, dashboard -------------------------------------------------------------------------------

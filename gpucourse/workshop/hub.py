@@ -284,14 +284,16 @@ def _hashes(settings: dict, codes: dict[str, str]) -> dict[str, str]:
     return {name: hash_code(code) for name, code in codes.items()}
 
 
+def _uid(account: str) -> int:
+    """The user id of ``account`` on this machine."""
+    import pwd
+
+    return pwd.getpwnam(account).pw_uid
+
+
 def _kernel_folder(settings: dict, seat: str) -> Path:
     """The seat's folder for its kernels' sockets (the one :class:`.spawner.SeatSpawner` gives its server)."""
-    uid = None
-    if settings["login"] == "system":
-        import pwd
-
-        uid = pwd.getpwnam(seat).pw_uid
-    return kernel_folder(settings["id"], seat, uid)
+    return kernel_folder(settings["id"], seat, _uid(seat) if settings["login"] == "system" else None)
 
 
 def prepare(root=None, *, seats: int | None = None, gpus_per_seat: int | None = None, port: int = DEFAULT_PORT,
@@ -320,10 +322,10 @@ def prepare(root=None, *, seats: int | None = None, gpus_per_seat: int | None = 
         _check_accounts(settings)
     plan = ws.plan(settings, visible_gpu_ids() if gpus is None else gpus)
     for seat in plan.seats:
-        folder = _kernel_folder(settings, seat.name)
-        if not kernel_sockets.fits(folder):
-            raise WorkshopError(f"{seat.name}'s kernels would have their sockets in {folder}, a path too long for "
-                                f"a Unix socket; make /tmp writable, or set TMPDIR to a short folder.")
+        uid = _uid(seat.name) if settings["login"] == "system" else None
+        problem = kernel_sockets.unusable(_kernel_folder(settings, seat.name), uid)
+        if problem:
+            raise WorkshopError(f"{seat.name}: {problem}")
     if not port_free("0.0.0.0" if public else "127.0.0.1", port):
         raise WorkshopError(f"port {port} is in use; choose another with --port.")
 
