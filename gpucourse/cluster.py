@@ -19,18 +19,30 @@ crosses over k cards at once (NCCL gives each card a channel of its own). For n
 ranks and a payload of S bytes (the tensor of an all-reduce; the whole gathered
 tensor of an all-gather or reduce-scatter):
 
-    ring all-reduce      2(n−1)·α + 2(n−1)/n · S/β
-    tree all-reduce      2·⌈log2 n⌉·α + 2 · S/β      (NCCL's double binary tree)
-    all-gather, reduce-scatter, all-to-all   (n−1)·α + (n−1)/n · S/β
+    ring all-reduce      2(n−N)·α_NVLink + 2(N−1)·α_network + 2(n−1)/n · S/β
+    tree all-reduce      2·((k−1)·α_NVLink + ⌈log2 N⌉·α_network) + 2 · S/β
+    all-gather, reduce-scatter   (n−N)·α_NVLink + (N−1)·α_network + (n−1)/n · S/β
+    all-to-all           (n−1)·α + (n−1)/n · S/β
     broadcast            ⌈log2 n⌉·α + S/β
     send / receive       α + S/β
 
-The all-reduce takes whichever of ring and tree is faster, as NCCL's tuner does:
-tree for small messages on many ranks, ring for large ones. β is the link's
+for a group of n ranks over N servers, k of them in each (one server: N = 1, and
+α is the link's own). A ring's steps that stay inside a server pay NVLink's
+latency and only those that cross pay the network's, as NCCL's tuning model
+counts them (NVIDIA/nccl, src/graph/tuning.cc). NCCL's tree is a chain through
+the k members in each server and a double binary tree of the N servers
+(src/graph/connect.cc; its latency is tuning.cc's formula): inside one server it
+has the ring's n − 1 steps and more bytes, so there the ring always wins; across
+many servers its few network hops win small and medium messages. Each runs in
+one of two of NCCL's protocols (:data:`PROTOCOLS`): Simple, as written above, or
+LL, whose steps cost a fraction of Simple's latency at a quarter of the
+bandwidth. An all-reduce takes whichever algorithm and protocol is fastest, as
+NCCL's tuner does (:meth:`Cluster.choice` names them). β is the link's
 bandwidth × ``bus_efficiency`` (the share of it nccl-tests' bus bandwidth
-reaches). NVLink SHARP (NVLS, in-switch reduction on H100 and later) is not
-modeled: on one NVSwitch server it makes large all-reduces faster than this model
-says (docs/modeled-timing.md shows by how much against published figures).
+reaches). NVLink SHARP (NVLS, in-switch reduction on H100 and later)
+is not modeled: on one NVSwitch server it makes large all-reduces faster than
+this model says (docs/modeled-timing.md shows by how much against published
+figures).
 """
 
 from __future__ import annotations
@@ -41,7 +53,15 @@ from dataclasses import dataclass
 from .gpus import GPUSpec, get_gpu
 
 LAUNCH_S = 4e-6   # one kernel launch and its tail: a few µs on every recent GPU
-RING_OPS = ("all_gather", "reduce_scatter", "all_to_all")
+# NCCL's protocols, as its tuning model prices them (NVIDIA/nccl, src/graph/tuning.cc: hwLat and the bandwidth
+# refinements). Simple moves data at the link's whole bandwidth and pays the link's latency at every step. LL
+# ("low latency") sends a flag with every 8 bytes, so the receiver needs no separate signal: a step costs a fraction
+# of Simple's latency (the ring's table: 0.47 against 3.4 µs over NVLink, 1.0 against 5.7 over PCIe, 2.7 against 9.6
+# over the network) at a quarter of the bandwidth. LL128, in between, is left out.
+PROTOCOLS = ("Simple", "LL")
+LL_LATENCY = {"NVLink": 0.47 / 3.4, "PCIe": 1.0 / 5.7, "network": 2.7 / 9.6}
+LL_BANDWIDTH = 1 / 4
+RING_OPS = ("all_gather", "reduce_scatter", "all_to_all")  # n − 1 steps, (n−1)/n of the payload each rank
 
 
 @dataclass(frozen=True)
@@ -94,34 +114,79 @@ class Cluster:
         memory_s = nbytes / (g.hbm_GBps * 1e9) if g.hbm_GBps else 0.0
         return max(math_s, memory_s) + kernels * LAUNCH_S
 
-    def collective_s(self, op: str, nbytes: float, ranks, algo: str | None = None) -> tuple[float, str]:
+    def collective_s(self, op: str, nbytes: float, ranks, algo: str | None = None,
+                     protocol: str | None = None) -> tuple[float, str]:
         """Seconds of one collective of ``op`` with payload ``nbytes`` among global ``ranks``; and its algorithm.
 
-        ``algo``: ``"ring"`` or ``"tree"`` forces an all-reduce's algorithm (as ``NCCL_ALGO`` does); by default
-        the faster one."""
+        ``algo``: ``"ring"`` or ``"tree"`` forces an all-reduce's algorithm (as ``NCCL_ALGO`` does), ``protocol``
+        ``"Simple"`` or ``"LL"`` the protocol of a ring or tree (as ``NCCL_PROTO`` does); by default the fastest
+        (:meth:`choice` names the protocol too)."""
+        seconds, chosen, _ = self.choice(op, nbytes, ranks, algo, protocol)
+        return seconds, chosen
+
+    def choice(self, op: str, nbytes: float, ranks, algo: str | None = None,
+               protocol: str | None = None) -> tuple[float, str, str]:
+        """:meth:`collective_s` with the protocol: ``(seconds, algorithm, protocol)``, the fastest allowed."""
         ranks = list(ranks)
         n = len(ranks)
+        if algo is not None and algo not in ("ring", "tree"):
+            raise ValueError(f"no all-reduce algorithm {algo!r} in the model: ring or tree.")
+        if protocol is not None and protocol not in PROTOCOLS:
+            raise ValueError(f"no protocol {protocol!r} in the model: {' or '.join(PROTOCOLS)}.")
         if op in ("send", "recv"):
             _, beta, alpha = self.link(ranks)
-            return alpha + nbytes / beta, "p2p"
+            return alpha + nbytes / beta, "p2p", "Simple"
         if n <= 1:
-            return 0.0, "none"
+            return 0.0, "none", "none"
         _, beta, alpha = self.link(ranks)
-        steps = math.ceil(math.log2(n))
-        if op == "all_reduce":
-            ring = 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / beta
-            tree = 2 * steps * alpha + 2 * nbytes / beta
-            if algo is not None:
-                if algo not in ("ring", "tree"):
-                    raise ValueError(f"no all-reduce algorithm {algo!r} in the model: ring or tree.")
-                return (ring, "ring") if algo == "ring" else (tree, "tree")
-            return (ring, "ring") if ring <= tree else (tree, "tree")
-        if op in RING_OPS:
-            return (n - 1) * alpha + (n - 1) / n * nbytes / beta, "ring"
+        if op in ("all_reduce", "all_gather", "reduce_scatter"):
+            options = []
+            for proto in [protocol] if protocol else PROTOCOLS:
+                share = LL_BANDWIDTH if proto == "LL" else 1.0
+                if op != "all_reduce":
+                    options.append((self.ring_latency_s(ranks, 1, proto) + (n - 1) / n * nbytes / (beta * share),
+                                    "ring", proto))
+                    continue
+                if algo in (None, "ring"):
+                    options.append((self.ring_latency_s(ranks, 2, proto) + 2 * (n - 1) / n * nbytes / (beta * share),
+                                    "ring", proto))
+                if algo in (None, "tree"):
+                    options.append((2 * self.tree_latency_s(ranks, proto) + 2 * nbytes / (beta * share), "tree",
+                                    proto))
+            return min(options, key=lambda o: o[0])
+        if op == "all_to_all":  # n − 1 exchanges, each as slow as the slowest link
+            return (n - 1) * alpha + (n - 1) / n * nbytes / beta, "ring", "Simple"
         if op == "broadcast":
-            return steps * alpha + nbytes / beta, "tree"
+            return math.ceil(math.log2(n)) * alpha + nbytes / beta, "tree", "Simple"
         raise ValueError(f"no cost model for the collective {op!r}; known: all_reduce, broadcast, send, recv, "
                          f"{', '.join(RING_OPS)}.")
+
+    def _latencies(self, ranks, protocol: str = "Simple") -> tuple[int, int, float, float]:
+        """(servers the group spans, most members in one, a step's latency inside a server, across servers)."""
+        per_node: dict[int, int] = {}
+        for r in ranks:
+            per_node[self.node(r)] = per_node.get(self.node(r), 0) + 1
+        g = self.gpu
+        inside, network = g.intra_node_latency_us * 1e-6, g.inter_node_latency_us * 1e-6
+        if protocol == "LL":
+            inside *= LL_LATENCY["NVLink" if g.intra_node_GBps >= 100 else "PCIe"]
+            network *= LL_LATENCY["network"]
+        return len(per_node), max(per_node.values()), inside, network
+
+    def ring_latency_s(self, ranks, passes: int = 1, protocol: str = "Simple") -> float:
+        """The latency of ``passes`` trips round a ring of ``ranks`` (2 for an all-reduce): n − 1 steps a pass, of
+        which only the N − 1 that cross between N servers pay the network's latency, as NCCL's own tuning model
+        counts them (src/graph/tuning.cc); the others pay NVLink's."""
+        servers, _, inside, network = self._latencies(ranks, protocol)
+        steps, crossing = passes * (len(ranks) - 1), passes * (servers - 1)
+        return (steps - crossing) * inside + crossing * network
+
+    def tree_latency_s(self, ranks, protocol: str = "Simple") -> float:
+        """One way through NCCL's tree for ``ranks``: a chain through the members in each server (NVLink hops),
+        then a double binary tree of the servers (⌈log2 servers⌉ network hops). Inside one server the tree is
+        only the chain: as many steps as the ring, so it never wins there."""
+        servers, most, inside, network = self._latencies(ranks, protocol)
+        return (most - 1) * inside + math.ceil(math.log2(servers)) * network
 
     def bus_bandwidth(self, op: str, nbytes: float, n: int) -> float:
         """What nccl-tests would print as bus bandwidth (bytes/s) for ``op`` of ``nbytes`` on the first n GPUs."""

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import pytest
 
 from gpucourse import topology
-from gpucourse.cluster import Cluster
+from gpucourse.cluster import LL_BANDWIDTH, LL_LATENCY, Cluster
+
+NOTEBOOK_01 = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "01_collectives.ipynb"
 
 
 def test_the_examples_parse_into_their_matrices():
@@ -47,10 +52,31 @@ def test_ring_and_tree_all_reduce_as_notebook_01_tables_them():
     many = Cluster.of("h100", 8, 16)
     small, large = 256 * 2 ** 10, 256 * 2 ** 20
     pick = {(c.nodes, s): c.collective_s("all_reduce", s, range(c.gpus))[1] for c in (one, many) for s in (small, large)}
-    # Inside one server: tree for small messages, ring for large; across 16 servers the tree's latency wins.
-    assert pick == {(1, small): "tree", (1, large): "ring", (16, small): "tree", (16, large): "tree"}
-    # ... at every payload notebook 01 tables, from 64 KB to 1 GB.
+    # Inside one server NCCL's tree is a chain: the ring's 14 steps for 2 S of bytes, so the ring wins every size.
+    assert pick == {(1, small): "ring", (1, large): "ring", (16, small): "tree", (16, large): "tree"}
+    assert {one.collective_s("all_reduce", 2 ** p, range(8))[1] for p in range(16, 31)} == {"ring"}
+    alpha_nvlink = one.gpu.intra_node_latency_us * 1e-6
+    assert 2 * one.tree_latency_s(range(8)) == pytest.approx(one.ring_latency_s(range(8), passes=2))
+    assert one.ring_latency_s(range(8), passes=2) == pytest.approx(14 * alpha_nvlink) and 2 * 7 / 8 == 1.75
+    # LL up to 1 MB, Simple from 16 MB; an LL step is about a seventh of a Simple one over NVLink, at a quarter of
+    # the bandwidth (NCCL's tuning table: 0.47 against 3.4 µs).
+    protocols = [one.choice("all_reduce", size, range(8))[2] for size in (2**16, 2**20, 2**24, 2**28, 2**30)]
+    assert protocols == ["LL", "LL", "Simple", "Simple", "Simple"]
+    assert round(1 / LL_LATENCY["NVLink"]) == 7 and LL_BANDWIDTH == 1 / 4
+    # Across 16 servers the ring's 254 steps, 30 of them over the network, against the tree's 22 (7 NVLink hops and
+    # 4 network hops, each way): the tree wins at every payload notebook 01 tables, from 64 KB to 1 GB.
     assert {many.collective_s("all_reduce", 2 ** p, range(128))[1] for p in range(16, 31)} == {"tree"}
+    assert (2 * (128 - 1), 2 * (16 - 1), 2 * (7 + 4)) == (254, 30, 22)
+    ratio = {size: many.collective_s("all_reduce", size, range(128), algo="ring")[0]
+             / many.collective_s("all_reduce", size, range(128), algo="tree")[0] for size in (64 * 2**10, 2**30)}
+    assert round(ratio[64 * 2**10]) == 7 and round(ratio[2**30], 1) == 1.2
+    text = " ".join(" ".join("".join(c["source"]) for c in json.loads(NOTEBOOK_01.read_text())["cells"]
+                             if c["cell_type"] == "markdown").split())
+    for said in ("the same 14 latency steps as the ring", "2 S of bytes against the ring's 1.75 S",
+                 "Up to 1 MB both run LL, whose steps cost about a seventh of Simple's over NVLink at a quarter of "
+                 "the bandwidth; from 16 MB on, Simple", "only the 30 that cross", "the tree takes 22 (7 NVLink hops "
+                 "and 4 network hops, up and down)", "7× at 64 KB", "still 1.2× at 1 GB"):
+        assert said in text, said
     for c in (one, many):
         ring = c.collective_s("all_reduce", large, range(c.gpus), algo="ring")[0]
         tree = c.collective_s("all_reduce", large, range(c.gpus), algo="tree")[0]
