@@ -406,7 +406,7 @@ def cmd_plan(args) -> int:
                          f"{', '.join(plan.SHAPES)}).")
     result = plan.plan(args.params, args.gpus, args.gpu, args.gpus_per_node, args.batch_size, args.seq_len,
                        args.precision, args.efficiency, shape=args.shape)
-    print(plan.format_plan(result, top=args.top))
+    print(plan.format_plan(result, top=args.top, explained=args.explain))
     _write_json(args.json, result)
     return 0
 
@@ -787,6 +787,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--efficiency", type=float, default=None,
                    help="fraction of peak FLOP/s reached (default: the GPU's achievable share, see gpucourse.gpus)")
     p.add_argument("--top", type=int, default=10, help="rows to print")
+    p.add_argument("--explain", action="store_true",
+                   help="each row's step as its parts (compute, recompute, bubble, each kind of communication, "
+                        "optimizer) and its memory per GPU")
     p.add_argument("--json", metavar="FILE", help="write every layout as JSON")
     p.set_defaults(func=cmd_plan)
 

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from .gpus import GPUSpec, get_gpu
 
 LAUNCH_S = 4e-6   # one kernel launch and its tail: a few µs on every recent GPU
+ADAM_BYTES_PER_PARAM = 28     # read weight, gradient and two moments (fp32), write weight and moments
 # NCCL's protocols, as its tuning model prices them (NVIDIA/nccl, src/graph/tuning.cc: hwLat and the bandwidth
 # refinements). Simple moves data at the link's whole bandwidth and pays the link's latency at every step. LL
 # ("low latency") sends a flag with every 8 bytes, so the receiver needs no separate signal: a step costs a fraction
@@ -113,6 +114,11 @@ class Cluster:
         math_s = flops / (g.peak_flops(precision) * (efficiency or g.achievable))
         memory_s = nbytes / (g.hbm_GBps * 1e9) if g.hbm_GBps else 0.0
         return max(math_s, memory_s) + kernels * LAUNCH_S
+
+    def optimizer_s(self, params: float) -> float:
+        """Seconds of one Adam step over ``params`` parameters: memory-bound, it reads and writes
+        :data:`ADAM_BYTES_PER_PARAM` bytes for each (and launches about ten kernels)."""
+        return self.compute_s(0.0, params * ADAM_BYTES_PER_PARAM, kernels=10)
 
     def collective_s(self, op: str, nbytes: float, ranks, algo: str | None = None,
                      protocol: str | None = None) -> tuple[float, str]:

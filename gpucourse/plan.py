@@ -58,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import textwrap
 
 from .cluster import Cluster
 from .config import ConfigError, TrainConfig
@@ -172,9 +173,13 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
     tokens = cfg.batch_size * cfg.seq_len
     elem = 2 if cfg.precision != "fp32" else 4
     # A mixture of experts computes with the parameters a token uses (active), not all of them.
-    flops = (8 if cfg.checkpoint_activations else 6) * (active_params(mc) if mc.moe_experts else num_params) * tokens
+    weights = active_params(mc) if mc.moe_experts else num_params
+    flops = (8 if cfg.checkpoint_activations else 6) * weights * tokens
     flops += attention_flops(mc.n_layer, mc.n_embd, cfg.seq_len, cfg.checkpoint_activations) * tokens
     compute = cluster.compute_s(flops / cfg.world_size, precision=cfg.precision, efficiency=efficiency)
+    # What checkpointing recomputes: one more forward, 2·N + 4·L·C·T FLOPs a token, a share of the compute above.
+    redo = (2 * weights + 4 * mc.n_layer * mc.n_embd * cfg.seq_len) * tokens if cfg.checkpoint_activations else 0
+    recompute = compute * redo / flops
     m = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
     bubble = compute * bubble_ratio(cfg.schedule, cfg.pp, m, cfg.virtual_stages) if cfg.pp > 1 else 0.0
     micro_tokens = tokens // (cfg.dp * m)
@@ -212,11 +217,16 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
     # DDP does), ZeRO-3's gathers behind the whole step (prefetched, as FSDP does). Only the rest is exposed.
     hidden = compute if cfg.zero == 3 else compute * (2 / 3 if not cfg.checkpoint_activations else 3 / 4)
     exposed_dp = max(0.0, dp_comm - hidden)
-    total = compute + bubble + tp_comm + pp_comm + cp_comm + ep_comm + exposed_dp
-    return {"step_s": total, "compute_s": compute, "bubble_s": bubble,
+    # Adam updates what the rank holds: its 1/(tp·pp) of the weights (experts also 1/ep), 1/(dp·cp) of that with ZeRO.
+    held = (num_params - _expert_params(mc)) / (cfg.tp * cfg.pp) + _expert_params(mc) / (cfg.tp * cfg.pp * cfg.ep)
+    optimizer = cluster.optimizer_s(held / (cfg.dp * cfg.cp) if cfg.zero else held)
+    parts = {"compute": compute - recompute, "recompute": recompute, "bubble": bubble, "tp": tp_comm, "cp": cp_comm,
+             "ep": ep_comm, "pp": pp_comm, "dp": exposed_dp, "optimizer": optimizer}
+    total = sum(parts.values())
+    return {"step_s": total, "compute_s": compute, "recompute_s": recompute, "bubble_s": bubble,
             "communication_s": tp_comm + pp_comm + cp_comm + ep_comm + exposed_dp, "dp_exposed_s": exposed_dp,
             "tp_comm_s": tp_comm, "pp_comm_s": pp_comm, "cp_comm_s": cp_comm, "ep_comm_s": ep_comm,
-            "dp_comm_s": dp_comm, "tokens_per_s": tokens / total}
+            "dp_comm_s": dp_comm, "optimizer_s": optimizer, "parts": parts, "tokens_per_s": tokens / total}
 
 
 def _expert_params(mc) -> int:
@@ -277,8 +287,22 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
             "layouts": rows}
 
 
-def format_plan(result: dict, top: int = 10) -> str:
-    """The ranked table ``gpucourse plan`` prints."""
+PARTS = {"compute": "compute", "recompute": "recompute", "bubble": "bubble", "tp": "tp comm", "cp": "cp comm",
+         "ep": "ep comm", "pp": "pp comm", "dp": "dp comm exposed", "optimizer": "optimizer"}
+
+
+def explain(row: dict) -> str:
+    """One layout's step as its parts, each with its share, and the memory it needs per GPU: what makes it fast or
+    slow (``gpucourse plan --explain``)."""
+    layout = " ".join(f"{k} {row[k]}" for k in ("dp", "tp", "pp", "cp", "ep") if row.get(k, 1) > 1) or "one GPU"
+    layout += f", ZeRO-{row['zero']}" * bool(row["zero"]) + ", checkpointing" * row["checkpoint_activations"]
+    parts = ", ".join(f"{PARTS[k]} {v:.2f} s ({v / row['step_s']:.0%})" for k, v in row["parts"].items() if v > 0)
+    return (f"{layout}: step {row['step_s']:.2f} s = {parts}; {human_bytes(row['memory_total'])} per GPU "
+            f"(gpucourse memory's estimate)")
+
+
+def format_plan(result: dict, top: int = 10, explained: bool = False) -> str:
+    """The ranked table ``gpucourse plan`` prints; ``explained``: each row's step as parts below it."""
     fitting = [r for r in result["layouts"] if r["fits"]]
     gpu = result["gpu"]
     cp_head = f" {'cp':>3} {'sp':>3}" if result["seq_len"] >= LONG_SEQUENCE else ""  # long sequences: cp and sp too
@@ -300,6 +324,8 @@ def format_plan(result: dict, top: int = 10) -> str:
                      f"{'yes' if r['checkpoint_activations'] else 'no':>4} {human_bytes(r['memory_total']):>11} "
                      f"{r['step_s']:>7.2f}s {r['compute_s']:>7.2f}s {r['communication_s']:>7.2f}s "
                      f"{r['bubble_s']:>7.2f}s {r['tokens_per_s']:>10,.0f}")
+        if explained:
+            lines.append(textwrap.fill(explain(r), 110, initial_indent="      ", subsequent_indent="        "))
     if not fitting:
         best = min(result["layouts"], key=lambda r: r["memory_total"]) if result["layouts"] else None
         lines.append("  none fits" + (f": the smallest needs {human_bytes(best['memory_total'])} per GPU"

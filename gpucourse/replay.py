@@ -51,7 +51,6 @@ from .parallel.schedules_virtual import chunks_per_rank
 
 COMPUTE = ("forward", "backward", "optimizer")
 KERNELS_PER_BLOCK = 14        # one block's forward: 2 LayerNorms, 4 matmuls, attention's few, GELU, 2 adds
-ADAM_BYTES_PER_PARAM = 28     # read weight, gradient and two moments (fp32), write weight and moments
 
 
 class ReplayError(ValueError):
@@ -110,7 +109,7 @@ def span_seconds(cluster: Cluster, cfg: TrainConfig, span: dict, split_backward:
         params = stage_params(mc, cfg.pp, coordinates(cfg, span["rank"])["stage"], cfg.tp, cfg.ep)
         if cfg.zero:
             params /= cfg.dp
-        return cluster.compute_s(0.0, params * ADAM_BYTES_PER_PARAM, 10, cfg.precision)
+        return cluster.optimizer_s(params)
     return 0.0
 
 

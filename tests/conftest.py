@@ -48,3 +48,19 @@ def marked(monkeypatch):
     monkeypatch.setenv(*marker.split("="))
     yield marker
     wait_for(lambda: not _processes_with(marker), 10, "the grader's processes to end")
+
+
+@pytest.fixture
+def short_tmp(monkeypatch):
+    """A short folder under /tmp for kernels' private socket folders (gpucourse.kernel_sockets puts them in
+    ``<it>/gpucourse-<uid>/``): pytest's own folders are too deep for a Unix socket's path."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from gpucourse import kernel_sockets
+
+    base = Path(tempfile.mkdtemp(dir="/tmp", prefix="gc-"))
+    monkeypatch.setattr(kernel_sockets, "_base", lambda: base)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)

@@ -177,16 +177,15 @@ def test_lab_serves_the_notebooks_on_localhost_behind_a_token(monkeypatch, capsy
     assert "--KernelManager.transport=ipc" in argv
 
 
-def test_lab_moves_its_kernels_sockets_out_of_a_runtime_folder_too_deep_for_them(monkeypatch, tmp_path):
-    from gpucourse import kernel_sockets, lab
+def test_lab_moves_its_kernels_sockets_out_of_a_runtime_folder_too_deep_for_them(monkeypatch, tmp_path, short_tmp):
+    from gpucourse import lab
 
     monkeypatch.setattr("os.execv", lambda path, argv: None)
     monkeypatch.setattr(lab, "install_course_defaults", lambda: None)
-    monkeypatch.setattr(kernel_sockets, "_base", lambda: tmp_path)
     for runtime, moved in ((Path("/tmp/jupyter-runtime"), False), (tmp_path / ("deep" * 20), True)):
         monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
         cli.main(["lab", "--port", "0"])
-        expected = tmp_path / f"gpucourse-{os.getuid()}" / "lab" if moved else runtime
+        expected = short_tmp / f"gpucourse-{os.getuid()}" / "lab" if moved else runtime
         assert os.environ["JUPYTER_RUNTIME_DIR"] == str(expected)
 
 

@@ -13,20 +13,6 @@ import zmq
 from gpucourse import kernel_sockets, lab
 
 
-@pytest.fixture
-def short_tmp(monkeypatch, tmp_path_factory):
-    """A base folder for private folders that is short, so the tests can build paths of an exact length."""
-    base = tmp_path_factory.mktemp("ks")
-    if len(str(base)) > 40:  # pytest's own folders can be long; /tmp is not
-        base = type(base)(os.path.realpath("/tmp")) / f"gcks-{uuid.uuid4().hex[:6]}"
-        base.mkdir()
-    monkeypatch.setattr(kernel_sockets, "_base", lambda: base)
-    yield base
-    import shutil
-
-    shutil.rmtree(base, ignore_errors=True)
-
-
 def test_fits_is_exactly_what_zeromq_can_bind(short_tmp):
     """The longest folder that fits takes a kernel's longest socket name; one byte more does not bind."""
     longest = None

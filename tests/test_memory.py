@@ -278,3 +278,28 @@ def test_the_planners_bubble_is_the_schedule_commands(schedule, v, tmp_path, cap
     assert got["bubble_s"] / got["compute_s"] == pytest.approx(laid_out)
     if schedule == "interleaved-1f1b":
         assert laid_out == pytest.approx((pp - 1) / (v * m))
+
+
+def test_a_plans_step_is_the_sum_of_its_parts_and_explain_prints_them(capsys):
+    """Compute, recompute, bubble, each kind of communication and the optimizer add up to the step; recomputation
+    is one more forward (2·N + 4·L·C·T of the 8·N + 16·L·C·T a token); Adam moves 28 bytes a parameter it updates."""
+    from gpucourse import cli
+    from gpucourse.cluster import ADAM_BYTES_PER_PARAM, Cluster
+    from gpucourse.gpus import get_gpu
+    from gpucourse.plan import step_time
+
+    gpu, n = get_gpu("h100"), int(70e9)
+    for ckpt, zero in ((False, 0), (True, 1)):
+        cfg = _layout(dp=4, tp=8, pp=2, microbatches=8, batch_size=32, zero=zero, checkpoint_activations=ckpt)
+        got = step_time(cfg, n, gpu, 8)
+        assert sum(got["parts"].values()) == pytest.approx(got["step_s"])
+        assert got["parts"]["compute"] + got["parts"]["recompute"] == pytest.approx(got["compute_s"])
+        redo = (2 * n + 4 * 80 * 8192 * 32768) / (8 * n + 16 * 80 * 8192 * 32768)
+        assert got["recompute_s"] == pytest.approx(got["compute_s"] * redo if ckpt else 0.0)
+        held = n / (8 * 2) / (4 if zero else 1)
+        assert got["optimizer_s"] == pytest.approx(Cluster(gpu, 8, 8).optimizer_s(held))
+        assert got["optimizer_s"] == pytest.approx(held * ADAM_BYTES_PER_PARAM / (gpu.hbm_GBps * 1e9) + 10 * 4e-6)
+    assert cli.main(["plan", "--params", "7e9", "--gpus", "8", "--gpu", "a100", "--top", "2", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("(gpucourse memory's estimate)") == 2 and "step " in out and "optimizer " in out
+    assert max(len(line) for line in out.splitlines()[2:]) <= 110

@@ -1388,7 +1388,7 @@ def test_the_plan_ranks_what_fits_first():
     wide, deep = row(8, 8, 1, 3), row(1, 8, 8, 0)
     assert wide["fits"] and deep["fits"] and deep["bubble_s"] > 0
     assert (f"{wide['memory_total'] / 1e9:.1f}", f"{wide['step_s']:.1f}", f"{wide['tp_comm_s']:.1f}") \
-        == ("49.4", "90.4", "17.0")
+        == ("49.4", "90.5", "17.0")
     assert (f"{deep['memory_total'] / 1e9:.1f}", f"{deep['step_s']:.1f}") == ("54.9", "94.4")
     assert deep["tp_comm_s"] == pytest.approx(wide["tp_comm_s"]) and result["gpu"]["memory_gb"] == 80
 

@@ -234,28 +234,23 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path, capsys, monkeypat
     assert not root.exists() and not (tmp_path / "g.csv").exists()
 
 
-def test_a_kernel_folder_too_deep_or_open_to_others_is_refused_before_anything_starts(tmp_path, capsys, monkeypatch):
+def test_a_kernel_folder_too_deep_or_open_to_others_is_refused_before_anything_starts(tmp_path, capsys, monkeypatch,
+                                                                                       short_tmp):
     """Kernels' sockets go under /tmp/gpucourse-<uid>/: a base too deep for a socket's path, or a folder other
     accounts can open, is refused in one sentence and nothing starts."""
-    import tempfile
-
     from gpucourse import kernel_sockets
 
     monkeypatch.setenv("GPUCOURSE_PROXY", shutil.which("true"))
     root = tmp_path / "ws"
     start = ["workshop", "start", "--seats", "2", "--port", str(free_port()), "--dir", str(root)]
-    monkeypatch.setattr(kernel_sockets, "_base", lambda: tmp_path / ("deep" * 10))
-    assert "seat01: kernels' sockets in " in _refused(capsys, start) and "too long for a Unix socket" in \
-        _refused(capsys, start)
-    short = Path(tempfile.mkdtemp(dir="/tmp", prefix="gc-"))
-    try:
-        monkeypatch.setattr(kernel_sockets, "_base", lambda: short)
-        shared = short / f"gpucourse-{os.getuid()}"
-        shared.mkdir()
-        os.chmod(shared, 0o777)
-        assert f"seat01: {shared} is not a private folder of user {os.getuid()}" in _refused(capsys, start)
-    finally:
-        shutil.rmtree(short)
+    with monkeypatch.context() as deep:
+        deep.setattr(kernel_sockets, "_base", lambda: tmp_path / ("deep" * 10))
+        said = _refused(capsys, start)
+        assert "seat01: kernels' sockets in " in said and "too long for a Unix socket" in said
+    shared = short_tmp / f"gpucourse-{os.getuid()}"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    assert f"seat01: {shared} is not a private folder of user {os.getuid()}" in _refused(capsys, start)
     assert not root.exists()
 
 
