@@ -541,3 +541,16 @@ def test_six_seats_open_a_notebook_in_the_same_second_ten_times(tmp_path, capsys
         assert f"{last}: a kernel died at " in status and NO_KERNEL in status.split("kernels in trouble")[1]
     finally:
         hub.stop(root)
+
+
+def test_check_refuses_bad_input_in_one_sentence(tmp_path, capsys, monkeypatch):
+    """`workshop check` on a workshop that is not running, a seat it does not have, no rounds, no time."""
+    monkeypatch.setenv("GPUCOURSE_PROXY", shutil.which("true"))
+    root = tmp_path / "ws"
+    hub.prepare(root, seats=2, gpus=[], port=free_port())
+    where = ["--dir", str(root)]
+    assert "--rounds 0 must be at least 1" in _refused(capsys, ["workshop", "check", "--rounds", "0", *where])
+    assert "--timeout 0 must be more than 0" in _refused(capsys, ["workshop", "check", "--timeout", "0", *where])
+    assert "no seat named seat09 in this workshop (it has seat01, seat02)" in \
+        _refused(capsys, ["workshop", "check", "seat09", *where])
+    assert f"the workshop in {root} is not running" in _refused(capsys, ["workshop", "check", *where])

@@ -181,23 +181,23 @@ def check(root=None, seats: list[str] | None = None, rounds: int = 1, timeout: f
     """
     from . import hub
 
+    if rounds < 1:
+        raise WorkshopError(f"--rounds {rounds} must be at least 1.")
+    if timeout is not None and timeout <= 0:
+        raise WorkshopError(f"--timeout {timeout:g} must be more than 0.")
     ws = Workshop(root)
     settings = ws.settings()
-    state = hub.running(ws)
-    if state is None:
-        raise WorkshopError(f"the workshop in {ws.root} is not running; start it with 'gpucourse workshop start'.")
     names = list(seats or settings["seats"])
     unknown = [s for s in names if s not in settings["seats"]]
     if unknown:
         raise WorkshopError(f"no seat named {', '.join(unknown)} in this workshop (it has "
                             f"{', '.join(settings['seats'])}).")
-    if rounds < 1:
-        raise WorkshopError(f"--rounds {rounds} must be at least 1.")
-    if timeout is not None and timeout <= 0:
-        raise WorkshopError(f"--timeout {timeout:g} must be more than 0.")
+    state = hub.running(ws)
+    if state is None:
+        raise WorkshopError(f"the workshop in {ws.root} is not running; start it with 'gpucourse workshop start'.")
+    base = hub.local_url(state)
     every_round, failed = [], {}
     for _ in range(rounds):
-        base = hub.local_url(state)
         results = open_all_at_once({s: f"{base}/user/{s}/api" for s in names}, hub.api_token(ws), code, expect,
                                    timeout or KERNEL_TIMEOUT_S)
         every_round.append(results)
