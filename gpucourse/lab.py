@@ -21,6 +21,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -171,11 +172,22 @@ class LabServer:
             up.set()  # the server ended: stop waiting
 
         threading.Thread(target=read, daemon=True, name="jupyterlab-log").start()
-        if not up.wait(self.startup_timeout) or self.port is None:
+        deadline = time.monotonic() + self.startup_timeout
+        if not up.wait(self.startup_timeout) or self.port is None or not self._accepting(deadline):
             self.__exit__(None, None, None)
             raise LabError(f"JupyterLab did not start within {self.startup_timeout:.0f} s; its last lines:\n"
                            + "\n".join(self.log[-20:]))
         return self
+
+    def _accepting(self, deadline: float) -> bool:
+        """Wait until the server accepts connections: it prints its address before its event loop binds the port."""
+        while time.monotonic() < deadline and self._proc.poll() is None:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return True
+            except OSError:
+                time.sleep(0.05)
+        return False
 
     def __exit__(self, *exc) -> None:
         proc = self._proc

@@ -533,12 +533,16 @@ def test_six_seats_open_a_notebook_in_the_same_second_ten_times(tmp_path, capsys
         printed = capsys.readouterr().out
         assert f"round 1: {STRESS_SEATS - 1}/{STRESS_SEATS} seats' kernels started" in printed, printed
         assert f"  {last}: connecting to the kernel: the kernel kept dying" in printed, printed
-        assert f"{last}'s server log ends with:" in printed and NO_KERNEL in printed, printed
+        # The log's end shows the server's five restarts and its giving up. (What the kernel itself wrote before it
+        # died may be lost: ipykernel forwards its stderr from a thread that os._exit does not wait for.)
+        log = printed.split(f"{last}'s server log ends with:")[1]
+        assert "restarting kernel (5/5)" in log and "restart failed" in log and "died, removing from map" in log
         assert cli.main(["workshop", "status", "--dir", str(root)]) == 0
         status = capsys.readouterr().out
         assert re.search(rf"^{last}\s+CPU, 1 thread\s+running\s+died\s", status, re.M), status
         assert re.search(r"^seat01\s+CPU, 1 thread\s+running\s+ok\s", status, re.M), status
-        assert f"{last}: a kernel died at " in status and NO_KERNEL in status.split("kernels in trouble")[1]
+        trouble = status.split("kernels in trouble")[1]
+        assert f"{last}: a kernel died at " in trouble and "died, removing from map" in trouble
     finally:
         hub.stop(root)
 
