@@ -95,12 +95,10 @@ class Cluster:
         than the NVLink each member's traffic also takes inside its server.
         """
         g = self.gpu
-        per_node: dict[int, int] = {}
-        for r in ranks:
-            per_node[self.node(r)] = per_node.get(self.node(r), 0) + 1
+        per_node = self._per_node(ranks)
         intra = g.intra_node_GBps * 1e9 * g.bus_efficiency
         if len(per_node) <= 1:
-            return "NVLink" if g.intra_node_GBps >= 100 else "PCIe", intra, g.intra_node_latency_us * 1e-6
+            return self._intra_link, intra, g.intra_node_latency_us * 1e-6
         cards = min(per_node.values())
         return ("network", min(intra, cards * g.inter_node_GBps * 1e9 * g.bus_efficiency),
                 g.inter_node_latency_us * 1e-6)
@@ -167,15 +165,25 @@ class Cluster:
         raise ValueError(f"no cost model for the collective {op!r}; known: all_reduce, broadcast, send, recv, "
                          f"{', '.join(RING_OPS)}.")
 
-    def _latencies(self, ranks, protocol: str = "Simple") -> tuple[int, int, float, float]:
-        """(servers the group spans, most members in one, a step's latency inside a server, across servers)."""
+    @property
+    def _intra_link(self) -> str:
+        """What joins the GPUs of one server: NVLink, or PCIe where the GPU has none."""
+        return "NVLink" if self.gpu.intra_node_GBps >= 100 else "PCIe"
+
+    def _per_node(self, ranks) -> dict[int, int]:
+        """How many of ``ranks`` each server holds."""
         per_node: dict[int, int] = {}
         for r in ranks:
             per_node[self.node(r)] = per_node.get(self.node(r), 0) + 1
+        return per_node
+
+    def _latencies(self, ranks, protocol: str = "Simple") -> tuple[int, int, float, float]:
+        """(servers the group spans, most members in one, a step's latency inside a server, across servers)."""
+        per_node = self._per_node(ranks)
         g = self.gpu
         inside, network = g.intra_node_latency_us * 1e-6, g.inter_node_latency_us * 1e-6
         if protocol == "LL":
-            inside *= LL_LATENCY["NVLink" if g.intra_node_GBps >= 100 else "PCIe"]
+            inside *= LL_LATENCY[self._intra_link]
             network *= LL_LATENCY["network"]
         return len(per_node), max(per_node.values()), inside, network
 

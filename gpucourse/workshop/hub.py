@@ -34,7 +34,7 @@ from .. import kernel_sockets
 from . import processes
 from .errors import WorkshopError
 from .folder import Workshop, copy_course, write_private
-from .plan import INSTRUCTOR, Plan, kernel_folder, seat_names, visible_gpu_ids
+from .plan import INSTRUCTOR, Plan, kernel_folder, seat_account, seat_names, visible_gpu_ids
 
 DEFAULT_PORT = 8000
 START_TIMEOUT_S = 300.0   # for the hub and every seat to answer, on a busy machine
@@ -284,18 +284,6 @@ def _hashes(settings: dict, codes: dict[str, str]) -> dict[str, str]:
     return {name: hash_code(code) for name, code in codes.items()}
 
 
-def _uid(account: str) -> int:
-    """The user id of ``account`` on this machine."""
-    import pwd
-
-    return pwd.getpwnam(account).pw_uid
-
-
-def _kernel_folder(settings: dict, seat: str) -> Path:
-    """The seat's folder for its kernels' sockets (the one :class:`.spawner.SeatSpawner` gives its server)."""
-    return kernel_folder(settings["id"], seat, _uid(seat) if settings["login"] == "system" else None)
-
-
 def prepare(root=None, *, seats: int | None = None, gpus_per_seat: int | None = None, port: int = DEFAULT_PORT,
             public: bool = False, password: bool = False, users: list[str] | None = None, admin: str | None = None,
             new_codes: bool = False, gpus: list[str] | None = None, say=None) -> dict:
@@ -321,9 +309,11 @@ def prepare(root=None, *, seats: int | None = None, gpus_per_seat: int | None = 
     if settings["login"] == "system":
         _check_accounts(settings)
     plan = ws.plan(settings, visible_gpu_ids() if gpus is None else gpus)
+    system = settings["login"] == "system"
     for seat in plan.seats:
-        uid = _uid(seat.name) if settings["login"] == "system" else None
-        problem = kernel_sockets.unusable(_kernel_folder(settings, seat.name), uid)
+        account = seat_account(seat.name, system)
+        problem = kernel_sockets.unusable(kernel_folder(settings["id"], seat.name, system),
+                                          account[0] if account else None)
         if problem:
             raise WorkshopError(f"{seat.name}: {problem}")
     if not port_free("0.0.0.0" if public else "127.0.0.1", port):
@@ -461,7 +451,7 @@ def stop(root=None) -> dict:
     if still:
         raise WorkshopError(f"processes {', '.join(map(str, still))} of the workshop could not be ended.")
     for seat in settings["seats"]:  # what a killed kernel left there: nothing of a learner's work
-        shutil.rmtree(_kernel_folder(settings, seat), ignore_errors=True)
+        shutil.rmtree(kernel_folder(settings["id"], seat, settings["login"] == "system"), ignore_errors=True)
     ws.running_file.unlink(missing_ok=True)
     return {"was_running": state is not None, "ended": left, "seats": settings["seats"]}
 

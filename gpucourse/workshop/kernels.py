@@ -158,7 +158,7 @@ def open_all_at_once(servers: dict[str, str], token: str, code: str = CELL, expe
     "problem"}``.
 
     ``servers``: a name for each server (a seat) and its REST API's address
-    (``http://127.0.0.1:8000/user/seat01/api`` through a hub);
+    (through a hub: its address, then ``/user/<seat>/api``);
     ``token``: one every server accepts (a hub's with ``access:servers``);
     ``expect``, when given, is what the cell must print.
     """

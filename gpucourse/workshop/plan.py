@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..kernel_sockets import private_folder_path
+from ..kernel_sockets import private_folder, private_folder_path
 from .errors import WorkshopError
 
 INSTRUCTOR = "instructor"  # the hub's admin user when seats are generated
@@ -149,14 +149,28 @@ def seat_environment(seat: Seat, marker: dict[str, str] | None = None) -> dict[s
     return env
 
 
-def kernel_folder(workshop_id: str, seat: str, uid: int | None = None) -> Path:
+def seat_account(seat: str, system: bool) -> tuple[int, int] | None:
+    """(uid, gid) of the account a seat's server runs as when seats are real accounts (``--users``), else None:
+    generated seats run as the hub's own account."""
+    if not system:
+        return None
+    import pwd
+
+    account = pwd.getpwnam(seat)
+    return account.pw_uid, account.pw_gid
+
+
+def kernel_folder(workshop_id: str, seat: str, system: bool = False, make: bool = False) -> Path:
     """Where a seat's server keeps its kernels' connection files and sockets (its ``JUPYTER_RUNTIME_DIR``).
 
     Kernels talk to their server over Unix sockets, so that no two seats can
     race for a TCP port (:mod:`gpucourse.kernel_sockets`); a socket's path must
     be short, so the folder is under /tmp, private to the account the server
-    runs as. ``uid``: the seat's own account (``--users``), whose folder is
-    its alone; None: the hub's account, one folder per seat.
+    runs as: with real accounts (``system``) the learner's own, whose folder is
+    its alone; else the hub's account, one folder per seat. ``make``: create
+    it, owned by that account.
     """
-    name = f"workshop-{workshop_id[:8]}" if uid is not None else f"workshop-{workshop_id[:8]}-{seat}"
-    return private_folder_path(name, uid)
+    account = seat_account(seat, system)
+    name = f"workshop-{workshop_id[:8]}" if system else f"workshop-{workshop_id[:8]}-{seat}"
+    uid, gid = account if account else (None, None)
+    return private_folder(name, uid, gid) if make else private_folder_path(name, uid)

@@ -27,8 +27,9 @@ from jupyterhub.spawner import LocalProcessSpawner
 from jupyterhub.utils import url_path_join
 from traitlets import Bool, Unicode
 
-from ..kernel_sockets import private_folder
+from .folder import Workshop
 from .plan import Seat, kernel_folder, seat_environment
+from .processes import MARKER
 
 
 class SeatSpawner(LocalProcessSpawner):
@@ -67,29 +68,16 @@ class SeatSpawner(LocalProcessSpawner):
         env = super().get_env()
         seat, marker = self.seat()
         env.update(seat_environment(seat, marker))
-        env["JUPYTER_RUNTIME_DIR"] = str(self._kernel_folder())
+        env["JUPYTER_RUNTIME_DIR"] = str(kernel_folder(marker[MARKER], seat.name, self.system_users))
         # The course's Python first, so that 'gpucourse' and 'python' in a seat's terminal are the hub's own.
         env["PATH"] = os.pathsep.join(p for p in (str(Path(sys.executable).parent), env.get("PATH", "")) if p)
         return env
 
-    def _kernel_folder(self, make: bool = False) -> Path:
-        """The seat's private folder for its kernels' sockets, made (owned by the seat's account) if asked."""
-        from .processes import MARKER
-
-        seat, marker = self.seat()
-        if not self.system_users:
-            folder = kernel_folder(marker[MARKER], seat.name)
-            return private_folder(folder.name) if make else folder
-        import pwd
-
-        account = pwd.getpwnam(self.user.name)
-        folder = kernel_folder(marker[MARKER], seat.name, account.pw_uid)
-        return private_folder(folder.name, account.pw_uid, account.pw_gid) if make else folder
-
     async def start(self):
-        self.notebook_dir = str(self.seat()[0].folder)
-        self._kernel_folder(make=True)
-        log = Path(self.plan_file).parent / "logs" / f"{self.user.name}.log"
+        seat, marker = self.seat()
+        self.notebook_dir = str(seat.folder)
+        kernel_folder(marker[MARKER], seat.name, self.system_users, make=True)
+        log = Workshop(Path(self.plan_file).parents[1]).seat_log(seat.name)
         log.parent.mkdir(exist_ok=True)
         with open(log, "ab") as out:  # the server keeps its own copy of the descriptor
             self.popen_kwargs = {**self.popen_kwargs, "stdout": out, "stderr": subprocess.STDOUT}
