@@ -299,6 +299,7 @@ def cmd_troubleshoot(args) -> int:
 
 
 def cmd_schedule(args) -> int:
+    from . import plan
     from .parallel import schedules, schedules_virtual
 
     known = [*schedules.SCHEDULES, *schedules_virtual.SCHEDULES]
@@ -326,24 +327,17 @@ def cmd_schedule(args) -> int:
     if args.json:
         _check_writable(args.json, "--json")
     pp, m = args.pp, args.microbatches
-    if args.schedule in schedules.SCHEDULES:
-        ops = schedules.build(args.schedule, pp, m)
-        schedules.validate(ops, pp, m)
-        sim = schedules.simulate(ops, pp, m, args.cost_f, args.cost_b, args.cost_comm)
+    ops, layout, sim, cost = plan.lay_out_schedule(args.schedule, pp, m, args.virtual_stages, args.cost_f,
+                                                   args.cost_b, args.cost_comm)
+    if layout is None:
         formula = schedules.formula_bubble(args.schedule, pp, m)
         costs = f"F costs {args.cost_f:g}, B {args.cost_b:g}"
         rule = f"equal-cost formula {'(p-1)/p' if args.schedule == 'naive' else '(p-1)/(m+p-1)'} = {formula:.1%}"
         ratio_rule = "" if args.schedule == "naive" else f"; (p-1)/m = {(pp - 1) / m:.1%}"
     else:
-        # Zero-bubble schedules split the backward: B, then W. The others' B is the whole backward.
-        split = args.schedule != "interleaved-1f1b"
-        cost_b, cost_w = (args.cost_b / 2, args.cost_b / 2) if split else (args.cost_b, 0.0)
-        ops, layout = schedules_virtual.build(args.schedule, pp, m, args.virtual_stages)
-        schedules_virtual.validate(ops, layout, m)
-        sim = schedules_virtual.simulate(ops, layout, m, args.cost_f, cost_b, cost_w, args.cost_comm)
         formula = None
         costs = (f"{layout.v} chunk{'s' * (layout.v > 1)} per rank ({layout.shape} placement), a rank's F costs "
-                 f"{args.cost_f:g}, B {cost_b:g}" + (f", W {cost_w:g}" if split else ""))
+                 f"{args.cost_f:g}, B {cost['b']:g}" + (f", W {cost['w']:g}" if "w" in cost else ""))
         rule = "transfers asynchronous"
         interleaved = schedules_virtual.formula_bubble_ratio(args.schedule, pp, m, layout.v)
         ratio_rule = f"; (p-1)/(v·m) = {interleaved:.1%}" if interleaved is not None else ""

@@ -136,11 +136,32 @@ def attention_flops(n_layer: int, n_embd: int, seq_len: int, recompute: bool = F
     return (16 if recompute else 12) * n_layer * n_embd * seq_len
 
 
+def lay_out_schedule(schedule: str, pp: int, m: int, v: int = 2, cost_f: float = 1.0, cost_b: float = 2.0,
+                     cost_comm: float = 0.0):
+    """Any pipeline schedule of the course, by name, built, checked and laid out on the clock: ``(ops, layout,
+    simulation, costs)``. ``layout`` is None for the one-chunk schedules of :mod:`.parallel.schedules`; ``costs``
+    are the op costs used: the zero-bubble schedules split a backward into B and W of ``cost_b / 2`` each, the
+    others' B is the whole backward. What ``gpucourse schedule`` prints and the planner's bubble both come from here.
+    """
+    from .parallel import schedules, schedules_virtual
+
+    if schedule in schedules.SCHEDULES:
+        ops = schedules.build(schedule, pp, m)
+        schedules.validate(ops, pp, m)
+        return ops, None, schedules.simulate(ops, pp, m, cost_f, cost_b, cost_comm), {"f": cost_f, "b": cost_b}
+    split = schedule != "interleaved-1f1b"
+    costs = {"f": cost_f, "b": cost_b / 2, "w": cost_b / 2} if split else {"f": cost_f, "b": cost_b}
+    ops, layout = schedules_virtual.build(schedule, pp, m, v)
+    schedules_virtual.validate(ops, layout, m)
+    sim = schedules_virtual.simulate(ops, layout, m, cost_f, costs["b"], costs.get("w", 0.0), cost_comm)
+    return ops, layout, sim, costs
+
+
 @functools.lru_cache(maxsize=512)
 def bubble_ratio(schedule: str, pp: int, m: int, v: int = 2) -> float:
     """Idle over compute time of a pipeline ``schedule`` of ``pp`` stages and ``m`` microbatches: what
-    ``gpucourse schedule`` prints as Megatron-LM's bubble (a backward twice a forward, split evenly into B and W
-    where the schedule splits it; transfers free). ``v``: chunks per rank of interleaved-1f1b.
+    ``gpucourse schedule`` prints as Megatron-LM's bubble (:func:`lay_out_schedule` with a backward twice a
+    forward, transfers free). ``v``: chunks per rank of interleaved-1f1b.
 
     For gpipe, 1f1b and interleaved-1f1b the clock gives exactly the papers' formulas, (p−1)/m and
     (p−1)/(v·m) (tests/test_schedules.py lays them out on many shapes), so those are used as they are: a
@@ -154,10 +175,7 @@ def bubble_ratio(schedule: str, pp: int, m: int, v: int = 2) -> float:
         return schedules.formula_bubble_ratio(schedule, pp, m)
     if schedule == "interleaved-1f1b":
         return schedules_virtual.formula_bubble_ratio(schedule, pp, m, v)
-    if schedule in schedules.SCHEDULES:
-        return schedules.simulate(schedules.build(schedule, pp, m), pp, m, 1.0, 2.0, 0.0).bubble_ratio
-    ops, layout = schedules_virtual.build(schedule, pp, m, v)
-    return schedules_virtual.simulate(ops, layout, m, 1.0, 1.0, 1.0, 0.0).bubble_ratio
+    return lay_out_schedule(schedule, pp, m, v)[2].bubble_ratio
 
 
 def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, efficiency: float | None = None) -> dict:
