@@ -395,11 +395,20 @@ def cmd_plan(args) -> int:
 
     if args.json:
         _check_writable(args.json, "--json")
-    if args.params is None and args.shape is None:
-        raise UsageError("plan needs --params (a parameter count) or --shape (one of "
-                         f"{', '.join(plan.SHAPES)}).")
+    parts = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "mlp", "vocab", "experts",
+                                           "top_k", "expert_ffn") if getattr(args, k) is not None}
+    if args.params is None and args.shape is None and not parts:
+        raise UsageError("plan needs --params (a parameter count), --shape (one of "
+                         f"{', '.join(plan.SHAPES)}) or the shape's parts (--layers, --hidden, --heads, ...).")
+    shape = args.shape
+    if parts:
+        try:
+            base = plan.get_shape(args.shape).as_dict() if args.shape else {}
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        shape = {**{k: v for k, v in base.items() if k != "source"}, **parts}
     result = plan.plan(args.params, args.gpus, args.gpu, args.gpus_per_node, args.batch_size, args.seq_len,
-                       args.precision, args.efficiency, shape=args.shape)
+                       args.precision, args.efficiency, shape=shape, framework=args.framework)
     print(plan.format_plan(result, top=args.top, explained=args.explain))
     _write_json(args.json, result)
     return 0
@@ -771,7 +780,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="rank the layouts of a large model on many GPUs, on paper")
     p.add_argument("--params", type=float, help="parameters, e.g. 70e9 (a plausible dense GPT shape is assumed)")
-    p.add_argument("--shape", help="a named model shape instead: llama2-70b, or mixtral-8x7b (a mixture of experts)")
+    p.add_argument("--shape", help="a named public shape instead (gpucourse.shapes.SHAPES: gpt3-175b, megatron-1t, "
+                                   "llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, deepseek-v3-like, ...); "
+                                   "the flags below change its parts")
+    for flag, kind, text in (("--layers", int, "transformer blocks"), ("--hidden", int, "model width"),
+                             ("--heads", int, "attention heads"), ("--kv-heads", int, "key/value heads (GQA)"),
+                             ("--ffn", int, "MLP width (default 4 × hidden)"), ("--mlp", str, "gelu or swiglu"),
+                             ("--vocab", int, "vocabulary"), ("--experts", int, "routed experts per MoE block"),
+                             ("--top-k", int, "experts per token"), ("--expert-ffn", int, "an expert's MLP width")):
+        p.add_argument(flag, type=kind, default=None, help=f"shape: {text}")
+    p.add_argument("--framework", default=None,
+                   help="whose overlap of communication with compute to assume: megatron-core (default), "
+                        "megatron-core-tp-overlap, megatron-2021, fsdp, ddp")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     p.add_argument("--gpu", default="h100", help="GPU kind from the table (gpucourse.gpus), e.g. h100, a100")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per server (tensor parallelism stays inside)")
@@ -779,7 +799,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
     p.add_argument("--precision", default="bf16", help="bf16 (with fp32 master weights) or fp32")
     p.add_argument("--efficiency", type=float, default=None,
-                   help="fraction of peak FLOP/s reached (default: the GPU's achievable share, see gpucourse.gpus)")
+                   help="time compute as this fraction of peak FLOP/s, spread evenly (default: kernel by kernel "
+                        "on the model's shape)")
     p.add_argument("--top", type=int, default=10, help="rows to print")
     p.add_argument("--explain", action="store_true",
                    help="each row's step as its parts (compute, recompute, bubble, each kind of communication, "

@@ -6,10 +6,30 @@ each server and ``nodes`` servers. Rank r sits on node ``r // gpus_per_node``: t
 layouts put tensor-parallel ranks next to each other, so tensor parallelism stays
 inside a server first, as :mod:`gpucourse.plan` assumes.
 
-**Compute** is a roofline plus launches: the slower of ``flops ÷ (peak ×
-achievable)`` and ``bytes ÷ memory bandwidth``, plus ``kernels × LAUNCH_S``
-(a GPU kernel costs a few microseconds however small it is: tiny models are
-launch-bound, which is why a toy run scales worse on GPUs than a big one).
+**Compute** of a recorded span (:meth:`Cluster.compute_s`, what a replay uses) is a roofline plus launches: the
+slower of ``flops ÷ (peak × achievable)`` and ``bytes ÷ memory bandwidth``, plus ``kernels × LAUNCH_S`` (a GPU
+kernel costs a few microseconds however small it is: tiny models are launch-bound, which is why a toy run scales
+worse on GPUs than a big one).
+
+**Kernels by shape** (:meth:`Cluster.kernel_s`, what the planner uses, one kernel of
+:meth:`gpucourse.shapes.Shape.kernels` at a time):
+
+- a **matmul** of m×k by k×n is cut into output tiles (256×128, 128×256, 128×128 or 64×128: the kernel takes
+  whichever finishes first) that the GPU's ``sm_count`` SMs work through in *waves*: ⌈tiles ÷ SMs⌉ waves, each
+  as long as one tile's 2·a·b·(k + ``gemm_overhead_k``) FLOPs at the SM's share of ``peak × gemm_efficiency ×
+  sustained`` (NVIDIA's Matrix Multiplication Background guide: tile and wave quantization). A tile's prologue
+  and epilogue cost as much as ``gemm_overhead_k`` more of k, so small matmuls run further from the peak than
+  large ones; a skinny one is bound by the bytes it reads (its inputs and output over ``hbm_efficiency`` of the
+  memory bandwidth);
+- **attention** is one fused kernel (FlashAttention): blocks of 128 queries, each going through its (causal: on
+  average half the) keys, at ``attention_efficiency`` of the peak forward and ``attention_bwd_efficiency``
+  backward (2.5× the forward's FLOPs); ``flash2_share`` of that for FlashAttention-2 on a GPU whose best kernel is
+  newer; or, unfused, two batched matmuls and a softmax that writes the T×T scores;
+- **element-wise** work (norms, activations, residual adds) moves its bytes at the memory bandwidth.
+
+``gemm_efficiency``, ``attention_*`` and ``hbm_efficiency`` are public measurements (cited in
+:mod:`gpucourse.gpus`); ``sustained`` (the clock a GPU holds through a training step) and ``gemm_overhead_k`` are
+fitted on the fitting set of :mod:`gpucourse.published` only.
 
 **Collectives** follow the α–β model: each algorithm takes some steps of latency
 α and moves some bytes at bandwidth β, the *slowest link* the group crosses —
@@ -47,6 +67,7 @@ figures).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -62,6 +83,11 @@ ADAM_BYTES_PER_PARAM = 28     # read weight, gradient and two moments (fp32), wr
 PROTOCOLS = ("Simple", "LL")
 LL_LATENCY = {"NVLink": 0.47 / 3.4, "PCIe": 1.0 / 5.7, "network": 2.7 / 9.6}
 LL_BANDWIDTH = 1 / 4
+# Kernels by shape (Cluster.gemm_s, attention_s): the output tiles a GEMM kernel may use (cuBLAS picks per shape;
+# NVIDIA's Matrix Multiplication Background guide: tile and wave quantization) and FlashAttention's block of
+# queries. What a tile's prologue and epilogue cost is the GPU's ``gemm_overhead_k`` (gpucourse.gpus).
+TILES = ((256, 128), (128, 256), (128, 128), (64, 128))
+ATTENTION_BLOCK = 128
 RING_OPS = ("all_gather", "reduce_scatter", "all_to_all")  # n − 1 steps, (n−1)/n of the payload each rank
 
 
@@ -113,6 +139,69 @@ class Cluster:
         memory_s = nbytes / (g.hbm_GBps * 1e9) if g.hbm_GBps else 0.0
         return max(math_s, memory_s) + kernels * LAUNCH_S
 
+    # --- kernels by shape ---------------------------------------------------------------------------------------------
+    def gemm_s(self, m: float, n: float, k: float, precision: str = "bf16", count: float = 1) -> float:
+        """Seconds of ``count`` matmuls of an m×k by a k×n matrix (a grouped GEMM when ``count`` > 1): a roofline
+        on the matmul's own shape (see "Kernels by shape" in the module docstring)."""
+        g = self.gpu
+        per_sm = g.peak_flops(precision) * g.gemm_efficiency * g.sustained / g.sm_count
+        math_s = min(math.ceil(count * math.ceil(m / a) * math.ceil(n / b) / g.sm_count) * 2 * a * b * (k + g.gemm_overhead_k)
+                     for a, b in TILES) / per_sm
+        elem = 1 if precision == "fp8" else 4 if precision == "fp32" else 2
+        memory_s = count * (m * k + k * n + m * n) * elem / self.hbm_Bps
+        return max(math_s, memory_s) + LAUNCH_S
+
+    @property
+    def hbm_Bps(self) -> float:
+        """Memory bandwidth an element-wise kernel reaches (the datasheet's × ``hbm_efficiency``)."""
+        return self.gpu.hbm_GBps * 1e9 * self.gpu.hbm_efficiency
+
+    def memory_kernel_s(self, elements: float, elem: int = 2) -> float:
+        """Seconds of element-wise work that reads and writes ``elements`` values of ``elem`` bytes."""
+        return elements * elem / self.hbm_Bps + LAUNCH_S
+
+    def attention_s(self, sequences: float, heads: float, q: float, kv: float, head_dim: int,
+                    backward: bool = False, kernel: str = "flash") -> float:
+        """Seconds of causal attention (scores, softmax, weighted sum) for ``sequences`` × ``heads`` of ``q`` queries
+        against ``kv`` keys (a context-parallel rank's T/cp queries against all T: the zig-zag split gives each
+        rank half the keys on average, as one device's causal mask does).
+
+        ``kernel="flash"``: one fused kernel (the GPU's best: FlashAttention-3 on Hopper), blocks of 128 queries spread over the SMs, each
+        block going through its (causal: half) of the keys at ``attention_efficiency`` of the peak (backward:
+        2.5× the forward's FLOPs, at ``attention_bwd_efficiency``); ``"flash2"``: FlashAttention-2, at
+        ``flash2_share`` of those. ``"unfused"``: two batched matmuls and a
+        softmax that writes the T×T scores to memory, as Megatron-LM did before fused attention kernels."""
+        g = self.gpu
+        keys = kv / 2
+        if kernel == "unfused":
+            scores = dict(count=sequences * heads, precision="bf16")
+            passes = 2 if backward else 1  # backward: each matmul's two gradients
+            s = passes * (self.gemm_s(q, kv, head_dim, **scores) + self.gemm_s(q, head_dim, kv, **scores))
+            return s + self.memory_kernel_s((3 if backward else 2) * sequences * heads * q * kv)
+        if kernel not in ("flash", "flash2"):
+            raise ValueError(f"no attention kernel {kernel!r} in the model: flash, flash2 or unfused.")
+        share = (g.attention_bwd_efficiency if backward else g.attention_efficiency) \
+            * (g.flash2_share if kernel == "flash2" else 1.0)
+        blocks = sequences * heads * math.ceil(q / ATTENTION_BLOCK)
+        per_block = 4 * ATTENTION_BLOCK * (keys + g.gemm_overhead_k) * head_dim * (2.5 if backward else 1)
+        return math.ceil(blocks / g.sm_count) * per_block / (g.peak_bf16_flops * share * g.sustained / g.sm_count) + LAUNCH_S
+
+    def kernel_s(self, kernel: dict, precision: str = "bf16", backward: bool = False, attention: str = "flash") -> float:
+        """Seconds of one kernel of :meth:`gpucourse.shapes.Shape.kernels` (its forward, or ``backward``: a
+        matmul's input and weight gradients, attention's backward, element-wise work twice)."""
+        kind = kernel["kind"]
+        if kind == "gemm":
+            m, n, k, c = kernel["m"], kernel["n"], kernel["k"], kernel["count"]
+            if not backward:
+                return self.gemm_s(m, n, k, precision, c)
+            return self.gemm_s(m, k, n, precision, c) + self.gemm_s(k, n, m, precision, c)
+        if kind == "attention":
+            return self.attention_s(kernel["sequences"], kernel["heads"], kernel["q"], kernel["kv"],
+                                    kernel["head_dim"], backward, attention)
+        if kind == "memory":
+            return self.memory_kernel_s(kernel["elements"] * (2 if backward else 1))
+        raise ValueError(f"no kind of kernel {kind!r}: gemm, attention or memory.")
+
     def optimizer_s(self, params: float) -> float:
         """Seconds of one Adam step over ``params`` parameters: memory-bound, it reads and writes
         :data:`ADAM_BYTES_PER_PARAM` bytes for each (and launches about ten kernels)."""
@@ -131,7 +220,7 @@ class Cluster:
     def choice(self, op: str, nbytes: float, ranks, algo: str | None = None,
                protocol: str | None = None) -> tuple[float, str, str]:
         """:meth:`collective_s` with the protocol: ``(seconds, algorithm, protocol)``, the fastest allowed."""
-        ranks = list(ranks)
+        ranks = ranks if isinstance(ranks, range) else list(ranks)
         n = len(ranks)
         if algo is not None and algo not in ("ring", "tree"):
             raise ValueError(f"no all-reduce algorithm {algo!r} in the model: ring or tree.")
@@ -172,9 +261,18 @@ class Cluster:
 
     def _per_node(self, ranks) -> dict[int, int]:
         """How many of ``ranks`` each server holds."""
+        if isinstance(ranks, range) and len(ranks) > 64:  # a strided group (the planner's): count it, don't walk it
+            return self._per_node_range(ranks.start, ranks.stop, ranks.step)
         per_node: dict[int, int] = {}
         for r in ranks:
             per_node[self.node(r)] = per_node.get(self.node(r), 0) + 1
+        return per_node
+
+    @functools.lru_cache(maxsize=4096)
+    def _per_node_range(self, start: int, stop: int, step: int) -> dict[int, int]:
+        per_node: dict[int, int] = {}
+        for r in range(start, stop, step):
+            per_node[r // self.gpus_per_node] = per_node.get(r // self.gpus_per_node, 0) + 1
         return per_node
 
     def _latencies(self, ranks, protocol: str = "Simple") -> tuple[int, int, float, float]:

@@ -42,8 +42,17 @@ class GPUSpec:
     """One accelerator: peak compute (FLOP/s), memory (GB and GB/s) and links (GB/s one direction, latency µs).
 
     ``achievable`` is the share of the peak that a transformer's training step reaches on large
-    matrices (what :mod:`gpucourse.cluster` times compute with); ``bus_efficiency`` the share of a
+    matrices (what :mod:`gpucourse.cluster` times a replayed span with); ``bus_efficiency`` the share of a
     link's bandwidth that NCCL's ring reaches (nccl-tests' bus bandwidth over the link's).
+
+    The planner times kernels by their shape (:meth:`gpucourse.cluster.Cluster.kernel_s`) with: ``sm_count``
+    (streaming multiprocessors), ``gemm_efficiency`` (the share of the peak the best large bf16 GEMM reaches),
+    ``attention_efficiency`` and ``attention_bwd_efficiency`` (FlashAttention's forward and backward, long
+    sequences), ``flash2_share`` (FlashAttention-2 against that kernel), ``hbm_efficiency`` (the share of the memory
+    bandwidth a streaming kernel reaches) — measurements, cited in the table below — and two numbers fitted on the
+    fitting set of :mod:`gpucourse.published` and nothing else: ``sustained`` (the clock a GPU holds through a
+    whole training step, against the benchmarks' short bursts) and ``gemm_overhead_k`` (a GEMM tile's fixed cost,
+    as that much more of its K).
     """
 
     name: str
@@ -59,6 +68,14 @@ class GPUSpec:
     inter_node_latency_us: float = 10.0
     achievable: float = 0.5
     bus_efficiency: float = 0.8
+    sm_count: int = 100
+    gemm_efficiency: float = 0.8
+    attention_efficiency: float = 0.6
+    attention_bwd_efficiency: float = 0.45
+    hbm_efficiency: float = 0.85
+    gemm_overhead_k: float = 256
+    sustained: float = 1.0
+    flash2_share: float = 1.0
 
     def peak_flops(self, precision: str = "bf16") -> float:
         """Peak FLOP/s for a run in ``precision``: fp32 uses the fp32 figure, fp8 the fp8 one, else bf16's."""
@@ -84,19 +101,43 @@ T = 1e12
 # Latencies are orders of magnitude for one NCCL step: a few µs over NVLink, about 10 µs across
 # InfiniBand. ``achievable`` and ``bus_efficiency``: see docs/modeled-timing.md for what they were
 # fitted on and how the model compares with published runs.
+# Kernels (measurements):
+# - SMs: A100 108, H100 and H200 132, B200 148, L4 58 (the datasheets / CUDA programming guide).
+# - gemm_efficiency, the best large bf16 GEMM over the dense peak ("maximum achievable matmul FLOPS", Bekman,
+#   ml-engineering, compute/accelerator/README.md): A100 SXM 271.2 of 312 (0.87), H100 SXM 794.5 of 989 (0.80,
+#   "H200 is the same"), B200 1745 of 2250 (0.78).
+# - attention: FlashAttention-2 on A100, forward and backward, causal, long sequences: 0.55-0.61 of the peak
+#   (Dao 2023, its repository's benchmark figures); FlashAttention-3 on H100, forward 616-648 TFLOP/s (0.62-0.66),
+#   backward 1.5-1.75× FlashAttention-2's (about 0.5) (Shah et al. 2024); FlashAttention-2 on H100: 328-338
+#   TFLOP/s (0.34 of the peak, 0.55 of FlashAttention-3's forward): flash2_share.
+# - hbm_efficiency: A100 1.80 of 2.04 TB/s in a streaming copy (0.88, NVIDIA developer forum); H100 about 0.85.
+# Fitted on the fitting set of gpucourse.published (published.fit, tests/test_published.py): sustained and
+# gemm_overhead_k, A100 0.80 and 128, H100 0.85 and 1024 (H200 and B200, with no fitting runs, take the H100's). The
+# H100's 1024 agrees with measured GEMM tables: a 2048³ GEMM at 0.82 of a 4096³ one (XLA's
+# default_matmul_perf_table for sm_90: 641 against 780 TFLOP/s), k/(k + 1024) giving 0.83.
 GPUS: dict[str, GPUSpec] = {g.name: g for g in (
     GPUSpec("h100", 989 * T, 67 * T, 80, 450, 50, "H100 SXM: NVLink 4 (900 GB/s both ways), 400 Gb/s NIC per GPU",
-            peak_fp8_flops=1979 * T, hbm_GBps=3350, achievable=0.4, bus_efficiency=0.8),
+            peak_fp8_flops=1979 * T, hbm_GBps=3350, achievable=0.4, bus_efficiency=0.8, sm_count=132,
+            gemm_efficiency=0.8, attention_efficiency=0.62, attention_bwd_efficiency=0.5, flash2_share=0.55,
+            sustained=0.85, gemm_overhead_k=1024),
     GPUSpec("h200", 989 * T, 67 * T, 141, 450, 50, "H200 SXM: H100's compute with more, faster memory",
-            peak_fp8_flops=1979 * T, hbm_GBps=4800, achievable=0.4, bus_efficiency=0.8),
+            peak_fp8_flops=1979 * T, hbm_GBps=4800, achievable=0.4, bus_efficiency=0.8, sm_count=132,
+            gemm_efficiency=0.8, attention_efficiency=0.62, attention_bwd_efficiency=0.5, flash2_share=0.55,
+            sustained=0.85, gemm_overhead_k=1024),
     GPUSpec("b200", 2250 * T, 75 * T, 180, 900, 50, "B200 (HGX): NVLink 5 (1.8 TB/s both ways), 400 Gb/s NIC per GPU",
-            peak_fp8_flops=4500 * T, hbm_GBps=7700, achievable=0.4, bus_efficiency=0.8),
+            peak_fp8_flops=4500 * T, hbm_GBps=7700, achievable=0.4, bus_efficiency=0.8, sm_count=148,
+            gemm_efficiency=0.78, attention_efficiency=0.62, attention_bwd_efficiency=0.5, flash2_share=0.55,
+            sustained=0.85, gemm_overhead_k=1024),
     GPUSpec("a100", 312 * T, 19.5 * T, 80, 300, 25, "A100 SXM 80 GB: NVLink 3 (600 GB/s both ways), 200 Gb/s NIC",
-            hbm_GBps=2039, achievable=0.55, bus_efficiency=0.8),
+            hbm_GBps=2039, achievable=0.55, bus_efficiency=0.8, sm_count=108, gemm_efficiency=0.87,
+            attention_efficiency=0.62, attention_bwd_efficiency=0.55, hbm_efficiency=0.88, sustained=0.8,
+            gemm_overhead_k=128),
     GPUSpec("l4", 121 * T, 30.3 * T, 24, 32, 12.5, "L4: no NVLink, PCIe 4.0 x16; 100 Gb/s Ethernet",
-            hbm_GBps=300, intra_node_latency_us=10, inter_node_latency_us=20, achievable=0.5, bus_efficiency=0.8),
+            hbm_GBps=300, intra_node_latency_us=10, inter_node_latency_us=20, achievable=0.5, bus_efficiency=0.8,
+            sm_count=58),
     GPUSpec("cpu", 0.1 * T, 0.1 * T, 16, 10, 1.25, "one CPU core as a 'virtual GPU': rough orders of magnitude",
-            hbm_GBps=20, intra_node_latency_us=20, inter_node_latency_us=50, achievable=0.3, bus_efficiency=0.5),
+            hbm_GBps=20, intra_node_latency_us=20, inter_node_latency_us=50, achievable=0.3, bus_efficiency=0.5,
+            sm_count=1, gemm_efficiency=0.3, attention_efficiency=0.2, attention_bwd_efficiency=0.2),
 )}
 
 _FIELDS = {f.name: f for f in dataclasses.fields(GPUSpec)}

@@ -34,6 +34,7 @@ sized before it starts, at any model size and layout — and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -255,7 +256,27 @@ def _loss_stage(cfg: TrainConfig) -> int:
     return 0 if cfg.schedule in V_SHAPED else cfg.pp - 1
 
 
+@functools.lru_cache(maxsize=256)
+def _virtual(schedule: str, pp: int, m: int, v: int):
+    """A multi-chunk schedule's (ops, layout), built once per shape (read, never changed, by this module)."""
+    from .parallel import schedules_virtual
+
+    return schedules_virtual.build(schedule, pp, m, v)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_in_flight(schedule: str, pp: int, m: int, virtual_stages: int, shares) -> tuple:
+    return tuple(_in_flight(schedule, pp, m, virtual_stages, shares))
+
+
 def in_flight(schedule: str, pp: int, m: int, virtual_stages: int = 2, shares=None) -> list[float]:
+    """Most microbatches each stage holds activations for at once (see :func:`_in_flight`); cached by shape."""
+    if shares is not None and not isinstance(shares, tuple):
+        shares = tuple(tuple(row) for row in shares)
+    return list(_cached_in_flight(schedule, pp, m, virtual_stages, shares))
+
+
+def _in_flight(schedule: str, pp: int, m: int, virtual_stages: int = 2, shares=None) -> list[float]:
     """Most microbatches each stage holds activations for at once (what ``schedules.simulate`` finds).
 
     With several chunks per rank (interleaved, V) or a split backward, the peak of microbatch-chunks held, each
@@ -268,7 +289,7 @@ def in_flight(schedule: str, pp: int, m: int, virtual_stages: int = 2, shares=No
     from .parallel import schedules_virtual
 
     if schedule in schedules_virtual.SCHEDULES:
-        ops, layout = schedules_virtual.build(schedule, pp, m, virtual_stages)
+        ops, layout = _virtual(schedule, pp, m, virtual_stages)
         if shares is None:
             return [peak / layout.v for peak in schedules_virtual.simulate(ops, layout, m).peak_in_flight]
         return _weighted_peaks(ops, shares)
@@ -298,11 +319,12 @@ def _weighted_peaks(ops, shares) -> list[float]:
     return peaks
 
 
-def estimate(cfg: TrainConfig) -> dict:
+def estimate(cfg: TrainConfig, every_rank: bool = True) -> dict:
     """Memory per rank for ``cfg``: ``{"per_rank": {rank: {category: bytes}}, "max": {...}, ...}``.
 
     Ranks follow the run's DeviceMesh (dims pp, dp, tp; tp innermost), so rank r
-    is on pipeline stage r // (dp·tp).
+    is on pipeline stage r // (dp·tp). ``every_rank=False``: ``per_rank`` holds the first rank of each
+    pipeline stage only (the others of a stage hold the same), as a planner sizing thousands of GPUs wants.
     """
     cfg.validate(runnable=False)
     mc = cfg.model_config()
@@ -310,8 +332,8 @@ def estimate(cfg: TrainConfig) -> dict:
 
     shares = None
     if cfg.pp > 1 and cfg.schedule in schedules_virtual.SCHEDULES:  # chunks of unequal weight: count each its own
-        shares = _chunk_shares(cfg, mc, schedules_virtual.build(cfg.schedule, cfg.pp, cfg.microbatches,
-                                                                cfg.virtual_stages)[1])
+        shares = _chunk_shares(cfg, mc, _virtual(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)[1])
+        shares = tuple(tuple(row) for row in shares)
     held = in_flight(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages, shares)
     per_stage = []
     for stage in range(cfg.pp):
@@ -334,13 +356,14 @@ def estimate(cfg: TrainConfig) -> dict:
         mem["activations"] = _activation_bytes(cfg, mc, stage, held[stage])
         per_stage.append((n, mem, _gathered_bytes(cfg, units)))
     stage_ranks = cfg.world_size // cfg.pp  # the mesh is (pp, dp, cp, tp): each stage's ranks are contiguous
-    per_rank = {r: dict(per_stage[r // stage_ranks][1]) for r in range(cfg.world_size)}
-    worst = max(per_rank.values(), key=lambda m: sum(m.values()))
+    ranks = range(cfg.world_size) if every_rank else range(0, cfg.world_size, stage_ranks)
+    per_rank = {r: dict(per_stage[r // stage_ranks][1]) for r in ranks}
+    worst = dict(max((mem for _, mem, _ in per_stage), key=lambda m: sum(m.values())))
     est = {"config": cfg.to_dict(), "num_params": num_params(mc),
-           "params_per_rank": {r: per_stage[r // stage_ranks][0] for r in range(cfg.world_size)},
+           "params_per_rank": {r: per_stage[r // stage_ranks][0] for r in ranks},
            "per_rank": per_rank, "max": worst, "max_total": sum(worst.values())}
     if cfg.zero == 3 and cfg.impl == "scratch":
-        est["gathered"] = {r: per_stage[r // stage_ranks][2] for r in range(cfg.world_size)}
+        est["gathered"] = {r: per_stage[r // stage_ranks][2] for r in ranks}
     if mc.moe_experts:
         est["moe"] = moe_summary(cfg)
     return est

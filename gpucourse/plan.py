@@ -1,130 +1,176 @@
-"""Plan a layout on paper: which dp × tp × pp (and ZeRO stage) fits, and how fast it would be.
+"""Plan a layout on paper: which dp × tp × pp × cp (× ep, ZeRO stage, schedule) fits, and how fast it would be.
 
-For a model of N parameters on G GPUs of a stated kind, every layout with
-dp·tp·pp = G (tp within one server, pp no more than the blocks) and every ZeRO
-stage, with and without activation checkpointing, is sized with
-:func:`gpucourse.memory.estimate` — the same formulas the tests check against
-real runs here — and timed with a simple model:
+For a model's shape (:mod:`gpucourse.shapes`: a public one by name, one's own parts, or a plausible one for a
+parameter count) on G GPUs of a stated kind, every layout with dp·cp·tp·pp = G (tp within one server and
+splitting the heads, pp no more than the blocks), every ZeRO stage the framework offers, 1F1B and interleaved
+1F1B, with and without activation checkpointing, is sized — by :func:`gpucourse.memory.estimate` (checked against
+real runs) for the course's own block, by :func:`activation_bytes` and the shape's own parameters for others —
+and timed by :func:`step_time`, the sum of these parts:
 
-- **compute**: 6·N FLOPs per token for the weights' matmuls, plus 12·L·C·T for attention's
-  scores and weighted sum (PaLM's count, Chowdhery et al. 2022, appendix B: L blocks of
-  width C, T tokens per sequence; it grows with T and rules long sequences); with
-  checkpointing one more forward, 8·N + 16·L·C·T; spread over the G GPUs at
-  ``efficiency`` × the GPU's peak (default: its ``achievable`` share, see :mod:`gpucourse.gpus`; a
-  mixture of experts: N its active parameters);
-- **bubble**: a pipeline of p stages and m microbatches idles the share of its
-  compute time that its schedule leaves idle, as ``gpucourse schedule`` lays it
-  out (:func:`bubble_ratio`): (p−1)/m for GPipe and 1F1B, (p−1)/(v·m) for
-  interleaved 1F1B with v chunks per rank, less for the zero-bubble schedules;
-- **tensor-parallel communication**: per block and microbatch, two all-reduces
-  forward and two backward of the activations a rank holds (b·T/cp·C values:
-  with context parallelism each rank has only its T/cp tokens), ring cost
-  2(tp−1)/tp of the payload, at the intra-node bandwidth;
-- **pipeline communication**: each microbatch's activation (again T/cp tokens a
-  rank) crosses each stage boundary forward and its gradient backward;
-- **data-parallel communication**: one all-reduce of the gradients per step
-  (ZeRO-1/2: reduce-scatter plus all-gather, the same volume; ZeRO-3 gathers
-  the weights once more for backward: 1.5×), at the intra-node bandwidth when
-  a data-parallel group fits in one server, else at the network's.
+- **compute**: one microbatch on the pipeline stage that sets the pace (the most blocks, the head on the last),
+  kernel by kernel — each matmul of a block as its own (m, n, k) on a roofline with tile and wave quantization,
+  attention as a fused kernel (or unfused, as Megatron-LM ran it in 2021), element-wise work by the bytes it
+  moves (:meth:`gpucourse.cluster.Cluster.kernel_s`); backward is each matmul's two gradients and attention's
+  backward; times the microbatches m;
+- **recompute**: with activation checkpointing, the blocks' forward once more;
+- **bubble**: the share of that compute the schedule leaves idle, as ``gpucourse schedule`` lays it out
+  (:func:`bubble_ratio`): (p−1)/m for GPipe and 1F1B, (p−1)/(v·m) interleaved, less for zero-bubble schedules;
+- **tensor-parallel communication**: per block and microbatch two all-reduces forward and two backward (three
+  forward with recomputation) of a rank's activations (its T/cp tokens), inside a server;
+- **pipeline communication**: each microbatch's activation forward and its gradient back at each boundary, 1/tp
+  of it a rank where the framework scatters it (Megatron-LM) or sequence parallelism has split it, all-gathered
+  on arrival;
+- **context-parallel ring**: per block and microbatch, cp − 1 hops of a rank's K and V (only kv_heads wide)
+  forward, cp − 1 again and cp of their gradients backward;
+- **expert-parallel all-to-alls**: dispatch and combine, forward and backward, per MoE block and microbatch;
+- **data-parallel communication**: the gradients' all-reduce (ZeRO-1/2: reduce-scatter and all-gather, the same
+  bytes) once a step; ZeRO-3 gathers each block's weights for forward and for backward (and the recomputed
+  forward) and reduce-scatters its gradients, every microbatch;
+- **optimizer**: Adam over the parameters the rank updates, memory-bound.
 
-From ``LONG_SEQUENCE`` tokens on, layouts also use **sequence parallelism**
-(with tp > 1) and **context parallelism** (cp ranks each holding T/cp tokens,
-ring attention with the zig-zag split); cp·dp·tp·pp = G, tp·cp within a server
-where they fit. Their communication:
+Which communication hides behind compute is the **framework's** setting (:class:`Overlap`, :data:`FRAMEWORKS`,
+each named after what it copies): Megatron-LM 2021 all-reduced the gradients after the pipeline flush, Megatron-Core
+overlaps them with the last backward, FSDP prefetches its gathers, ``--tp-comm-overlap`` splits tensor-parallel
+collectives beside their matmuls, the cp ring sends beside attention. Only what is left over counts (``*_exposed_s``;
+``*_comm_s`` is the whole). Each transfer is timed by :class:`gpucourse.cluster.Cluster`'s α–β model over the links
+its group crosses — the same model that replays recorded runs (:mod:`gpucourse.replay`). ``gpucourse.published``
+holds the model against published runs; ``docs/modeled-timing.md`` prints the table. A layout that does not fit in
+the GPU's memory is never ranked as fitting.
 
-- **context-parallel ring**: per block and microbatch, cp − 1 hops of a rank's
-  K and V forward, cp − 1 again and cp hops of their gradients backward, at
-  the intra-node bandwidth when tp·cp GPUs fit in one server, else the network's;
-- sequence parallelism moves what tensor parallelism moves (an all-gather and
-  a reduce-scatter are one all-reduce); it only shrinks activations.
-
-Each transfer is timed by :class:`gpucourse.cluster.Cluster`'s α–β model (latency per step plus bytes
-over bandwidth, ring or tree) over the slowest link its group crosses — NVLink inside a server, the
-network card across servers — the same model that replays recorded runs (:mod:`gpucourse.replay`).
-Tensor-, pipeline-, context- and expert-parallel transfers sit on the critical path (assumed not to
-overlap compute); data-parallel traffic overlaps it, as it does in DDP and FSDP: the gradient all-reduce
-hides behind backward (2/3 of the compute, 3/4 recomputing), ZeRO-3's gathers behind the whole step, and
-only what is left over counts (``dp_exposed_s``; ``dp_comm_s`` is the whole). The ranking is what matters. A layout that does not fit in the GPU's
-memory is never ranked as fitting.
-
-With only a parameter count, the model's shape is taken from the common
-aspect ratio of large GPTs: width ≈ 100 × depth (Llama-2 70B has 80 blocks of
-8192), heads of 128, a 32000-token vocabulary; from 1024 on, the width is a
-multiple of 8 heads, so that tensor parallelism of 2, 4 or 8 divides the heads.
+From ``LONG_SEQUENCE`` tokens on (and always under Megatron-Core), layouts with tp > 1 use **sequence
+parallelism**; from ``LONG_SEQUENCE`` on the planner also tries **context parallelism** (zig-zag ring attention).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import textwrap
+from dataclasses import dataclass
 
 from .cluster import Cluster
 from .config import ConfigError, TrainConfig
 from .gpus import get_gpu
-from .memory import active_params, estimate, expert_params
-from .memory import num_params as num_params_of
+from .memory import estimate, estimate_params
 from .readable import human_bytes
+from . import shapes
+from .shapes import Shape, ShapeError, for_params, get_shape
 
 
 def shape_for_params(num_params: float) -> dict:
-    """A plausible GPT shape (n_layer, n_embd, n_head) with about ``num_params`` parameters."""
-    n_layer = max(2, round((num_params / (12 * 100**2)) ** (1 / 3)))
-    width = math.sqrt(num_params / (12 * n_layer))
-    step = 1024 if width >= 1024 else 128  # 8 heads of 128 at a time: tp = 2, 4, 8 can split the heads
-    n_embd = max(128, round(width / step) * step)
-    return {"n_layer": n_layer, "n_embd": n_embd, "n_head": n_embd // 128, "vocab_size": 32000}
+    """A plausible GPT shape (n_layer, n_embd, n_head, vocab_size) with about ``num_params`` parameters
+    (:func:`gpucourse.shapes.for_params`)."""
+    return for_params(num_params).overrides()
 
 
 LONG_SEQUENCE = 16384  # from here on the planner also tries sequence and context parallelism
 
-# Named shapes to plan (``gpucourse plan --shape NAME``). Each is the real model's depth, width, heads and
-# vocabulary with this course's block (a 4×-wide GELU MLP, or E of them with a router), so its counts are
-# near, not equal to, the original's.
-SHAPES = {
-    "llama2-70b": {"n_layer": 80, "n_embd": 8192, "n_head": 64, "vocab_size": 32000},
-    # Mixtral 8x7B (Jiang et al., 2024): 32 blocks of 4096, 32 heads, 8 experts, top-2. Its experts are
-    # SwiGLU MLPs of width 14336 (47 B parameters, 13 B active); this course's 4×-wide GELU experts make it
-    # 36.8 B and 11.0 B.
-    "mixtral-8x7b": {"n_layer": 32, "n_embd": 4096, "n_head": 32, "vocab_size": 32000, "moe_experts": 8,
-                     "moe_top_k": 2},
-}
+# Named shapes to plan (``gpucourse plan --shape NAME``): public models' shapes, each with its source.
+SHAPES = shapes.SHAPES
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(shape: dict, gpus: int, gpus_per_node: int, batch_size: int, seq_len: int, precision: str):
-    """Every layout worth sizing, as TrainConfigs (not necessarily runnable in this build)."""
+def candidates(shape: Shape, gpus: int, gpus_per_node: int, batch_size: int, seq_len: int, precision: str,
+               sequence_parallel: bool = False, zero_stages=(0, 1, 2, 3)):
+    """Every layout worth sizing, as TrainConfigs (not necessarily runnable in this build). ``sequence_parallel``:
+    with tensor parallelism, always (as Megatron-Core runs it); else only from ``LONG_SEQUENCE`` on."""
     long = seq_len >= LONG_SEQUENCE
-    experts = shape.get("moe_experts", 0)
     for tp in _divisors(gpus):
-        if tp > gpus_per_node or shape["n_head"] % tp:
+        if tp > gpus_per_node or shape.heads % tp or (shape.kv % tp and tp % shape.kv):
             continue
         for cp in _divisors(gpus // tp) if long else [1]:
             if seq_len % (2 * cp) and cp > 1:
                 continue
             for pp in _divisors(gpus // (tp * cp)):
                 dp = gpus // (tp * cp * pp)
-                if pp > shape["n_layer"] or batch_size % dp:
+                if pp > shape.layers or batch_size % dp:
                     continue
                 # One sequence per microbatch on a pipeline keeps its bubble small.
                 micro = batch_size // dp if pp > 1 else 1
                 grad_accum = 1 if pp > 1 else batch_size // dp
                 # A mixture of experts: expert parallelism over ep of the dp ranks (ep divides the experts).
-                eps = [ep for ep in _divisors(dp) if experts % ep == 0] if experts else [1]
-                for ep, zero in ((ep, zero) for ep in eps for zero in (0, 1, 2, 3)):
+                eps = [ep for ep in _divisors(dp) if shape.experts % ep == 0] if shape.experts else [1]
+                for ep, zero in ((ep, zero) for ep in eps for zero in zero_stages):
                     if zero and dp * cp == 1 or zero == 3 and ep > 1:
                         continue
-                    for ckpt in (False, True):
-                        yield TrainConfig(model="gpt2-small", overrides={**shape, "block_size": seq_len}, dp=dp,
-                                          tp=tp, pp=pp, cp=cp, ep=ep, zigzag=cp > 1,
-                                          sequence_parallel=long and tp > 1, zero=zero, microbatches=micro,
-                                          grad_accum=grad_accum, schedule="1f1b", batch_size=batch_size,
-                                          seq_len=seq_len, precision=precision, master_weights=precision != "fp32",
+                    # A pipeline also tries the interleaved schedule with 2, 4 or 8 chunks a rank, where the blocks go.
+                    schedules = [("1f1b", 2)] + [("interleaved-1f1b", v) for v in (2, 4, 8)
+                                                 if pp > 1 and shape.layers >= v * pp and micro % pp == 0]
+                    for (schedule, v), ckpt in ((sv, ckpt) for sv in schedules for ckpt in (False, True)):
+                        yield TrainConfig(model="gpt2-small", overrides={**shape.overrides(), "block_size": seq_len},
+                                          dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zigzag=cp > 1,
+                                          sequence_parallel=(long or sequence_parallel) and tp > 1, zero=zero,
+                                          microbatches=micro, grad_accum=grad_accum, schedule=schedule,
+                                          virtual_stages=v, batch_size=batch_size, seq_len=seq_len,
+                                          precision=precision, master_weights=precision != "fp32",
                                           checkpoint_activations=ckpt)
+
+
+def activation_bytes(cfg: TrainConfig, shape: Shape, stage: int) -> float:
+    """Activations a rank of pipeline stage ``stage`` holds at its peak, for a practitioner's ``shape``: Korthikanti
+    et al.'s (2022) count of what a 16-bit transformer layer saves, with FlashAttention (no T×T scores: their
+    ``5·a·s/h`` term is gone) and the shape's own widths — per token, the norms' and residual's 10·C bytes
+    (÷ tp under sequence parallelism), Q, K and V (K and V only kv_heads wide), attention's output, the MLP's
+    hidden values (GELU: its input and output, 4·F bytes; SwiGLU: gate, up and their product, 6·F), all ÷ tp;
+    with full recomputation only each layer's input, 2·C (÷ tp under sequence parallelism). Times the
+    microbatches the schedule keeps in flight on that stage (:func:`gpucourse.memory.in_flight`), plus the fp32
+    logits of the loss on the last stage."""
+    from .memory import in_flight
+    from .parallel.pipeline import stage_blocks
+
+    C, d, tp = shape.hidden, shape.head_dim, cfg.tp
+    sp = tp if cfg.sequence_parallel and tp > 1 else 1
+    m = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
+    tokens = cfg.batch_size / (cfg.dp * m) * cfg.seq_len / cfg.cp
+    if cfg.checkpoint_activations:
+        per_token = 2 * C / sp
+    else:
+        qkv = 2 * d * (shape.heads / tp + 2 * shape.kv_heads_per_rank(tp))
+        width = shape.expert_width * shape.top_k if shape.experts else shape.width
+        mlp = (6 if shape.mlp == "swiglu" else 4) * width / tp
+        per_token = 10 * C / sp + qkv + 2 * C / tp + mlp
+    blocks = len(stage_blocks(shape.layers, cfg.pp, stage))
+    held = in_flight(cfg.schedule, cfg.pp, _enough(cfg), cfg.virtual_stages)[stage] if cfg.pp > 1 else 1
+    logits = 4 * tokens * shape.vocab / tp if stage == cfg.pp - 1 else 0.0
+    return blocks * per_token * tokens * held + logits
+
+
+def _enough(cfg: TrainConfig) -> int:
+    """Microbatches enough to reach a pipeline's peak in flight: the warm-up of an interleaved schedule is under
+    3·pp microbatches (2·(pp − 1) + (v − 1)·pp chunk-steps), so laying out more does not change the peak (tested),
+    and laying out a thousand would take seconds a layout."""
+    return min(cfg.microbatches, 3 * cfg.pp) if cfg.schedule == "interleaved-1f1b" else cfg.microbatches
+
+
+def memory_of(cfg: TrainConfig, shape: Shape) -> dict:
+    """Memory per GPU of ``cfg`` training ``shape``: :func:`gpucourse.memory.estimate` (``gpucourse memory``, checked
+    against runs) where the shape is the course's own block; otherwise the weights, gradients and optimizer of
+    the shape's own parameters on the worst rank (GQA, SwiGLU, its vocabulary, experts over ep) and its
+    activations by :func:`activation_bytes`."""
+    if shape.is_course_block:
+        m = _enough(cfg)
+        if m == cfg.microbatches:
+            return estimate(cfg, every_rank=False)
+        # The same microbatches (sequences each), fewer of them: the same peak, laid out in a fraction of the time.
+        fewer = dataclasses.replace(cfg, microbatches=m, batch_size=cfg.batch_size // cfg.microbatches * m)
+        return {**estimate(fewer, every_rank=False), "config": cfg.to_dict()}
+    cfg.validate(runnable=False)
+    worst = None
+    for stage in range(cfg.pp):
+        n, experts = shape.stage_params(cfg.pp, stage, cfg.tp, cfg.ep)
+        mem = estimate_params(int(n - experts), cfg.dp * cfg.cp, cfg.zero, cfg.precision, cfg.master_weights,
+                              scratch_padding=False)
+        if experts:
+            more = estimate_params(int(experts), cfg.dp // cfg.ep, cfg.zero, cfg.precision, cfg.master_weights,
+                                   scratch_padding=False)
+            mem = {c: v + more[c] for c, v in mem.items()}
+        mem["activations"] = activation_bytes(cfg, shape, stage)
+        if worst is None or sum(mem.values()) > sum(worst.values()):
+            worst = mem
+    return {"config": cfg.to_dict(), "num_params": shape.params(), "max": worst, "max_total": sum(worst.values())}
 
 
 def attention_flops(n_layer: int, n_embd: int, seq_len: int, recompute: bool = False) -> float:
@@ -178,27 +224,146 @@ def bubble_ratio(schedule: str, pp: int, m: int, v: int = 2) -> float:
     return lay_out_schedule(schedule, pp, m, v)[2].bubble_ratio
 
 
-def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, efficiency: float | None = None) -> dict:
+@dataclass(frozen=True)
+class Overlap:
+    """Which communication a framework runs beside compute, and the attention kernel it uses.
+
+    ``dp``: the gradients' reduction ``"backward"`` (bucketed, started as each bucket's gradients are ready, so it
+    hides behind the last microbatch's backward) or ``"after"`` (once the backward is done). ``prefetch``: ZeRO-3 /
+    FSDP gathers the next layer's weights while this one computes. ``tp``: tensor-parallel collectives split and
+    overlapped with their matmuls. ``cp``: the context-parallel ring sends the next K/V block while attention
+    works on this one. ``pp_scatter``: a pipeline send carries 1/tp of the activation from each tensor-parallel
+    rank (Megatron-LM's scatter/gather; with sequence parallelism the activation is split already). ``pp``: sends
+    and receives between stages overlap compute. ``elementwise``: how many times the memory traffic of one fused
+    pass the element-wise work (norms, activations, adds, rotary) moves: eager PyTorch runs each as several
+    kernels (torchtitan measures torch.compile +16 % on Llama 3.1 8B, docs/performance.md: about 3× the traffic
+    of a fused pass in this model). ``attention``: ``"flash"`` (the GPU's best fused kernel: FlashAttention-3
+    or cuDNN on Hopper), ``"flash2"`` (FlashAttention-2, what PyTorch's scaled-dot-product attention and
+    llm-foundry use) or ``"unfused"``.
+    """
+
+    name: str
+    dp: str
+    prefetch: bool
+    tp: bool
+    cp: bool
+    attention: str
+    pp_scatter: bool
+    source: str
+    one_card: bool = False  # ZeRO-3's collectives reach one network card per GPU, not the server's eight at once
+    pp: bool = False        # pipeline sends and receives run beside compute (only the first of each way waits)
+    elementwise: float = 1  # memory traffic of norms, activations and adds over one fused pass (eager: several)
+    zero: tuple = (0, 1, 2, 3)  # the ZeRO stages it offers (what the planner may choose)
+
+
+FRAMEWORKS = {o.name: o for o in (
+    Overlap("megatron-2021", dp="after", prefetch=False, tp=False, cp=False, attention="unfused", pp_scatter=True,
+            zero=(0,), source="Narayanan et al. 2021 (SC21), section 4: the gradient all-reduce runs after the pipeline "
+                   "flush; scatter/gather of the activations between stages; attention as two batched matmuls "
+                   "and a fused softmax (no FlashAttention yet)"),
+    Overlap("megatron-core", dp="backward", prefetch=True, tp=False, cp=True, attention="flash", pp_scatter=True,
+            pp=True, source="Megatron-Core: --overlap-grad-reduce and --overlap-param-gather (distributed optimizer), "
+                   "FlashAttention through Transformer Engine, context parallelism's ring overlapped with "
+                   "attention; --tp-comm-overlap left off (its default)"),
+    Overlap("megatron-core-tp-overlap", dp="backward", prefetch=True, tp=True, cp=True, attention="flash",
+            pp_scatter=True, pp=True, source="Megatron-Core with --tp-comm-overlap (Transformer Engine's userbuffers)"),
+    Overlap("fsdp", dp="backward", prefetch=True, tp=False, cp=True, attention="flash2", pp_scatter=False,
+            elementwise=3, zero=(0, 2, 3), source="PyTorch FSDP2 as torchtitan runs it: all-gathers prefetched one layer ahead, reduce-scatters "
+                   "behind backward; scaled-dot-product attention with the flash backend (FlashAttention-2); eager "
+                   "element-wise kernels"),
+    Overlap("deepspeed-zero3", dp="backward", prefetch=True, tp=False, cp=False, attention="unfused",
+            pp_scatter=False, one_card=True, zero=(0, 1, 2, 3),
+            source="DeepSpeed ZeRO-3 as SC21 measured it (Narayanan et al. 2021, Table 2): prefetched gathers, but "
+                   "each rank's traffic crosses its own network card, so a gather takes S ÷ one card's bandwidth "
+                   "(total throughput stays flat as GPUs double at a fixed batch, as the table shows)"),
+    Overlap("ddp", dp="backward", prefetch=False, tp=False, cp=False, attention="flash2", pp_scatter=False,
+            elementwise=3, zero=(0, 1), source="PyTorch DistributedDataParallel: bucketed all-reduces started during backward; eager PyTorch"),
+)}
+DEFAULT_FRAMEWORK = "megatron-core"
+
+
+def get_framework(framework) -> Overlap:
+    """An :class:`Overlap` by name (``FRAMEWORKS``), or the one given; None: ``DEFAULT_FRAMEWORK``."""
+    if isinstance(framework, Overlap):
+        return framework
+    name = framework or DEFAULT_FRAMEWORK
+    if name not in FRAMEWORKS:
+        raise ConfigError(f"framework {name!r} is not one of {', '.join(FRAMEWORKS)}.")
+    return FRAMEWORKS[name]
+
+
+def _stage_compute(cfg: TrainConfig, shape: Shape, cluster: Cluster, m: int, overlap: Overlap) -> dict:
+    """One microbatch on the pipeline stage that sets the pace: forward, backward and recomputed forward seconds,
+    and its attention's and matmuls' shares (what cp and tp communication may hide behind)."""
+    from .parallel.pipeline import stage_blocks
+
+    tokens = cfg.batch_size / (cfg.dp * m) * cfg.seq_len / cfg.cp  # one rank's tokens of one microbatch
+    sp = cfg.sequence_parallel and cfg.tp > 1
+
+    def timed(kernels, backward):
+        parts = {"gemm": 0.0, "attention": 0.0, "memory": 0.0}
+        for k in kernels:
+            if k["kind"] == "memory":
+                k = {**k, "elements": k["elements"] * overlap.elementwise}
+            parts[k["kind"]] += cluster.kernel_s(k, cfg.precision, backward, overlap.attention)
+        return parts
+
+    kinds = {False: shape.kernels(tokens, cfg.seq_len, cfg.tp, cfg.cp, cfg.ep, False, sp)}
+    if shape.experts:
+        kinds[True] = shape.kernels(tokens, cfg.seq_len, cfg.tp, cfg.cp, cfg.ep, True, sp)
+    block = {moe: (timed(k, False), timed(k, True)) for moe, k in kinds.items()}
+    head = timed(shape.head_kernels(tokens, cfg.tp), False), timed(shape.head_kernels(tokens, cfg.tp), True)
+    worst = None
+    for stage in range(cfg.pp):
+        ids = stage_blocks(shape.layers, cfg.pp, stage)
+        moe = sum(1 for i in ids if shape.experts and i >= shape.dense_layers)
+        f = {p: (len(ids) - moe) * block[False][0][p] + moe * block.get(True, block[False])[0][p] for p in head[0]}
+        b = {p: (len(ids) - moe) * block[False][1][p] + moe * block.get(True, block[False])[1][p] for p in head[0]}
+        redo = sum(f.values()) if cfg.checkpoint_activations else 0.0  # full recomputation: the blocks' forward
+        if stage == cfg.pp - 1:
+            f = {p: f[p] + head[0][p] for p in f}
+            b = {p: b[p] + head[1][p] for p in b}
+        row = {"forward": sum(f.values()), "backward": sum(b.values()), "recompute": redo, "blocks": len(ids),
+               "attention": f["attention"] + b["attention"], "gemm": f["gemm"] + b["gemm"]}
+        if worst is None or row["forward"] + row["backward"] + redo > worst["forward"] + worst["backward"] + \
+                worst["recompute"]:
+            worst = row
+    return worst
+
+
+def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, efficiency: float | None = None,
+              shape: Shape | dict | str | None = None, framework: str | Overlap | None = None) -> dict:
     """The timing model above for one layout: seconds per step, by part.
 
-    Every transfer is timed by :class:`gpucourse.cluster.Cluster`'s α–β model over the link its group
-    crosses — the same model that replays a recorded run (:mod:`gpucourse.replay`). Ranks are placed as the
-    runtime places them (pp, dp, cp, tp, tensor-parallel ranks adjacent), ``gpus_per_node`` to a server.
-    ``efficiency``: the share of the peak compute reaches (default: the GPU's ``achievable``).
+    Compute is timed kernel by kernel on the model's ``shape`` (default: the course GPT of ``cfg``'s sizes) on
+    the pipeline stage that sets the pace; ``efficiency`` instead spreads the step's FLOPs evenly over the GPUs
+    at that share of the peak. Every transfer is timed by :class:`gpucourse.cluster.Cluster`'s α–β model over
+    the link its group crosses — the same model that replays a recorded run (:mod:`gpucourse.replay`). Ranks are
+    placed as the runtime places them (pp, dp, cp, tp, tensor-parallel ranks adjacent), ``gpus_per_node`` to a
+    server. ``framework``: which communication overlaps compute (:data:`FRAMEWORKS`; default
+    ``DEFAULT_FRAMEWORK``).
     """
     mc = cfg.model_config()
+    shape = get_shape(shape) if shape is not None else Shape.of_model(mc)
+    overlap = get_framework(framework)
     cluster = Cluster(gpu, gpus_per_node, max(1, -(-cfg.world_size // gpus_per_node)))
     tokens = cfg.batch_size * cfg.seq_len
     elem = 2 if cfg.precision != "fp32" else 4
-    # A mixture of experts computes with the parameters a token uses (active), not all of them.
-    weights = active_params(mc) if mc.moe_experts else num_params
-    flops = (8 if cfg.checkpoint_activations else 6) * weights * tokens
-    flops += attention_flops(mc.n_layer, mc.n_embd, cfg.seq_len, cfg.checkpoint_activations) * tokens
-    compute = cluster.compute_s(flops / cfg.world_size, precision=cfg.precision, efficiency=efficiency)
-    # What checkpointing recomputes: one more forward, 2·N + 4·L·C·T FLOPs a token, a share of the compute above.
-    redo = (2 * weights + 4 * mc.n_layer * mc.n_embd * cfg.seq_len) * tokens if cfg.checkpoint_activations else 0
-    recompute = compute * redo / flops
     m = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
+    model_flops = shape.flops_per_token(cfg.seq_len, causal=False) * tokens
+    if efficiency:  # the step's FLOPs spread evenly at one share of the peak: 6·N (N active) + attention's
+        weights = num_params * shape.active_params() / shape.params()
+        flops = (8 if cfg.checkpoint_activations else 6) * weights * tokens
+        flops += attention_flops(shape.layers, shape.hidden, cfg.seq_len, cfg.checkpoint_activations) * tokens
+        compute = cluster.compute_s(flops / cfg.world_size, precision=cfg.precision, efficiency=efficiency)
+        redo = (2 * weights + 4 * shape.layers * shape.hidden * cfg.seq_len) * tokens
+        recompute = compute * redo / flops if cfg.checkpoint_activations else 0.0
+        pace = {"forward": (compute - recompute) / 3 / m, "backward": 2 * (compute - recompute) / 3 / m,
+                "recompute": recompute / m, "attention": 0.0, "gemm": compute / m, "blocks": shape.layers / cfg.pp}
+    else:
+        pace = _stage_compute(cfg, shape, cluster, m, overlap)
+        recompute = m * pace["recompute"]
+        compute = m * (pace["forward"] + pace["backward"]) + recompute
     bubble = compute * bubble_ratio(cfg.schedule, cfg.pp, m, cfg.virtual_stages) if cfg.pp > 1 else 0.0
     micro_tokens = tokens // (cfg.dp * m)
     local_tokens = micro_tokens / cfg.cp  # what one rank of a context-parallel group holds and sends
@@ -206,117 +371,162 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
     tp_group = range(cfg.tp)
     cp_neighbours = (0, cfg.tp)
     stage_neighbours = (0, cfg.tp * cfg.cp * cfg.dp)
-    replicas = [i * cfg.tp for i in range(cfg.dp * cfg.cp)]     # the ranks that average the gradients
-    ep_group = [d * cfg.cp * cfg.tp for d in range(cfg.ep)]
+    replicas = range(0, cfg.dp * cfg.cp * cfg.tp, cfg.tp)     # the ranks that average the gradients
+    ep_group = range(0, cfg.ep * cfg.cp * cfg.tp, cfg.cp * cfg.tp)
+    C = shape.hidden
 
     def cost(op, nbytes, ranks):
         return cluster.collective_s(op, nbytes, ranks)[0]
 
     tp_comm = pp_comm = cp_comm = ep_comm = dp_comm = 0.0
-    if cfg.tp > 1:  # per block and microbatch: two all-reduces forward, two backward
-        tp_comm = 4 * (mc.n_layer / cfg.pp) * m * cost("all_reduce", local_tokens * mc.n_embd * elem, tp_group)
+    blocks = pace["blocks"]
+    if cfg.tp > 1:  # per block and microbatch: two all-reduces forward, two backward (three with recomputation)
+        passes = 6 if cfg.checkpoint_activations else 4
+        tp_comm = passes * blocks * m * cost("all_reduce", local_tokens * C * elem, tp_group)
     if cfg.pp > 1:  # each microbatch's activation forward and its gradient back
-        pp_comm = 2 * m * cost("send", local_tokens * mc.n_embd * elem, stage_neighbours)
+        split = cfg.tp if (overlap.pp_scatter or cfg.sequence_parallel) else 1
+        pp_comm = 2 * m * cost("send", local_tokens * C * elem / split, stage_neighbours)
+        if split > 1:  # the receiving stage all-gathers the pieces over NVLink
+            pp_comm += 2 * m * cost("all_gather", local_tokens * C * elem, tp_group)
     if cfg.cp > 1:
-        block = 2 * local_tokens * mc.n_embd / cfg.tp * elem  # a rank's K and V of one microbatch
-        cp_comm = (mc.n_layer / cfg.pp) * m * (3 * (cfg.cp - 1) + cfg.cp) * cost("send", block, cp_neighbours)
+        kv_width = 2 * shape.head_dim * shape.kv_heads_per_rank(cfg.tp)  # a rank's K and V per token
+        chunk = local_tokens * kv_width * elem
+        cp_comm = blocks * m * (3 * (cfg.cp - 1) + cfg.cp) * cost("send", chunk, cp_neighbours)
     if cfg.ep > 1:  # per MoE block and microbatch: dispatch and combine forward, both again backward
-        blocks = sum(mc.is_moe(i) for i in range(mc.n_layer)) / cfg.pp
-        rows = local_tokens * mc.moe_top_k * mc.n_embd * elem
-        ep_comm = blocks * m * 4 * cost("all_to_all", rows, ep_group)
-    experts = _expert_params(mc) if cfg.ep > 1 else 0  # averaged over their dp/ep replicas instead
+        moe_blocks = shape.moe_layers / cfg.pp
+        rows = local_tokens * shape.top_k * C * elem
+        ep_comm = moe_blocks * m * 4 * cost("all_to_all", rows, ep_group)
+    # What of it holds compute up, by the framework's overlap: tp split beside its matmuls, the cp ring's next
+    # block beside attention on this one, pipeline transfers beside the next microbatch (only the first each
+    # way waits).
+    exposed = {"tp": max(0.0, tp_comm - m * pace["gemm"]) if overlap.tp else tp_comm,
+               "cp": max(0.0, cp_comm - m * pace["attention"]) if overlap.cp else cp_comm,
+               "pp": pp_comm / m if overlap.pp else pp_comm, "ep": ep_comm}
+    experts = shape.expert_params() if cfg.ep > 1 else 0  # averaged over their dp/ep replicas instead
+    window = pace["backward"] + pace["recompute"] if overlap.dp == "backward" else 0.0
     if len(replicas) > 1:
-        grads = (num_params - experts) / (cfg.tp * cfg.pp) * elem
-        dp_comm = (1.5 if cfg.zero == 3 else 1.0) * cost("all_reduce", grads, replicas)
+        shard = (num_params - experts) / (cfg.tp * cfg.pp) * elem
+        if cfg.zero == 3:
+            # Every microbatch gathers the weights for forward, again for backward (and for the recomputed
+            # forward), and reduce-scatters the gradients: each half an all-reduce's worth. Prefetched, each
+            # hides behind the compute it feeds but the first layer's.
+            # They go block by block (FSDP's units), so each pays a ring's latency: at thousands of ranks that adds up.
+            collectives = (4 if cfg.checkpoint_activations else 3) * blocks
+            per_micro = collectives * cost("all_gather", shard / blocks, replicas)
+            if overlap.one_card and len(cluster._per_node(replicas)) > 1:
+                card = cluster.gpu.inter_node_GBps * 1e9 * cluster.gpu.bus_efficiency
+                n = len(replicas)
+                per_micro = collectives * ((n - 1) / n * shard / blocks / card + cluster.ring_latency_s(replicas))
+            dp_comm = m * per_micro
+            if overlap.prefetch:
+                busy = pace["forward"] + pace["backward"] + pace["recompute"]
+                exposed_dp = m * (max(0.0, per_micro - busy) + per_micro / collectives)
+            else:
+                exposed_dp = dp_comm
+        else:
+            dp_comm = cost("all_reduce", shard, replicas)
+            exposed_dp = max(0.0, dp_comm - window)
+    else:
+        exposed_dp = 0.0
     if experts and cfg.dp > cfg.ep:
-        expert_replicas = [d * cfg.cp * cfg.tp for d in range(0, cfg.dp, cfg.ep)]
-        dp_comm += cost("all_reduce", experts / (cfg.tp * cfg.pp * cfg.ep) * elem, expert_replicas)
-    # Data-parallel traffic runs beside compute: the gradients' all-reduce behind backward (bucketed, as
-    # DDP does), ZeRO-3's gathers behind the whole step (prefetched, as FSDP does). Only the rest is exposed.
-    hidden = compute if cfg.zero == 3 else compute * (2 / 3 if not cfg.checkpoint_activations else 3 / 4)
-    exposed_dp = max(0.0, dp_comm - hidden)
+        expert_replicas = range(0, cfg.dp * cfg.cp * cfg.tp, cfg.ep * cfg.cp * cfg.tp)
+        extra = cost("all_reduce", experts / (cfg.tp * cfg.pp * cfg.ep) * elem, expert_replicas)
+        dp_comm += extra
+        exposed_dp += max(0.0, extra - max(0.0, window - dp_comm + extra))
+    exposed_dp = min(exposed_dp, dp_comm)
     # Adam updates what the rank holds: its 1/(tp·pp) of the weights (experts also 1/ep), 1/(dp·cp) of that with ZeRO.
-    held = (num_params - _expert_params(mc)) / (cfg.tp * cfg.pp) + _expert_params(mc) / (cfg.tp * cfg.pp * cfg.ep)
+    all_experts = shape.expert_params()
+    held = (num_params - all_experts) / (cfg.tp * cfg.pp) + all_experts / (cfg.tp * cfg.pp * cfg.ep)
     optimizer = cluster.optimizer_s(held / (cfg.dp * cfg.cp) if cfg.zero else held)
-    parts = {"compute": compute - recompute, "recompute": recompute, "bubble": bubble, "tp": tp_comm, "cp": cp_comm,
-             "ep": ep_comm, "pp": pp_comm, "dp": exposed_dp, "optimizer": optimizer}
+    parts = {"compute": compute - recompute, "recompute": recompute, "bubble": bubble, **exposed, "dp": exposed_dp,
+             "optimizer": optimizer}
     total = sum(parts.values())
+    peak = cluster.gpu.peak_flops(cfg.precision) * cfg.world_size
     return {"step_s": total, "compute_s": compute, "recompute_s": recompute, "bubble_s": bubble,
-            "communication_s": tp_comm + pp_comm + cp_comm + ep_comm + exposed_dp, "dp_exposed_s": exposed_dp,
+            "communication_s": sum(exposed.values()) + exposed_dp, "dp_exposed_s": exposed_dp,
+            **{f"{k}_exposed_s": v for k, v in exposed.items()},
             "tp_comm_s": tp_comm, "pp_comm_s": pp_comm, "cp_comm_s": cp_comm, "ep_comm_s": ep_comm,
-            "dp_comm_s": dp_comm, "optimizer_s": optimizer, "parts": parts, "tokens_per_s": tokens / total}
-
-
-def _expert_params(mc) -> int:
-    """Every expert's parameters, over all MoE blocks."""
-    return sum(mc.is_moe(i) for i in range(mc.n_layer)) * mc.moe_experts * expert_params(mc)
+            "dp_comm_s": dp_comm, "optimizer_s": optimizer, "parts": parts, "tokens_per_s": tokens / total,
+            "model_flops": model_flops, "mfu": model_flops / (total * peak), "framework": overlap.name}
 
 
 def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: int = 8, batch_size: int = 1024,
          seq_len: int = 4096, precision: str = "bf16", efficiency: float | None = None,
-         shape: dict | None = None) -> dict:
+         shape: Shape | dict | str | None = None, framework: str | None = None) -> dict:
     """Size and time every layout; return them ranked (fitting ones first, fastest first).
 
-    ``shape`` (``{"n_layer", "n_embd", "n_head", "vocab_size"}``) plans a real
-    model's shape instead of the one :func:`shape_for_params` picks for ``num_params``.
+    ``shape``: a model's shape — a name from ``SHAPES``, a dict of parts (:func:`gpucourse.shapes.get_shape`) or
+    a :class:`~gpucourse.shapes.Shape` — instead of the one :func:`shape_for_params` picks for ``num_params``.
+    ``framework``: whose overlap of communication and compute to assume (:data:`FRAMEWORKS`).
     """
     if gpus < 1 or gpus_per_node < 1:
         raise ConfigError(f"gpus={gpus} and gpus_per_node={gpus_per_node} must be at least 1.")
-    if isinstance(shape, str):
-        if shape not in SHAPES:
-            raise ConfigError(f"shape {shape!r} is not one of {', '.join(SHAPES)}.")
-        shape = SHAPES[shape]
     if shape is None:
         if num_params is None or num_params < 1e5:
             raise ConfigError(f"params={num_params} is too small to plan; give at least 1e5 (or a shape).")
-        shape = shape_for_params(num_params)
+        shape = for_params(num_params)
     else:
-        missing = {"n_layer", "n_embd", "n_head"} - set(shape)
-        if missing:
-            raise ConfigError(f"shape needs n_layer, n_embd and n_head; {', '.join(sorted(missing))} missing.")
-        if shape["n_embd"] % shape["n_head"]:
-            raise ConfigError(f"n_embd={shape['n_embd']} must be divisible by n_head={shape['n_head']}.")
-        shape = {"vocab_size": 32000, **shape}
+        try:
+            shape = get_shape(shape)
+        except ShapeError as e:
+            raise ConfigError(str(e)) from None
+    overlap = get_framework(framework)
     spec = get_gpu(gpu)
     rows = []
-    for cfg in candidates(shape, gpus, gpus_per_node, batch_size, seq_len, precision):
+    for cfg in candidates(shape, gpus, gpus_per_node, batch_size, seq_len, precision,
+                          sequence_parallel=overlap.name.startswith("megatron-core"), zero_stages=overlap.zero):
         try:
-            mem = estimate(cfg)
+            mem = memory_of(cfg, shape)
         except ConfigError:
             continue
-        n = mem["num_params"]
         row = {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "cp": cfg.cp, "ep": cfg.ep, "sp": cfg.sequence_parallel,
-               "zero": cfg.zero,
+               "zero": cfg.zero, "schedule": cfg.schedule if cfg.pp > 1 else "",
                "microbatches": cfg.microbatches,
                "grad_accum": cfg.grad_accum, "checkpoint_activations": cfg.checkpoint_activations,
                "memory": mem["max"], "memory_total": mem["max_total"],
                "fits": mem["max_total"] <= spec.memory_gb * 1e9, "config": cfg.to_dict(),
-               **step_time(cfg, n, spec, gpus_per_node, efficiency)}
+               "memory_source": COURSE_MEMORY if shape.is_course_block else
+               "from the shape's own parameters and Korthikanti et al.'s activations",
+               **step_time(cfg, mem["num_params"], spec, gpus_per_node, efficiency, shape, overlap)}
         rows.append(row)
     rows.sort(key=lambda r: (not r["fits"], r["step_s"]))
-    model = TrainConfig(model="gpt2-small", overrides={**shape, "block_size": seq_len}).model_config()
     if num_params is None:
-        num_params = num_params_of(model)
-    moe = {"active_params": active_params(model)} if model.moe_experts else {}
-    return {"params": num_params, "model_params": num_params_of(model), **moe, "shape": shape, "gpus": gpus,
+        num_params = shape.params()
+    moe = {"active_params": shape.active_params()} if shape.experts else {}
+    return {"params": num_params, "model_params": shape.params(), **moe, "shape": shape.as_dict(), "gpus": gpus,
             "gpu": dataclasses.asdict(spec), "gpus_per_node": gpus_per_node,
             "batch_size": batch_size, "seq_len": seq_len, "precision": precision,
-            "efficiency": efficiency or spec.achievable,
+            "efficiency": efficiency, "framework": overlap.name,
             "layouts": rows}
 
 
+COURSE_MEMORY = "gpucourse memory's estimate"
 PARTS = {"compute": "compute", "recompute": "recompute", "bubble": "bubble", "tp": "tp comm", "cp": "cp comm",
          "ep": "ep comm", "pp": "pp comm", "dp": "dp comm exposed", "optimizer": "optimizer"}
+
+
+def schedule_name(row: dict) -> str:
+    """A row's pipeline schedule, short: "1f1b", "i2" (interleaved, 2 chunks a rank), "" without a pipeline."""
+    if not row.get("schedule"):
+        return ""
+    return f"i{row['config']['virtual_stages']}" if row["schedule"] == "interleaved-1f1b" else row["schedule"]
 
 
 def explain(row: dict) -> str:
     """One layout's step as its parts, each with its share, and the memory it needs per GPU: what makes it fast or
     slow (``gpucourse plan --explain``)."""
     layout = " ".join(f"{k} {row[k]}" for k in ("dp", "tp", "pp", "cp", "ep") if row.get(k, 1) > 1) or "one GPU"
+    if row.get("schedule"):
+        v = row["config"]["virtual_stages"]
+        layout += f" ({row['schedule']}{f', {v} chunks a rank' if row['schedule'] == 'interleaved-1f1b' else ''})"
     layout += f", ZeRO-{row['zero']}" * bool(row["zero"]) + ", checkpointing" * row["checkpoint_activations"]
-    parts = ", ".join(f"{PARTS[k]} {v:.2f} s ({v / row['step_s']:.0%})" for k, v in row["parts"].items() if v > 0)
-    return (f"{layout}: step {row['step_s']:.2f} s = {parts}; {human_bytes(row['memory_total'])} per GPU "
-            f"(gpucourse memory's estimate)")
+    parts = ", ".join(f"{PARTS[k]} {v:.2f} s ({v / row['step_s']:.0%})" for k, v in row["parts"].items()
+                      if v >= 0.0005 * row["step_s"])
+    hidden = [f"{k} {row[f'{k}_comm_s'] - (row['parts'][k]):.2f} s" for k in ("tp", "cp", "pp", "dp")
+              if row.get(f"{k}_comm_s", 0) - row["parts"][k] > 0.0005 * row["step_s"]]
+    hides = f"; hidden behind compute: {', '.join(hidden)}" if hidden else ""
+    return (f"{layout}: step {row['step_s']:.2f} s = {parts}{hides}; {human_bytes(row['memory_total'])} per GPU "
+            f"({row.get('memory_source', COURSE_MEMORY)})")
 
 
 def format_plan(result: dict, top: int = 10, explained: bool = False) -> str:
@@ -325,20 +535,19 @@ def format_plan(result: dict, top: int = 10, explained: bool = False) -> str:
     gpu = result["gpu"]
     cp_head = f" {'cp':>3} {'sp':>3}" if result["seq_len"] >= LONG_SEQUENCE else ""  # long sequences: cp and sp too
     ep_head = f" {'ep':>3}" if "active_params" in result else ""  # a mixture of experts: expert parallelism too
-    shape = result["shape"]
-    experts = (f", {shape['moe_experts']} experts top-{shape.get('moe_top_k', 2)}: "
-               f"{result['active_params'] / 1e9:.1f} B active per token" if ep_head else "")
-    lines = [f"{result['params'] / 1e9:.1f} B parameters (as {shape['n_layer']} blocks of width "
-             f"{shape['n_embd']}{experts}) on {result['gpus']} × {gpu['name']} ({gpu['memory_gb']:g} GB, "
+    shape = get_shape({k: v for k, v in result["shape"].items() if k != "source"})
+    experts = f": {result['active_params'] / 1e9:.1f} B active per token" if ep_head else ""
+    lines = [f"{result['params'] / 1e9:.1f} B parameters ({shape.describe()}{experts}) on {result['gpus']} × "
+             f"{gpu['name']} ({gpu['memory_gb']:g} GB, "
              f"{result['gpus_per_node']} per node), batch {result['batch_size']} × {result['seq_len']} tokens, "
              f"{result['precision']} with fp32 master weights",
              f"{len(fitting)} of {len(result['layouts'])} layouts fit; the fastest, by the timing model:",
-             f"  {'dp':>4}{ep_head} {'tp':>3} {'pp':>3}{cp_head} {'zero':>4} {'ckpt':>4} {'memory/GPU':>11} {'step':>8} "
-             f"{'compute':>8} {'comm':>8} {'bubble':>8} {'tokens/s':>10}"]
+             f"  {'dp':>4}{ep_head} {'tp':>3} {'pp':>3}{cp_head} {'sched':>5} {'zero':>4} {'ckpt':>4} {'memory/GPU':>11} "
+             f"{'step':>8} {'compute':>8} {'comm':>8} {'bubble':>8} {'tokens/s':>10}"]
     for r in fitting[:top]:
         cp = f" {r.get('cp', 1):>3} {'yes' if r.get('sp') else 'no':>3}" if cp_head else ""
         ep = f" {r.get('ep', 1):>3}" if ep_head else ""
-        lines.append(f"  {r['dp']:>4}{ep} {r['tp']:>3} {r['pp']:>3}{cp} {r['zero']:>4} "
+        lines.append(f"  {r['dp']:>4}{ep} {r['tp']:>3} {r['pp']:>3}{cp} {schedule_name(r):>5} {r['zero']:>4} "
                      f"{'yes' if r['checkpoint_activations'] else 'no':>4} {human_bytes(r['memory_total']):>11} "
                      f"{r['step_s']:>7.2f}s {r['compute_s']:>7.2f}s {r['communication_s']:>7.2f}s "
                      f"{r['bubble_s']:>7.2f}s {r['tokens_per_s']:>10,.0f}")

@@ -244,10 +244,36 @@ def test_a_prediction_is_printed_beside_the_formula_and_the_run(capsys):
 
 
 def test_notebook_06_says_how_the_planner_times_compute():
-    """06: "at the share of their bf16 peak a training step reaches (the H100's achievable, 0.4, ...)"."""
-    from gpucourse import plan
+    """06: the H100's 132 SMs, its large GEMMs at 0.80 of the peak times 0.85 sustained, 4.2 million tokens a
+    step; the held-out check and the planner's agreement with the sources, and the Llama 3 405B disagreement's
+    figures."""
+    from gpucourse import plan, published
     from gpucourse.gpus import get_gpu
 
-    assert get_gpu("h100").achievable == 0.4
-    assert plan.plan(70e9, gpus=64, gpu="h100", gpus_per_node=8)["efficiency"] == 0.4
-    assert "the H100's `achievable`, 0.4" in prose("06_hybrid_planning")
+    text = prose("06_hybrid_planning")
+    h100 = get_gpu("h100")
+    assert (h100.sm_count, h100.gemm_efficiency, h100.sustained) == (132, 0.80, 0.85)
+    assert "H100's 132 SMs (a large one at 0.80 of the bf16 peak" in text and "times 0.85, `sustained`" in text
+    assert round(1024 * 4096 / 1e6, 1) == 4.2 and "4.2 million tokens per step" in text
+    assert len(published.RUNS) == 48 and "48 of them" in text
+    e = published.errors()
+    assert e["heldout_max"] <= 0.25 and "within a quarter of published runs it was never fitted to" in text
+    rows = published.agreement()
+    assert (sum(r["agrees"] for r in rows), len(rows)) == (13, 20) and "for 13 of 20 runs" in text
+    verdict = next(r for r in rows if r["name"].startswith("Llama 3 405B, 8192"))
+    assert (verdict["chosen_row"]["zero"], verdict["first_row"]["pp"]) == (3, 32) and "double the pipeline" in text
+    result = plan.plan(None, 8192, "h100", 8, 2048, 8192, shape="llama3-405b")
+    zero2 = next(r for r in result["layouts"] if (r["tp"], r["pp"], r["zero"], r["schedule"]) == (8, 16, 2, "1f1b")
+                 and not r["checkpoint_activations"])
+    gb = {k: round(v / 1e9, 1) for k, v in zero2["memory"].items()}
+    assert (gb["activations"], gb["weights"], round(zero2["memory_total"] / 1e9, 1)) == (72.5, 6.9, 80.1)
+    assert "hold 72.5 GB of activations" in text and "6.9 GB of bf16 weights" in text and "needs 80.1 GB" in text
+    assert not zero2["fits"]
+
+
+def test_notebook_13_quotes_mixtrals_own_counts():
+    from gpucourse.shapes import SHAPES
+
+    shape = SHAPES["mixtral-8x7b"]
+    assert (round(shape.params() / 1e9, 1), round(shape.active_params() / 1e9, 1)) == (46.7, 12.9)
+    assert "46.7 B parameters, 12.9 B of them active" in prose("13_mixture_of_experts")

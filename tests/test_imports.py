@@ -169,8 +169,9 @@ def test_the_cycle_finder_finds_a_planted_cycle(monkeypatch, planted, expected):
 
 
 # What runs without torch: a workshop's hub (its spawner, dashboard and reports), the lab server's helper, the
-# progress file and the quiz, and writing a file whole. Each pays seconds and hundreds of MB for importing torch.
-TORCH_FREE = ("gpucourse.files", "gpucourse.kernel_sockets", "gpucourse.lab", "gpucourse.progress", "gpucourse.quiz",
+# progress file and the quiz, writing a file whole, and the model shapes a plan counts. Each pays seconds and
+# hundreds of MB for importing torch.
+TORCH_FREE = ("gpucourse.files", "gpucourse.shapes", "gpucourse.kernel_sockets", "gpucourse.lab", "gpucourse.progress", "gpucourse.quiz",
               "gpucourse.workshop.hub", "gpucourse.workshop.spawner", "gpucourse.workshop.dashboard",
               "gpucourse.workshop.report", "gpucourse.workshop.kernels")
 

@@ -1,30 +1,73 @@
-"""The cost model against published runs (gpucourse.published): each within its tolerance, and the docs' table
-is the one the model prints today."""
+"""The cost model against published runs (gpucourse.published): a table split into a fitting and a held-out set
+before any constant was tuned, each run within its set's bound, the constants the fit's own best point, and the
+planner's advice against the layouts the sources chose."""
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
+import statistics
 
 import pytest
 
-from gpucourse import published
+from gpucourse import gpus, published
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "modeled-timing.md"
+ROWS = published.compare()
 
 
-@pytest.mark.parametrize("run", published.RUNS, ids=lambda r: r.name)
-def test_the_model_predicts_each_published_run_within_its_tolerance(run):
-    got = published.predict(run)
-    assert abs(got - run.reported) / run.reported <= run.tolerance, (run.name, got, run.reported)
+@pytest.mark.parametrize("row", ROWS, ids=lambda r: r["name"])
+def test_each_published_run_is_within_its_sets_bound(row):
+    """15 % on the fitting set, 25 % on the held-out set (the issue's figures)."""
+    assert abs(row["error"]) <= row["tolerance"], (row["name"], row["predicted"], row["reported"])
+    assert row["tolerance"] == (0.15 if row["split"] == "fit" else 0.25)
 
 
-def test_the_worst_prediction_is_within_thirty_per_cent_and_every_source_is_cited():
-    rows = published.compare()
-    assert max(abs(r["error"]) for r in rows) <= 0.30
-    assert {r["bound"] for r in rows} == {"compute", "communication"}
-    assert {r["gpu"] for r in rows} >= {"a100", "h100"}
-    for run in published.RUNS:
-        assert len(run.source) > 60 and run.tolerance in (0.20, 0.30)
+def test_the_held_out_median_and_the_figures_bench_reports():
+    e = published.errors(ROWS)
+    held = sorted(abs(r["error"]) for r in ROWS if r["split"] == "heldout")
+    assert e["heldout_median"] == statistics.median(held) <= 0.10
+    assert e["fit_max"] <= 0.15 and e["heldout_max"] <= 0.25
+    assert e["fit_runs"] + e["heldout_runs"] == len(published.RUNS)
+
+
+def test_the_table_is_broad_enough_to_mean_something():
+    """At least 20 training runs from at least 4 independent sources: A100 and H100, dense and MoE, tp × pp and
+    ZeRO-3/FSDP, 4k-class and ≥ 64k tokens, plus nccl-tests bus bandwidths; both sets used for both GPUs."""
+    runs = [r for r in published.RUNS if r.metric != "bus_bandwidth"]
+    assert len(runs) >= 20
+    sources = {key for key in ("Narayanan", "Megatron-LM README", "Llama 3 Herd", "llm-foundry", "MegaScale",
+                               "torchtitan", "Nemotron", "moe/README")
+               if any(key in r.source for r in runs)}
+    assert len(sources) >= 4, sources
+    assert {r.gpu for r in runs} >= {"a100", "h100"}
+    assert {r.kind for r in published.RUNS} >= {"tp×pp", "zero3", "moe", "cp", "collective"}
+    seqs = [published.TrainConfig(**r.layout).seq_len for r in runs]
+    assert min(seqs) <= 4096 and sum(s >= 65536 for s in seqs) >= 2
+    for gpu in ("a100", "h100"):
+        assert {r.split for r in runs if r.gpu == gpu} == {"fit", "heldout"}
+    for r in published.RUNS:
+        assert len(r.source) > 60 and r.split in ("fit", "heldout")
+
+
+@pytest.mark.parametrize("gpu", ["a100", "h100"])
+def test_the_gpu_tables_constants_are_the_fits_best_point_on_the_fitting_set_only(gpu):
+    """The table's fitted constants are exactly what `published.fit` finds; moving every held-out figure leaves
+    the fit where it is (it never looks at them)."""
+    found = published.fit(gpu)
+    spec = gpus.get_gpu(gpu)
+    assert {k: getattr(spec, k) for k in published.FITTED} == found["values"]
+    assert found["max_error"] <= 0.15
+    moved = [dataclasses.replace(r, reported=r.reported * 3) if r.split == "heldout" else r for r in published.RUNS]
+    assert published.fit(gpu, moved)["values"] == found["values"]
+
+
+def test_h200_and_b200_take_the_h100s_fit_for_want_of_runs_of_their_own():
+    h100 = gpus.get_gpu("h100")
+    for name in ("h200", "b200"):
+        assert not [r for r in published.RUNS if r.gpu == name and r.split == "fit"]
+        assert {k: getattr(gpus.get_gpu(name), k) for k in published.FITTED} == \
+            {k: getattr(h100, k) for k in published.FITTED}
 
 
 def test_megatrons_flop_count_gives_its_own_figure_for_gpt3():
@@ -33,11 +76,55 @@ def test_megatrons_flop_count_gives_its_own_figure_for_gpt3():
     assert flops / (32 * 1024) / 1e12 == pytest.approx(138, rel=0.03)
 
 
+def test_the_throughput_trend_with_model_size_is_the_published_one():
+    """SC21's weak scaling: published TFLOP/s per GPU rise from 1.7B to 1T (137 → 163); so must the model's (one
+    constant share of the peak made them fall)."""
+    sc21 = [r for r in published.RUNS if "Table 1:" in r.source and "against ZeRO-3" not in r.name]
+    assert len(sc21) == 10
+    got = [published.predict(r) for r in sc21]
+    reported = [r.reported for r in sc21]
+    assert statistics.mean(reported[:3]) < statistics.mean(reported[-3:])
+    assert statistics.mean(got[:3]) < statistics.mean(got[-3:]) and got[0] < got[-1]
+
+
 def test_the_docs_table_is_the_models():
     assert published.markdown_table() in DOC.read_text()
 
 
 def test_the_readme_states_the_range_of_errors_the_model_has():
-    errors = [r["error"] for r in published.compare()]
+    errors = [r["error"] for r in ROWS]
     readme = (DOC.parent.parent / "README.md").read_text()
     assert f"within −{abs(round(100 * min(errors)))} % to +{round(100 * max(errors))} %" in readme
+
+
+def test_the_docs_agreement_table_and_what_it_says_of_the_disagreements():
+    """docs/modeled-timing.md prints the planner against the sources' choices; each figure its discussion quotes is
+    recomputed here."""
+    from gpucourse.cluster import Cluster
+
+    rows = published.agreement()
+    text = DOC.read_text()
+    assert published.agreement_table(rows) in text
+    share = sum(r["agrees"] for r in rows) / len(rows)
+    assert len(rows) >= 20 and f"({share:.0%})" in text
+    sc21 = [r for r in rows if not r["agrees"] and r["name"].startswith("GPT") and "A100" in r["name"]]
+    assert [r["first_row"]["tp"] for r in sc21] and all(r["first_row"]["tp"] in (2, 4) for r in sc21)
+    mine = [r["chosen_row"]["parts"]["tp"] / r["chosen_row"]["step_s"] for r in sc21]
+    theirs = [r["first_row"]["parts"]["tp"] / r["first_row"]["step_s"] for r in sc21]
+    assert (round(100 * min(mine)), round(100 * max(mine))) == (11, 15) and "11–15 %" in text
+    assert (round(100 * min(theirs)), round(100 * max(theirs))) == (2, 6) and "2–6 %" in text
+    mcore = [r for r in rows if not r["agrees"] and "H100 (tp 8, pp" in r["name"] and "GPT" in r["name"]]
+    assert len(mcore) == 2 and all((r["first_row"]["tp"], r["first_row"]["zero"]) == (2, 3) for r in mcore)
+    assert all(r["chosen_row"]["tp_exposed_s"] == 0 for r in mcore)
+    h100 = Cluster(gpus.get_gpu("h100"))
+    speed = lambda k: 2 * 4096 * 8192 * k / h100.gemm_s(4096, 8192, k)  # noqa: E731
+    assert round(speed(1024) / speed(4096), 1) == 0.6 and "about 0.6 of the speed" in text
+
+
+def test_the_docs_quote_the_errors_and_the_table_size_the_model_has():
+    e = published.errors(ROWS)
+    text = " ".join(DOC.read_text().split())
+    assert (f"the largest fitting error is {e['fit_max']:.1%}, the largest held-out error {e['heldout_max']:.1%} "
+            f"and the held-out median {e['heldout_median']:.1%}") in text
+    assert f"holds {len(published.RUNS)} published runs" in text
+    assert f"fitting set ({e['fit_runs']} runs) and a held-out set ({e['heldout_runs']})" in text

@@ -1371,27 +1371,28 @@ def test_hybrid_planning_figures():
 def test_the_plan_ranks_what_fits_first():
     """par-plan-fits-first: `gpucourse plan --params 70e9 --gpus 64 --gpu h100` (8 per server, 1024 × 4096)."""
     result = plan.plan(70e9, gpus=64, gpu="h100", gpus_per_node=8, batch_size=1024, seq_len=4096)
-    assert {k: result["shape"][k] for k in ("n_layer", "n_embd")} == {"n_layer": 84, "n_embd": 8192}
+    assert {k: result["shape"][k] for k in ("layers", "hidden")} == {"layers": 84, "hidden": 8192}
     rows = result["layouts"]
 
     def row(dp, tp, pp, zero):
         return next(r for r in rows if (r["dp"], r["tp"], r["pp"], r["zero"]) == (dp, tp, pp, zero)
-                    and not r["checkpoint_activations"])
+                    and not r["checkpoint_activations"] and r["schedule"] in ("", "1f1b"))
 
-    fastest, first = row(64, 1, 1, 3), rows[0]
-    assert fastest["step_s"] == pytest.approx(min(r["step_s"] for r in rows)) and not fastest["fits"]
-    assert (f"{fastest['step_s']:.1f}", f"{fastest['memory_total'] / 1e9:.1f}") == ("73.4", "107.7")
+    fast, first = row(64, 1, 1, 3), rows[0]
+    assert fast["step_s"] < 1.01 * min(r["step_s"] for r in rows) and not fast["fits"]
+    assert (f"{fast['step_s']:.1f}", f"{fast['memory_total'] / 1e9:.1f}") == ("52.3", "107.7")
     assert (first["dp"], first["tp"], first["pp"], first["zero"]) == (32, 2, 1, 3)
     assert not first["checkpoint_activations"]
     assert (f"{first['memory_total'] / 1e9:.1f}", f"{first['step_s']:.1f}", f"{first['tp_comm_s']:.1f}") \
-        == ("74.0", "75.5", "2.1")
+        == ("68.3", "55.3", "2.1")
     wide, deep = row(8, 8, 1, 3), row(1, 8, 8, 0)
     assert wide["fits"] and deep["fits"] and deep["bubble_s"] > 0
-    assert (f"{wide['memory_total'] / 1e9:.1f}", f"{wide['step_s']:.1f}", f"{wide['tp_comm_s']:.1f}") \
-        == ("49.4", "90.5", "17.0")
-    assert (f"{deep['memory_total'] / 1e9:.1f}", f"{deep['step_s']:.1f}") == ("54.9", "94.4")
-    assert deep["tp_comm_s"] == pytest.approx(wide["tp_comm_s"]) and result["gpu"]["memory_gb"] == 80
-
+    assert (f"{wide['memory_total'] / 1e9:.1f}", f"{wide['step_s']:.1f}", f"{wide['tp_comm_s']:.1f}",
+            f"{wide['parts']['dp']:.1f}", wide["grad_accum"]) == ("39.6", "163.1", "17.0", "88.6", 128)
+    assert wide["step_s"] == max(r["step_s"] for r in (first, wide, deep))
+    assert (f"{deep['memory_total'] / 1e9:.1f}", f"{deep['step_s']:.1f}", f"{deep['tp_comm_s']:.1f}") \
+        == ("44.6", "78.3", "17.9")
+    assert result["gpu"]["memory_gb"] == 80
 
 def test_data_zero_pipeline_figures():
     # prof-dp-one-bucket: 250M fp32 parameters are 954 MiB: one bucket under a 1000 MiB cap, dozens under 25 MiB

@@ -22,6 +22,51 @@ def model_vs_published_max_error() -> Reading:
                    f"worst: {worst['name']} ({worst['error']:+.1%})")
 
 
+@figure("model_fit_max_error", target="<= 0.15", quick=dict(), full=dict())
+def model_fit_max_error() -> Reading:
+    """The largest relative error of the cost model over the fitting set of gpucourse.published (the runs its
+    fitted constants were tuned on)."""
+    return _split_reading("fit", "fit_max")
+
+
+@figure("model_heldout_max_error", target="<= 0.25", quick=dict(), full=dict())
+def model_heldout_max_error() -> Reading:
+    """The largest relative error over the held-out set of gpucourse.published (never used to tune anything)."""
+    return _split_reading("heldout", "heldout_max")
+
+
+@figure("model_heldout_median_error", target="<= 0.10", quick=dict(), full=dict())
+def model_heldout_median_error() -> Reading:
+    """The median relative error over the held-out set of gpucourse.published."""
+    return _split_reading("heldout", "heldout_median")
+
+
+def _split_reading(split: str, key: str) -> Reading:
+    from ..published import compare, errors
+
+    rows = compare()
+    value = errors(rows)[key]
+    mine = [r for r in rows if r["split"] == split]
+    worst = max(mine, key=lambda r: abs(r["error"]))
+    return Reading(value, {r["name"]: {"reported": r["reported"], "modeled": r["predicted"], "error": r["error"]}
+                           for r in mine},
+                   f"{len(mine)} runs; worst: {worst['name']} ({worst['error']:+.1%})")
+
+
+@figure("planner_agrees_with_published", target=">= 0.8", quick=dict(), full=dict())
+def planner_agrees_with_published() -> Reading:
+    """The share of published runs whose source chose a layout at scale where `gpucourse plan` puts that layout
+    first or within 5 % of its first (gpucourse.published.agreement)."""
+    from ..published import agreement
+
+    rows = agreement()
+    share = sum(r["agrees"] for r in rows) / len(rows)
+    return Reading(share, {r["name"]: {"chosen": r["chosen"], "first": r["first"], "ratio": r["ratio"]}
+                           for r in rows},
+                   f"{sum(r['agrees'] for r in rows)} of {len(rows)}; disagreeing: "
+                   + ", ".join(f"{r['name']} ({r['ratio']:.2f}×)" for r in rows if not r["agrees"]))
+
+
 @figure("naive_idle_measured_vs_formula", target="0.8..1.1", quick=dict(steps=4), full=dict(steps=10))
 def naive_idle_measured_vs_formula(steps: int) -> Reading:
     """Measured idle share of a naive 4-stage pipeline (waiting counted as idle) over (p−1)/p."""

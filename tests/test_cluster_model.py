@@ -1,0 +1,213 @@
+"""The modeled cluster's parts: practitioners' shapes, kernels timed by their own shapes, and overlap as a setting.
+
+Pure arithmetic (no launches): each test is the behaviour one of the cost model's old faults got wrong.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gpucourse import ConfigError, TrainConfig
+from gpucourse.cli import main
+from gpucourse.cluster import Cluster
+from gpucourse.gpus import get_gpu
+from gpucourse.plan import FRAMEWORKS, explain, get_framework, plan, step_time
+from gpucourse.shapes import SHAPES, Shape, ShapeError, get_shape
+
+H100 = Cluster(get_gpu("h100"))
+
+
+# --- shapes ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, total, active", [
+    ("gpt3-175b", 174.6e9, None), ("megatron-1t", 1008e9, None), ("llama2-70b", 69e9, None),
+    ("llama3-8b", 8.03e9, None), ("llama3-70b", 70.6e9, None), ("llama3-405b", 405e9, None),
+    ("mixtral-8x7b", 46.7e9, 12.9e9), ("deepseek-v3-like", 671e9, 37e9)])
+def test_each_named_shape_has_the_parameters_its_source_says(name, total, active):
+    shape = SHAPES[name]
+    assert shape.params() == pytest.approx(total, rel=0.01 if active is None else 0.05), shape.describe()
+    if active:
+        assert shape.active_params() == pytest.approx(active, rel=0.05)
+    assert len(shape.source) > 40
+
+
+def test_gqa_and_swiglu_change_what_a_block_holds_and_multiplies():
+    mha = Shape(32, 4096, 32, ffn=14336, mlp="swiglu")
+    gqa = Shape(32, 4096, 32, kv_heads=8, ffn=14336, mlp="swiglu")
+    C, d = 4096, 128
+    assert mha.attention_params() - gqa.attention_params() == 2 * C * d * (32 - 8)
+    assert gqa._mlp_params(14336) == 3 * C * 14336 and Shape(2, 64, 4)._mlp_params(256) == 2 * 64 * 256
+    qkv = gqa.kernels(8192, 8192, tp=8)[0]
+    assert (qkv["m"], qkv["n"], qkv["k"]) == (8192, (4 + 2 * 1) * d, C)  # 32/8 query heads, 8/8 K/V heads a rank
+    # tp 16 over 8 K/V heads: each rank still computes a whole K/V head (two ranks hold a copy of each).
+    assert gqa.kv_heads_per_rank(16) == 1 and gqa.kv_replication(16) == 2
+
+
+def test_flops_count_attention_and_say_whether_the_mask_halves_it():
+    shape = SHAPES["llama3-8b"]
+    T = 8192
+    causal, whole = shape.flops_per_token(T, causal=True), shape.flops_per_token(T, causal=False)
+    attention = 3 * 4 * shape.layers * shape.hidden * T  # 12·L·C·T: PaLM's count, the whole square
+    assert whole - causal == pytest.approx(attention / 2)
+    assert whole == pytest.approx(6 * shape.matmul_params() + attention)
+
+
+@pytest.mark.parametrize("bad, says", [
+    ({"layers": 4, "hidden": 1000, "heads": 64}, "divisible by heads"),
+    ({"layers": 4, "hidden": 512, "heads": 8, "kv_heads": 3}, "must divide heads"),
+    ({"layers": 4, "hidden": 512, "heads": 8, "mlp": "relu"}, "gelu, swiglu"),
+    ({"layers": 4, "hidden": 512}, "heads missing"),
+    ({"layers": 4, "hidden": 512, "heads": 8, "vocabulary": 5}, "unknown shape part vocabulary"),
+    ("llama4", "known: gpt3-175b"),
+])
+def test_a_bad_shape_gets_one_sentence(bad, says):
+    with pytest.raises(ShapeError, match=says):
+        get_shape(bad)
+
+
+def test_tensor_parallelism_must_split_the_heads_or_replicate_whole_kv_heads():
+    gqa = Shape(8, 1536, 12, kv_heads=4)
+    gqa.check_tp(4)
+    gqa.check_tp(12)  # 3 copies of each K/V head
+    with pytest.raises(ShapeError, match="does not divide the 12 attention heads"):
+        gqa.check_tp(8)
+    with pytest.raises(ShapeError, match="neither divides the other"):
+        Shape(8, 1536, 12, kv_heads=6).check_tp(4)
+    # The planner never offers such a tp.
+    assert {r["tp"] for r in plan(None, 16, shape={"layers": 8, "hidden": 1536, "heads": 12, "kv_heads": 4},
+                                   gpus_per_node=16)["layouts"]} <= {1, 2, 4}
+
+
+def test_plan_from_the_command_line_with_a_shapes_parts(capsys):
+    assert main(["plan", "--shape", "llama3-8b", "--gpus", "8", "--top", "2", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "llama3-8b: 32 blocks of 4096, 32 heads, 8 K/V heads, swiglu MLP 14336, vocabulary 128256" in out
+    assert "step" in out and "per GPU" in out
+    assert main(["plan", "--layers", "24", "--hidden", "2048", "--heads", "16", "--kv-heads", "4", "--ffn",
+                 "5632", "--mlp", "swiglu", "--vocab", "50000", "--gpus", "8", "--top", "1"]) == 0
+    assert "24 blocks of 2048, 16 heads, 4 K/V heads, swiglu MLP 5632, vocabulary 50000" in capsys.readouterr().out
+    assert main(["plan", "--shape", "llama3-8b", "--kv-heads", "5", "--gpus", "8"]) == 2
+    assert "kv_heads=5 must divide heads=32" in capsys.readouterr().err
+    assert main(["plan", "--shape", "gpt5", "--gpus", "8"]) == 2
+    assert "known: gpt3-175b" in capsys.readouterr().err
+    assert main(["plan", "--shape", "llama3-405b", "--gpus", "8"]) == 0
+    assert "none fits: the smallest needs" in capsys.readouterr().out
+    assert main(["plan", "--shape", "llama3-8b", "--gpus", "8", "--framework", "jax"]) == 2
+    assert "framework 'jax' is not one of" in capsys.readouterr().err
+
+
+# --- compute by shape --------------------------------------------------------------------------------------------------
+
+def _tflops(m, n, k, cluster=H100, precision="bf16"):
+    return 2 * m * n * k / cluster.gemm_s(m, n, k, precision) / 1e12
+
+
+def test_small_matmuls_run_further_from_the_peak_than_large_ones():
+    """A transformer's GEMMs (tokens × width × 4·width): the per-FLOP speed rises with the width, towards the
+    large-GEMM share of the peak (cited in gpus.py), as measured GEMM tables show."""
+    speeds = [_tflops(8192, 4 * C, C) for C in (1024, 2048, 4096, 8192, 16384)]
+    assert speeds == sorted(speeds) and speeds[0] < 0.6 * speeds[-1]
+    g = H100.gpu
+    assert speeds[-1] <= g.peak_bf16_flops * g.gemm_efficiency * g.sustained / 1e12 + 1e-6
+
+
+def test_a_wave_that_spills_over_the_sms_costs_more_than_its_work():
+    """12 × 11 = 132 tiles of 256 × 128 fill an H100's 132 SMs once; a 13th row of tiles (143) means a second
+    wave, or smaller tiles in more waves (the kernel picks the cheaper): 8 % more work takes 24 % more time."""
+    full = H100.gemm_s(12 * 256, 11 * 128, 8192)
+    spill = H100.gemm_s(13 * 256, 11 * 128, 8192)
+    assert spill / full == pytest.approx(1.24, abs=0.01)
+
+
+def test_a_skinny_matmul_is_memory_bound_and_fp8_halves_a_large_one():
+    m, n, k = 16, 16384, 16384  # a decode step's GEMV-like shape: reading the weights dominates
+    bytes_s = (m * k + k * n + m * n) * 2 / H100.hbm_Bps
+    assert H100.gemm_s(m, n, k) == pytest.approx(bytes_s + 4e-6)
+    big = (16384, 16384, 16384)
+    assert H100.gemm_s(*big, precision="fp8") < 0.6 * H100.gemm_s(*big)
+
+
+def test_attention_is_its_own_kernel_slower_at_short_sequences_and_backward_costs_more():
+    def speed(T):
+        seconds = H100.attention_s(sequences=8, heads=32, q=T, kv=T, head_dim=128)
+        return 4 * 8 * 32 * T * T / 2 * 128 / seconds  # causal FLOPs per second
+    assert speed(512) < 0.8 * speed(16384)
+    fwd = H100.attention_s(1, 32, 8192, 8192, 128)
+    assert H100.attention_s(1, 32, 8192, 8192, 128, backward=True) > 2.5 * fwd
+    assert H100.attention_s(1, 32, 8192, 8192, 128, kernel="flash2") > 1.5 * fwd  # FlashAttention-2 on Hopper
+    assert H100.attention_s(1, 32, 8192, 8192, 128, kernel="unfused") > fwd
+
+
+def _cfg(**kw):
+    base = dict(model="gpt2-small", overrides={"n_layer": 24, "n_embd": 4096, "n_head": 32, "vocab_size": 32000,
+                                               "block_size": 4096}, seq_len=4096, precision="bf16")
+    return TrainConfig(**{**base, **kw})
+
+
+def test_full_recomputation_costs_one_more_forward_of_the_blocks():
+    plain = step_time(_cfg(dp=8, batch_size=64, grad_accum=8), int(5e9), get_gpu("h100"), 8)
+    redo = step_time(_cfg(dp=8, batch_size=64, grad_accum=8, checkpoint_activations=True), int(5e9),
+                     get_gpu("h100"), 8)
+    forward_share = redo["recompute_s"] / plain["compute_s"]
+    assert 0.25 < forward_share < 1 / 3 + 1e-9  # a forward is a third of forward + backward, less the head's
+    assert redo["compute_s"] == pytest.approx(plain["compute_s"] + redo["recompute_s"])
+
+
+# --- overlap as a setting ----------------------------------------------------------------------------------------------
+
+def test_whether_the_gradients_all_reduce_hides_depends_on_the_framework():
+    """Megatron-LM 2021 all-reduced after the pipeline flush; Megatron-Core overlaps it with backward."""
+    cfg = _cfg(dp=64, batch_size=64, grad_accum=1)
+    after = step_time(cfg, int(5e9), get_gpu("a100"), 8, framework="megatron-2021")
+    beside = step_time(cfg, int(5e9), get_gpu("a100"), 8, framework="megatron-core")
+    assert after["dp_comm_s"] == pytest.approx(beside["dp_comm_s"]) and after["dp_comm_s"] > 0
+    assert after["dp_exposed_s"] == pytest.approx(after["dp_comm_s"])
+    assert beside["dp_exposed_s"] < 0.5 * after["dp_exposed_s"]
+    for name, o in FRAMEWORKS.items():
+        assert o.name == name and len(o.source) > 40
+    with pytest.raises(ConfigError, match="framework 'x' is not one of"):
+        get_framework("x")
+
+
+def test_zero3_gathers_the_weights_every_microbatch_and_deepspeed_2021_reached_one_card_a_gpu():
+    one, four = (step_time(_cfg(dp=64, zero=3, batch_size=64 * m, grad_accum=m), int(5e9), get_gpu("a100"), 8)
+                 for m in (1, 4))
+    assert four["dp_comm_s"] == pytest.approx(4 * one["dp_comm_s"])
+    ds = step_time(_cfg(dp=64, zero=3, batch_size=64, grad_accum=1), int(5e9), get_gpu("a100"), 8,
+                   framework="deepspeed-zero3")
+    assert ds["dp_comm_s"] > 5 * one["dp_comm_s"]  # one 25 GB/s card, not the server's eight
+
+
+def test_tensor_and_context_parallel_overlap_hide_what_they_say():
+    cfg = _cfg(tp=8, dp=1, batch_size=8, grad_accum=8, sequence_parallel=True)
+    plain = step_time(cfg, int(5e9), get_gpu("h100"), 8, framework="megatron-core")
+    hidden = step_time(cfg, int(5e9), get_gpu("h100"), 8, framework="megatron-core-tp-overlap")
+    assert plain["tp_exposed_s"] == pytest.approx(plain["tp_comm_s"]) and plain["tp_comm_s"] > 0
+    assert hidden["tp_exposed_s"] < plain["tp_exposed_s"] and hidden["tp_comm_s"] == plain["tp_comm_s"]
+    long = _cfg(cp=8, zigzag=True, batch_size=1, grad_accum=1, seq_len=65536,
+                overrides={"n_layer": 24, "n_embd": 4096, "n_head": 32, "vocab_size": 32000, "block_size": 65536})
+    ring = step_time(long, int(5e9), get_gpu("h100"), 8, framework="megatron-core")
+    exposed = step_time(long, int(5e9), get_gpu("h100"), 8, framework="megatron-2021")
+    assert ring["cp_comm_s"] == exposed["cp_comm_s"] > 0
+    assert ring["cp_exposed_s"] < exposed["cp_exposed_s"] == exposed["cp_comm_s"]
+
+
+def test_explain_names_every_part_and_the_framework():
+    result = plan(None, 64, shape="llama3-70b", framework="fsdp")
+    row = next(r for r in result["layouts"] if r["fits"])
+    text = explain(row)
+    assert result["framework"] == "fsdp" and "per GPU" in text
+    assert sum(row["parts"].values()) == pytest.approx(row["step_s"])
+    assert row["communication_s"] == pytest.approx(sum(row["parts"][k] for k in ("tp", "cp", "ep", "pp", "dp")))
+
+
+def test_three_pp_microbatches_reach_an_interleaved_pipelines_peak_in_flight():
+    """The planner lays an interleaved schedule out with at most 3·pp microbatches to find its peak activations:
+    more never change it."""
+    from gpucourse.memory import in_flight
+
+    for pp in (2, 4, 8):
+        for v in (2, 4):
+            peak = in_flight("interleaved-1f1b", pp, 3 * pp, v)
+            for m in (4 * pp, 6 * pp):
+                assert in_flight("interleaved-1f1b", pp, m, v) == peak
