@@ -53,16 +53,19 @@ counts them (NVIDIA/nccl, src/graph/tuning.cc). NCCL's tree is a chain through
 the k members in each server and a double binary tree of the N servers
 (src/graph/connect.cc; its latency is tuning.cc's formula): inside one server it
 has the ring's n − 1 steps and more bytes, so there the ring always wins; across
-many servers its few network hops win small and medium messages. Each runs in
-one of two of NCCL's protocols (:data:`PROTOCOLS`): Simple, as written above, or
-LL, whose steps cost a fraction of Simple's latency at a quarter of the
-bandwidth. An all-reduce takes whichever algorithm and protocol is fastest, as
-NCCL's tuner does (:meth:`Cluster.choice` names them). β is the link's
-bandwidth × ``bus_efficiency`` (the share of it nccl-tests' bus bandwidth
-reaches). NVLink SHARP (NVLS, in-switch reduction on H100 and later)
-is not modeled: on one NVSwitch server it makes large all-reduces faster than
-this model says (docs/modeled-timing.md shows by how much against published
-figures).
+many servers its few network hops win small and medium messages; NCCL gives a
+tree 0.92 of a ring's bandwidth (``TREE_BANDWIDTH``). Each runs in one of
+NCCL's protocols (:data:`PROTOCOLS`): Simple, as written above; LL, whose steps
+cost a fraction of Simple's latency at a quarter of the bandwidth; LL128, in
+between (about half Simple's latency at 0.92 of its bandwidth). On a server of
+GPUs with NVLink SHARP (H100 and later), an all-reduce may also run as **NVLS**:
+the switches reduce the data in flight, so each GPU sends its buffer once and
+receives the sum once, S ÷ (link × ``nvls_efficiency``) after NCCL's 25 µs
+(:meth:`Cluster.nvls_s`). An all-reduce takes whichever algorithm and protocol
+is fastest, as NCCL's tuner does (:meth:`Cluster.choice` names them). β is the
+link's bandwidth × ``bus_efficiency`` (the share of it nccl-tests' bus
+bandwidth reaches). NVLS across servers (NVLS-tree) and InfiniBand SHARP are
+not modeled.
 """
 
 from __future__ import annotations
@@ -80,9 +83,21 @@ ADAM_BYTES_PER_PARAM = 28     # read weight, gradient and two moments (fp32), wr
 # ("low latency") sends a flag with every 8 bytes, so the receiver needs no separate signal: a step costs a fraction
 # of Simple's latency (the ring's table: 0.47 against 3.4 µs over NVLink, 1.0 against 5.7 over PCIe, 2.7 against 9.6
 # over the network) at a quarter of the bandwidth. LL128, in between, is left out.
-PROTOCOLS = ("Simple", "LL")
+PROTOCOLS = ("Simple", "LL", "LL128")
 LL_LATENCY = {"NVLink": 0.47 / 3.4, "PCIe": 1.0 / 5.7, "network": 2.7 / 9.6}
 LL_BANDWIDTH = 1 / 4
+# LL128: a flag in every 128-byte line, so 120 of 128 bytes carry data (tuning.cc: busBw × 0.92 for a ring), at a
+# per-step latency between LL's and Simple's (the ring's hardware latencies: 1.9 of Simple's 3.4 µs over NVLink,
+# 2.5 of 5.7 over PCIe, 4.0 of 14 over the network).
+LL128_LATENCY = {"NVLink": 1.9 / 3.4, "PCIe": 2.5 / 5.7, "network": 4.0 / 14.0}
+LL128_BANDWIDTH = 0.92
+TREE_BANDWIDTH = 0.92   # tuning.cc gives a tree all-reduce 0.92 of the ring's bus bandwidth
+NVLS_LATENCY_S = 25e-6  # tuning.cc: NVLS's hardware latency inside a server, Simple protocol
+# tuning.cc's base latency of one collective by protocol (a ring's; a tree's differs by 0.2 µs for LL), paid once
+# before the per-step latencies: what makes LL128 lose to LL on small messages.
+BASE_LATENCY = {"LL": 6.6e-6, "LL128": 14e-6, "Simple": 8.4e-6}
+ALGORITHMS = ("ring", "tree", "nvls")
+SHARE = {"Simple": 1.0, "LL": LL_BANDWIDTH, "LL128": LL128_BANDWIDTH}
 # Kernels by shape (Cluster.gemm_s, attention_s): the output tiles a GEMM kernel may use (cuBLAS picks per shape;
 # NVIDIA's Matrix Multiplication Background guide: tile and wave quantization) and FlashAttention's block of
 # queries. What a tile's prologue and epilogue cost is the GPU's ``gemm_overhead_k`` (gpucourse.gpus).
@@ -222,8 +237,8 @@ class Cluster:
         """:meth:`collective_s` with the protocol: ``(seconds, algorithm, protocol)``, the fastest allowed."""
         ranks = ranks if isinstance(ranks, range) else list(ranks)
         n = len(ranks)
-        if algo is not None and algo not in ("ring", "tree"):
-            raise ValueError(f"no all-reduce algorithm {algo!r} in the model: ring or tree.")
+        if algo is not None and algo not in ALGORITHMS:
+            raise ValueError(f"no all-reduce algorithm {algo!r} in the model: ring, tree or nvls.")
         if protocol is not None and protocol not in PROTOCOLS:
             raise ValueError(f"no protocol {protocol!r} in the model: {' or '.join(PROTOCOLS)}.")
         if op in ("send", "recv"):
@@ -234,18 +249,28 @@ class Cluster:
         _, beta, alpha = self.link(ranks)
         if op in ("all_reduce", "all_gather", "reduce_scatter"):
             options = []
+            if op == "all_reduce" and algo in (None, "nvls") and protocol in (None, "Simple"):
+                nvls = self.nvls_s(nbytes, ranks)
+                if nvls is not None:
+                    options.append((nvls, "nvls", "Simple"))
+                elif algo == "nvls":
+                    raise ValueError(f"NVLS needs the group inside one server of GPUs with NVLink SHARP (H100 and "
+                                     f"later); {self.gpu.name} × {n} here has none.")
             for proto in [protocol] if protocol else PROTOCOLS:
-                share = LL_BANDWIDTH if proto == "LL" else 1.0
+                share = SHARE[proto]
+                if algo == "nvls":
+                    break
+                base = BASE_LATENCY[proto]
                 if op != "all_reduce":
-                    options.append((self.ring_latency_s(ranks, 1, proto) + (n - 1) / n * nbytes / (beta * share),
-                                    "ring", proto))
+                    options.append((base + self.ring_latency_s(ranks, 1, proto)
+                                    + (n - 1) / n * nbytes / (beta * share), "ring", proto))
                     continue
                 if algo in (None, "ring"):
-                    options.append((self.ring_latency_s(ranks, 2, proto) + 2 * (n - 1) / n * nbytes / (beta * share),
-                                    "ring", proto))
+                    options.append((base + self.ring_latency_s(ranks, 2, proto)
+                                    + 2 * (n - 1) / n * nbytes / (beta * share), "ring", proto))
                 if algo in (None, "tree"):
-                    options.append((2 * self.tree_latency_s(ranks, proto) + 2 * nbytes / (beta * share), "tree",
-                                    proto))
+                    options.append((base + 2 * self.tree_latency_s(ranks, proto)
+                                    + 2 * nbytes / (beta * share * TREE_BANDWIDTH), "tree", proto))
             return min(options, key=lambda o: o[0])
         if op == "all_to_all":  # n − 1 exchanges, each as slow as the slowest link
             return (n - 1) * alpha + (n - 1) / n * nbytes / beta, "ring", "Simple"
@@ -253,6 +278,16 @@ class Cluster:
             return math.ceil(math.log2(n)) * alpha + nbytes / beta, "tree", "Simple"
         raise ValueError(f"no cost model for the collective {op!r}; known: all_reduce, broadcast, send, recv, "
                          f"{', '.join(RING_OPS)}.")
+
+    def nvls_s(self, nbytes: float, ranks) -> float | None:
+        """An all-reduce by NVLS (NVLink SHARP: the NVSwitches add the numbers up as they pass): each GPU sends its
+        data into the switch once and takes the sum out once, so its algorithm bandwidth is a share of one link
+        (``nvls_efficiency``) whatever the group's size — NCCL's latency for it is 25 µs. None where there is no
+        NVLS: a GPU without it, a group across servers (NCCL's NVLS-tree, not modeled), fewer than 3 GPUs."""
+        g = self.gpu
+        if not g.nvls_efficiency or len(ranks) < 3 or len(self._per_node(ranks)) > 1:
+            return None
+        return NVLS_LATENCY_S + nbytes / (g.intra_node_GBps * 1e9 * g.nvls_efficiency)
 
     @property
     def _intra_link(self) -> str:
@@ -280,9 +315,10 @@ class Cluster:
         per_node = self._per_node(ranks)
         g = self.gpu
         inside, network = g.intra_node_latency_us * 1e-6, g.inter_node_latency_us * 1e-6
-        if protocol == "LL":
-            inside *= LL_LATENCY[self._intra_link]
-            network *= LL_LATENCY["network"]
+        if protocol in ("LL", "LL128"):
+            factor = LL_LATENCY if protocol == "LL" else LL128_LATENCY
+            inside *= factor[self._intra_link]
+            network *= factor["network"]
         return len(per_node), max(per_node.values()), inside, network
 
     def ring_latency_s(self, ranks, passes: int = 1, protocol: str = "Simple") -> float:

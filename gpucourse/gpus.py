@@ -76,6 +76,7 @@ class GPUSpec:
     gemm_overhead_k: float = 256
     sustained: float = 1.0
     flash2_share: float = 1.0
+    nvls_efficiency: float = 0.0
 
     def peak_flops(self, precision: str = "bf16") -> float:
         """Peak FLOP/s for a run in ``precision``: fp32 uses the fp32 figure, fp8 the fp8 one, else bf16's."""
@@ -111,6 +112,10 @@ T = 1e12
 #   backward 1.5-1.75× FlashAttention-2's (about 0.5) (Shah et al. 2024); FlashAttention-2 on H100: 328-338
 #   TFLOP/s (0.34 of the peak, 0.55 of FlashAttention-3's forward): flash2_share.
 # - hbm_efficiency: A100 1.80 of 2.04 TB/s in a streaming copy (0.88, NVIDIA developer forum); H100 about 0.85.
+# - nvls_efficiency, NVLS all-reduce's algorithm bandwidth over one GPU's NVLink (Bekman, ml-engineering,
+#   network/README.md, nccl-tests on 8 × H200, 16 GiB: NVLS 480 GB/s bus bandwidth, 274 GB/s algorithm bandwidth,
+#   0.61 of 450; on 8 × B200 838 GB/s, 479 of 900, 0.53). The H200's NVLink and NVSwitch are the H100's, so the
+#   H100 takes its figure; A100 has no NVLS (NCCL's nvlsEfficiency is 0 for Ampere).
 # Fitted on the fitting set of gpucourse.published (published.fit, tests/test_published.py): sustained and
 # gemm_overhead_k, A100 0.80 and 128, H100 0.85 and 1024 (H200 and B200, with no fitting runs, take the H100's). The
 # H100's 1024 agrees with measured GEMM tables: a 2048³ GEMM at 0.82 of a 4096³ one (XLA's
@@ -119,15 +124,15 @@ GPUS: dict[str, GPUSpec] = {g.name: g for g in (
     GPUSpec("h100", 989 * T, 67 * T, 80, 450, 50, "H100 SXM: NVLink 4 (900 GB/s both ways), 400 Gb/s NIC per GPU",
             peak_fp8_flops=1979 * T, hbm_GBps=3350, achievable=0.4, bus_efficiency=0.8, sm_count=132,
             gemm_efficiency=0.8, attention_efficiency=0.62, attention_bwd_efficiency=0.5, flash2_share=0.55,
-            sustained=0.85, gemm_overhead_k=1024),
+            sustained=0.85, gemm_overhead_k=1024, nvls_efficiency=0.61),
     GPUSpec("h200", 989 * T, 67 * T, 141, 450, 50, "H200 SXM: H100's compute with more, faster memory",
             peak_fp8_flops=1979 * T, hbm_GBps=4800, achievable=0.4, bus_efficiency=0.8, sm_count=132,
             gemm_efficiency=0.8, attention_efficiency=0.62, attention_bwd_efficiency=0.5, flash2_share=0.55,
-            sustained=0.85, gemm_overhead_k=1024),
+            sustained=0.85, gemm_overhead_k=1024, nvls_efficiency=0.61),
     GPUSpec("b200", 2250 * T, 75 * T, 180, 900, 50, "B200 (HGX): NVLink 5 (1.8 TB/s both ways), 400 Gb/s NIC per GPU",
             peak_fp8_flops=4500 * T, hbm_GBps=7700, achievable=0.4, bus_efficiency=0.8, sm_count=148,
             gemm_efficiency=0.78, attention_efficiency=0.62, attention_bwd_efficiency=0.5, flash2_share=0.55,
-            sustained=0.85, gemm_overhead_k=1024),
+            sustained=0.85, gemm_overhead_k=1024, nvls_efficiency=0.53),
     GPUSpec("a100", 312 * T, 19.5 * T, 80, 300, 25, "A100 SXM 80 GB: NVLink 3 (600 GB/s both ways), 200 Gb/s NIC",
             hbm_GBps=2039, achievable=0.55, bus_efficiency=0.8, sm_count=108, gemm_efficiency=0.87,
             attention_efficiency=0.62, attention_bwd_efficiency=0.55, hbm_efficiency=0.88, sustained=0.8,

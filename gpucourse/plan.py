@@ -75,8 +75,10 @@ def _divisors(n: int) -> list[int]:
 
 def candidates(shape: Shape, gpus: int, gpus_per_node: int, batch_size: int, seq_len: int, precision: str,
                sequence_parallel: bool = False, zero_stages=(0, 1, 2, 3)):
-    """Every layout worth sizing, as TrainConfigs (not necessarily runnable in this build). ``sequence_parallel``:
-    with tensor parallelism, always (as Megatron-Core runs it); else only from ``LONG_SEQUENCE`` on."""
+    """Every layout worth sizing, as TrainConfigs (not necessarily runnable in this build). ``shape``: anything
+    :func:`gpucourse.shapes.get_shape` takes. ``sequence_parallel``: with tensor parallelism, always (as
+    Megatron-Core runs it); else only from ``LONG_SEQUENCE`` on."""
+    shape = get_shape(shape)
     long = seq_len >= LONG_SEQUENCE
     for tp in _divisors(gpus):
         if tp > gpus_per_node or shape.heads % tp or (shape.kv % tp and tp % shape.kv):
@@ -521,9 +523,9 @@ def explain(row: dict) -> str:
         layout += f" ({row['schedule']}{f', {v} chunks a rank' if row['schedule'] == 'interleaved-1f1b' else ''})"
     layout += f", ZeRO-{row['zero']}" * bool(row["zero"]) + ", checkpointing" * row["checkpoint_activations"]
     parts = ", ".join(f"{PARTS[k]} {v:.2f} s ({v / row['step_s']:.0%})" for k, v in row["parts"].items()
-                      if v >= 0.0005 * row["step_s"])
+                      if v >= 0.005)
     hidden = [f"{k} {row[f'{k}_comm_s'] - (row['parts'][k]):.2f} s" for k in ("tp", "cp", "pp", "dp")
-              if row.get(f"{k}_comm_s", 0) - row["parts"][k] > 0.0005 * row["step_s"]]
+              if row.get(f"{k}_comm_s", 0) - row["parts"][k] >= 0.005]
     hides = f"; hidden behind compute: {', '.join(hidden)}" if hidden else ""
     return (f"{layout}: step {row['step_s']:.2f} s = {parts}{hides}; {human_bytes(row['memory_total'])} per GPU "
             f"({row.get('memory_source', COURSE_MEMORY)})")

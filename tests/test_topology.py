@@ -8,7 +8,8 @@ import pathlib
 import pytest
 
 from gpucourse import topology
-from gpucourse.cluster import LL_BANDWIDTH, LL_LATENCY, Cluster
+from gpucourse.cluster import (LL128_BANDWIDTH, LL128_LATENCY, LL_BANDWIDTH, LL_LATENCY, NVLS_LATENCY_S,
+                               TREE_BANDWIDTH, Cluster)
 
 NOTEBOOK_01 = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "01_collectives.ipynb"
 
@@ -47,39 +48,53 @@ def test_paths_sort_fastest_first_and_bad_matrices_are_refused():
         topology.parse("\tGPU0\tGPU1\nGPU0\t X \tNV1\n")
 
 
-def test_ring_and_tree_all_reduce_as_notebook_01_tables_them():
+def test_ring_tree_and_nvls_all_reduce_as_notebook_01_tables_them():
     one = Cluster.of("h100", 8, 1)
     many = Cluster.of("h100", 8, 16)
-    small, large = 256 * 2 ** 10, 256 * 2 ** 20
-    pick = {(c.nodes, s): c.collective_s("all_reduce", s, range(c.gpus))[1] for c in (one, many) for s in (small, large)}
-    # Inside one server NCCL's tree is a chain: the ring's 14 steps for 2 S of bytes, so the ring wins every size.
-    assert pick == {(1, small): "ring", (1, large): "ring", (16, small): "tree", (16, large): "tree"}
-    assert {one.collective_s("all_reduce", 2 ** p, range(8))[1] for p in range(16, 31)} == {"ring"}
+    KB, MB = 2**10, 2**20
+    sizes = (64 * KB, MB, 16 * MB, 256 * MB, 1024 * MB)
+    pick = {(c.nodes, s): c.collective_s("all_reduce", s, range(c.gpus))[1] for c in (one, many) for s in sizes}
+    # Inside one server: the ring's LL for 64 KB, NVLS from 1 MB on; across 16 servers the tree at every size.
+    assert [pick[1, s] for s in sizes] == ["ring", "nvls", "nvls", "nvls", "nvls"]
+    assert [pick[16, s] for s in sizes] == ["tree"] * 5
+    # The tree inside one server is a chain: the ring's 14 steps for 2 S of bytes, never faster than the ring.
     alpha_nvlink = one.gpu.intra_node_latency_us * 1e-6
     assert 2 * one.tree_latency_s(range(8)) == pytest.approx(one.ring_latency_s(range(8), passes=2))
     assert one.ring_latency_s(range(8), passes=2) == pytest.approx(14 * alpha_nvlink) and 2 * 7 / 8 == 1.75
-    # LL up to 1 MB, Simple from 16 MB; an LL step is about a seventh of a Simple one over NVLink, at a quarter of
-    # the bandwidth (NCCL's tuning table: 0.47 against 3.4 µs).
-    protocols = [one.choice("all_reduce", size, range(8))[2] for size in (2**16, 2**20, 2**24, 2**28, 2**30)]
-    assert protocols == ["LL", "LL", "Simple", "Simple", "Simple"]
+    for size in sizes:
+        assert one.choice("all_reduce", size, range(8), algo="tree")[0] >= \
+            one.choice("all_reduce", size, range(8), algo="ring")[0]
+    # The ring's protocol: LL to 1 MB, LL128 at 16 MB, Simple from 256 MB; an LL step is about a seventh of a Simple
+    # one over NVLink at a quarter of the bandwidth, LL128 about half at 0.92.
+    protocols = [one.choice("all_reduce", size, range(8), algo="ring")[2] for size in sizes]
+    assert protocols == ["LL", "LL", "LL128", "Simple", "Simple"]
     assert round(1 / LL_LATENCY["NVLink"]) == 7 and LL_BANDWIDTH == 1 / 4
-    # Across 16 servers the ring's 254 steps, 30 of them over the network, against the tree's 22 (7 NVLink hops and
-    # 4 network hops, each way): the tree wins at every payload notebook 01 tables, from 64 KB to 1 GB.
-    assert {many.collective_s("all_reduce", 2 ** p, range(128))[1] for p in range(16, 31)} == {"tree"}
+    assert round(LL128_LATENCY["NVLink"], 1) == 0.6 and LL128_BANDWIDTH == 0.92 == TREE_BANDWIDTH
+    # NVLS: 1.3× the ring at 1 GB; its fixed 25 µs loses to the ring's LL at 64 KB; none across servers.
+    ring_1g = one.collective_s("all_reduce", 1024 * MB, range(8), algo="ring")[0]
+    assert round(ring_1g / one.nvls_s(1024 * MB, range(8)), 1) == 1.3 and NVLS_LATENCY_S == 25e-6
+    assert one.nvls_s(64 * KB, range(8)) > one.collective_s("all_reduce", 64 * KB, range(8), algo="ring")[0]
+    assert many.nvls_s(MB, range(128)) is None
+    # Across 16 servers: the ring's 254 steps, 30 of them over the network, against the tree's 22 (7 NVLink hops and
+    # 4 network hops, each way): 6× at 64 KB, still 1.07× at 1 GB.
     assert (2 * (128 - 1), 2 * (16 - 1), 2 * (7 + 4)) == (254, 30, 22)
     ratio = {size: many.collective_s("all_reduce", size, range(128), algo="ring")[0]
-             / many.collective_s("all_reduce", size, range(128), algo="tree")[0] for size in (64 * 2**10, 2**30)}
-    assert round(ratio[64 * 2**10]) == 7 and round(ratio[2**30], 1) == 1.2
+             / many.collective_s("all_reduce", size, range(128), algo="tree")[0] for size in (64 * KB, 2**30)}
+    assert round(ratio[64 * KB]) == 6 and round(ratio[2**30], 2) == 1.07
     text = " ".join(" ".join("".join(c["source"]) for c in json.loads(NOTEBOOK_01.read_text())["cells"]
                              if c["cell_type"] == "markdown").split())
     for said in ("the same 14 latency steps as the ring", "2 S of bytes against the ring's 1.75 S",
-                 "Up to 1 MB both run LL, whose steps cost about a seventh of Simple's over NVLink at a quarter of "
-                 "the bandwidth; from 16 MB on, Simple", "only the 30 that cross", "the tree takes 22 (7 NVLink hops "
-                 "and 4 network hops, up and down)", "7× at 64 KB", "still 1.2× at 1 GB"):
+                 "Small messages run LL, whose steps cost about a seventh of Simple's over NVLink at a quarter of "
+                 "the bandwidth; 16 MB runs LL128 (about half Simple's latency at 0.92 of its bandwidth); from 256 "
+                 "MB on, Simple", "from 1 MB on NVLS wins", "1.3× faster than the ring at 1 GB",
+                 "a fixed 25 µs that loses to the ring's LL at 64 KB", "only the 30 that cross",
+                 "the tree takes 22 (7 NVLink hops and 4 network hops, up and down)", "6× at 64 KB",
+                 "still 1.07× at 1 GB", "NVLS inside a server"):
         assert said in text, said
     for c in (one, many):
-        ring = c.collective_s("all_reduce", large, range(c.gpus), algo="ring")[0]
-        tree = c.collective_s("all_reduce", large, range(c.gpus), algo="tree")[0]
-        assert c.collective_s("all_reduce", large, range(c.gpus))[0] == min(ring, tree)
-    with pytest.raises(ValueError, match="ring or tree"):
-        one.collective_s("all_reduce", small, range(8), algo="nvls")
+        options = [c.collective_s("all_reduce", 256 * MB, range(c.gpus), algo=a)[0] for a in ("ring", "tree")]
+        assert c.collective_s("all_reduce", 256 * MB, range(c.gpus))[0] <= min(options)
+    with pytest.raises(ValueError, match="ring, tree or nvls"):
+        one.collective_s("all_reduce", MB, range(8), algo="butterfly")
+    with pytest.raises(ValueError, match="NVLS needs the group inside one server"):
+        Cluster.of("a100", 8, 1).collective_s("all_reduce", MB, range(8), algo="nvls")
