@@ -797,7 +797,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per server (tensor parallelism stays inside)")
     p.add_argument("--batch-size", type=int, default=1024, help="global batch in sequences")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
-    p.add_argument("--precision", default="bf16", help="bf16 (with fp32 master weights) or fp32")
+    p.add_argument("--precision", default="bf16",
+                   help="bf16 (with fp32 master weights), fp8 (fp8 matmuls, the rest as bf16) or fp32")
     p.add_argument("--efficiency", type=float, default=None,
                    help="time compute as this fraction of peak FLOP/s, spread evenly (default: kernel by kernel "
                         "on the model's shape)")

@@ -159,7 +159,8 @@ class Cluster:
         """Seconds of ``count`` matmuls of an m×k by a k×n matrix (a grouped GEMM when ``count`` > 1): a roofline
         on the matmul's own shape (see "Kernels by shape" in the module docstring)."""
         g = self.gpu
-        per_sm = g.peak_flops(precision) * g.gemm_efficiency * g.sustained / g.sm_count
+        share = g.gemm_fp8_efficiency if precision == "fp8" and g.gemm_fp8_efficiency else g.gemm_efficiency
+        per_sm = g.peak_flops(precision) * share * g.sustained / g.sm_count
         math_s = min(math.ceil(count * math.ceil(m / a) * math.ceil(n / b) / g.sm_count) * 2 * a * b * (k + g.gemm_overhead_k)
                      for a, b in TILES) / per_sm
         elem = 1 if precision == "fp8" else 4 if precision == "fp32" else 2

@@ -77,6 +77,7 @@ class GPUSpec:
     sustained: float = 1.0
     flash2_share: float = 1.0
     nvls_efficiency: float = 0.0
+    gemm_fp8_efficiency: float = 0.0  # the best large fp8 GEMM over the fp8 peak (0: as gemm_efficiency)
 
     def peak_flops(self, precision: str = "bf16") -> float:
         """Peak FLOP/s for a run in ``precision``: fp32 uses the fp32 figure, fp8 the fp8 one, else bf16's."""
@@ -106,7 +107,8 @@ T = 1e12
 # - SMs: A100 108, H100 and H200 132, B200 148, L4 58 (the datasheets / CUDA programming guide).
 # - gemm_efficiency, the best large bf16 GEMM over the dense peak ("maximum achievable matmul FLOPS", Bekman,
 #   ml-engineering, compute/accelerator/README.md): A100 SXM 271.2 of 312 (0.87), H100 SXM 794.5 of 989 (0.80,
-#   "H200 is the same"), B200 1745 of 2250 (0.78).
+#   "H200 is the same"), B200 1745 of 2250 (0.78); gemm_fp8_efficiency, the same for e4m3 over the fp8 peak: H100
+#   1402.6 of 1979 (0.71), H200 1453.4 (0.73), B200 3432.5 of 4500 (0.76).
 # - attention: FlashAttention-2 on A100, forward and backward, causal, long sequences: 0.55-0.61 of the peak
 #   (Dao 2023, its repository's benchmark figures); FlashAttention-3 on H100, forward 616-648 TFLOP/s (0.62-0.66),
 #   backward 1.5-1.75× FlashAttention-2's (about 0.5) (Shah et al. 2024); FlashAttention-2 on H100: 328-338
@@ -124,15 +126,15 @@ GPUS: dict[str, GPUSpec] = {g.name: g for g in (
     GPUSpec("h100", 989 * T, 67 * T, 80, 450, 50, "H100 SXM: NVLink 4 (900 GB/s both ways), 400 Gb/s NIC per GPU",
             peak_fp8_flops=1979 * T, hbm_GBps=3350, achievable=0.4, bus_efficiency=0.8, sm_count=132,
             gemm_efficiency=0.8, attention_efficiency=0.62, attention_bwd_efficiency=0.5, flash2_share=0.55,
-            sustained=0.85, gemm_overhead_k=1024, nvls_efficiency=0.61),
+            sustained=0.85, gemm_overhead_k=1024, nvls_efficiency=0.61, gemm_fp8_efficiency=0.71),
     GPUSpec("h200", 989 * T, 67 * T, 141, 450, 50, "H200 SXM: H100's compute with more, faster memory",
             peak_fp8_flops=1979 * T, hbm_GBps=4800, achievable=0.4, bus_efficiency=0.8, sm_count=132,
             gemm_efficiency=0.8, attention_efficiency=0.62, attention_bwd_efficiency=0.5, flash2_share=0.55,
-            sustained=0.85, gemm_overhead_k=1024, nvls_efficiency=0.61),
+            sustained=0.85, gemm_overhead_k=1024, nvls_efficiency=0.61, gemm_fp8_efficiency=0.73),
     GPUSpec("b200", 2250 * T, 75 * T, 180, 900, 50, "B200 (HGX): NVLink 5 (1.8 TB/s both ways), 400 Gb/s NIC per GPU",
             peak_fp8_flops=4500 * T, hbm_GBps=7700, achievable=0.4, bus_efficiency=0.8, sm_count=148,
             gemm_efficiency=0.78, attention_efficiency=0.62, attention_bwd_efficiency=0.5, flash2_share=0.55,
-            sustained=0.85, gemm_overhead_k=1024, nvls_efficiency=0.53),
+            sustained=0.85, gemm_overhead_k=1024, nvls_efficiency=0.53, gemm_fp8_efficiency=0.76),
     GPUSpec("a100", 312 * T, 19.5 * T, 80, 300, 25, "A100 SXM 80 GB: NVLink 3 (600 GB/s both ways), 200 Gb/s NIC",
             hbm_GBps=2039, achievable=0.55, bus_efficiency=0.8, sm_count=108, gemm_efficiency=0.87,
             attention_efficiency=0.62, attention_bwd_efficiency=0.55, hbm_efficiency=0.88, sustained=0.8,

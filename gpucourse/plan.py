@@ -294,7 +294,8 @@ def get_framework(framework) -> Overlap:
     return FRAMEWORKS[name]
 
 
-def _stage_compute(cfg: TrainConfig, shape: Shape, cluster: Cluster, m: int, overlap: Overlap) -> dict:
+def _stage_compute(cfg: TrainConfig, shape: Shape, cluster: Cluster, m: int, overlap: Overlap,
+                   matmuls: str) -> dict:
     """One microbatch on the pipeline stage that sets the pace: forward, backward and recomputed forward seconds,
     and its attention's and matmuls' shares (what cp and tp communication may hide behind)."""
     from .parallel.pipeline import stage_blocks
@@ -307,7 +308,7 @@ def _stage_compute(cfg: TrainConfig, shape: Shape, cluster: Cluster, m: int, ove
         for k in kernels:
             if k["kind"] == "memory":
                 k = {**k, "elements": k["elements"] * overlap.elementwise}
-            parts[k["kind"]] += cluster.kernel_s(k, cfg.precision, backward, overlap.attention)
+            parts[k["kind"]] += cluster.kernel_s(k, matmuls, backward, overlap.attention)
         return parts
 
     kinds = {False: shape.kernels(tokens, cfg.seq_len, cfg.tp, cfg.cp, cfg.ep, False, sp)}
@@ -334,7 +335,8 @@ def _stage_compute(cfg: TrainConfig, shape: Shape, cluster: Cluster, m: int, ove
 
 
 def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, efficiency: float | None = None,
-              shape: Shape | dict | str | None = None, framework: str | Overlap | None = None) -> dict:
+              shape: Shape | dict | str | None = None, framework: str | Overlap | None = None,
+              matmuls: str | None = None) -> dict:
     """The timing model above for one layout: seconds per step, by part.
 
     Compute is timed kernel by kernel on the model's ``shape`` (default: the course GPT of ``cfg``'s sizes) on
@@ -343,10 +345,16 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
     the link its group crosses — the same model that replays a recorded run (:mod:`gpucourse.replay`). Ranks are
     placed as the runtime places them (pp, dp, cp, tp, tensor-parallel ranks adjacent), ``gpus_per_node`` to a
     server. ``framework``: which communication overlaps compute (:data:`FRAMEWORKS`; default
-    ``DEFAULT_FRAMEWORK``).
+    ``DEFAULT_FRAMEWORK``). ``matmuls``: the precision the matmuls run in, when not ``cfg.precision``:
+    ``"fp8"`` times them at the GPU's fp8 peak (Transformer Engine's recipe: fp8 matmuls, bf16 attention and the
+    rest, bf16 weights with fp32 master weights in memory).
     """
     mc = cfg.model_config()
-    shape = get_shape(shape) if shape is not None else Shape.of_model(mc)
+    try:
+        shape = get_shape(shape) if shape is not None else Shape.of_model(mc)
+        shape.check_tp(cfg.tp)
+    except ShapeError as e:
+        raise ConfigError(str(e)) from None
     overlap = get_framework(framework)
     cluster = Cluster(gpu, gpus_per_node, max(1, -(-cfg.world_size // gpus_per_node)))
     tokens = cfg.batch_size * cfg.seq_len
@@ -363,7 +371,7 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
         pace = {"forward": (compute - recompute) / 3 / m, "backward": 2 * (compute - recompute) / 3 / m,
                 "recompute": recompute / m, "attention": 0.0, "gemm": compute / m, "blocks": shape.layers / cfg.pp}
     else:
-        pace = _stage_compute(cfg, shape, cluster, m, overlap)
+        pace = _stage_compute(cfg, shape, cluster, m, overlap, matmuls or cfg.precision)
         recompute = m * pace["recompute"]
         compute = m * (pace["forward"] + pace["backward"]) + recompute
     bubble = compute * bubble_ratio(cfg.schedule, cfg.pp, m, cfg.virtual_stages) if cfg.pp > 1 else 0.0
@@ -475,6 +483,11 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
     overlap = get_framework(framework)
     spec = get_gpu(gpu)
     rows = []
+    matmuls = precision
+    if precision == "fp8":  # fp8 matmuls; the weights, their gradients and the rest in bf16 (memory as bf16's)
+        if not spec.peak_fp8_flops:
+            raise ConfigError(f"precision='fp8' needs fp8 tensor cores; {spec.name} has none (H100 and later do).")
+        precision = "bf16"
     for cfg in candidates(shape, gpus, gpus_per_node, batch_size, seq_len, precision,
                           sequence_parallel=overlap.name.startswith("megatron-core"), zero_stages=overlap.zero):
         try:
@@ -487,9 +500,10 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
                "grad_accum": cfg.grad_accum, "checkpoint_activations": cfg.checkpoint_activations,
                "memory": mem["max"], "memory_total": mem["max_total"],
                "fits": mem["max_total"] <= spec.memory_gb * 1e9, "config": cfg.to_dict(),
+               "kv_replication": shape.kv_replication(cfg.tp),
                "memory_source": COURSE_MEMORY if shape.is_course_block else
                "from the shape's own parameters and Korthikanti et al.'s activations",
-               **step_time(cfg, mem["num_params"], spec, gpus_per_node, efficiency, shape, overlap)}
+               **step_time(cfg, mem["num_params"], spec, gpus_per_node, efficiency, shape, overlap, matmuls)}
         rows.append(row)
     rows.sort(key=lambda r: (not r["fits"], r["step_s"]))
     if num_params is None:
@@ -497,7 +511,7 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
     moe = {"active_params": shape.active_params()} if shape.experts else {}
     return {"params": num_params, "model_params": shape.params(), **moe, "shape": shape.as_dict(), "gpus": gpus,
             "gpu": dataclasses.asdict(spec), "gpus_per_node": gpus_per_node,
-            "batch_size": batch_size, "seq_len": seq_len, "precision": precision,
+            "batch_size": batch_size, "seq_len": seq_len, "precision": matmuls,
             "efficiency": efficiency, "framework": overlap.name,
             "layouts": rows}
 
@@ -522,6 +536,8 @@ def explain(row: dict) -> str:
         v = row["config"]["virtual_stages"]
         layout += f" ({row['schedule']}{f', {v} chunks a rank' if row['schedule'] == 'interleaved-1f1b' else ''})"
     layout += f", ZeRO-{row['zero']}" * bool(row["zero"]) + ", checkpointing" * row["checkpoint_activations"]
+    if row.get("kv_replication", 1) > 1:  # more tensor-parallel ranks than K/V heads
+        layout += f" (each K/V head held by {row['kv_replication']} of the tp ranks)"
     parts = ", ".join(f"{PARTS[k]} {v:.2f} s ({v / row['step_s']:.0%})" for k, v in row["parts"].items()
                       if v >= 0.005)
     hidden = [f"{k} {row[f'{k}_comm_s'] - (row['parts'][k]):.2f} s" for k in ("tp", "cp", "pp", "dp")

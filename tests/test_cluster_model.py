@@ -211,3 +211,40 @@ def test_three_pp_microbatches_reach_an_interleaved_pipelines_peak_in_flight():
             peak = in_flight("interleaved-1f1b", pp, 3 * pp, v)
             for m in (4 * pp, 6 * pp):
                 assert in_flight("interleaved-1f1b", pp, m, v) == peak
+
+
+def test_fp8_plans_time_the_matmuls_at_the_fp8_peak_and_need_a_gpu_that_has_it():
+    bf16 = plan(None, 64, "h100", shape="llama3-70b")["layouts"][0]
+    fp8 = plan(None, 64, "h100", shape="llama3-70b", precision="fp8")
+    assert 1.2 < bf16["step_s"] / fp8["layouts"][0]["step_s"] < 1.8  # matmuls faster; attention and the rest not
+    assert fp8["precision"] == "fp8" and fp8["layouts"][0]["config"]["precision"] == "bf16"  # memory as bf16
+    assert H100.gpu.gemm_fp8_efficiency == 0.71
+    with pytest.raises(ConfigError, match="a100 has none"):
+        plan(None, 64, "a100", shape="llama3-70b", precision="fp8")
+
+
+def test_a_plan_says_when_tensor_parallelism_replicates_kv_heads():
+    result = plan(None, 8, shape={"layers": 8, "hidden": 2048, "heads": 16, "kv_heads": 2, "mlp": "swiglu",
+                                  "ffn": 5632})
+    row = next(r for r in result["layouts"] if r["tp"] == 8)
+    assert row["kv_replication"] == 4 and "each K/V head held by 4 of the tp ranks" in explain(row)
+    assert all(r["kv_replication"] == 1 for r in result["layouts"] if r["tp"] <= 2)
+
+
+def test_step_time_refuses_a_tp_the_heads_cannot_take_in_one_sentence():
+    cfg = _cfg(tp=8, dp=1, batch_size=8, grad_accum=8)
+    with pytest.raises(ConfigError, match="tp=8 and the 12 K/V heads: neither divides the other"):
+        step_time(cfg, int(5e9), get_gpu("h100"), 8, shape={"layers": 24, "hidden": 4608, "heads": 48,
+                                                              "kv_heads": 12})
+
+
+def test_calibrate_times_a_blocks_kernels_here_beside_the_model():
+    """What scripts/gpu-check prints on a GPU box, run here on the CPU against the 'cpu' entry."""
+    from gpucourse.calibrate import format_ratios, gpu_entry, kernel_ratios
+
+    rows = kernel_ratios("cpu", "cpu", model="tiny", tokens=64, seq_len=32, precision="fp32", repeats=2)
+    assert [r["kernel"] for r in rows] == ["qkv", "out", "attention", "mlp_up", "mlp_down"]
+    assert all(r["measured_s"] > 0 and r["ratio"] == r["modeled_s"] / r["measured_s"] for r in rows)
+    assert "modeled/measured" in format_ratios(rows, "cpu")
+    assert (gpu_entry("NVIDIA H100 80GB HBM3"), gpu_entry("NVIDIA H200"), gpu_entry("Tesla T4")) == \
+        ("h100", "h200", None)

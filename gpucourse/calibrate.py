@@ -1,0 +1,87 @@
+"""The modeled cluster's kernels against this machine's: each matmul of a model's block and its attention, timed here
+and by :meth:`gpucourse.cluster.Cluster.kernel_s`, side by side.
+
+``scripts/gpu-check`` runs it on a GPU box (gpt2-small's kernels on the GPU it finds, against that GPU's entry in
+:mod:`gpucourse.gpus`), and the ratios it prints go into ``docs/gpu-results.md``: the model's constants are public
+measurements and a fit to published runs, and this is the check on the card at hand::
+
+    from gpucourse.calibrate import kernel_ratios, format_ratios
+    print(format_ratios(kernel_ratios("cuda", "h200")))
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .cluster import Cluster
+from .gpus import get_gpu
+from .model import MODELS
+from .shapes import Shape
+
+# What torch.cuda.get_device_name() says, and the entry of gpucourse.gpus it is.
+NAMES = (("H200", "h200"), ("H100", "h100"), ("B200", "b200"), ("A100", "a100"), ("L4", "l4"))
+
+
+def gpu_entry(device_name: str) -> str | None:
+    """The :mod:`gpucourse.gpus` entry for a device name ("NVIDIA H100 80GB HBM3" → "h100"), or None."""
+    for token, entry in NAMES:
+        if token in device_name:
+            return entry
+    return None
+
+
+def _timed(fn, device: str, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after a warm-up, synchronising CUDA around each."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def kernel_ratios(device: str, gpu: str, model: str = "gpt2-small", tokens: int = 4096, seq_len: int = 512,
+                  precision: str = "bf16", repeats: int = 10) -> list[dict]:
+    """Each forward matmul of one block of ``model`` (``tokens`` tokens, sequences of ``seq_len``) and its causal
+    attention, timed on ``device`` and by the model of ``gpu``: ``{"kernel", "shape", "measured_s", "modeled_s",
+    "ratio"}`` (ratio: modeled over measured)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    shape = Shape.of_model(MODELS[model])
+    cluster = Cluster.of(gpu)
+    rows = []
+    for k in shape.kernels(tokens, seq_len):
+        if k["kind"] == "gemm":
+            m, n, kk = int(k["m"]), int(k["n"]), int(k["k"])
+            a = torch.randn(m, kk, device=device, dtype=dtype)
+            b = torch.randn(kk, n, device=device, dtype=dtype)
+            measured = _timed(lambda: a @ b, device, repeats)
+            label = f"{m}×{kk} @ {kk}×{n}"
+        elif k["kind"] == "attention":
+            seqs, heads, d = int(k["sequences"]), int(k["heads"]), k["head_dim"]
+            q, kv = (torch.randn(seqs, heads, seq_len, d, device=device, dtype=dtype) for _ in range(2))
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            measured = _timed(lambda: sdpa(q, kv, kv, is_causal=True), device, repeats)
+            label = f"{seqs} × {heads} heads × {seq_len} tokens, head {d}"
+        else:
+            continue
+        modeled = cluster.kernel_s(k, precision)
+        rows.append({"kernel": k.get("name", k["kind"]), "shape": label, "measured_s": measured,
+                     "modeled_s": modeled, "ratio": modeled / measured})
+    return rows
+
+
+def format_ratios(rows: list[dict], gpu: str = "") -> str:
+    """The table gpu-check prints: each kernel's measured and modeled time and their ratio."""
+    lines = [f"{'kernel':<10} {'shape':<36} {'measured':>10} {'modeled' + (' ' + gpu if gpu else ''):>14} "
+             f"{'modeled/measured':>17}"]
+    for r in rows:
+        lines.append(f"{r['kernel']:<10} {r['shape']:<36} {1e6 * r['measured_s']:>8.1f}µs {1e6 * r['modeled_s']:>12.1f}µs "
+                     f"{r['ratio']:>17.2f}")
+    return "\n".join(lines)
