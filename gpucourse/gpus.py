@@ -99,7 +99,8 @@ T = 1e12
 # - H200 SXM: NVIDIA H200 datasheet: H100's compute, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
 # - B200 (HGX B200): NVIDIA HGX platform specifications: per GPU BF16 4.5 P and FP8 9 P with sparsity,
 #   FP32 75 T, 180 GB HBM3e at 7.7 TB/s, NVLink 5 1.8 TB/s; DGX B200: 400 Gb/s per GPU.
-# - L4: NVIDIA L4 datasheet: BF16 242 T with sparsity, 24 GB GDDR6 300 GB/s, PCIe Gen4 x16 (32 GB/s).
+# - L4: NVIDIA L4 datasheet: BF16 242 T and FP8 485 T with sparsity (Ada's fourth-generation tensor cores have
+#   FP8), 24 GB GDDR6 300 GB/s, PCIe Gen4 x16 (32 GB/s).
 # Latencies are orders of magnitude for one NCCL step: a few µs over NVLink, about 10 µs across
 # InfiniBand. ``achievable`` and ``bus_efficiency``: see docs/modeled-timing.md for what they were
 # fitted on and how the model compares with published runs.
@@ -140,6 +141,7 @@ GPUS: dict[str, GPUSpec] = {g.name: g for g in (
             attention_efficiency=0.62, attention_bwd_efficiency=0.55, hbm_efficiency=0.88, sustained=0.8,
             gemm_overhead_k=128),
     GPUSpec("l4", 121 * T, 30.3 * T, 24, 32, 12.5, "L4: no NVLink, PCIe 4.0 x16; 100 Gb/s Ethernet",
+            peak_fp8_flops=242.5 * T,
             hbm_GBps=300, intra_node_latency_us=10, inter_node_latency_us=20, achievable=0.5, bus_efficiency=0.8,
             sm_count=58),
     GPUSpec("cpu", 0.1 * T, 0.1 * T, 16, 10, 1.25, "one CPU core as a 'virtual GPU': rough orders of magnitude",

@@ -486,7 +486,8 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
     matmuls = precision
     if precision == "fp8":  # fp8 matmuls; the weights, their gradients and the rest in bf16 (memory as bf16's)
         if not spec.peak_fp8_flops:
-            raise ConfigError(f"precision='fp8' needs fp8 tensor cores; {spec.name} has none (H100 and later do).")
+            raise ConfigError(f"precision='fp8' needs fp8 tensor cores; {spec.name} has none (Ada and Hopper GPUs "
+                              f"and later do).")
         precision = "bf16"
     for cfg in candidates(shape, gpus, gpus_per_node, batch_size, seq_len, precision,
                           sequence_parallel=overlap.name.startswith("megatron-core"), zero_stages=overlap.zero):

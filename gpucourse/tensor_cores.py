@@ -7,11 +7,12 @@ learner meets on NVIDIA GPUs, each reproduced here bit for bit so its error can 
   the same range, but 10 explicit mantissa bits instead of 23 — and accumulate in fp32. :func:`to_tf32` rounds
   the way the hardware does (to nearest, ties to even). PyTorch leaves it off for matmuls unless asked
   (``torch.set_float32_matmul_precision("high")``); cuDNN convolutions use it by default.
-- **FP8** (H100 and later): two 8-bit formats. **E4M3** (4 exponent bits, 3 mantissa bits, largest 448) keeps more
-  precision and is used for weights and activations; **E5M2** (5 and 2, largest 57344) keeps more range and is used
-  for gradients — Transformer Engine's ``HYBRID`` recipe. Eight bits cover so little range that every tensor is
-  *scaled* into it first: multiplied by ``scale = max_of_format / amax`` (amax: the largest magnitude), cast, and
-  divided by the scale after the matmul. :func:`quantize` is that round trip.
+- **FP8** (Ada and Hopper GPUs and later: the L4, the H100): two 8-bit formats. **E4M3** (4 exponent bits, 3
+  mantissa bits, largest 448) keeps more precision and is used for weights and activations; **E5M2** (5 and 2,
+  largest 57344) keeps more range and is used for gradients — Transformer Engine's ``HYBRID`` recipe. Eight bits
+  cover so little range that every tensor is *scaled* into it first: multiplied by ``scale = max_of_format / amax``
+  (amax: the largest magnitude), cast, and divided by the scale after the matmul. :func:`quantize` is that round
+  trip.
 - **Delayed scaling** (Transformer Engine's default recipe): knowing amax would need a pass over the tensor before
   the cast, so the scale is computed from the amaxes of the *previous* iterations (a window of ``history_len``,
   reduced by ``max``), with a safety ``margin`` of powers of two. :class:`DelayedScaling` keeps that history. The

@@ -221,6 +221,7 @@ def test_fp8_plans_time_the_matmuls_at_the_fp8_peak_and_need_a_gpu_that_has_it()
     assert H100.gpu.gemm_fp8_efficiency == 0.71
     with pytest.raises(ConfigError, match="a100 has none"):
         plan(None, 64, "a100", shape="llama3-70b", precision="fp8")
+    assert plan(None, 8, "l4", shape="llama3-8b", precision="fp8")["precision"] == "fp8"  # Ada has fp8
 
 
 def test_a_plan_says_when_tensor_parallelism_replicates_kv_heads():

@@ -1,16 +1,19 @@
 """Facts the notebooks state in prose, recomputed: the two definitions of the pipeline bubble, 1F1B's warm-up and
-peak in flight, the bytes per parameter of the ZeRO paper and of Megatron-Core, ZeRO's traffic, the range of a
-good MFU, Korthikanti et al.'s activation counts, what a distributed checkpoint writes, and what torchrun sets for
-NCCL's error handling. Where a notebook prints or writes a number, the test reads it there and compares."""
+peak in flight, interleaving's rule for m, what ZB-H1 holds until its W, the bytes per parameter of the ZeRO paper
+and of Megatron-Core, ZeRO's traffic, the range of a good MFU, which GPUs have FP8, gpt2-small's parameters,
+Korthikanti et al.'s activation counts, what context-parallel attention puts on the wire, what a distributed
+checkpoint writes, and what torchrun sets for NCCL's error handling. Where a notebook prints or writes a number,
+the test reads it there and compares."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
 
-from gpucourse import TrainConfig, memory, quiz, run
+from gpucourse import ConfigError, TrainConfig, memory, quiz, run
 from gpucourse.comm import RING_FACTOR
 from gpucourse.gpus import get_gpu
 from gpucourse.parallel import schedules, schedules_virtual
@@ -90,6 +93,113 @@ def test_1f1b_warm_up_is_p_minus_s_minus_1_and_the_peak_p_minus_s(p, m):
     assert "p−s−1 warm-up forwards" in explanation and "never holds more than p−s" in explanation
 
 
+def megatron_core_table(m: int, v: int, group: int) -> list[tuple[int, int]]:
+    """Megatron-Core's order of a rank's forwards as (microbatch, chunk) (``get_schedule_table`` in
+    megatron/core/pipeline_parallel/schedules.py): ``group`` microbatches through chunk 0, the same through chunk 1,
+    and so on, then the next group; the last group is whatever is left."""
+    order = []
+    for start in range(0, m, group):
+        members = range(start, m) if start + group >= m else range(start, start + group)
+        order += [(mb, chunk) for chunk in range(v) for mb in members]
+    return order
+
+
+def megatron_core_takes(p: int, m: int, group: int) -> bool:
+    """What Megatron-Core's interleaved schedule accepts before it runs: p ≤ group ≤ m, and a last group that is
+    either whole or holds at least p microbatches."""
+    return p <= group <= m and not 0 < m % group < p
+
+
+def test_interleaved_m_rule_of_megatron_lm_megatron_core_and_this_runtime():
+    # Megatron-Core's own example (PP 2, groups of 3, 5 microbatches, VP 2): a shorter last group, m no multiple of p.
+    table = megatron_core_table(5, 2, 3)
+    assert [mb for mb, _ in table] == [0, 1, 2, 0, 1, 2, 3, 4, 3, 4]
+    assert [chunk for _, chunk in table] == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+    assert megatron_core_takes(2, 5, 3) and 5 % 2
+    assert megatron_core_takes(4, 10, 6) and not megatron_core_takes(4, 9, 6), "a last group of 4 runs, of 3 not"
+    # With its default group, p, it keeps Megatron-LM's original rule: m a multiple of p.
+    for p in (2, 4, 8):
+        assert [m for m in range(p, 5 * p) if megatron_core_takes(p, m, p)] == list(range(p, 5 * p, p))
+    # This course's runtime lays out Megatron-LM's original order (Megatron-Core's table with groups of p) on every
+    # rank, and refuses an m that is not a multiple of p.
+    for p, m, v in ((2, 4, 3), (4, 8, 2), (4, 12, 2), (8, 16, 2)):
+        ops, _ = schedules_virtual.build("interleaved-1f1b", p, m, v)
+        for row in ops:
+            assert [(op.microbatch, op.chunk) for op in row if op.kind == schedules.F] == megatron_core_table(m, v, p)
+    cfg = TrainConfig(pp=4, schedule="interleaved-1f1b", virtual_stages=2, microbatches=6, batch_size=24)
+    with pytest.raises(ConfigError, match="must be a multiple of pp=4"):
+        cfg.validate(runnable=False)
+    text = prose("04b_pipeline_schedules")
+    assert ("Megatron-LM's original order sends microbatches through a chunk p at a time, so m must be a multiple of "
+            "p; this course's runtime keeps that rule.") in text
+    assert ("Megatron-Core makes the group a setting (`microbatch_group_size_per_vp_stage`, p by default and never "
+            "fewer) and also takes a shorter last group, as long as it holds at least p microbatches: its own example "
+            "runs p = 2 with groups of 3 and m = 5.") in text
+    q = BY_ID["pipe-interleave-costs"]
+    right = [q["choices"][i] for i in q["answer"]]
+    assert "m a multiple of p = 4, in Megatron-LM's original interleaved order" in right
+    assert "which this course's runtime follows" in q["explanation"] and 8 % 4 == 0
+    assert ("takes a shorter last group as long as it holds at least p microbatches (its own example: p = 2, groups "
+            "of 3, m = 5)") in q["explanation"]
+
+
+def awaiting_b(sim: schedules.Simulation) -> list[int]:
+    """Per rank, the most microbatches forwarded whose B (input gradient) has not run yet."""
+    peaks = []
+    for row in sim.timeline:
+        held = peak = 0
+        for op, _, _ in row:
+            held += (op.kind == schedules.F) - (op.kind == schedules.B)
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 4), (4, 8), (4, 16), (8, 16), (8, 32), (16, 64)])
+def test_zb_h1_keeps_each_microbatch_until_its_w(p, m):
+    """ZB-H1 lets no more microbatches await their B than 1F1B, but each keeps its activations until its W runs:
+    rank s holds up to 2p − 1 − s of them (at most m), against 1F1B's p − s — what the simulator and the memory
+    estimate both count."""
+    ops, layout = schedules_virtual.build("zb-h1", p, m)
+    zb = schedules_virtual.simulate(ops, layout, m)
+    one = schedules.simulate(schedules.one_f_one_b(p, m), p, m)
+    assert one.peak_in_flight == [min(p - s, m) for s in range(p)] == memory.in_flight("1f1b", p, m)
+    assert awaiting_b(zb) == one.peak_in_flight, "B waits no longer than under 1F1B"
+    held = [min(2 * p - 1 - s, m) for s in range(p)]
+    assert zb.peak_in_flight == held == memory.in_flight("zb-h1", p, m)
+    assert memory._weighted_peaks(ops, [[1.0]] * p) == held, "each chunk's activations freed by its W"
+    if m >= 3 * p:  # the V shape: 4p − 1 half-stage chunks on every rank
+        assert [2 * x for x in memory.in_flight("zbv", p, m)] == [4 * p - 1] * p
+
+
+def test_what_zb_h1_holds_is_said_the_same_way_everywhere():
+    def peaks(p, m):
+        ops, layout = schedules_virtual.build("zb-h1", p, m)
+        return schedules_virtual.simulate(ops, layout, m).peak_in_flight[0], min(p, m)
+
+    assert peaks(4, 8) == (7, 4)  # the notebook's figure
+    text = prose("04b_pipeline_schedules")
+    assert ("The ZB-H1 laid out here holds up to 2p − 1 − s microbatches on rank s (never more than m) against 1F1B's "
+            "p − s: rank 0 nearly twice as many, 7 against 4 in the figure below (p = 4, m = 8).") in text
+    assert "| as 1F1B | 2p − 1 microbatches: as 1F1B awaiting B, each kept until its W |" in text
+    assert "| 4p − 1 chunks on every rank, each kept until its W |" in text
+    assert "at its memory" not in text and "when memory is tight" not in text
+    assert "holds up to 2p − 1 − s of them, not 1F1B's p − s" in " ".join(schedules_virtual.__doc__.split())
+    # pipe-choose-slow-link: p=8, m=16, room for twice 1F1B's activations; pipe-choose-headroom: p=4, m=8, 25%.
+    for qid, (p, m), right in (("pipe-choose-slow-link", (8, 16), True), ("pipe-choose-headroom", (4, 8), False)):
+        zb, one = peaks(p, m)
+        ratio = f"{zb / one:g}×"
+        assert (zb, ratio) == ((15, "1.875×") if p == 8 else (7, "1.75×"))
+        q = BY_ID[qid]
+        zb_choice = next(i for i, c in enumerate(q["choices"]) if c.startswith("ZB-H1"))
+        assert f"{ratio} rank 0's activations" in q["choices"][zb_choice] and (q["answer"] == zb_choice) == right
+        assert f"rank 0 holds up to 2p−1 = {zb} microbatches, {ratio} 1F1B's {one}" in q["explanation"]
+        assert "1F1B's memory" not in q["explanation"] and "1F1B's activation memory" not in q["explanation"]
+    assert "room for twice its 1F1B activations" in BY_ID["pipe-choose-slow-link"]["question"] and 15 / 8 <= 2
+    assert "25% memory headroom" in BY_ID["pipe-choose-headroom"]["question"] and 7 / 4 > 1.25
+    assert "activation memory" not in BY_ID["pipe-zbh1-bubble"]["question"]
+
+
 # --- memory and traffic ----------------------------------------------------------------------------------------
 
 def test_bytes_per_parameter_zero_paper_and_megatron_core():
@@ -109,6 +219,37 @@ def test_bytes_per_parameter_zero_paper_and_megatron_core():
     text = markdown("07_memory_batch")
     assert "2 + 2 + 12 = 16" in text and "18" in text and "2 + 4 + 4 + 8" in text and "6 + 12/d" in text
     assert 2 + 4 + 4 + 8 == 18
+
+
+def test_gpt2_small_here_is_gpt2s_shape_with_163_m_parameters():
+    import inspect
+
+    import torch
+
+    from gpucourse import model
+    from gpucourse.model import GPT, MODELS
+
+    mc = MODELS["gpt2-small"]
+    assert (mc.n_layer, mc.n_embd, mc.vocab_size, mc.block_size) == (12, 768, 50257, 1024)
+    n = memory.num_params(mc)
+    with torch.device("meta"):
+        assert sum(p.numel() for p in GPT(mc).parameters()) == n
+    gpt2 = 124_439_808  # OpenAI's GPT-2 small: the head tied to the token embedding, a bias on every key
+    assert n == gpt2 + mc.vocab_size * mc.n_embd - mc.n_layer * mc.n_embd == 163_027_968
+    assert (f"{n / 1e6:.1f} M", f"{gpt2 / 1e6:.0f} M") == ("163.0 M", "124 M")
+    comment = " ".join(w for w in inspect.getsource(model).split() if w != "#")
+    assert ("``gpt2-small`` is GPT-2 small's shape for real GPUs — 12 blocks of 768, GPT-2's vocabulary and 1024 "
+            "positions — with 163.0 M parameters here, not GPT-2's 124 M: the output head is not tied to the token "
+            "embedding (and attention has no key bias).") in comment
+    assert "163 M parameters here, as its head is not tied to the embedding" in prose("07_memory_batch")
+    # Nowhere is it called a 124 M model: every 124 M is GPT-2's.
+    files = [*(REPO / "gpucourse").rglob("*.py"), REPO / "gpucourse" / "quiz" / "bank.json", REPO / "README.md",
+             *(REPO / "notebooks").glob("*.ipynb"), *(REPO / "docs").glob("*.md")]
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        for hit in re.finditer(r"124\s?M\b|124-million", text):
+            before = text[max(0, hit.start() - 10):hit.start()]
+            assert "GPT-2's" in before, f"{path}: {text[hit.start() - 60:hit.end()]}"
 
 
 @pytest.mark.parametrize("n", [2, 4, 8, 64])
@@ -135,12 +276,49 @@ def test_korthikanti_numbers_printed_in_the_review():
     assert "korthikanti_layer_bytes(T, b, C, heads, tp=8, sp=True)" in code
 
 
-def test_mfu_range_is_the_same_in_the_notebook_and_the_bank():
-    assert "about 40–60% MFU; 30% is common on smaller or communication-bound runs" in markdown("08_profiling")
+def test_mfu_range_is_what_published_h100_runs_report():
+    """Notebook 08 and prof-mfu quote the MFU of the largest published H100 runs the course holds its model to
+    (gpucourse.published): Llama 3 405B's and Megatron-LM's weak-scaling table's, model FLOP/s over the bf16 peak."""
+    from gpucourse import published
+
+    peak = get_gpu("h100").peak_flops("bf16")
+    llama = [r for r in published.RUNS if r.name.startswith("Llama 3 405B")]
+    table = [r for r in published.RUNS if r.source.startswith(published.MCORE_H100)]
+    assert len(llama) == 3 and len(table) == 9 and all(r.gpu == "h100" for r in llama + table)
+
+    def percent(runs):
+        mfu = [r.reported / peak for r in runs]
+        return round(100 * min(mfu)), round(100 * max(mfu))
+
+    assert (percent(llama), percent(table)) == ((38, 43), (41, 49))
+    assert 35 <= min(percent(llama + table)) and max(percent(llama + table)) <= 50
+    gpus = sorted({r.layout["dp"] * r.layout["tp"] * r.layout["pp"] * r.layout.get("cp", 1) for r in llama})
+    assert gpus == [8192, 16384]
+    text = prose("08_profiling")
+    assert ("Well-tuned large runs on H100 report roughly 35–50% MFU (Llama 3 405B: 38–43% on 8,192 and 16,384 GPUs; "
+            "Megatron-LM's weak-scaling table of GPT models: 41–49%); 30% is common on smaller or communication-bound "
+            "runs.") in text
+    assert "40–60%" not in text
     q = BY_ID["prof-mfu"]
-    assert "about 0.4–0.6; 0.3 is common on smaller or communication-bound runs" in q["explanation"]
-    mfu = 6 * 7e9 * 1e5 / (8 * get_gpu("h100").peak_flops("bf16"))
-    assert 0.4 <= mfu <= 0.6 and mfu == pytest.approx(q["answer"], abs=q["tolerance"])
+    assert ("Well-tuned large runs on H100 report roughly 0.35–0.5 (Llama 3 405B: 0.38–0.43); 0.3 is common on smaller "
+            "or communication-bound runs.") in q["explanation"]
+    torchtitan = next(r for r in published.RUNS if r.name == "Llama 3 8B, 64 A100 (FSDP)")
+    assert "(MFU 58.2 %)" in torchtitan.source and "torchtitan's Llama 3 8B on 64 A100s: 0.58" in q["explanation"]
+    mfu = 6 * 7e9 * 1e5 / (8 * peak)
+    assert 0.5 < mfu < 0.582 and mfu == pytest.approx(q["answer"], abs=q["tolerance"])
+    assert f"{mfu:.2f} is above what the largest runs report" in q["explanation"]
+
+
+def test_fp8_tensor_cores_from_ada_on():
+    """FP8 tensor cores came with Ada (the L4, in the course's GPU table) and Hopper (the H100), not the H100 alone."""
+    from gpucourse import tensor_cores
+
+    for gpu in (get_gpu("l4"), get_gpu("h100")):  # the datasheets: FP8 twice BF16, dense
+        assert gpu.peak_flops("fp8") == pytest.approx(2 * gpu.peak_flops("bf16"), rel=0.01)
+    said = "**FP8** (Ada and Hopper GPUs and later: the L4, the H100"
+    assert f"- {said} and their successors): two 8-bit formats, next cell." in prose("07_memory_batch")
+    assert said in " ".join(tensor_cores.__doc__.split())
+    assert "FP8** (H100 and later)" not in prose("07_memory_batch") + tensor_cores.__doc__
 
 
 # --- tools: a distributed checkpoint's files, torchrun's environment ------------------------------------------
@@ -228,6 +406,48 @@ def test_what_to_predict_tensor_parallel_traffic_from():
     assert "16 * mc.n_layer * cfg.batch_size * cfg.seq_len * mc.n_embd * cfg.tp" in markdown("05_tensor_parallelism",
                                                                                              "code")
     assert "tp_bytes_formula(cfg) / degree" in markdown("05_tensor_parallelism", "code")
+
+
+def test_what_context_parallel_attention_puts_on_the_wire():
+    """Notebook 12's Change cell: the payload rank 0 counts per layer (its own formula, in blocks of B · (T/cp) · C),
+    and what leaves the rank — a collective keeps the rank's own share (comm.RING_FACTOR), a ring hop leaves whole.
+    At cp = 2 the payloads are equal and the wire is not; a run counts both."""
+    code = markdown("12_sequence_context_parallel", "code")
+    line = next(line for line in code.splitlines() if line.startswith("BLOCKS_PER_LAYER = "))
+    namespace: dict = {}
+    exec(line, namespace)
+    payload = namespace["BLOCKS_PER_LAYER"]
+    by_op = {"allgather": {"all_gather": lambda cp: 2 * cp, "reduce_scatter": lambda cp: 2 * cp},
+             "ring": {"send": lambda cp: 6 * cp - 4}, "ulysses": {"all_to_all": lambda cp: 8}}
+    wire = {algo: (lambda cp, ops=ops: sum(n(cp) * RING_FACTOR[op](cp) for op, n in ops.items()))
+            for algo, ops in by_op.items()}
+    for cp in (2, 3, 4, 8):
+        for algo, ops in by_op.items():
+            assert sum(n(cp) for n in ops.values()) == payload[algo](cp)
+        assert wire["allgather"](cp) == pytest.approx(4 * (cp - 1))
+        assert wire["ulysses"](cp) == pytest.approx(8 * (cp - 1) / cp)
+        assert wire["ring"](cp) == payload["ring"](cp) == 6 * cp - 4
+    assert {algo: f(2) for algo, f in payload.items()} == {"allgather": 8, "ring": 8, "ulysses": 8}
+    assert {algo: f(2) for algo, f in wire.items()} == {"allgather": 4, "ring": 8, "ulysses": 4}
+    # A step of the notebook's runs (T = 64, cp = 2, 4 layers): rank 0's payload and what it sent, in KiB.
+    KiB = 2**10
+    for algo in ("allgather", "ring", "ulysses"):
+        cfg = TrainConfig(cp=2, cp_algo=algo, seq_len=64, steps=1)
+        mc = cfg.model_config()
+        block = cfg.batch_size * (cfg.seq_len // cfg.cp) * mc.n_embd * 4
+        assert block == 64 * KiB and mc.n_layer == 4
+        result = run(cfg, timeout=120, quiet=True)
+        counted = [(c["bytes"], c["bus_bytes"]) for c in result.comm
+                   if c["rank"] == 0 and c["step"] == 0 and c["bytes"] and c["op"] != "all_reduce"]
+        assert sum(b for b, _ in counted) == payload[algo](2) * block * mc.n_layer == 2048 * KiB, algo
+        assert sum(s for _, s in counted) == wire[algo](2) * block * mc.n_layer, algo
+        assert sum(s for _, s in counted) == {"allgather": 1024, "ring": 2048, "ulysses": 1024}[algo] * KiB
+    text = prose("12_sequence_context_parallel")
+    assert "each algorithm's payload is 8 blocks a layer: 2,048 KiB a step" in text
+    assert "each algorithm moves 8 blocks" not in text
+    assert ("What goes on the wire (the `sent` column) differs: a collective's payload includes the rank's own share, "
+            "which stays put, so the all-gather sends 4·(cp − 1) blocks a layer and Ulysses 8·(cp − 1)/cp, 4 each at "
+            "cp = 2 (1,024 KiB a step), while every ring hop leaves whole: 8 blocks at cp = 2 (2,048 KiB).") in text
 
 
 def test_a_prediction_is_printed_beside_the_formula_and_the_run(capsys):

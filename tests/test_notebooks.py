@@ -215,7 +215,8 @@ def test_what_to_predict_context_parallel_traffic_from():
     assert set(per_layer.values()) == {8} and 8 * block * mc.n_layer == 2048 * 2**10
     text = _prose("12_sequence_context_parallel")
     assert "8 · 32 · 64 · 4 bytes = 64 KiB" in text and "8 blocks a layer: 2,048 KiB a step" in text
-    assert "moves 4·cp blocks" in text and "the **ring** 6·cp − 4" in text and "**Ulysses** 8" in text
+    assert "the payload of the **all-gather** is 4·cp blocks" in text and "of the **ring** 6·cp − 4" in text
+    assert "of **Ulysses** 8" in text and "each algorithm's payload is 8 blocks a layer" in text
     code = "\n".join(c.source for c in nbformat.read(lab.NOTEBOOKS / "12_sequence_context_parallel.ipynb",
                                                        as_version=4).cells if c.cell_type == "code")
     assert '"allgather": lambda cp: 4 * cp, "ring": lambda cp: 6 * cp - 4, "ulysses": lambda cp: 8' in code

@@ -16,8 +16,9 @@ microbatch. Two ideas shrink the bubble further:
   (which the previous stage waits for), and W, the gradient of its *weights*
   (which nobody waits for until the optimizer step). Run B as soon as
   possible and put each W where a stage would otherwise idle: ZB-H1 keeps
-  1F1B's activation memory and cuts its bubble to about a third when F, B and
-  W cost the same.
+  1F1B's count of microbatches awaiting their B and cuts its bubble to about a
+  third when F, B and W cost the same. A microbatch's activations stay until
+  its W, so here rank s holds up to 2p − 1 − s of them, not 1F1B's p − s.
 
 Here a schedule is still one list of ops per rank; an op names its chunk
 (``Op(F, i, chunk)``), and a :class:`Layout` says where each virtual stage
