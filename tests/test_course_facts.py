@@ -18,6 +18,7 @@ from gpucourse.comm import RING_FACTOR
 from gpucourse.gpus import get_gpu
 from gpucourse.parallel import schedules, schedules_virtual
 from procs import BIN, REPO, clean_env, free_port
+from schedule_peaks import awaiting_b
 
 BY_ID = {q["id"]: q for q in quiz.load_bank()}
 MiB = 2**20
@@ -141,18 +142,6 @@ def test_interleaved_m_rule_of_megatron_lm_megatron_core_and_this_runtime():
     assert "which this course's runtime follows" in q["explanation"] and 8 % 4 == 0
     assert ("takes a shorter last group as long as it holds at least p microbatches (its own example: p = 2, groups "
             "of 3, m = 5)") in q["explanation"]
-
-
-def awaiting_b(sim: schedules.Simulation) -> list[int]:
-    """Per rank, the most microbatches forwarded whose B (input gradient) has not run yet."""
-    peaks = []
-    for row in sim.timeline:
-        held = peak = 0
-        for op, _, _ in row:
-            held += (op.kind == schedules.F) - (op.kind == schedules.B)
-            peak = max(peak, held)
-        peaks.append(peak)
-    return peaks
 
 
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 4), (4, 8), (4, 16), (8, 16), (8, 32), (16, 64)])

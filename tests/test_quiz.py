@@ -30,6 +30,7 @@ from gpucourse.parallel.precision import DynamicLossScaler
 from gpucourse.profiling import time_shares
 from gpucourse.quiz import bank as bank_module
 from procs import REPO, clean_env
+from schedule_peaks import awaiting_b
 
 BANK = quiz.load_bank()
 BY_ID = {q["id"]: q for q in BANK}
@@ -969,18 +970,6 @@ def sends_per_microbatch(ops, m: int, kind: str = schedules.SEND_F) -> float:
     return sum(op.kind == kind for row in ops for op in row) / m
 
 
-def awaiting_b_peak(sim: schedules.Simulation) -> list[int]:
-    """Per rank, the most microbatches forwarded whose B (input gradient) has not run yet."""
-    peaks = []
-    for row in sim.timeline:
-        held = peak = 0
-        for op, _, _ in row:
-            held += (op.kind == schedules.F) - (op.kind == schedules.B)
-            peak = max(peak, held)
-        peaks.append(peak)
-    return peaks
-
-
 def test_pipeline_schedule_figures():
     # pipe-interleave-why: p=4, m=16: 1F1B 3/16 of compute; interleaved v=4 3/64 ≈ 4.7% (3/67 of the total time);
     # not (p−1)/(v²·m) = 3/256 ≈ 1.2% nor (v·p−1)/(v·m) = 15/64 ≈ 23%.
@@ -1040,7 +1029,7 @@ def test_pipeline_schedule_figures():
     assert zb.bubble_fraction == pytest.approx(7 / 55) and round(100 * 7 / 55, 1) == 12.7
     assert round(100 * 7 / 16) == 44 and round(100 * 7 / 48, 1) == 14.6 and round(100 * 7 / 48) == 15
     assert 21 * 2 / 3 == 14 and 14 / 48 == 7 / 24 and round(100 * 7 / 24) == 29 and round(100 * 7 / 32) == 22
-    assert awaiting_b_peak(zb) == one.peak_in_flight == [8 - s for s in range(8)]  # 1F1B's p − s
+    assert awaiting_b(zb) == one.peak_in_flight == [8 - s for s in range(8)]  # 1F1B's p − s
 
     # pipe-zbh1-step-time: p=4, m=8, 10 ms each: 1F1B 330 ms, ZB-H1 270 ms; 240 no bubble, 300 a third less, 285 half.
     one, zb = one_f_one_b(4, 8, 10, 20), zb_h1(4, 8, 10)
@@ -1108,7 +1097,7 @@ def test_pipeline_schedule_figures():
     assert [sends_per_microbatch(schedules_virtual.build("interleaved-1f1b", 8, 16, v)[0], 16) for v in (2, 4)] == [15, 31]
     assert interleaved(8, 16, 2).peak_in_flight[0] / 2 / 8 == 1.4375 and round(1.4375, 2) == 1.44
     assert interleaved(8, 16, 4).peak_in_flight[0] / 4 / 8 == 1.21875 and round(1.21875, 2) == 1.22
-    assert awaiting_b_peak(zb) == one_f_one_b(8, 16).peak_in_flight
+    assert awaiting_b(zb) == one_f_one_b(8, 16).peak_in_flight
     assert zb.peak_in_flight[0] == 2 * 8 - 1 == 15 and 15 / one_f_one_b(8, 16).peak_in_flight[0] == 1.875 <= 2
     async_1f1b = schedules_virtual.simulate(schedules.one_f_one_b(8, 16), schedules_virtual.Layout(8), 16, 1.0, 2.0,
                                             0.0, 0.5)
