@@ -84,11 +84,10 @@ FAULT_ENV = "GPUCOURSE_FAULT"
 META = "meta.json"
 LATEST = "latest"
 # Config fields a resumed run may change: they say how long and where it runs, not what it computes,
-RUN_OPTIONS = ("steps", "device", "record", "profile", "save", "save_every", "resume")
+RUN_OPTIONS = ("steps", "device", "record", "profile", "memory_snapshot", "straggler", "save", "save_every", "resume")
 # ...and how the same computation is laid out on ranks: every layout equals one device.
-LAYOUT_OPTIONS = ("dp", "tp", "pp", "cp", "zero", "impl", "schedule", "microbatches", "grad_accum", "bucket_mb",
-                  "checkpoint_activations", "sequence_parallel", "cp_algo",
-                  "zigzag")
+LAYOUT_OPTIONS = ("dp", "tp", "pp", "cp", "zero", "impl", "schedule", "virtual_stages", "microbatches", "grad_accum",
+                  "bucket_mb", "checkpoint_activations", "sequence_parallel", "cp_algo", "zigzag")
 FORMAT = 2  # 2: state under single-device names, whatever the layout (1: each layout its own)
 _NAME = re.compile(r"step-(\d{6,})")
 

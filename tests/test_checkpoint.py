@@ -107,6 +107,26 @@ def test_resume_at_another_layout_equals_the_uninterrupted_run(tmp_path, tmp_pat
         assert (weights[name] - w).abs().max().item() <= 5e-5, name
 
 
+def test_resume_with_other_chunks_a_rank_a_straggler_or_a_snapshot_folder(tmp_path, monkeypatch):
+    """virtual_stages is part of the layout (the interleaved schedule's chunks a rank), a straggler and a memory
+    snapshot belong to the run: none of them refuses a resume, and a resume at other chunks continues the run."""
+    from gpucourse.checkpoint import find_resume
+
+    eight = dict(overrides={"n_layer": 8}, pp=2, microbatches=2, schedule="interleaved-1f1b")
+    full, full_weights = _run(tmp_path, "full", steps=12, virtual_stages=2, **eight)
+    folder = tmp_path / "ckpt"
+    _run(tmp_path, "first", steps=6, save=str(folder), virtual_stages=2, **eight)
+    for other in (dict(virtual_stages=4), dict(straggler="1:5"), dict(memory_snapshot=str(tmp_path / "snap"))):
+        assert find_resume(TrainConfig(**BASE, steps=12, resume=str(folder), **{**eight, "virtual_stages": 2,
+                                                                                 **other}))
+    resumed, weights = _run(tmp_path, "resumed", steps=12, resume=str(folder), virtual_stages=4, **eight)
+    assert resumed.start_step == 6
+    for i, (a, b) in enumerate(zip(resumed.losses, full.losses[6:])):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {6 + i}: loss {a} at 4 chunks a rank vs {b} at 2"
+    for name, w in full_weights.items():
+        assert (weights[name] - w).abs().max().item() <= 5e-5, name
+
+
 def _tensor_shapes(path) -> dict:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
