@@ -11,6 +11,7 @@ import pytest
 
 from gpucourse import cli, progress, quiz
 from gpucourse.quiz import bank as quiz_bank
+from gpucourse.quiz.exam import EXAM_WEIGHTS
 from gpucourse.quiz import review
 
 WRITES = 50
@@ -140,16 +141,21 @@ def test_mastery_per_topic_from_a_progress_file(progress_file, capsys):
     })
     m = progress.summary()["mastery"]
     assert m["topics"]["distributed-setups"] == {"mastered": 2, "answered": 3, "total": size["distributed-setups"],
-                                                 "score": 2 / size["distributed-setups"]}
+                                                 "score": 2 / size["distributed-setups"], "weight": 0.25}
     assert m["topics"]["parallelism"]["mastered"] == 0 and m["topics"]["parallelism"]["answered"] == 2
     assert m["topics"]["profiling-troubleshooting"] == {"mastered": 0, "answered": 0,
-                                                        "total": size["profiling-troubleshooting"], "score": 0.0}
+                                                        "total": size["profiling-troubleshooting"], "score": 0.0,
+                                                        "weight": 0.25}
+    # Weighed as the mock exam weighs its topics (a quarter each): what a drawn exam would expect.
+    assert m["weighted"] == pytest.approx(sum(EXAM_WEIGHTS[t] * m["topics"][t]["score"] for t in EXAM_WEIGHTS))
+    assert m["weighted"] == pytest.approx((2 / size["distributed-setups"] + 1 / size["memory-batch"]) / 4)
     assert m["weakest"][:2] == ["parallelism", "profiling-troubleshooting"] and m["answered"] == 6
     assert m["revisit"] == [{"notebook": "02_data_parallelism", "section": None, "missed": 2},
                             {"notebook": "01_collectives", "section": None, "missed": 1}]
     assert m["due"] == 3  # due at session 4 or before: the next is session 4
     text = progress.format_summary()
     assert "mastery by exam topic" in text and "weakest: parallelism (0%), profiling-troubleshooting (0%)" in text
+    assert "weighed as the exam" in text and f"{100 * m['weighted']:.1f}%" in text and "25% of a mock exam" in text
     assert "revisit: notebook 02_data_parallelism (2 missed), notebook 01_collectives (1 missed)" in text
     assert "due for review: 3 questions" in text
     assert cli.main(["progress", "--json"]) == 0
@@ -207,6 +213,13 @@ def test_review_draws_only_due_questions_in_a_seeded_order(progress_file):
                                                                            ["par-dp-buckets", "par-dp-average"])
     q = review.draw(record, seed=11)[0]
     assert q == quiz_bank.shuffled(next(b for b in quiz.load_bank() if b["id"] == q["id"]), 11)
+    # The weakest topic's due questions come first (distributed-setups: none of its questions mastered), whatever
+    # the seed.
+    weakest = review.mastery(record)["weakest"]
+    for s in range(11, 16):
+        topics = [q["topic"] for q in review.draw(record, seed=s)]
+        assert topics == sorted(topics, key=weakest.index) and topics[0] == weakest[0] == "distributed-setups"
+    assert review.draw(record, seed=3, count=1)[0]["id"] == "setup-ring-phases"
 
 
 def test_quiz_review_from_the_command_line(progress_file, capsys, monkeypatch):

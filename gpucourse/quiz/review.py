@@ -21,6 +21,7 @@ from __future__ import annotations
 import random
 
 from .bank import NOTEBOOKS, TOPICS, load_bank, shuffled
+from .exam import EXAM_WEIGHTS
 
 INTERVALS = (1, 2, 4, 8, 16)  # sessions a question in box 1, 2, 3, 4, 5 waits before it comes back
 
@@ -55,7 +56,8 @@ def due(record: dict, topic: str | None = None) -> list[str]:
 
 
 def draw(record: dict, topic: str | None = None, count: int | None = None, seed: int | None = None) -> list[dict]:
-    """The questions due for review (at most ``count``), in an order drawn from ``seed``, choices shuffled.
+    """The questions due for review (at most ``count``), the weakest topic's first (:func:`mastery`'s order), each
+    topic's in an order drawn from ``seed``, choices shuffled.
 
     ValueError (one sentence) when nothing has been answered yet. An empty list means nothing is due now.
     """
@@ -65,8 +67,10 @@ def draw(record: dict, topic: str | None = None, count: int | None = None, seed:
     if count is not None and count < 1:
         raise ValueError(f"count={count} must be at least 1.")
     ids = due(record, topic)
-    ids = random.Random(seed).sample(ids, len(ids))[:count]
+    ids = random.Random(seed).sample(ids, len(ids))
     bank = {q["id"]: q for q in load_bank(topic)}
+    order = {t: i for i, t in enumerate(mastery(record)["weakest"])}
+    ids = sorted(ids, key=lambda qid: order.get(bank[qid]["topic"], len(order)))[:count]  # stable: seeded within
     return [shuffled(bank[qid], seed) for qid in ids]
 
 
@@ -85,10 +89,12 @@ def nothing_due(record: dict, topic: str | None = None) -> str:
 def mastery(record: dict) -> dict:
     """Per topic and overall: which of the bank's questions you answered, and got right on your last try.
 
-    ``{"topics": {topic: {"mastered", "answered", "total", "score"}}, "weakest": [topics, weakest first, below
-    full mastery], "revisit": [{"notebook", "section", "missed"}], "due", "answered"}``; ``revisit`` lists where
-    the questions whose last answer was wrong are taught, most missed first (``section`` is None when the bank
-    records none).
+    ``{"topics": {topic: {"mastered", "answered", "total", "score", "weight"}}, "weighted", "weakest": [topics,
+    weakest first, below full mastery], "revisit": [{"notebook", "section", "missed"}], "due", "answered"}``;
+    ``weight`` is the topic's share of a mock exam (:data:`gpucourse.quiz.exam.EXAM_WEIGHTS`) and ``weighted`` the
+    topics' scores weighed so, what a mock exam drawn from the bank would expect you to score; ``revisit`` lists
+    where the questions whose last answer was wrong are taught, most missed first (``section`` is None when the
+    bank records none).
     """
     filed = record.get("questions", {})
     topics = {t: {"mastered": 0, "answered": 0, "total": 0} for t in TOPICS}
@@ -103,12 +109,17 @@ def mastery(record: dict) -> dict:
             if not state["last_right"]:
                 place = (q["notebook"], q.get("section"))
                 places[place] = places.get(place, 0) + 1
-    for t in topics.values():
+    for name, t in topics.items():
         t["score"] = t["mastered"] / t["total"] if t["total"] else 0.0
-    weakest = sorted((t for t in TOPICS if topics[t]["score"] < 1), key=lambda t: (topics[t]["score"], t))
+        t["weight"] = EXAM_WEIGHTS.get(name, 0.0)
+    weights = sum(t["weight"] for t in topics.values())
+    weighted = sum(t["weight"] * t["score"] for t in topics.values()) / weights if weights else 0.0
+    # Weakest first, a topic the exam weighs more before one it weighs less at the same score.
+    weakest = sorted((t for t in TOPICS if topics[t]["score"] < 1),
+                     key=lambda t: (topics[t]["score"], -topics[t]["weight"], t))
     revisit = [{"notebook": nb, "section": sec, "missed": n}
                for (nb, sec), n in sorted(places.items(), key=lambda kv: (-kv[1], NOTEBOOKS.index(kv[0][0])))]
-    return {"topics": topics, "weakest": weakest, "revisit": revisit, "due": len(due(record)),
+    return {"topics": topics, "weighted": weighted, "weakest": weakest, "revisit": revisit, "due": len(due(record)),
             "answered": sum(t["answered"] for t in topics.values())}
 
 
@@ -120,7 +131,8 @@ def format_mastery(m: dict) -> list[str]:
     lines = ["mastery by exam topic (questions whose last answer was right, of the bank's):"]
     for topic, t in m["topics"].items():
         lines.append(f"  {topic:<{width}}  {t['mastered']:>3}/{t['total']:<3} {100 * t['score']:5.1f}%  "
-                     f"({t['answered']} answered)")
+                     f"({t['answered']} answered; {100 * t['weight']:.0f}% of a mock exam)")
+    lines.append(f"  {'weighed as the exam':<{width}}  {100 * m['weighted']:13.1f}%")
     if m["weakest"]:
         shown = m["weakest"][:2]
         lines.append("weakest: " + ", ".join(f"{t} ({100 * m['topics'][t]['score']:.0f}%)" for t in shown)
