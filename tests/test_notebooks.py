@@ -214,24 +214,29 @@ def test_what_to_predict_context_parallel_traffic_from():
     per_layer = {"allgather": 4 * 2, "ring": 6 * 2 - 4, "ulysses": 8}
     assert set(per_layer.values()) == {8} and 8 * block * mc.n_layer == 2048 * 2**10
     text = _prose("12_sequence_context_parallel")
-    assert "8 · 32 · 64 · 4 bytes = 64 KiB" in text and "8 blocks a layer: 2,048 KiB a step" in text
-    assert "the payload of the **all-gather** is 4·cp blocks" in text and "of the **ring** 6·cp − 4" in text
-    assert "of **Ulysses** 8" in text and "each algorithm's payload is 8 blocks a layer" in text
+    assert "B · (T/cp) · C fp32 numbers, B = 8 sequences, C = 64 channels" in text
+    assert "*payload* of the **all-gather** is 4·cp blocks" in text and "of the **ring** 6·cp − 4" in text
+    assert "of **Ulysses** 8" in text and "how many KiB rank 0 *sends* for attention" in text
+    assert "2,048 KiB" not in text and "1,024 KiB" not in text  # no default's answer in the prompt
     code = "\n".join(c.source for c in nbformat.read(lab.NOTEBOOKS / "12_sequence_context_parallel.ipynb",
                                                        as_version=4).cells if c.cell_type == "code")
     assert '"allgather": lambda cp: 4 * cp, "ring": lambda cp: 6 * cp - 4, "ulysses": lambda cp: 8' in code
 
 
 def test_what_to_predict_the_all_to_all_from():
+    """13 asks for what the all-to-alls send (the payload less what each rank keeps, (ep - 1)/ep of it), which moves
+    with ep, and does not give the default's answer."""
     from gpucourse import TrainConfig
+    from gpucourse.comm import RING_FACTOR
     from gpucourse.memory import all_to_all_bytes
 
     cfg = TrainConfig(dp=4, ep=2, moe_experts=4, seq_len=64)
     mc = cfg.model_config()
     assert (cfg.batch_size, mc.n_embd, mc.n_layer, mc.moe_top_k) == (8, 64, 4, 2)
-    stated = 4 * (4 * 4 * 8 + 4 * 8 * 64 * 2 * 64 * 4)
-    assert all_to_all_bytes(cfg) == stated and f"{stated / 2**10:,.1f}" == "4,096.5"
-    assert all_to_all_bytes(TrainConfig(dp=4, ep=1, moe_experts=4, seq_len=64)) == 0
+    sent = {ep: all_to_all_bytes(TrainConfig(dp=4, ep=ep, moe_experts=4, seq_len=64)) * RING_FACTOR["all_to_all"](ep)
+            for ep in (1, 2, 4)}
+    assert sent[1] == 0 and sent[2] < sent[4] and sent[4] == 1.5 * sent[2]  # 1/2 against 3/4 of the same payload
     text = _prose("13_mixture_of_experts")
-    assert "4 · (4 · 4 · 8 bytes + 4 · 8 · 64 · 2 · 64 · 4 bytes) = 4,096.5 KiB" in text
-    assert "with ep = 1 nothing travels" in text
+    assert "what goes on the wire, not the rows a rank keeps for its own experts" in text
+    assert "a rank keeps the 1/ep share its own experts take and sends the rest" in text
+    assert f"{sent[2] / 2**10:,.1f}" not in text and f"{sent[2] / 2**10:,.0f}" not in text  # no default's answer
