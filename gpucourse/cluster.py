@@ -286,7 +286,7 @@ class Cluster:
         (``nvls_efficiency``) whatever the group's size — NCCL's latency for it is 25 µs. None where there is no
         NVLS: a GPU without it, a group across servers (NCCL's NVLS-tree, not modeled), fewer than 3 GPUs."""
         g = self.gpu
-        if not g.nvls_efficiency or len(ranks) < 3 or len(self._per_node(ranks)) > 1:
+        if not g.nvls_efficiency or len(ranks) < 3 or self.servers(ranks) > 1:
             return None
         return NVLS_LATENCY_S + nbytes / (g.intra_node_GBps * 1e9 * g.nvls_efficiency)
 
@@ -294,6 +294,10 @@ class Cluster:
     def _intra_link(self) -> str:
         """What joins the GPUs of one server: NVLink, or PCIe where the GPU has none."""
         return "NVLink" if self.gpu.intra_node_GBps >= 100 else "PCIe"
+
+    def servers(self, ranks) -> int:
+        """How many servers ``ranks`` span."""
+        return len(self._per_node(ranks))
 
     def _per_node(self, ranks) -> dict[int, int]:
         """How many of ``ranks`` each server holds."""

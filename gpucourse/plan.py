@@ -423,7 +423,7 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
             # They go block by block (FSDP's units), so each pays a ring's latency: at thousands of ranks that adds up.
             collectives = (4 if cfg.checkpoint_activations else 3) * blocks
             per_micro = collectives * cost("all_gather", shard / blocks, replicas)
-            if overlap.one_card and len(cluster._per_node(replicas)) > 1:
+            if overlap.one_card and cluster.servers(replicas) > 1:
                 card = cluster.gpu.inter_node_GBps * 1e9 * cluster.gpu.bus_efficiency
                 n = len(replicas)
                 per_micro = collectives * ((n - 1) / n * shard / blocks / card + cluster.ring_latency_s(replicas))
@@ -441,8 +441,9 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
     if experts and cfg.dp > cfg.ep:
         expert_replicas = range(0, cfg.dp * cfg.cp * cfg.tp, cfg.ep * cfg.cp * cfg.tp)
         extra = cost("all_reduce", experts / (cfg.tp * cfg.pp * cfg.ep) * elem, expert_replicas)
+        left = max(0.0, window - dp_comm)  # backward still running once the other gradients are reduced
         dp_comm += extra
-        exposed_dp += max(0.0, extra - max(0.0, window - dp_comm + extra))
+        exposed_dp += max(0.0, extra - left)
     exposed_dp = min(exposed_dp, dp_comm)
     # Adam updates what the rank holds: its 1/(tp·pp) of the weights (experts also 1/ep), 1/(dp·cp) of that with ZeRO.
     all_experts = shape.expert_params()

@@ -2,14 +2,13 @@
 they measured.
 
 Each :class:`Published` names its source, the layout (on paper: :func:`gpucourse.plan.step_time` times it
-with the same :class:`~gpucourse.cluster.Cluster` that replays recorded runs), the figure the source
-reports, and how to turn the model's step time into that figure. :func:`compare` predicts every one;
-``docs/modeled-timing.md`` prints the table and ``tests/test_published.py`` holds the model to it:
-within 20 % where compute rules, 30 % where communication does.
-
-The two free numbers per GPU, ``achievable`` (the share of peak a training step reaches) and
-``bus_efficiency`` (the share of a link NCCL's ring reaches), are in :mod:`gpucourse.gpus`; they are set
-once per GPU for all of these runs, not per run.
+with the same :class:`~gpucourse.cluster.Cluster` that replays recorded runs), the framework whose overlap it
+ran with, the figure the source reports, how to turn the model's step time into that figure, and the set it
+belongs to. The table was split into a fitting and a held-out set before any constant was tuned: :func:`fit`
+tunes a GPU's fitted constants (:data:`FITTED`) on its fitting runs alone; :func:`compare` predicts every run,
+:func:`errors` gives the figures ``gpucourse bench`` reports, and ``tests/test_published.py`` holds the model to
+15 % on the fitting set and 25 % on the held-out one. :func:`agreement` asks the planner to rank the layouts the
+sources chose. ``docs/modeled-timing.md`` prints both tables.
 """
 
 from __future__ import annotations

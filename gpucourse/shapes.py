@@ -120,14 +120,14 @@ class Shape:
         """Every routed expert's parameters, over all MoE blocks (what expert parallelism splits)."""
         return self.moe_layers * self.experts * self._mlp_params(self.expert_width)
 
-    def stage_params(self, pp: int, stage: int, tp: int = 1, ep: int = 1, first_blocks=None) -> tuple[float, float]:
+    def stage_params(self, pp: int, stage: int, tp: int = 1, ep: int = 1) -> tuple[float, float]:
         """(all, of which routed experts) parameters one rank holds on pipeline stage ``stage`` of ``pp``: its
         blocks' 1/tp (experts also 1/ep; replicated K/V heads whole), the embedding on the first stage, the head and
-        final norm on the last. ``first_blocks``: the stage's block indices (default: an even split, earlier
-        stages one more)."""
+        final norm on the last. The blocks split as the runtime splits them (``parallel.pipeline.stage_blocks``,
+        which imports torch: an even split, earlier stages one more)."""
         per, extra = divmod(self.layers, pp)
         start = stage * per + min(stage, extra)
-        ids = first_blocks if first_blocks is not None else range(start, start + per + (stage < extra))
+        ids = range(start, start + per + (stage < extra))
         C, d = self.hidden, self.head_dim
         attention = 2 * C * self.heads * d / tp + 2 * C * d * self.kv_heads_per_rank(tp)
         total = experts = 0.0
