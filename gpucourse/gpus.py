@@ -79,6 +79,12 @@ class GPUSpec:
     nvls_efficiency: float = 0.0
     gemm_fp8_efficiency: float = 0.0  # the best large fp8 GEMM over the fp8 peak (0: as gemm_efficiency)
 
+    def usable_bytes(self) -> float:
+        """The memory a training run may fill: the card's ``memory_gb`` counted as GiB, as its HBM stacks are and
+        nvidia-smi shows them (an "80 GB" H100 reports 81559 MiB, 79.6 GiB), less ``RESERVED_BYTES`` for what is
+        not the run's tensors."""
+        return self.memory_gb * 2**30 - RESERVED_BYTES
+
     def peak_flops(self, precision: str = "bf16") -> float:
         """Peak FLOP/s for a run in ``precision``: fp32 uses the fp32 figure, fp8 the fp8 one, else bf16's."""
         if precision in ("fp32", "float32"):
@@ -89,6 +95,10 @@ class GPUSpec:
 
 
 T = 1e12
+# What a run cannot have of its GPU's memory, an allowance rather than a measurement: what the driver keeps (an
+# "80 GB" H100 shows 79.6 of its 80 GiB), the CUDA context (several hundred MiB), cuBLAS's workspaces, NCCL's
+# buffers for each communicator and the caching allocator's fragmentation.
+RESERVED_BYTES = 2 * 2**30
 
 # The built-in table; :func:`gpus` adds the user's file on top. Sources, dense figures (the datasheets print
 # tensor-core FLOP/s "with sparsity", twice the dense ones):

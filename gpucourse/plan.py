@@ -74,21 +74,23 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(shape: Shape, gpus: int, gpus_per_node: int, batch_size: int, seq_len: int, precision: str,
-               sequence_parallel: bool = False, zero_stages=(0, 1, 2, 3)):
+               sequence_parallel: bool = False, zero_stages=(0, 1, 2, 3), even_split: bool = False):
     """Every layout worth sizing, as TrainConfigs (not necessarily runnable in this build). ``shape``: anything
     :func:`gpucourse.shapes.get_shape` takes. ``sequence_parallel``: with tensor parallelism, always (as
-    Megatron-Core runs it); else only from ``LONG_SEQUENCE`` on."""
+    Megatron-Core runs it); else only from ``LONG_SEQUENCE`` on. ``even_split``: only pipelines whose stages (and
+    interleaved chunks) hold equal blocks, interleaving only past two stages (:attr:`Overlap.even_split`)."""
     shape = get_shape(shape)
     long = seq_len >= LONG_SEQUENCE
     for tp in _divisors(gpus):
-        if tp > gpus_per_node or shape.heads % tp or (shape.kv % tp and tp % shape.kv):
+        # A tensor-parallel group stays in one server (its all-reduces are every block's): tp divides a server.
+        if gpus_per_node % tp or shape.heads % tp or (shape.kv % tp and tp % shape.kv):
             continue
         for cp in _divisors(gpus // tp) if long else [1]:
             if seq_len % (2 * cp) and cp > 1:
                 continue
             for pp in _divisors(gpus // (tp * cp)):
                 dp = gpus // (tp * cp * pp)
-                if pp > shape.layers or batch_size % dp:
+                if pp > shape.layers or batch_size % dp or even_split and shape.layers % pp:
                     continue
                 # One sequence per microbatch on a pipeline keeps its bubble small.
                 micro = batch_size // dp if pp > 1 else 1
@@ -99,8 +101,9 @@ def candidates(shape: Shape, gpus: int, gpus_per_node: int, batch_size: int, seq
                     if zero and dp * cp == 1 or zero == 3 and ep > 1:
                         continue
                     # A pipeline also tries the interleaved schedule with 2, 4 or 8 chunks a rank, where the blocks go.
-                    schedules = [("1f1b", 2)] + [("interleaved-1f1b", v) for v in (2, 4, 8)
-                                                 if pp > 1 and shape.layers >= v * pp and micro % pp == 0]
+                    chunks = [v for v in (2, 4, 8) if pp > 1 and shape.layers >= v * pp and micro % pp == 0
+                              and not (even_split and (shape.layers % (v * pp) or pp <= 2))]
+                    schedules = [("1f1b", 2)] + [("interleaved-1f1b", v) for v in chunks]
                     for (schedule, v), ckpt in ((sv, ckpt) for sv in schedules for ckpt in (False, True)):
                         yield TrainConfig(model="gpt2-small", overrides={**shape.overrides(), "block_size": seq_len},
                                           dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zigzag=cp > 1,
@@ -256,11 +259,15 @@ class Overlap:
     pp: bool = False        # pipeline sends and receives run beside compute (only the first of each way waits)
     elementwise: float = 1  # memory traffic of norms, activations and adds over one fused pass (eager: several)
     zero: tuple = (0, 1, 2, 3)  # the ZeRO stages it offers (what the planner may choose)
+    # Pipelines only of equal stages: pp divides the layers and pp·v too when interleaved, which needs more than two
+    # stages (Megatron-LM's argument checks, 2021). Others may split unevenly: the busiest stage sets the pace.
+    even_split: bool = False
 
 
 FRAMEWORKS = {o.name: o for o in (
     Overlap("megatron-2021", dp="after", prefetch=False, tp=False, cp=False, attention="unfused", pp_scatter=True,
-            zero=(0,), source="Narayanan et al. 2021 (SC21), section 4: the gradient all-reduce runs after the pipeline "
+            zero=(0,), even_split=True,
+            source="Narayanan et al. 2021 (SC21), section 4: the gradient all-reduce runs after the pipeline "
                    "flush; scatter/gather of the activations between stages; attention as two batched matmuls "
                    "and a fused softmax (no FlashAttention yet)"),
     Overlap("megatron-core", dp="backward", prefetch=True, tp=False, cp=True, attention="flash", pp_scatter=True,
@@ -379,7 +386,8 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
     local_tokens = micro_tokens / cfg.cp  # what one rank of a context-parallel group holds and sends
     # One group of each kind, as the runtime numbers ranks: rank = ((stage·dp + d)·cp + c)·tp + t.
     tp_group = range(cfg.tp)
-    cp_neighbours = (0, cfg.tp)
+    # A ring goes at its slowest hop: one that leaves the server where the group spans servers.
+    cp_neighbours = (0, cfg.tp) if cfg.cp * cfg.tp <= gpus_per_node else (0, gpus_per_node)
     stage_neighbours = (0, cfg.tp * cfg.cp * cfg.dp)
     replicas = range(0, cfg.dp * cfg.cp * cfg.tp, cfg.tp)     # the ranks that average the gradients
     ep_group = range(0, cfg.ep * cfg.cp * cfg.tp, cfg.cp * cfg.tp)
@@ -393,11 +401,12 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
     if cfg.tp > 1:  # per block and microbatch: two all-reduces forward, two backward (three with recomputation)
         passes = 6 if cfg.checkpoint_activations else 4
         tp_comm = passes * blocks * m * cost("all_reduce", local_tokens * C * elem, tp_group)
-    if cfg.pp > 1:  # each microbatch's activation forward and its gradient back
+    if cfg.pp > 1:  # each microbatch's activation forward and its gradient back, once per chunk a rank holds
+        hops = 2 * m * (cfg.virtual_stages if cfg.schedule == "interleaved-1f1b" else 1)
         split = cfg.tp if (overlap.pp_scatter or cfg.sequence_parallel) else 1
-        pp_comm = 2 * m * cost("send", local_tokens * C * elem / split, stage_neighbours)
+        pp_comm = hops * cost("send", local_tokens * C * elem / split, stage_neighbours)
         if split > 1:  # the receiving stage all-gathers the pieces over NVLink
-            pp_comm += 2 * m * cost("all_gather", local_tokens * C * elem, tp_group)
+            pp_comm += hops * cost("all_gather", local_tokens * C * elem, tp_group)
     if cfg.cp > 1:
         kv_width = 2 * shape.head_dim * shape.kv_heads_per_rank(cfg.tp)  # a rank's K and V per token
         chunk = local_tokens * kv_width * elem
@@ -491,7 +500,8 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
                               f"and later do).")
         precision = "bf16"
     for cfg in candidates(shape, gpus, gpus_per_node, batch_size, seq_len, precision,
-                          sequence_parallel=overlap.name.startswith("megatron-core"), zero_stages=overlap.zero):
+                          sequence_parallel=overlap.name.startswith("megatron-core"), zero_stages=overlap.zero,
+                          even_split=overlap.even_split):
         try:
             mem = memory_of(cfg, shape)
         except ConfigError:
@@ -501,7 +511,7 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
                "microbatches": cfg.microbatches,
                "grad_accum": cfg.grad_accum, "checkpoint_activations": cfg.checkpoint_activations,
                "memory": mem["max"], "memory_total": mem["max_total"],
-               "fits": mem["max_total"] <= spec.memory_gb * 1e9, "config": cfg.to_dict(),
+               "fits": mem["max_total"] <= spec.usable_bytes(), "config": cfg.to_dict(),
                "kv_replication": shape.kv_replication(cfg.tp),
                "memory_source": COURSE_MEMORY if shape.is_course_block else
                "from the shape's own parameters and Korthikanti et al.'s activations",

@@ -192,6 +192,56 @@ def test_tensor_and_context_parallel_overlap_hide_what_they_say():
     assert ring["cp_exposed_s"] < exposed["cp_exposed_s"] == exposed["cp_comm_s"]
 
 
+# --- where a layout runs: pipelines, rings, servers, memory ---------------------------------------------------------
+
+def test_an_interleaved_pipeline_sends_once_per_chunk_a_rank_holds():
+    """SC21 (section 2.2.2): v chunks a rank cut the bubble by v and multiply the stage-to-stage traffic by v; the
+    work a rank does is the same."""
+    base = dict(pp=4, dp=1, microbatches=8, batch_size=8)
+    one = step_time(_cfg(**base, schedule="1f1b"), int(5e9), get_gpu("h100"), 8, framework="megatron-2021")
+    two, four = (step_time(_cfg(**base, schedule="interleaved-1f1b", virtual_stages=v), int(5e9), get_gpu("h100"),
+                           8, framework="megatron-2021") for v in (2, 4))
+    assert one["pp_comm_s"] > 0 and two["pp_comm_s"] == pytest.approx(2 * one["pp_comm_s"])
+    assert four["pp_comm_s"] == pytest.approx(4 * one["pp_comm_s"])
+    assert two["compute_s"] == pytest.approx(one["compute_s"]) and four["bubble_s"] < two["bubble_s"] < one["bubble_s"]
+
+
+def test_megatron_2021_pipelines_split_the_blocks_evenly_and_tensor_parallelism_stays_in_a_server():
+    """Megatron-LM's argument checks (2021): pp divides the layers, pp·v too when interleaved, which needs more than
+    two stages. Any framework: a tp group that straddled two servers would all-reduce every block over the network."""
+    from gpucourse.plan import candidates
+
+    shape = get_shape({"layers": 60, "hidden": 9216, "heads": 96, "vocab": 51200})
+    even = list(candidates(shape, 1536, 8, 1536, 2048, "bf16", even_split=True))
+    free = list(candidates(shape, 1536, 8, 1536, 2048, "bf16"))
+    assert even and all(60 % c.pp == 0 for c in even) and any(60 % c.pp for c in free)
+    chunked = [c for c in even if c.schedule == "interleaved-1f1b"]
+    assert chunked and all(60 % (c.pp * c.virtual_stages) == 0 and c.pp > 2 for c in chunked)
+    assert {c.tp for c in free} == {1, 2, 4, 8}  # 96 heads would take 6, 12, ...: none divides a server of 8
+    assert 6 in {c.tp for c in candidates(shape, 1536, 6, 1536, 2048, "bf16")}
+    assert FRAMEWORKS["megatron-2021"].even_split and not FRAMEWORKS["megatron-core"].even_split
+
+
+def test_a_context_parallel_ring_that_spans_servers_goes_at_its_network_hop():
+    long = _cfg(cp=8, zigzag=True, batch_size=1, grad_accum=1, seq_len=65536,
+                overrides={"n_layer": 24, "n_embd": 4096, "n_head": 32, "vocab_size": 32000, "block_size": 65536})
+    inside = step_time(long, int(5e9), get_gpu("h100"), 8)
+    across = step_time(long, int(5e9), get_gpu("h100"), 4)  # the same ring over two servers of 4
+    h100 = get_gpu("h100")
+    assert across["cp_comm_s"] > 0.8 * inside["cp_comm_s"] * h100.intra_node_GBps / h100.inter_node_GBps
+
+
+def test_a_layout_fits_the_memory_nvidia_smi_shows_less_a_reserve():
+    """An "80 GB" card holds 80 GiB (nvidia-smi: 81559 MiB on an H100): 85.9e9 bytes, not 80e9."""
+    from gpucourse.gpus import RESERVED_BYTES
+
+    h100 = get_gpu("h100")
+    assert h100.usable_bytes() == 80 * 2**30 - RESERVED_BYTES > 83e9
+    result = plan(None, 64, shape="llama3-70b")
+    assert all(r["fits"] == (r["memory_total"] <= h100.usable_bytes()) for r in result["layouts"])
+    assert any(80e9 < r["memory_total"] <= h100.usable_bytes() and r["fits"] for r in result["layouts"])
+
+
 def test_explain_names_every_part_and_the_framework():
     result = plan(None, 64, shape="llama3-70b", framework="fsdp")
     row = next(r for r in result["layouts"] if r["fits"])
