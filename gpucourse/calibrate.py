@@ -17,7 +17,6 @@ import time
 import torch
 
 from .cluster import Cluster
-from .gpus import get_gpu
 from .model import MODELS
 from .shapes import Shape
 

@@ -87,7 +87,7 @@ LATEST = "latest"
 RUN_OPTIONS = ("steps", "device", "record", "profile", "memory_snapshot", "straggler", "save", "save_every", "resume")
 # ...and how the same computation is laid out on ranks: every layout equals one device.
 LAYOUT_OPTIONS = ("dp", "tp", "pp", "cp", "zero", "impl", "schedule", "virtual_stages", "microbatches", "grad_accum",
-                  "bucket_mb", "checkpoint_activations", "sequence_parallel", "cp_algo", "zigzag")
+                  "bucket_mb", "checkpoint_activations", "attention", "sequence_parallel", "cp_algo", "zigzag")
 FORMAT = 2  # 2: state under single-device names, whatever the layout (1: each layout its own)
 _NAME = re.compile(r"step-(\d{6,})")
 

@@ -66,8 +66,13 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default=d.precision, help="fp32, bf16 or fp16 (autocast unless --master-weights)")
     p.add_argument("--master-weights", action="store_true",
                    help="half-precision weights and gradients, fp32 master copy in the optimizer")
-    p.add_argument("--checkpoint-activations", action="store_true",
-                   help="recompute each block's activations in backward instead of keeping them")
+    p.add_argument("--checkpoint-activations", nargs="?", const="full", default="none",
+                   choices=("none", "selective", "full"),
+                   help="recompute activations in backward instead of keeping them: full (alone: every block's) or "
+                        "selective (attention's scores, softmax and weighted sum only)")
+    p.add_argument("--attention", default=d.attention, choices=("flash", "math"),
+                   help="flash (fused: no T × T scores kept) or math (the scores written out and kept, as before "
+                        "FlashAttention)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: keep seq_len / tp tokens per rank between sub-layers (LayerNorm, residual)")
     p.add_argument("--impl", default=d.impl,

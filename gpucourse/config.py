@@ -21,6 +21,8 @@ class ConfigError(Readable, ValueError):
 
 IMPLS = ("scratch", "torch", "accelerate")
 PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE = ("none", "selective", "full")  # what backward recomputes (checkpoint_activations)
+ATTENTION = ("flash", "math")              # how attention computes (model.GPTConfig.attention)
 
 @dataclass
 class TrainConfig:
@@ -44,7 +46,9 @@ class TrainConfig:
     grad_accum: int = 1
     precision: str = "fp32"
     master_weights: bool = False
-    checkpoint_activations: bool = False
+    # Activation recomputation: False / "none", "selective" (attention's scores, softmax, dropout and weighted sum
+    # recomputed in backward, as Megatron-LM's selective recomputation), True / "full" (every block's forward).
+    checkpoint_activations: bool | str = False
     sequence_parallel: bool = False  # with tp: activations between sub-layers cut along the sequence
     cp_algo: str = "ring"  # how context-parallel attention meets the other ranks' keys: ring, allgather, ulysses
     zigzag: bool = False  # context parallel: 2·cp chunks, rank i holding i and 2·cp-1-i (causal load balance)
@@ -63,6 +67,7 @@ class TrainConfig:
     lr: float = 3e-3
     seed: int = 0
     dropout: float = 0.0
+    attention: str = "flash"  # "flash" (fused, no scores kept) or "math" (the T × T scores kept): see model.py
     device: str = "auto"
     record: bool = True
     # A planted fault for profiling practice: "RANK:MS" slows that rank by MS milliseconds every step, as a
@@ -76,6 +81,16 @@ class TrainConfig:
     save_every: int = 0
     resume: str | None = None
     overrides: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        # One spelling each for "no recomputation" and "every block": False and True, as before there were three.
+        self.checkpoint_activations = {"none": False, "full": True}.get(self.checkpoint_activations,
+                                                                         self.checkpoint_activations)
+
+    @property
+    def recompute(self) -> str:
+        """What backward recomputes: "none", "selective" (attention's core) or "full" (every block)."""
+        return {False: "none", True: "full"}.get(self.checkpoint_activations, self.checkpoint_activations)
 
     @property
     def world_size(self) -> int:
@@ -98,7 +113,8 @@ class TrainConfig:
         moe = {name: value for name, value in (("moe_experts", self.moe_experts), ("moe_top_k", self.moe_top_k),
                                                ("moe_every", self.moe_every), ("moe_capacity", self.moe_capacity),
                                                ("moe_aux", self.moe_aux)) if value is not None}
-        return dataclasses.replace(base, **{"dropout": self.dropout, **moe, **self.overrides})
+        return dataclasses.replace(base, **{"dropout": self.dropout, "attention": self.attention, **moe,
+                                            **self.overrides})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -136,6 +152,15 @@ class TrainConfig:
             raise ConfigError(f"zero={self.zero!r} must be a ZeRO stage: 0, 1, 2 or 3.")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout={self.dropout} must be at least 0 and below 1.")
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"checkpoint_activations={self.checkpoint_activations!r} is not one of "
+                              f"{', '.join(RECOMPUTE)} (or False / True).")
+        if self.attention not in ATTENTION:
+            raise ConfigError(f"attention={self.attention!r} is not one of {', '.join(ATTENTION)}.")
+        if self.attention == "math" and self.precision != "fp32" and not self.master_weights:
+            raise ConfigError(f"attention='math' under autocast keeps its scores in whatever precision the device's "
+                              f"autocast lists give softmax (fp32 on CUDA, {self.precision} on CPU); run it in fp32 "
+                              f"or with master_weights, where the scores' precision is the weights'.")
         if self.lr <= 0:
             raise ConfigError(f"lr={self.lr} must be positive.")
         mc = self.model_config()
@@ -275,6 +300,12 @@ class TrainConfig:
         if self.dropout:
             raise ConfigError(f"dropout={self.dropout} inside context-parallel attention is not written: "
                               f"use dropout=0 with cp > 1.")
+        if self.attention != "flash":
+            raise ConfigError(f"attention={self.attention!r} is one device's kernel; with cp > 1 attention is "
+                              f"context parallelism's own ({self.cp_algo}): leave attention='flash'.")
+        if self.recompute == "selective":
+            raise ConfigError("selective recomputation with cp > 1 is not written: recomputing context-parallel "
+                              "attention would run its communication again in backward; use 'full' or none.")
         if self.impl == "torch":
             self._check_torch_context_parallel()
         elif self.impl != "scratch":
@@ -332,7 +363,7 @@ class TrainConfig:
         if self.sequence_parallel:
             raise ConfigError("a mixture of experts with sequence_parallel is not written: route whole sequences "
                               "(leave sequence_parallel off).")
-        if self.checkpoint_activations:
+        if self.recompute == "full":
             raise ConfigError("checkpoint_activations with a mixture of experts is not written: recomputing a "
                               "block would route its tokens, and count them, twice.")
         if self.precision == "fp16":

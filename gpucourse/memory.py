@@ -20,7 +20,10 @@ Four categories (bytes per rank):
   parallelism (the two LayerNorms' inputs and outputs), 48·bTC/tp sharded
   (q, k, v, attention output, MLP hidden layer before and after GELU),
   16·bT for LayerNorm statistics and 4·b·(h/tp)·T for attention's
-  log-sum-exp. With checkpointing a block keeps only its input, 4·bTC. The
+  log-sum-exp. Attention written out (``attention="math"``) keeps its softmax
+  output instead of the log-sum-exp, b·(h/tp)·T² numbers, and its causal mask,
+  T² bytes; selective recomputation drops both (and the log-sum-exp). With
+  full checkpointing a block keeps only its input, 4·bTC. The
   first stage adds the token ids; the last the final norm's and head's inputs,
   the logits and the targets. These counts are what autograd saves in
   ``gpucourse.model`` (the tests compare them with measured runs); half
@@ -178,21 +181,34 @@ def _activation_parts(cfg: TrainConfig, mc: GPTConfig, stage: int) -> tuple[floa
     in_stage = stage_blocks(mc.n_layer, cfg.pp, stage)
     blocks = len(in_stage)
     sp = tp if cfg.sequence_parallel else 1  # sequence parallelism: T/tp tokens between sub-layers
-    if cfg.checkpoint_activations:
+    heads = mc.n_head // tp
+    if cfg.recompute == "full":
         per_block = 4 * scale * b * T * C / sp
     else:
         rep, shard = _BLOCK_BYTES[regime]
         # Under sequence parallelism the LayerNorms' inputs (half of ``rep``) and statistics hold T/tp
         # tokens; their outputs, all-gathered for q, k, v and fc (which keep them), stay whole.
         rep = rep / 2 / sp + rep / 2
-        per_block = b * T * C * (rep + shard / tp) + scale * (16 * b * T / sp + 4 * b * (mc.n_head // tp) * T)
+        per_block = b * T * C * (rep + shard / tp) + scale * 16 * b * T / sp + _attention_core_bytes(cfg, b, T, heads)
         per_block += _context_attention_bytes(cfg, b, T, C / tp)
     moe_blocks = sum(mc.is_moe(i) for i in in_stage)
-    if moe_blocks and not cfg.checkpoint_activations:  # the MLP's 32 bytes per channel (fp32) become the experts'
+    if moe_blocks and cfg.recompute != "full":  # the MLP's 32 bytes per channel (fp32) become the experts'
         per_block += moe_blocks / blocks * scale * (moe_activation_bytes(mc, b, T, tp, cfg.ep) - 32 * b * T * C / tp)
     ids = 8 * b * T + 8 * T if stage == 0 else 0.0            # token ids, positions
     head = scale * (8 * b * T * C + 4 * b * T * V) + 16 * b * T + 4 if stage == _loss_stage(cfg) else 0.0
     return per_block, blocks, ids, head
+
+
+def _attention_core_bytes(cfg: TrainConfig, b: int, t: int, heads: int) -> float:
+    """What attention's core (scores to weighted sum) keeps beyond its queries, keys and values, per block: the
+    fused kernel's log-sum-exp (fp32 in every precision, 4·b·heads·t); written out, the
+    softmax's output (b·heads·t² in the weights' precision) and the causal mask (t² bytes); nothing when it is
+    recomputed (selective)."""
+    if cfg.recompute == "selective":
+        return 0.0
+    if cfg.attention == "math":
+        return (2 if _regime(cfg) == "half" else 4) * b * heads * t * t + t * t
+    return 4 * b * heads * t
 
 
 def _chunk_shares(cfg: TrainConfig, mc: GPTConfig, layout) -> list[list[float]]:
@@ -449,7 +465,7 @@ def format_estimate(est: dict) -> str:
     cfg = TrainConfig.from_dict(est["config"])
     lines = [f"model {cfg.model}: {est['num_params'] / 1e6:,.1f} M parameters; layout {cfg.layout()} "
              f"(zero {cfg.zero}, {cfg.precision}{', master weights' if cfg.master_weights else ''}"
-             f"{', checkpointed' if cfg.checkpoint_activations else ''})"]
+             f"{'' if cfg.recompute == 'none' else f', {cfg.recompute} recomputation'})"]
     header = f"  {'ranks':<10}" + "".join(f"{c:>14}" for c in CATEGORIES) + f"{'total':>14}"
     lines.append(header)
     group = cfg.world_size // cfg.pp
@@ -460,7 +476,7 @@ def format_estimate(est: dict) -> str:
                      + f"{human_bytes(sum(mem.values()), binary=True):>14}")
     mc = cfg.model_config()
     paper = korthikanti_layer_bytes(cfg.seq_len // cfg.cp, cfg.batch_size // _forwards(cfg), mc.n_embd, mc.n_head,
-                                    cfg.tp, cfg.sequence_parallel, "full" if cfg.checkpoint_activations else "none")
+                                    cfg.tp, cfg.sequence_parallel, cfg.recompute)
     lines.append(f"  Korthikanti et al.'s count for one layer at this shape (16-bit activations, per GPU): "
                  f"{human_bytes(paper, binary=True)}")
     if "moe" in est:

@@ -28,6 +28,10 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 64
     dropout: float = 0.0
+    # How attention computes: "flash", PyTorch's fused scaled_dot_product_attention (it keeps no T × T scores and
+    # recomputes them in backward); "math", the scores written out and kept for backward, as Megatron-LM ran
+    # attention before FlashAttention (what selective recomputation was made for).
+    attention: str = "flash"
     # Mixture of experts (0: a dense MLP in every block). See :class:`MoE`.
     moe_experts: int = 0       # E expert MLPs in each MoE block
     moe_top_k: int = 2         # experts each token goes to
@@ -73,6 +77,7 @@ class CausalSelfAttention(nn.Module):
         self.v = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.dropout = cfg.dropout
+        self.kernel = cfg.attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -87,6 +92,16 @@ class CausalSelfAttention(nn.Module):
         A method of its own so that a strategy can replace it for one layer
         (context parallelism attends over keys other ranks hold).
         """
+        if self.kernel == "math":
+            # The T × T scores written out: softmax keeps its output for backward, dropout its mask, and the
+            # weighted sum its (dropped-out) weights — per head, per sequence, T² numbers each.
+            T = q.size(-2)
+            future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+            scores = (q @ k.transpose(-2, -1) * self.head_dim ** -0.5).masked_fill(future, float("-inf"))
+            weights = F.softmax(scores, dim=-1)
+            if self.training and self.dropout:
+                weights = F.dropout(weights, self.dropout)
+            return weights @ v
         return F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                               dropout_p=self.dropout if self.training else 0.0)
 

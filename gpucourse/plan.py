@@ -74,11 +74,14 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(shape: Shape, gpus: int, gpus_per_node: int, batch_size: int, seq_len: int, precision: str,
-               sequence_parallel: bool = False, zero_stages=(0, 1, 2, 3), even_split: bool = False):
+               sequence_parallel: bool = False, zero_stages=(0, 1, 2, 3), even_split: bool = False,
+               attention: str = "flash"):
     """Every layout worth sizing, as TrainConfigs (not necessarily runnable in this build). ``shape``: anything
     :func:`gpucourse.shapes.get_shape` takes. ``sequence_parallel``: with tensor parallelism, always (as
     Megatron-Core runs it); else only from ``LONG_SEQUENCE`` on. ``even_split``: only pipelines whose stages (and
-    interleaved chunks) hold equal blocks, interleaving only past two stages (:attr:`Overlap.even_split`)."""
+    interleaved chunks) hold equal blocks, interleaving only past two stages (:attr:`Overlap.even_split`).
+    ``attention``: the framework's kernel as the model's ``attention`` ("math": the scores kept, which selective
+    recomputation frees, so it is tried beside none and full; a fused kernel keeps none to free)."""
     shape = get_shape(shape)
     long = seq_len >= LONG_SEQUENCE
     for tp in _divisors(gpus):
@@ -104,20 +107,23 @@ def candidates(shape: Shape, gpus: int, gpus_per_node: int, batch_size: int, seq
                     chunks = [v for v in (2, 4, 8) if pp > 1 and shape.layers >= v * pp and micro % pp == 0
                               and not (even_split and (shape.layers % (v * pp) or pp <= 2))]
                     schedules = [("1f1b", 2)] + [("interleaved-1f1b", v) for v in chunks]
-                    for (schedule, v), ckpt in ((sv, ckpt) for sv in schedules for ckpt in (False, True)):
+                    recomputes = (False, "selective", True) if attention == "math" else (False, True)
+                    for (schedule, v), ckpt in ((sv, ckpt) for sv in schedules for ckpt in recomputes):
                         yield TrainConfig(model="gpt2-small", overrides={**shape.overrides(), "block_size": seq_len},
                                           dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zigzag=cp > 1,
                                           sequence_parallel=(long or sequence_parallel) and tp > 1, zero=zero,
                                           microbatches=micro, grad_accum=grad_accum, schedule=schedule,
                                           virtual_stages=v, batch_size=batch_size, seq_len=seq_len,
                                           precision=precision, master_weights=precision != "fp32",
-                                          checkpoint_activations=ckpt)
+                                          checkpoint_activations=ckpt, attention=attention)
 
 
 def activation_bytes(cfg: TrainConfig, shape: Shape, stage: int) -> float:
     """Activations a rank of pipeline stage ``stage`` holds at its peak, for a practitioner's ``shape``: Korthikanti
     et al.'s (2022) count of what a 16-bit transformer layer saves, with FlashAttention (no T×T scores: their
-    ``5·a·s/h`` term is gone) and the shape's own widths — per token, the norms' and residual's 10·C bytes
+    ``5·a·s/h`` term is gone; with ``attention="math"`` it is back — the softmax's output, 2·a·s/h, and with
+    dropout its mask and output, 3 more — unless recomputed selectively) and the shape's own widths — per token,
+    the norms' and residual's 10·C bytes
     (÷ tp under sequence parallelism), Q, K and V (K and V only kv_heads wide), attention's output, the MLP's
     hidden values (GELU: its input and output, 4·F bytes; SwiGLU: gate, up and their product, 6·F), all ÷ tp;
     with full recomputation only each layer's input, 2·C (÷ tp under sequence parallelism). Times the
@@ -130,13 +136,15 @@ def activation_bytes(cfg: TrainConfig, shape: Shape, stage: int) -> float:
     sp = tp if cfg.sequence_parallel and tp > 1 else 1
     m = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
     tokens = cfg.batch_size / (cfg.dp * m) * cfg.seq_len / cfg.cp
-    if cfg.checkpoint_activations:
+    if cfg.recompute == "full":
         per_token = 2 * C / sp
     else:
         qkv = 2 * d * (shape.heads / tp + 2 * shape.kv_heads_per_rank(tp))
         width = shape.expert_width * shape.top_k if shape.experts else shape.width
         mlp = (6 if shape.mlp == "swiglu" else 4) * width / tp
         per_token = 10 * C / sp + qkv + 2 * C / tp + mlp
+        if cfg.attention == "math" and cfg.recompute == "none":
+            per_token += (5 if cfg.dropout else 2) * shape.heads / tp * cfg.seq_len
     blocks = len(stage_blocks(shape.layers, cfg.pp, stage))
     held = in_flight(cfg.schedule, cfg.pp, _enough(cfg), cfg.virtual_stages)[stage] if cfg.pp > 1 else 1
     logits = 4 * tokens * shape.vocab / tp if stage == cfg.pp - 1 else 0.0
@@ -329,7 +337,8 @@ def _stage_compute(cfg: TrainConfig, shape: Shape, cluster: Cluster, m: int, ove
         moe = sum(1 for i in ids if shape.experts and i >= shape.dense_layers)
         f = {p: (len(ids) - moe) * block[False][0][p] + moe * block.get(True, block[False])[0][p] for p in head[0]}
         b = {p: (len(ids) - moe) * block[False][1][p] + moe * block.get(True, block[False])[1][p] for p in head[0]}
-        redo = sum(f.values()) if cfg.checkpoint_activations else 0.0  # full recomputation: the blocks' forward
+        # Recomputation: full, the blocks' forward again; selective, their attention's core (its forward kernel).
+        redo = {"full": sum(f.values()), "selective": f["attention"]}.get(cfg.recompute, 0.0)
         if stage == cfg.pp - 1:
             f = {p: f[p] + head[0][p] for p in f}
             b = {p: b[p] + head[1][p] for p in b}
@@ -370,11 +379,12 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
     model_flops = shape.flops_per_token(cfg.seq_len, causal=False) * tokens
     if efficiency:  # the step's FLOPs spread evenly at one share of the peak: 6·N (N active) + attention's
         weights = num_params * shape.active_params() / shape.params()
-        flops = (8 if cfg.checkpoint_activations else 6) * weights * tokens
-        flops += attention_flops(shape.layers, shape.hidden, cfg.seq_len, cfg.checkpoint_activations) * tokens
+        full = cfg.recompute == "full"
+        flops = (8 if full else 6) * weights * tokens
+        flops += attention_flops(shape.layers, shape.hidden, cfg.seq_len, cfg.recompute != "none") * tokens
         compute = cluster.compute_s(flops / cfg.world_size, precision=cfg.precision, efficiency=efficiency)
-        redo = (2 * weights + 4 * shape.layers * shape.hidden * cfg.seq_len) * tokens
-        recompute = compute * redo / flops if cfg.checkpoint_activations else 0.0
+        redo = (2 * weights * full + 4 * shape.layers * shape.hidden * cfg.seq_len) * tokens
+        recompute = compute * redo / flops if cfg.recompute != "none" else 0.0
         pace = {"forward": (compute - recompute) / 3 / m, "backward": 2 * (compute - recompute) / 3 / m,
                 "recompute": recompute / m, "attention": 0.0, "gemm": compute / m, "blocks": shape.layers / cfg.pp}
     else:
@@ -399,7 +409,7 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
     tp_comm = pp_comm = cp_comm = ep_comm = dp_comm = 0.0
     blocks = pace["blocks"]
     if cfg.tp > 1:  # per block and microbatch: two all-reduces forward, two backward (three with recomputation)
-        passes = 6 if cfg.checkpoint_activations else 4
+        passes = 6 if cfg.recompute == "full" else 4
         tp_comm = passes * blocks * m * cost("all_reduce", local_tokens * C * elem, tp_group)
     if cfg.pp > 1:  # each microbatch's activation forward and its gradient back, once per chunk a rank holds
         hops = 2 * m * (cfg.virtual_stages if cfg.schedule == "interleaved-1f1b" else 1)
@@ -430,7 +440,7 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
             # forward), and reduce-scatters the gradients: each half an all-reduce's worth. Prefetched, each
             # hides behind the compute it feeds but the first layer's.
             # They go block by block (FSDP's units), so each pays a ring's latency: at thousands of ranks that adds up.
-            collectives = (4 if cfg.checkpoint_activations else 3) * blocks
+            collectives = (4 if cfg.recompute == "full" else 3) * blocks
             per_micro = collectives * cost("all_gather", shard / blocks, replicas)
             if overlap.one_card and cluster.servers(replicas) > 1:
                 card = cluster.gpu.inter_node_GBps * 1e9 * cluster.gpu.bus_efficiency
@@ -501,7 +511,8 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
         precision = "bf16"
     for cfg in candidates(shape, gpus, gpus_per_node, batch_size, seq_len, precision,
                           sequence_parallel=overlap.name.startswith("megatron-core"), zero_stages=overlap.zero,
-                          even_split=overlap.even_split):
+                          even_split=overlap.even_split,
+                          attention="math" if overlap.attention == "unfused" else "flash"):
         try:
             mem = memory_of(cfg, shape)
         except ConfigError:
@@ -529,6 +540,9 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
 
 
 COURSE_MEMORY = "gpucourse memory's estimate"
+# How a row's recomputation reads: in a layout's description, and in the table's ckpt column.
+RECOMPUTE_NOTE = {False: "", "selective": ", selective recomputation", True: ", checkpointing"}
+CKPT_COLUMN = {False: "no", "selective": "sel", True: "yes"}
 PARTS = {"compute": "compute", "recompute": "recompute", "bubble": "bubble", "tp": "tp comm", "cp": "cp comm",
          "ep": "ep comm", "pp": "pp comm", "dp": "dp comm exposed", "optimizer": "optimizer"}
 
@@ -547,7 +561,7 @@ def explain(row: dict) -> str:
     if row.get("schedule"):
         v = row["config"]["virtual_stages"]
         layout += f" ({row['schedule']}{f', {v} chunks a rank' if row['schedule'] == 'interleaved-1f1b' else ''})"
-    layout += f", ZeRO-{row['zero']}" * bool(row["zero"]) + ", checkpointing" * row["checkpoint_activations"]
+    layout += f", ZeRO-{row['zero']}" * bool(row["zero"]) + RECOMPUTE_NOTE[row["checkpoint_activations"]]
     if row.get("kv_replication", 1) > 1:  # more tensor-parallel ranks than K/V heads
         layout += f" (each K/V head held by {row['kv_replication']} of the tp ranks)"
     parts = ", ".join(f"{PARTS[k]} {v:.2f} s ({v / row['step_s']:.0%})" for k, v in row["parts"].items()
@@ -578,7 +592,7 @@ def format_plan(result: dict, top: int = 10, explained: bool = False) -> str:
         cp = f" {r.get('cp', 1):>3} {'yes' if r.get('sp') else 'no':>3}" if cp_head else ""
         ep = f" {r.get('ep', 1):>3}" if ep_head else ""
         lines.append(f"  {r['dp']:>4}{ep} {r['tp']:>3} {r['pp']:>3}{cp} {schedule_name(r):>5} {r['zero']:>4} "
-                     f"{'yes' if r['checkpoint_activations'] else 'no':>4} {human_bytes(r['memory_total']):>11} "
+                     f"{CKPT_COLUMN[r['checkpoint_activations']]:>4} {human_bytes(r['memory_total']):>11} "
                      f"{r['step_s']:>7.2f}s {r['compute_s']:>7.2f}s {r['communication_s']:>7.2f}s "
                      f"{r['bubble_s']:>7.2f}s {r['tokens_per_s']:>10,.0f}")
         if explained:

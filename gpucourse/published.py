@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from .cluster import Cluster
 from .config import TrainConfig
 from .gpus import GPUSpec, get_gpu
-from .plan import step_time
+from .plan import RECOMPUTE_NOTE, step_time
 
 
 @dataclass(frozen=True)
@@ -420,7 +420,7 @@ def _layout(row) -> str:
     if row is None:
         return "none fits"
     parts = " ".join(f"{k} {row[k]}" for k in ("dp", "tp", "pp", "cp", "ep") if row.get(k, 1) > 1)
-    return parts + f", ZeRO-{row['zero']}" * bool(row["zero"]) + ", checkpointing" * row["checkpoint_activations"] \
+    return parts + f", ZeRO-{row['zero']}" * bool(row["zero"]) + RECOMPUTE_NOTE[row["checkpoint_activations"]] \
         + f", {row['schedule']}" * bool(row.get("schedule"))
 
 

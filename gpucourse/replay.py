@@ -101,7 +101,8 @@ def span_seconds(cluster: Cluster, cfg: TrainConfig, span: dict, split_backward:
         # Backward: the input gradients (one forward's FLOPs) and the weight gradients (another); a
         # split backward (zero bubble) does them in two spans. Recomputing the forward adds one more.
         share = 1 if split_backward else 2
-        redo = 1 if cfg.checkpoint_activations and not span["name"].startswith("weights") else 0
+        # (Selective recomputation redoes attention's core, which the forward's FLOPs here do not separate out.)
+        redo = 1 if cfg.recompute == "full" and not span["name"].startswith("weights") else 0
         return cluster.compute_s((share + redo) * flops, (share + redo) * nbytes, round((share + redo) * kernels),
                                  cfg.precision)
     if span["kind"] == "optimizer":

@@ -151,9 +151,11 @@ def megatron(cfg: TrainConfig) -> tuple[dict, list[str]]:
                          f"here.")
     if cfg.precision == "fp16":                          # this course's DynamicLossScaler
         args.update({"--initial-loss-scale": 65536, "--loss-scale-window": 200, "--hysteresis": 1})
-    if cfg.checkpoint_activations:                       # checkpoint_activations: every block recomputed
+    if cfg.recompute == "full":                          # checkpoint_activations: every block recomputed
         args.update({"--recompute-granularity": "full", "--recompute-method": "uniform",
                      "--recompute-num-layers": 1})
+    elif cfg.recompute == "selective":                   # attention's core recomputed
+        args["--recompute-granularity"] = "selective"
     if mc.moe_experts:
         args.update({"--num-experts": mc.moe_experts,    # moe_experts
                      "--moe-router-topk": mc.moe_top_k,  # moe_top_k
@@ -223,8 +225,10 @@ def nemo(cfg: TrainConfig) -> tuple[dict, list[str]]:
         if not cfg.zigzag:
             notes.append("NeMo (Megatron-LM underneath) always cuts a sequence into 2 × cp chunks, rank i "
                          "holding chunks i and 2·cp−1−i; it has no plain contiguous split.")
-    if cfg.checkpoint_activations:
+    if cfg.recompute == "full":
         model.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif cfg.recompute == "selective":
+        model["recompute_granularity"] = "selective"
     if mc.moe_experts:
         model.update(num_moe_experts=mc.moe_experts, moe_router_topk=mc.moe_top_k,
                      moe_layer_freq=1 if mc.moe_every == 1 else moe_layers(cfg), moe_aux_loss_coeff=mc.moe_aux)
@@ -298,16 +302,19 @@ def deepspeed(cfg: TrainConfig) -> tuple[dict, list[str]]:
     if cfg.pp > 1:
         notes.append(f"DeepSpeed sets the pipeline in code, PipelineModule(layers, num_stages={cfg.pp}); its engine "
                      f"runs its own 1F1B-like schedule over the gradient_accumulation_steps microbatches.")
-        if cfg.checkpoint_activations:
+        if cfg.recompute == "full":
             ds["pipeline"] = {"activation_checkpoint_interval": 1}
         if cfg.zero >= 2:
             notes.append(f"DeepSpeed refuses ZeRO-{cfg.zero} with a pipeline (its pipeline engine asserts it); "
                          f"use zero 1 there.")
-    elif cfg.checkpoint_activations:
+    elif cfg.recompute == "full":
         ds["activation_checkpointing"] = {"partition_activations": False, "cpu_checkpointing": False,
                                           "contiguous_memory_optimization": False}
         notes.append("DeepSpeed's activation_checkpointing block only configures deepspeed.checkpointing."
                      "checkpoint; the model calls it around each block itself.")
+    if cfg.recompute == "selective":
+        notes.append("DeepSpeed has no selective-recomputation setting: deepspeed.checkpointing.checkpoint "
+                     "recomputes whatever function the model wraps in it, so wrap attention's core there.")
     if mc.moe_experts:
         notes.append(f"DeepSpeed builds experts in code, deepspeed.moe.layer.MoE(hidden_size, expert, "
                      f"num_experts={mc.moe_experts}, ep_size={cfg.ep}, k={mc.moe_top_k}"
@@ -408,11 +415,15 @@ def torchtitan(cfg: TrainConfig) -> tuple[dict, list[str]]:
     elif cfg.precision == "bf16" and not (sharded or cfg.cp > 1) and (cfg.tp > 1 or cfg.pp > 1):
         notes.append("torchtitan applies mixed_precision_param through FSDP, or autocast under DDP alone; with "
                      "tp or pp and no sharding the weights stay fp32.")
+    if cfg.recompute == "selective":
+        notes.append("torchtitan's selective mode checkpoints every n-th block or keeps chosen operators' outputs "
+                     "(activation_checkpoint.selective_ac_option); neither recomputes just attention's core, so "
+                     "the mode is left at none.")
     if mc.moe_experts:
         notes.append(f"torchtitan sets the experts ({mc.moe_experts}, top-{mc.moe_top_k}) in the model's flavor, "
                      f"in Python model arguments, not in the TOML.")
     settings = {"training": training, "parallelism": parallelism,
-                "activation_checkpoint": {"mode": "full" if cfg.checkpoint_activations else "none"},
+                "activation_checkpoint": {"mode": "full" if cfg.recompute == "full" else "none"},
                 "optimizer": {"name": "AdamW", "lr": cfg.lr}}
     return settings, notes
 
@@ -443,9 +454,11 @@ def accelerate(cfg: TrainConfig) -> tuple[dict, list[str]]:
             "megatron_lm_sequence_parallelism": cfg.sequence_parallel,
             "megatron_lm_use_distributed_optimizer": cfg.zero > 0,
             "megatron_lm_attention_dropout": cfg.dropout, "megatron_lm_hidden_dropout": cfg.dropout}
-        if cfg.checkpoint_activations:
+        if cfg.recompute == "full":
             mlm.update(megatron_lm_recompute_granularity="full", megatron_lm_recompute_method="uniform",
                        megatron_lm_recompute_num_layers=1)
+        elif cfg.recompute == "selective":
+            mlm["megatron_lm_recompute_activations"] = True  # the plugin's switch for selective recomputation
         else:
             notes.append("Accelerate's Megatron-LM plugin sets recompute_granularity to full when it is not given, "
                          "so every block is recomputed; its config file cannot leave recomputation off.")
@@ -471,7 +484,7 @@ def accelerate(cfg: TrainConfig) -> tuple[dict, list[str]]:
         conf["fsdp_config"] = {"fsdp_version": 2, "fsdp_reshard_after_forward": cfg.zero != 2,
                                "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
                                "fsdp_transformer_layer_cls_to_wrap": "Block",
-                               "fsdp_activation_checkpointing": cfg.checkpoint_activations}
+                               "fsdp_activation_checkpointing": cfg.recompute == "full"}
         if cfg.cp > 1:
             conf["parallelism_config"] = {"parallelism_config_dp_replicate_size": 1,
                                           "parallelism_config_dp_shard_size": cfg.dp,
@@ -489,7 +502,10 @@ def accelerate(cfg: TrainConfig) -> tuple[dict, list[str]]:
         conf["deepspeed_config"] = {"zero_stage": 1, "gradient_accumulation_steps": per_step}
     elif cfg.world_size == 1:
         conf["distributed_type"] = "NO"
-    if cfg.checkpoint_activations and conf["distributed_type"] in ("MULTI_GPU", "DEEPSPEED", "NO"):
+    if cfg.recompute == "selective" and conf["distributed_type"] != "MEGATRON_LM":
+        notes.append("Accelerate offers selective recomputation only through its Megatron-LM plugin: elsewhere wrap "
+                     "attention's core in torch.utils.checkpoint in the script.")
+    if cfg.recompute == "full" and conf["distributed_type"] in ("MULTI_GPU", "DEEPSPEED", "NO"):
         notes.append("Accelerate's config file has no activation-checkpointing switch here: wrap each block in "
                      "torch.utils.checkpoint (or call the model's gradient_checkpointing_enable()) in the script.")
     if cfg.ep > 1 and conf["distributed_type"] != "MEGATRON_LM":

@@ -74,6 +74,7 @@ def test_the_figures_are_registered_with_their_targets():
                      "tp_scratch_vs_torch": "<= 1.20", "pp_bubble_measured_vs_simulated": "0.8..1.25",
                      "zero_memory_vs_formula": "== 1.0", "memory_estimate_vs_measured": "== 1.0",
                      "live_view_overhead": "<= 1.03", "checkpointing_activation_ratio": "report",
+                     "selective_activation_ratio": "report",
                      "allreduce_busbw_vs_copy": "report", "tour_quick_s": "report",
                      "course_smoke_s": "< 600", "first_check_s": "report",
                      "zero3_memory_vs_formula": "== 1.0", "zero3_scratch_vs_fsdp2": "<= 1.3",

@@ -218,3 +218,16 @@ def test_a_wrong_flag_gets_one_sentence_and_a_schedule_needs_a_pipeline(capsys):
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and not any("usage:" in line for line in err)
     assert "argument --dp: invalid int value: 'two'" in err[0] and "give --pp 2 or more" in err[1]
+
+
+def test_checkpoint_activations_takes_selective_or_full_and_alone_means_full(capsys):
+    parser = cli.build_parser()
+    for argv, recompute in (([], "none"), (["--checkpoint-activations"], "full"),
+                            (["--checkpoint-activations", "selective", "--attention", "math"], "selective")):
+        cfg = cli._config_from(parser.parse_args(["train", *argv]))
+        assert cfg.recompute == recompute and cfg.checkpoint_activations == {"none": False, "full": True}.get(
+            recompute, recompute)
+    assert cli._config_from(parser.parse_args(["train", "--attention", "math"])).attention == "math"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--checkpoint-activations", "some"])
+    assert "invalid choice: 'some'" in capsys.readouterr().err

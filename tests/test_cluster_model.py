@@ -11,7 +11,7 @@ from gpucourse import ConfigError, TrainConfig
 from gpucourse.cli import main
 from gpucourse.cluster import Cluster
 from gpucourse.gpus import get_gpu
-from gpucourse.plan import FRAMEWORKS, explain, get_framework, plan, step_time
+from gpucourse.plan import FRAMEWORKS, explain, format_plan, get_framework, plan, step_time
 from gpucourse.shapes import SHAPES, Shape, ShapeError, get_shape
 
 H100 = Cluster(get_gpu("h100"))
@@ -151,6 +151,31 @@ def test_full_recomputation_costs_one_more_forward_of_the_blocks():
     forward_share = redo["recompute_s"] / plain["compute_s"]
     assert 0.25 < forward_share < 1 / 3 + 1e-9  # a forward is a third of forward + backward, less the head's
     assert redo["compute_s"] == pytest.approx(plain["compute_s"] + redo["recompute_s"])
+
+
+def test_selective_recomputation_costs_attentions_forward_and_frees_the_scores_of_unfused_attention():
+    """Unfused attention (Megatron-LM 2021) keeps a·s/h more per token than a fused kernel: selective recomputation
+    frees it for one more forward of attention alone; full recomputation costs the whole forward."""
+    from gpucourse.plan import activation_bytes, candidates
+
+    kw = dict(dp=8, batch_size=64, grad_accum=8, precision="bf16", master_weights=True, attention="math")
+    times = {rc: step_time(_cfg(**kw, checkpoint_activations=rc), int(5e9), get_gpu("a100"), 8,
+                           framework="megatron-2021") for rc in (False, "selective", True)}
+    assert times[False]["recompute_s"] == 0 < times["selective"]["recompute_s"] < 0.3 * times[True]["recompute_s"]
+    assert times["selective"]["tp_comm_s"] == times[False]["tp_comm_s"]
+    shape = get_shape("gpt3-175b")
+    held = {rc: activation_bytes(_cfg(**kw, checkpoint_activations=rc), shape, 0) for rc in (False, "selective")}
+    tokens = 64 / 8 / 8 * 4096  # one microbatch's tokens
+    assert held[False] - held["selective"] == pytest.approx(2 * shape.heads * 4096 * tokens * shape.layers)
+    fused = list(candidates(shape, 64, 8, 64, 2048, "bf16"))
+    unfused = list(candidates(shape, 64, 8, 64, 2048, "bf16", attention="math"))
+    assert {c.recompute for c in fused} == {"none", "full"} and {c.attention for c in fused} == {"flash"}
+    assert {c.recompute for c in unfused} == {"none", "selective", "full"}
+    rows = plan(None, 64, "a100", shape="gpt3-175b", framework="megatron-2021", batch_size=64, seq_len=2048)
+    sel = next(r for r in rows["layouts"] if r["checkpoint_activations"] == "selective")
+    assert "selective recomputation" in explain(sel) and sel["recompute_s"] > 0
+    only = {**rows, "layouts": [{**sel, "fits": True}]}
+    assert f" {'sel':>4} " in format_plan(only).splitlines()[-1]
 
 
 # --- overlap as a setting ----------------------------------------------------------------------------------------------

@@ -41,6 +41,11 @@ from gpucourse import cli
     (dict(schedule="zigzag"), "is not one of naive, gpipe, 1f1b"),
     (dict(seq_len=4096), "is longer than model 'tiny'"),
     (dict(cp=0), "cp=0 must be a whole number of at least 1"),
+    (dict(checkpoint_activations="partial"), "checkpoint_activations='partial' is not one of none, selective, full"),
+    (dict(attention="sparse"), "attention='sparse' is not one of flash, math"),
+    (dict(attention="math", precision="bf16"), "attention='math' under autocast keeps its scores in whatever"),
+    (dict(cp=2, checkpoint_activations="selective"), "selective recomputation with cp > 1 is not written"),
+    (dict(cp=2, attention="math"), "with cp > 1 attention is context parallelism's own (ring)"),
 ], ids=lambda v: str(v) if isinstance(v, dict) else "")
 def test_refused_with_one_sentence(kw, says):
     with pytest.raises(ConfigError) as info:

@@ -495,3 +495,33 @@ def test_notebook_13_quotes_mixtrals_own_counts():
     shape = SHAPES["mixtral-8x7b"]
     assert (round(shape.params() / 1e9, 1), round(shape.active_params() / 1e9, 1)) == (46.7, 12.9)
     assert "46.7 B parameters, 12.9 B of them active" in prose("13_mixture_of_experts")
+
+def test_notebook_07_compares_none_selective_and_full_recomputation_on_gpt3():
+    """07: the scores keep 2 of Korthikanti et al.'s 5 bytes without dropout; on GPT-3 175B (tp 8 with SP, pp 8,
+    unfused attention, A100) selective recomputation frees about a third of the activations for under a tenth of
+    full recomputation's time, and full recomputation makes the step about a third longer."""
+    from gpucourse import plan
+    from gpucourse.gpus import get_gpu
+    from gpucourse.memory import korthikanti_layer_bytes
+    from gpucourse.shapes import get_shape
+
+    text = " ".join(prose("07_memory_batch").split())
+    s, b, h, a = 2048, 1, 12288, 96
+    assert korthikanti_layer_bytes(s, b, h, a) - korthikanti_layer_bytes(s, b, h, a, recompute="selective") == \
+        5 * a * s * s * b and "their 5·a·s/h bytes per token and channel" in text
+    gpt3 = get_shape("gpt3-175b")
+    rows = {}
+    for rc in ("none", "selective", "full"):
+        cfg = TrainConfig(model="gpt2-small", overrides={**gpt3.overrides(), "block_size": 2048}, tp=8, pp=8, dp=8,
+                          microbatches=64, batch_size=512, seq_len=2048, precision="bf16", master_weights=True,
+                          sequence_parallel=True, attention="math", checkpoint_activations=rc)
+        rows[rc] = (plan.memory_of(cfg, gpt3)["max"]["activations"],
+                    plan.step_time(cfg, int(gpt3.params()), get_gpu("a100"), 8, shape=gpt3,
+                                   framework="megatron-2021"))
+    freed = 1 - rows["selective"][0] / rows["none"][0]
+    assert 0.3 <= freed <= 0.4 and "frees about a third of the activations here" in text
+    assert rows["selective"][1]["recompute_s"] < 0.1 * rows["full"][1]["recompute_s"]
+    assert "for under a tenth of full recomputation's time" in text
+    assert rows["full"][0] < 0.05 * rows["none"][0] and "frees nearly all of them" in text
+    assert round(3 * (rows["full"][1]["step_s"] / rows["none"][1]["step_s"] - 1)) == 1
+    assert "for a step a third longer" in text

@@ -65,7 +65,9 @@ DATA_PARALLEL = [dict(dp=dp, impl=impl, grad_accum=ga) for dp in (2, 4) for impl
 BUCKETED = [dict(dp=2, bucket_mb=0.02), dict(dp=3, bucket_mb=0.1, grad_accum=2), dict(dp=2, impl="torch", bucket_mb=0.05)]
 ZERO = [dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=3, zero=1), dict(dp=3, zero=2), dict(dp=2, zero=2, grad_accum=2),
         dict(dp=2, zero=1, impl="torch"), dict(dp=2, zero=2, impl="torch"), dict(dp=3, zero=3, impl="torch"),
-        dict(dp=2, zero=3), dict(dp=3, zero=3, grad_accum=2), dict(dp=2, zero=3, checkpoint_activations=True)]
+        dict(dp=2, zero=3), dict(dp=3, zero=3, grad_accum=2), dict(dp=2, zero=3, checkpoint_activations=True),
+        # Selective recomputation of attention written out: the scores rebuilt in backward, bit for bit.
+        dict(dp=2, zero=3, checkpoint_activations="selective", attention="math")]
 ACCELERATE = [dict(dp=2, impl="accelerate", grad_accum=ga) for ga in (1, 2)]
 
 

@@ -35,7 +35,10 @@ def test_parameter_count_formula_matches_the_model(name):
                                 dict(dp=2, tp=2, zero=3), dict(dp=2, pp=2, zero=3, microbatches=2),
                                 dict(tp=2, sequence_parallel=True, checkpoint_activations=True),  # (plain SP: test_tp)
                                 dict(cp=2), dict(cp=2, cp_algo="allgather", zigzag=True), dict(cp=2, cp_algo="ulysses"),
-                                dict(dp=2, cp=2, zero=2), dict(cp=2, zero=3, batch_size=8)],
+                                dict(dp=2, cp=2, zero=2), dict(cp=2, zero=3, batch_size=8),
+                                dict(checkpoint_activations="selective"), dict(attention="math"),
+                                dict(attention="math", tp=2, checkpoint_activations="selective"),
+                                dict(attention="math", pp=2, microbatches=4)],
                          ids=str)
 def test_estimate_equals_measurement(kw):
     cfg = TrainConfig(steps=1, seq_len=32, **kw)
@@ -58,6 +61,26 @@ def test_checkpointing_saves_activation_memory_and_changes_nothing_else():
     ratio = ckpt.memory["0"]["activations"] / plain.memory["0"]["activations"]
     assert ratio < 0.5
     assert ckpt.losses == pytest.approx(plain.losses, rel=1e-6)
+
+
+def test_selective_recomputation_frees_the_scores_korthikanti_counts_and_changes_nothing_else():
+    """Attention written out keeps the softmax's output (Korthikanti et al.'s 5·a·s/h term is softmax 2, dropout
+    mask 1 and dropout output 2 bytes a score; without dropout, its 2 of 5) and the causal mask; selective
+    recomputation keeps neither, and the losses stay bit for bit. In bf16 weights, as their count assumes."""
+    from gpucourse.memory import korthikanti_layer_bytes
+
+    base = dict(steps=2, seq_len=32, precision="bf16", master_weights=True, attention="math")
+    none, selective, flash = (run(TrainConfig(**{**base, **kw}), timeout=120, quiet=True)
+                              for kw in (dict(), dict(checkpoint_activations="selective"), dict(attention="flash")))
+    assert selective.losses == none.losses
+    mc, cfg = TrainConfig(**base).model_config(), TrainConfig(**base)
+    s, b, h, a = cfg.seq_len, cfg.batch_size, mc.n_embd, mc.n_head
+    paper = korthikanti_layer_bytes(s, b, h, a) - korthikanti_layer_bytes(s, b, h, a, recompute="selective")
+    assert paper == 5 * a * s * s * b
+    freed = (none.memory["0"]["activations"] - selective.memory["0"]["activations"]) / mc.n_layer
+    assert freed == 2 / 5 * paper + s * s  # the softmax's output, and the causal mask
+    # A fused kernel keeps no scores: selective recomputation is already inside it.
+    assert flash.memory["0"]["activations"] < none.memory["0"]["activations"] - mc.n_layer * 2 / 5 * paper * 0.9
 
 
 @pytest.mark.parametrize("kw", [dict(precision="bf16"), dict(precision="fp16"),

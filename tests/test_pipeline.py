@@ -38,6 +38,7 @@ LAYOUTS = {
     "pp2-1f1b-torch": dict(pp=2, schedule="1f1b", microbatches=8, impl="torch"),
     "dp2×pp2-1f1b": dict(dp=2, pp=2, schedule="1f1b", microbatches=4),
     "tp2×pp2-1f1b": dict(tp=2, pp=2, schedule="1f1b", microbatches=4),
+    "tp2×pp2-1f1b-selective": dict(tp=2, pp=2, schedule="1f1b", microbatches=4, checkpoint_activations="selective"),
     "tp2×pp2-1f1b-sp": dict(tp=2, pp=2, schedule="1f1b", microbatches=2, sequence_parallel=True),
     "dp2×tp2×pp2-1f1b": dict(dp=2, tp=2, pp=2, schedule="1f1b", microbatches=2),
     # Any data-parallel kind runs over a stage's replicas: the schedule is only the trainer's loop.

@@ -23,7 +23,7 @@ from gpucourse.comm import RING_FACTOR
 from gpucourse.config import TrainConfig
 from gpucourse.data import context_positions
 from gpucourse.gpus import get_gpu
-from gpucourse.memory import estimate_params, with_microbatch
+from gpucourse.memory import estimate_params, korthikanti_layer_bytes, with_microbatch
 from gpucourse.model import GPTConfig, MoE, balance_loss, build_model
 from gpucourse.parallel import expert_parallel, schedules
 from gpucourse.parallel.precision import DynamicLossScaler
@@ -137,6 +137,8 @@ NUMERIC = {
     "prof-profile-shares": exposed_comm_ms,
     "mem-sp-activation-per-layer": lambda: korthikanti_mib(2048, 1, 8192, 64, t=8, sp=True),
     "par-cp-ulysses-bytes": lambda: ulysses_forward_mib(131_072, 8, 4096),
+    "mem-selective-sp-bytes": lambda: korthikanti_layer_bytes(2048, 2, 5120, 40, tp=4, sp=True,
+                                                              recompute="selective") / 2**20,
 }
 
 
@@ -188,6 +190,30 @@ def causal_pairs(seq_len: int, cp: int, rank: int, zigzag: bool) -> int:
     """(query, key) pairs a rank computes under a causal mask: its attention work."""
     q = context_positions(seq_len, rank, cp, zigzag)
     return int((torch.arange(seq_len)[None, :] <= q[:, None]).sum())
+
+
+def test_selective_recomputation_figures():
+    """The mem-selective-* questions: what selective recomputation frees, what it costs, against full."""
+    assert TrainConfig(checkpoint_activations="selective").recompute == "selective"
+    assert TrainConfig(checkpoint_activations=True).recompute == TrainConfig(checkpoint_activations="full").recompute
+    # mem-selective-sp-bytes: s·b·h = 20 MiB, 5·a·s/(h·t) = 20; 170 MiB kept against 570, full keeps 10.
+    s, b, h, a, t = 2048, 2, 5120, 40, 4
+    mib = {rc: korthikanti_layer_bytes(s, b, h, a, tp=t, sp=True, recompute=rc) / 2**20
+           for rc in ("none", "selective", "full")}
+    assert s * b * h == 20 * 2**20 and 5 * a * s / (h * t) == 20 and 34 / t == 8.5
+    assert mib == {"none": 570, "selective": 170, "full": 10}
+    assert (mib["none"], mib["selective"], mib["full"]) == (20 * (8.5 + 20), 20 * 8.5, 2 * 20 / t)
+    # mem-selective-observed and mem-selective-what-reruns: selective drops exactly the 5·a·s/h term (s² scores per
+    # head and sequence, 2 + 1 + 2 bytes each); full keeps each layer's input, 2·s·b·h.
+    assert korthikanti_layer_bytes(s, b, h, a) - korthikanti_layer_bytes(s, b, h, a, recompute="selective") \
+        == 5 * a * s * s * b == (2 + 1 + 2) * a * s * s * b
+    assert korthikanti_layer_bytes(s, b, h, a, recompute="full") == 2 * s * b * h
+    # mem-selective-cost: at s = 4096, h = 5120 attention's core is s/(6h + s) ≈ 12 % of a layer's forward, about
+    # 4 % of a step of three forwards; full recomputation adds a forward: 8N / 6N.
+    s, h = 4096, 5120
+    core, rest = 4 * s * s * h, 24 * s * h * h
+    assert f"{core / (core + rest):.0%}" == "12%" and round(100 * core / (3 * (core + rest))) == 4
+    assert core / (core + rest) == pytest.approx(s / (6 * h + s)) and (2 + 4 + 2) / (2 + 4) == pytest.approx(4 / 3)
 
 
 def test_sequence_parallel_figures():
@@ -1189,7 +1215,7 @@ import inspect  # noqa: E402
 
 from gpucourse import plan, stack_config  # noqa: E402
 from gpucourse.cluster import Cluster  # noqa: E402
-from gpucourse.memory import estimate, korthikanti_layer_bytes  # noqa: E402
+from gpucourse.memory import estimate  # noqa: E402
 from gpucourse.parallel import tensor_parallel  # noqa: E402
 from gpucourse.parallel import data_parallel_buckets  # noqa: E402
 from gpucourse.parallel.data_parallel_buckets import assign_buckets  # noqa: E402
@@ -1410,7 +1436,7 @@ def test_the_plan_ranks_what_fits_first():
     assert (first["dp"], first["tp"], first["pp"], first["zero"]) == (32, 2, 1, 3)
     assert not first["checkpoint_activations"]
     assert (f"{first['memory_total'] / 1e9:.1f}", f"{first['step_s']:.1f}", f"{first['tp_comm_s']:.1f}") \
-        == ("68.3", "55.4", "2.2")
+        == ("68.4", "55.4", "2.2")
     wide, deep = row(8, 8, 1, 3), row(1, 8, 8, 0)
     assert wide["fits"] and deep["fits"] and deep["bubble_s"] > 0
     assert (f"{wide['memory_total'] / 1e9:.1f}", f"{wide['step_s']:.1f}", f"{wide['tp_comm_s']:.1f}",

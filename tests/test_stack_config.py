@@ -107,6 +107,9 @@ LAYOUTS = {
     "bf16-master": dict(dp=2, precision="bf16", master_weights=True),
     "fp16": dict(dp=2, precision="fp16"),
     "checkpointing": dict(dp=2, checkpoint_activations=True),
+    "selective": dict(dp=2, checkpoint_activations="selective"),
+    "selective-tp-pp": dict(model="medium", tp=2, pp=2, microbatches=4, batch_size=16,
+                            checkpoint_activations="selective"),
     "single": dict(),
 }
 CASES = [(tool, name) for tool in TOOLS for name in LAYOUTS]
@@ -270,6 +273,12 @@ def test_each_setting_lands_where_the_tool_keeps_it():
     assert (ckpt["--recompute-granularity"], ckpt["--recompute-method"], ckpt["--recompute-num-layers"]) \
         == ("full", "uniform", 1)
     assert translate(config("checkpointing"), "torchtitan").settings["activation_checkpoint"]["mode"] == "full"
+    assert translate(config("selective"), "megatron").settings["--recompute-granularity"] == "selective"
+    assert "--recompute-method" not in translate(config("selective"), "megatron").settings
+    assert translate(config("selective"), "nemo").settings["model"]["config"]["recompute_granularity"] == "selective"
+    assert translate(config("selective-tp-pp"), "accelerate").settings["megatron_lm_config"][
+        "megatron_lm_recompute_activations"] is True
+    assert translate(config("selective"), "torchtitan").settings["activation_checkpoint"]["mode"] == "none"
 
 
 def test_what_a_tool_cannot_express_is_said_not_dropped():
@@ -287,6 +296,9 @@ def test_what_a_tool_cannot_express_is_said_not_dropped():
     assert "contiguous split" in notes(TrainConfig(cp=2), "megatron")
     assert "PipelineModule" in notes("pp-grad-accum", "deepspeed")
     assert "divide" in notes(TrainConfig(model="small", pp=4, microbatches=4, batch_size=8), "megatron")
+    for tool in ("deepspeed", "torchtitan", "accelerate"):                 # no switch for attention's core alone
+        assert "attention's core" in notes("selective", tool)
+    assert "attention's core" not in notes("selective-tp-pp", "accelerate")  # its Megatron-LM plugin has one
     assert notes("dp", "megatron") == "" and notes("dp", "deepspeed") == ""  # plain data parallelism: nothing lost
 
 

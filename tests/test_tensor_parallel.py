@@ -138,7 +138,9 @@ LAYOUTS = {"tp2-scratch": dict(tp=2), "tp2-torch": dict(tp=2, impl="torch"), "tp
            # Sequence parallelism: the activations between sub-layers cut along the sequence.
            "tp2-sp-scratch": dict(tp=2, sequence_parallel=True), "tp2-sp-torch": dict(tp=2, sequence_parallel=True,
                                                                                        impl="torch"),
-           "dp2xtp2-sp-zero3": dict(dp=2, tp=2, zero=3, sequence_parallel=True)}
+           "dp2xtp2-sp-zero3": dict(dp=2, tp=2, zero=3, sequence_parallel=True),
+           # Selective recomputation on DTensor shards: each rank recomputes its own heads' scores.
+           "tp2-torch-selective": dict(tp=2, impl="torch", checkpoint_activations="selective", attention="math")}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS)

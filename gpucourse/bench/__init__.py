@@ -489,6 +489,30 @@ def checkpointing_activation_ratio() -> Reading:
                    f"{human_bytes(sizes[True])} with checkpointing, {human_bytes(sizes[False])} without")
 
 
+@figure("selective_activation_ratio", quick=dict(), full=dict())
+def selective_activation_ratio() -> Reading:
+    """Saved activation bytes with selective recomputation over none, attention written out (tiny model, bf16
+    weights, as Korthikanti et al. count), beside their formula's ratio for one layer at this shape (with dropout,
+    which the run has not: its scores are 2 of the formula's 5 bytes)."""
+    from ..memory import korthikanti_layer_bytes
+
+    sizes = {}
+    for recompute in ("none", "selective"):
+        result = run(_bench_config(impl="scratch", dp=1, steps=1, precision="bf16", master_weights=True,
+                                   attention="math", checkpoint_activations=recompute),
+                     timeout=RUN_TIMEOUT_S, quiet=True)
+        sizes[recompute] = result.memory["0"]["activations"]
+    cfg = _bench_config(dp=1)
+    mc = cfg.model_config()
+    paper = [korthikanti_layer_bytes(cfg.seq_len, cfg.batch_size, mc.n_embd, mc.n_head, recompute=r)
+             for r in ("selective", "none")]
+    value = ratio(sizes["selective"], sizes["none"])
+    return Reading(value, {"none_bytes": sizes["none"], "selective_bytes": sizes["selective"],
+                           "korthikanti_ratio": paper[0] / paper[1]},
+                   f"{human_bytes(sizes['selective'])} selective, {human_bytes(sizes['none'])} none "
+                   f"({value:.3f}; Korthikanti et al.'s layer: {paper[0] / paper[1]:.3f})")
+
+
 @figure("allreduce_busbw_vs_copy", quick=dict(reps=2), full=dict(reps=5))
 def allreduce_busbw_vs_copy(reps: int) -> Reading:
     """All-reduce bus bandwidth at 64 MB on 2 ranks over a same-size memory copy: the ceiling on one host."""

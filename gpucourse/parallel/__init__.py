@@ -21,7 +21,7 @@ import functools
 from ..config import TrainConfig
 from ..measure import Recorder
 from ..model import MoE
-from .activation_checkpointing import checkpoint_blocks
+from .activation_checkpointing import recompute
 from .precision import Precision
 from .single import Trainer
 
@@ -35,8 +35,7 @@ def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, devi
         model.to(precision.dtype)  # the model itself in half precision; the optimizer keeps fp32 masters
     if cfg.impl == "accelerate":  # Accelerate prepares the whole model itself (data parallel only)
         from .accelerate_dp import AccelerateTrainer
-        if cfg.checkpoint_activations:
-            checkpoint_blocks(model)
+        recompute(model, cfg.recompute)
         return AccelerateTrainer(model, zero=cfg.zero, lr=cfg.lr, grad_accum=cfg.grad_accum, rec=rec)
 
     # How this rank's weights become the whole model's: undone in reverse order
@@ -78,8 +77,7 @@ def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, devi
         gathers.insert(len(gathers) - (cfg.pp > 1), functools.partial(expert_parallel.gather_experts, model,
                                                                        ep_group))
     set_aux_weight(model, 1 / (cfg.grad_accum * (cfg.microbatches if cfg.pp > 1 else 1)))
-    if cfg.checkpoint_activations:
-        checkpoint_blocks(model)
+    recompute(model, cfg.recompute)
     if cfg.pp > 1:
         from .pipeline import PipelineSchedule, TorchPipelineSchedule
         if cfg.impl == "torch" and virtual:

@@ -11,6 +11,15 @@ more compute). Gradients, and therefore the losses, are exactly the same.
 ``checkpoint_blocks`` changes each block's ``forward`` in place rather than
 wrapping the block in another module, so parameter names (and checkpoints and
 exported weights) stay those of the plain model.
+
+Selective recomputation (Korthikanti et al. 2022, Megatron-LM's
+``--recompute-activations``) recomputes only attention's core — scores,
+softmax, dropout, the weighted sum — whose saved tensors grow with T² per head
+while its FLOPs are a small share of the block's: ``checkpoint_attention``.
+With attention written out (``attention="math"``) that frees the T × T tensors
+for a few percent more compute. A fused kernel (``"flash"``) never keeps them:
+it recomputes the scores in its own backward, which is selective recomputation
+built into the kernel, so there only its log-sum-exp is left to free.
 """
 
 from __future__ import annotations
@@ -32,4 +41,28 @@ def checkpoint_blocks(model: torch.nn.Module) -> torch.nn.Module:
             return checkpoint(plain_forward, x, use_reentrant=False)
 
         block.forward = forward
+    return model
+
+
+def checkpoint_attention(model: torch.nn.Module) -> torch.nn.Module:
+    """Make every block's attention core (``attend``: queries, keys and values in, the weighted sum out) recompute
+    in backward. The projections around it keep what they keep."""
+    for block in blocks_of(model):
+        plain_attend = block.attn.attend
+
+        def attend(q, k, v, plain_attend=plain_attend):
+            for t in (q, k, v):
+                note_saved_input(t)  # what the recomputation starts from, kept instead of the scores
+            return checkpoint(plain_attend, q, k, v, use_reentrant=False)
+
+        block.attn.attend = attend
+    return model
+
+
+def recompute(model: torch.nn.Module, what: str) -> torch.nn.Module:
+    """Apply a run's recomputation, ``TrainConfig.recompute``: "none", "selective" or "full"."""
+    if what == "full":
+        return checkpoint_blocks(model)
+    if what == "selective":
+        return checkpoint_attention(model)
     return model
