@@ -259,7 +259,7 @@ def allreduce_busbw_vs_copy(reps: int = 3, nbytes: int = 64 * MB, world_size: in
     it with ``bench.figure("allreduce_busbw_vs_copy", quick=dict(reps=2),
     full=dict(reps=5))``.
     """
-    from .bench.readings import Reading
+    from .readings import Reading
 
     out = launch(_rank_busbw_vs_copy, nbytes, reps, world_size=world_size, timeout=600, quiet=True)
     times = [max(r["times"][i] for r in out) for i in range(reps)]

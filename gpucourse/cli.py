@@ -656,16 +656,17 @@ def cmd_quiz(args) -> int:
 
 def cmd_progress(args) -> int:
     from . import progress
+    from .quiz import review
 
     try:
         if args.reset:
             had = progress.reset()
             print(f"progress reset: {progress.progress_path()} {'removed' if had else 'held nothing yet'}.")
             return 0
-        summary = progress.summary()
+        summary = review.summary()
     except progress.ProgressError as e:
         raise UsageError(str(e)) from None
-    print(json.dumps(summary, indent=1) if args.json else progress.format_summary(summary))
+    print(json.dumps(summary, indent=1) if args.json else review.format_summary(summary))
     return 0
 
 

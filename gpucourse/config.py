@@ -12,17 +12,15 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .model import MODELS, GPTConfig
-from .readable import Readable
+from .readable import ConfigError
 
-
-class ConfigError(Readable, ValueError):
-    """A config that cannot run; the message is one sentence saying why."""
-
+__all__ = ["ConfigError", "TrainConfig"]
 
 IMPLS = ("scratch", "torch", "accelerate")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")  # what backward recomputes (checkpoint_activations)
 ATTENTION = ("flash", "math")              # how attention computes (model.GPTConfig.attention)
+
 
 @dataclass
 class TrainConfig:

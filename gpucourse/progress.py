@@ -2,8 +2,10 @@
 
 The file is ``~/.gpucourse/progress.json``, or the path in the environment
 variable ``GPUCOURSE_PROGRESS``. The grader calls :func:`record_exercise`
-after each exercise; the quizzes call :func:`record_quiz`; ``gpucourse
-progress`` prints :func:`format_summary`.
+after each exercise; the quizzes call :func:`record_quiz`, which also files
+each answer for the spaced review (:func:`file_answers`); ``gpucourse
+progress`` prints :func:`gpucourse.quiz.review.format_summary`. This module
+knows nothing of the question bank: the quiz reads it, not the other way.
 
 Two notebooks may record at the same moment. Each change is therefore a
 read-modify-write done while holding an exclusive lock (``fcntl.flock`` on
@@ -144,8 +146,6 @@ def record_quiz(topic: str, correct: int, total: int, by_topic: dict | None = No
     with _update() as data:
         data["quizzes"].append(entry)
         if answers:
-            from .quiz.review import file_answers
-
             file_answers(data, answers, session=len(data["quizzes"]))
     return entry
 
@@ -167,12 +167,10 @@ def summary(path: str | os.PathLike | None = None) -> dict:
     first_passed, last}}, "exercises_passed", "exercises_tried", "quizzes":
     {topic label: {attempts, correct, total, score, best, last}}, "topics":
     {quiz topic: {correct, total, score}} over every question answered,
-    "questions_answered", "questions_correct", "mastery": per exam topic, from
-    the answers recorded per question (:func:`gpucourse.quiz.review.mastery`)}``.
-    ``path`` as in :func:`load`.
+    "questions_answered", "questions_correct"}``: what the file holds, added up
+    (``gpucourse progress`` adds mastery per exam topic from the bank:
+    :func:`gpucourse.quiz.review.summary`). ``path`` as in :func:`load`.
     """
-    from .quiz.review import mastery
-
     data = load(path)
     quizzes, topics = {}, {}
     for q in data["quizzes"]:
@@ -192,43 +190,25 @@ def summary(path: str | os.PathLike | None = None) -> dict:
             "exercises_passed": sum(bool(e.get("passed")) for e in data["exercises"].values()),
             "exercises_tried": len(data["exercises"]), "quizzes": quizzes, "topics": topics,
             "questions_answered": sum(t["total"] for t in topics.values()),
-            "questions_correct": sum(t["correct"] for t in topics.values()), "mastery": mastery(data)}
+            "questions_correct": sum(t["correct"] for t in topics.values())}
 
 
-def format_summary(s: dict | None = None) -> str:
-    """:func:`summary` as a few readable lines."""
-    from .quiz.bank import TOPICS
+# The spaced review (gpucourse.quiz.review) reads these boxes; the file keeps them.
+INTERVALS = (1, 2, 4, 8, 16)  # sessions a question in box 1, 2, 3, 4, 5 waits before it comes back
 
-    s = summary() if s is None else s
-    lines = [f"progress ({s['file']})"]
-    if not s["exercises"] and not s["quizzes"]:
-        return "\n".join(lines + ["  nothing recorded yet: run 'gpucourse grade' or 'gpucourse quiz'."])
-    lines.append(f"exercises: {s['exercises_passed']} of {s['exercises_tried']} tried passed" if s["exercises"]
-                 else "exercises: none graded yet ('gpucourse grade')")
-    width = max((len(n) for n in s["exercises"]), default=0)
-    for name, e in sorted(s["exercises"].items()):
-        mark = "passed" if e["passed"] else f"best {e['best']:g}/{e['max_score']:g}"
-        lines.append(f"  {name:<{width}}  {e['score']:g}/{e['max_score']:g}  {mark}, "
-                     f"{e['attempts']} attempt{'s' * (e['attempts'] != 1)}")
-    if s["quizzes"]:
-        taken = sum(q["attempts"] for q in s["quizzes"].values())
-        lines.append(f"quizzes: {taken} taken, {s['questions_correct']}/{s['questions_answered']} questions right")
-        width = max(len(t) for t in list(s["quizzes"]) + list(s["topics"]))
-        for label, q in sorted(s["quizzes"].items()):
-            lines.append(f"  {label:<{width}}  {q['attempts']:>3}×  last {100 * q['last']:5.1f}%  "
-                         f"best {100 * q['best']:5.1f}%")
-        lines.append("by topic, over every question answered:")
-        for t in [t for t in TOPICS if t in s["topics"]] + sorted(set(s["topics"]) - set(TOPICS)):
-            v = s["topics"][t]
-            lines.append(f"  {t:<{width}}  {v['correct']:>3}/{v['total']:<3}  {100 * v['score']:5.1f}%")
-        weakest = min((t for t in s["topics"] if t in TOPICS), key=lambda t: s["topics"][t]["score"], default=None)
-        untried = [t for t in TOPICS if t not in s["topics"]]
-        if untried:
-            lines.append("not tried yet: " + ", ".join(untried))
-        if s.get("mastery", {}).get("answered"):  # answers recorded per question: mastery, weakest, what to revisit
-            from .quiz.review import format_mastery
 
-            lines += format_mastery(s["mastery"])
-        elif not untried and weakest is not None and s["topics"][weakest]["score"] < 1:
-            lines.append(f"weakest: {weakest} — 'gpucourse quiz --topic {weakest}'")
-    return "\n".join(lines)
+def file_answers(record: dict, answers: dict, session: int) -> None:
+    """File ``answers`` ({question id: right}) of session number ``session`` into ``record["questions"]``."""
+    questions = record.setdefault("questions", {})
+    for qid, right in answers.items():
+        q = questions.setdefault(qid, {"box": 0, "answered": 0, "right": 0})
+        q["answered"] += 1
+        q["right"] += bool(right)
+        q["last_right"] = bool(right)
+        q["session"] = session
+        if not right:
+            q["box"] = 1
+        elif q["box"]:
+            q["box"] = min(q["box"] + 1, len(INTERVALS))
+        if q["box"]:
+            q["due"] = session + INTERVALS[q["box"] - 1]

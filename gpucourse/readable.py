@@ -42,3 +42,8 @@ class Readable:
     def _render_traceback_(self) -> list[str]:
         first, *rest = str(self).splitlines() or [""]
         return [f"{RED}{BOLD}{type(self).__name__}{RESET}: {first}", *rest]
+
+
+class ConfigError(Readable, ValueError):
+    """A config that cannot run; the message is one sentence saying why. (Here, not in :mod:`gpucourse.config`,
+    so that a strategy can refuse a setting without importing the config that names it.)"""

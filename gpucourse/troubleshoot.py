@@ -528,7 +528,7 @@ def tracking_overhead(rounds: int = 10, block: int = 5):
     median step time is used. Returns a :class:`gpucourse.bench.Reading` whose
     detail also has the per-call cost and the estimate cost x calls / step time.
     """
-    from .bench.readings import Reading
+    from .readings import Reading
 
     cfg = TrainConfig(dp=2, record=False)
     outputs = launch(_overhead_rank, cfg.to_dict(), rounds, block, world_size=2, timeout=600, quiet=True)

@@ -456,10 +456,11 @@ def test_notebook_check_rereads_the_file_and_leaves_the_kernel_alone(tmp_path, m
     assert "10/10" in text and "ok   bubble_fraction" in text
     assert "ex05_one_f_one_b" not in sys.modules and not torch.cuda.is_initialized()
     from gpucourse import progress
+    from gpucourse.quiz import review
 
     entry = progress.load()["exercises"]["ex05_one_f_one_b"]
     assert (entry["attempts"], entry["score"], entry["passed"]) == (1, 10, True)  # the untouched stub was no attempt
-    assert "1 of" in progress.format_summary() or "ex05" in progress.format_summary()
+    assert "1 of" in review.format_summary() or "ex05" in review.format_summary()
 
 
 def test_notebook_check_shows_html_in_a_kernel(monkeypatch, marked):

@@ -16,10 +16,11 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gpucourse"
 
-# The core trains and measures; it imports only torch and itself (DESIGN.md, "Layers").
+# The core trains and measures; it imports only torch and itself. The tools sit on top: nothing but a tool imports one.
 CORE = ("config", "model", "data", "optim", "comm", "measure", "files", "runtime", "parallel", "train",
         "checkpoint", "profiling", "readable", "clock")
-TOOLS = ("bench", "tour", "troubleshoot", "viz", "cli", "lab", "kernel_sockets", "grading", "quiz", "workshop")
+TOOLS = ("bench", "tour", "troubleshoot", "viz", "cli", "lab", "kernel_sockets", "grading", "quiz", "workshop",
+         "__main__")
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -50,7 +51,14 @@ def _imports(module: str) -> list[tuple[str, str, int]]:
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    # ``if TYPE_CHECKING:`` imports never run: a type checker's, not a dependency.
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
+                   for stmt in node.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name == "gpucourse" or alias.name.startswith("gpucourse."):
@@ -71,7 +79,12 @@ def _imports(module: str) -> list[tuple[str, str, int]]:
                     out.append((full, "", node.lineno))
                 else:
                     out.append((_resolve(base), alias.name, node.lineno))
-    return [(t, n, line) for t, n, line in out if t is not None and t != module]
+    out = [(t, n, line) for t, n, line in out if t is not None and t != module]
+    # Importing ``a.b.c`` runs ``a`` and ``a.b`` (their __init__) first: the package edges, but for a package the
+    # importer is inside (Python has already started it).
+    packages = [(".".join(t.split(".")[:i]), "", line) for t, _, line in out for i in range(1, t.count(".") + 1)]
+    inside = {".".join(module.split(".")[:i]) for i in range(module.count(".") + 2)}
+    return out + [p for p in packages if p[0] not in inside and p[0] in MODULES]
 
 
 GRAPH = {m: _imports(m) for m in MODULES}
@@ -134,8 +147,21 @@ def test_the_core_never_imports_the_tools():
     assert not bad, "\n".join(bad)
 
 
+def test_only_a_tool_imports_a_tool():
+    bad = [f"gpucourse.{m} imports gpucourse.{t} (line {line})"
+           for m in GRAPH if not _layer(m, TOOLS) for t, _, line in GRAPH[m] if _layer(t, TOOLS)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_package_edges_are_read():
+    """Importing ``a.b`` runs ``a`` first: an import of ``parallel.pipeline`` depends on ``parallel`` too."""
+    assert any(t == "parallel" for t, _, _ in GRAPH["plan"])  # plan imports parallel.pipeline
+    assert not any(t == "parallel" for t, _, _ in GRAPH["parallel.pipeline"])  # its own package: already running
+    assert not any(t == "config" for t, _, _ in GRAPH["parallel"])  # an import under TYPE_CHECKING never runs
+
+
 def test_the_benchmark_toolkit_imports_nothing_from_the_project():
-    assert GRAPH["bench.readings"] == []
+    assert GRAPH["readings"] == []
 
 
 def test_no_private_name_is_imported_across_modules():
@@ -166,6 +192,22 @@ def test_no_private_name_is_reached_through_another_module():
 def test_the_cycle_finder_finds_a_planted_cycle(monkeypatch, planted, expected):
     monkeypatch.setattr(sys.modules[__name__], "GRAPH", planted)
     assert _cycles() == expected
+
+
+def test_a_planted_loop_through_a_package_is_found(tmp_path, monkeypatch):
+    """``top`` imports ``sub.leaf``, which runs ``sub/__init__``, which imports ``top``: a loop that reading module
+    edges alone misses."""
+    pkg = tmp_path / "gpucourse"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from .leaf import x\nfrom ..top import f\n")
+    (pkg / "sub" / "leaf.py").write_text("x = 1\n")
+    (pkg / "top.py").write_text("def f():\n    from .sub.leaf import x\n    return x\n")
+    this = sys.modules[__name__]
+    monkeypatch.setattr(this, "PACKAGE", pkg)
+    monkeypatch.setattr(this, "MODULES", _modules())
+    monkeypatch.setattr(this, "GRAPH", {m: _imports(m) for m in this.MODULES})
+    assert _cycles() == [["sub", "top"]]
 
 
 # What runs without torch: a workshop's hub (its spawner, dashboard and reports), the lab server's helper, the

@@ -47,7 +47,7 @@ def test_records_add_up(progress_file):
     assert s["topics"]["parallelism"] == {"correct": 7, "total": 12, "score": 7 / 12}
     assert s["topics"]["memory-batch"]["correct"] == 2
     assert (s["questions_correct"], s["questions_answered"]) == (9, 15)
-    text = progress.format_summary(s)
+    text = review.format_summary(s)
     assert "1 of 2 tried passed" in text and "ex02_data_parallel" in text and "not tried yet" in text
     assert json.loads(progress_file.read_text())["format"] == progress.FORMAT
 
@@ -139,7 +139,7 @@ def test_mastery_per_topic_from_a_progress_file(progress_file, capsys):
         "mem-bytes-mixed": filed(0, True),
         "retired-question": filed(1, False, 1),  # no longer in the bank: ignored
     })
-    m = progress.summary()["mastery"]
+    m = review.summary()["mastery"]
     assert m["topics"]["distributed-setups"] == {"mastered": 2, "answered": 3, "total": size["distributed-setups"],
                                                  "score": 2 / size["distributed-setups"], "weight": 0.25}
     assert m["topics"]["parallelism"]["mastered"] == 0 and m["topics"]["parallelism"]["answered"] == 2
@@ -153,7 +153,7 @@ def test_mastery_per_topic_from_a_progress_file(progress_file, capsys):
     assert m["revisit"] == [{"notebook": "02_data_parallelism", "section": None, "missed": 2},
                             {"notebook": "01_collectives", "section": None, "missed": 1}]
     assert m["due"] == 3  # due at session 4 or before: the next is session 4
-    text = progress.format_summary()
+    text = review.format_summary()
     assert "mastery by exam topic" in text and "weakest: parallelism (0%), profiling-troubleshooting (0%)" in text
     assert "weighed as the exam" in text and f"{100 * m['weighted']:.1f}%" in text and "25% of a mock exam" in text
     assert "revisit: notebook 02_data_parallelism (2 missed), notebook 01_collectives (1 missed)" in text
@@ -166,9 +166,9 @@ def test_a_file_without_per_question_answers_is_still_read(progress_file):
     progress_file.parent.mkdir(parents=True)
     progress_file.write_text(json.dumps({"format": 1, "exercises": {}, "quizzes": [
         {"topic": "parallelism", "correct": 1, "total": 2, "time": "t", "by_topic": {"parallelism": [1, 2]}}]}))
-    s = progress.summary()
+    s = review.summary()
     assert s["mastery"]["answered"] == 0 and s["topics"]["parallelism"]["score"] == 0.5
-    assert "mastery" not in progress.format_summary(s) and "not tried yet" in progress.format_summary(s)
+    assert "mastery" not in review.format_summary(s) and "not tried yet" in review.format_summary(s)
     progress.record_quiz("memory-batch", 1, 1, answers={"mem-bytes-mixed": True})  # the old file grows the record
     assert progress.load()["questions"]["mem-bytes-mixed"]["box"] == 0 and len(progress.load()["quizzes"]) == 2
 
@@ -190,7 +190,7 @@ def test_leitner_boxes_over_sessions(progress_file):
     assert (progress.load()["questions"][qid]["box"], progress.load()["questions"][qid]["due"]) == (1, 8)
     progress.record_quiz("mixed", 1, 1, answers={"par-dp-buckets": True})                  # never missed: no box
     assert progress.load()["questions"]["par-dp-buckets"]["box"] == 0
-    assert review.INTERVALS == (1, 2, 4, 8, 16)
+    assert progress.INTERVALS == (1, 2, 4, 8, 16)
     with pytest.raises(ValueError, match="add up"):
         progress.record_quiz("mixed", 1, 2, answers={qid: True})
 

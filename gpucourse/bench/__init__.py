@@ -1,6 +1,6 @@
 """Benchmarks: gpucourse's runtime and strategies against their PyTorch and Accelerate counterparts.
 
-``gpucourse bench`` measures a list of *figures* (see :mod:`gpucourse.bench.readings`
+``gpucourse bench`` measures a list of *figures* (see :mod:`gpucourse.readings`
 for what a figure is and how two sides are timed in turns). Adding a figure is
 one function::
 
@@ -45,7 +45,7 @@ from ..readable import human_bytes
 from ..runtime import launch
 from ..runtime.launcher import plan_device, preimport, visible_gpus
 from ..train import run
-from .readings import FIGURES, WARMUP_STEPS, Figure, Reading, figure, interleave, parse_target, passed, ratio
+from ..readings import FIGURES, WARMUP_STEPS, Figure, Reading, figure, interleave, parse_target, passed, ratio
 
 # Ranks of every figure: the smallest group that communicates.
 RANKS = 2

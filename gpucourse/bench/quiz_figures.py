@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 
 from ..quiz.bank import load_bank
-from .readings import Reading, figure
+from ..readings import Reading, figure
 
 # Where the situation ends and the asking begins: after ., :, ;, ! or ? followed by a space.
 CLAUSE_END = re.compile(r"(?<=[.:;!?])\s+")

@@ -7,7 +7,7 @@ import time
 
 from ..config import TrainConfig
 from ..train import run
-from .readings import Reading, figure
+from ..readings import Reading, figure
 
 
 @figure("model_vs_published_max_error", target="<= 0.30", quick=dict(), full=dict())

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from ..workshop import collect, hub
-from .readings import Reading, figure
+from ..readings import Reading, figure
 
 SEATS = 3
 

@@ -17,13 +17,16 @@ tensor-parallel slice, without a class written for the combination.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
-from ..config import TrainConfig
 from ..measure import Recorder
 from ..model import MoE
 from .activation_checkpointing import recompute
 from .precision import Precision
 from .single import Trainer
+
+if TYPE_CHECKING:  # a config is read here, never built: importing it would loop back (config checks strategies)
+    from ..config import TrainConfig
 
 
 def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, device=None) -> Trainer:

@@ -23,7 +23,7 @@ import contextlib
 
 import torch.distributed as dist
 
-from ..config import ConfigError
+from ..readable import ConfigError
 from ..measure import Recorder, optimizer_state_bytes, tensor_bytes
 from ..model import loss_fn
 from ..optim import make_optimizer

@@ -5,42 +5,24 @@ session n), and each question answered in it is filed in a Leitner box:
 
 - a question you miss goes to box 1 and comes back in the next session;
 - each right answer moves a missed question up one box, and boxes 1, 2, 3, 4, 5 wait 1, 2, 4, 8, 16 sessions
-  (:data:`INTERVALS`) before it comes back;
+  (:data:`gpucourse.progress.INTERVALS`) before it comes back;
 - a question you have never missed is in no box: it is not reviewed.
 
 ``gpucourse quiz --review`` (or :func:`draw`) asks the questions that are due. *Mastery* of a topic is the share
 of the bank's questions in that topic whose last answer was right, so an unanswered question counts as not yet
 mastered.
 
-This module reads a progress record (:func:`gpucourse.progress.load`) and files answers into it; the progress
-module stores it.
+This module reads a progress record (:func:`gpucourse.progress.load`); the progress module stores it and files
+each answer into its box (:func:`gpucourse.progress.file_answers`).
 """
 
 from __future__ import annotations
 
 import random
 
+from .. import progress
 from .bank import NOTEBOOKS, TOPICS, load_bank, shuffled
 from .exam import EXAM_WEIGHTS
-
-INTERVALS = (1, 2, 4, 8, 16)  # sessions a question in box 1, 2, 3, 4, 5 waits before it comes back
-
-
-def file_answers(record: dict, answers: dict, session: int) -> None:
-    """File ``answers`` ({question id: right}) of session number ``session`` into ``record["questions"]``."""
-    questions = record.setdefault("questions", {})
-    for qid, right in answers.items():
-        q = questions.setdefault(qid, {"box": 0, "answered": 0, "right": 0})
-        q["answered"] += 1
-        q["right"] += bool(right)
-        q["last_right"] = bool(right)
-        q["session"] = session
-        if not right:
-            q["box"] = 1
-        elif q["box"]:
-            q["box"] = min(q["box"] + 1, len(INTERVALS))
-        if q["box"]:
-            q["due"] = session + INTERVALS[q["box"] - 1]
 
 
 def next_session(record: dict) -> int:
@@ -144,3 +126,44 @@ def format_mastery(m: dict) -> list[str]:
     if m["due"]:
         lines.append(f"due for review: {m['due']} question{'s' * (m['due'] > 1)} — 'gpucourse quiz --review'")
     return lines
+
+
+def summary(path=None) -> dict:
+    """:func:`gpucourse.progress.summary` of the progress file at ``path`` (default: yours) with ``"mastery"`` per
+    exam topic, from the answers recorded per question (:func:`mastery`)."""
+    return {**progress.summary(path), "mastery": mastery(progress.load(path))}
+
+
+def format_summary(s: dict | None = None) -> str:
+    """:func:`summary` as a few readable lines."""
+    s = summary() if s is None else s
+    lines = [f"progress ({s['file']})"]
+    if not s["exercises"] and not s["quizzes"]:
+        return "\n".join(lines + ["  nothing recorded yet: run 'gpucourse grade' or 'gpucourse quiz'."])
+    lines.append(f"exercises: {s['exercises_passed']} of {s['exercises_tried']} tried passed" if s["exercises"]
+                 else "exercises: none graded yet ('gpucourse grade')")
+    width = max((len(n) for n in s["exercises"]), default=0)
+    for name, e in sorted(s["exercises"].items()):
+        mark = "passed" if e["passed"] else f"best {e['best']:g}/{e['max_score']:g}"
+        lines.append(f"  {name:<{width}}  {e['score']:g}/{e['max_score']:g}  {mark}, "
+                     f"{e['attempts']} attempt{'s' * (e['attempts'] != 1)}")
+    if s["quizzes"]:
+        taken = sum(q["attempts"] for q in s["quizzes"].values())
+        lines.append(f"quizzes: {taken} taken, {s['questions_correct']}/{s['questions_answered']} questions right")
+        width = max(len(t) for t in list(s["quizzes"]) + list(s["topics"]))
+        for label, q in sorted(s["quizzes"].items()):
+            lines.append(f"  {label:<{width}}  {q['attempts']:>3}×  last {100 * q['last']:5.1f}%  "
+                         f"best {100 * q['best']:5.1f}%")
+        lines.append("by topic, over every question answered:")
+        for t in [t for t in TOPICS if t in s["topics"]] + sorted(set(s["topics"]) - set(TOPICS)):
+            v = s["topics"][t]
+            lines.append(f"  {t:<{width}}  {v['correct']:>3}/{v['total']:<3}  {100 * v['score']:5.1f}%")
+        weakest = min((t for t in s["topics"] if t in TOPICS), key=lambda t: s["topics"][t]["score"], default=None)
+        untried = [t for t in TOPICS if t not in s["topics"]]
+        if untried:
+            lines.append("not tried yet: " + ", ".join(untried))
+        if s.get("mastery", {}).get("answered"):  # answers recorded per question: mastery, weakest, what to revisit
+            lines += format_mastery(s["mastery"])
+        elif not untried and weakest is not None and s["topics"][weakest]["score"] < 1:
+            lines.append(f"weakest: {weakest} — 'gpucourse quiz --topic {weakest}'")
+    return "\n".join(lines)
