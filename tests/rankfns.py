@@ -237,3 +237,70 @@ def dispatch_against_local(cases: int, seed: int) -> list[dict]:
         worst.append({"kind": kind, "E": E, "k": k, "tokens": tokens, "diff": max(diffs),
                       "held": sorted(ep.experts.keys())})
     return worst
+
+
+def third_party_loop(kind: str, steps: int = 6) -> dict:
+    """A training loop that is not the course's — its own model and loss, SGD with momentum, a second parameter
+    group without weight decay, a learning-rate scheduler, gradient clipping — through one data-parallel component
+    (``kind``), each rank on its share of every batch. ``"single"``: the same loop on one device, no process group.
+    Returns the mean loss of each step over the whole batch, the final weights and (sharded) the state each rank
+    holds."""
+    import torch.nn.functional as F
+
+    from gpucourse.parallel.data_parallel import DataParallel
+    from gpucourse.parallel.data_parallel_buckets import DataParallelBuckets
+    from gpucourse.parallel.zero import ShardedOptimizer
+
+    rank, world = (0, 1) if kind == "single" else (dist.get_rank(), dist.get_world_size())
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    if rank:  # every rank but 0 starts elsewhere: the component must copy rank 0's weights
+        torch.nn.init.normal_(model[0].weight)
+    wrap = {"single": lambda m: m, "dp": DataParallel, "sharded": DataParallel, "accumulated": DataParallelBuckets,
+            "buckets": lambda m: DataParallelBuckets(m, bucket_mb=0.0005),
+            "one-bucket": DataParallelBuckets}[kind]
+    net = wrap(model)
+    groups = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 0.05},
+              {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
+    opt = (ShardedOptimizer(groups, torch.optim.SGD, lr=0.2, momentum=0.9) if kind == "sharded"
+           else torch.optim.SGD(groups, lr=0.2, momentum=0.9))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    data = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(16, 8, generator=data), torch.randn(16, 4, generator=data)
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        opt.zero_grad()
+        if kind == "accumulated":  # two microbatches, the first backward only accumulating
+            with net.no_sync():
+                first = F.smooth_l1_loss(net(x[:4]), y[:4]) / 2
+                first.backward()
+            second = F.smooth_l1_loss(net(x[4:]), y[4:]) / 2
+            second.backward()
+            loss = first.detach() + second.detach()
+        else:
+            loss = F.smooth_l1_loss(net(x), y)
+            loss.backward()
+        if kind != "single":
+            net.finish_gradient_synchronization()
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        sched.step()
+        losses.append(loss.item() / world)
+    out = {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+           "lr": sched.get_last_lr()}
+    if kind == "sharded":
+        fresh = ShardedOptimizer(groups, torch.optim.SGD, lr=0.2, momentum=0.9)
+        fresh.load_state_dict(opt.state_dict())
+        out["held"] = sorted(len(g["params"]) for g in opt.inner.param_groups)
+        out["reloaded"] = all(torch.equal(fresh.inner.state[p]["momentum_buffer"], s["momentum_buffer"])
+                              for p, s in opt.inner.state.items())
+        out["lr_reloaded"] = [g["lr"] for g in fresh.param_groups]
+    return out
+
+
+def third_party_loops(kinds: list[str], steps: int = 6) -> dict:
+    """:func:`third_party_loop` for each kind in turn, in one launch."""
+    return {kind: third_party_loop(kind, steps) for kind in kinds}

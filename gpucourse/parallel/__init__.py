@@ -12,6 +12,14 @@ loop by the stage's schedule; tensor parallelism swaps layers inside the
 blocks; data parallelism decides how gradients are synchronised and what the
 optimizer step holds. So any data-parallel kind runs on a stage or on a
 tensor-parallel slice, without a class written for the combination.
+
+The data-parallel pieces are also components for a loop that is not the
+course's: :class:`~.data_parallel.DataParallel` and
+:class:`~.data_parallel_buckets.DataParallelBuckets` wrap a module (call
+``finish_gradient_synchronization()`` after backward), and
+:class:`~.zero.ShardedOptimizer` is ZeRO-1 as a ``torch.optim.Optimizer``
+around any optimizer class. The course's data-parallel trainers use the same modules
+(its ZeRO keeps one flat buffer, sharded evenly: `ZeroScratch`).
 """
 
 from __future__ import annotations

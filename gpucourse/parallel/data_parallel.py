@@ -62,16 +62,44 @@ def allreduce_gradients(module: torch.nn.Module, group) -> None:
         p.grad /= size
 
 
+class DataParallel(torch.nn.Module):
+    """Data parallelism as a module any training loop can use: each rank runs the wrapped module on its share of
+    the batch, and one all-reduce per parameter averages the gradients.
+
+        ddp = DataParallel(model, group)         # every rank starts from rank 0's weights
+        loss = my_loss(ddp(x), y)                # forward: the module's own
+        loss.backward()
+        ddp.finish_gradient_synchronization()    # the gradients of the whole batch, on every rank
+        optimizer.step()                         # any optimizer, any scheduler, clipping, ...
+
+    It builds no optimizer and changes no parameter: ``parameters()`` and ``state_dict()`` are the module's
+    (under ``module.``). ``group``: the data-parallel process group (default: every rank).
+    """
+
+    def __init__(self, module: torch.nn.Module, group=None):
+        super().__init__()
+        self.module = module
+        self.group = group if group is not None else dist.group.WORLD
+        broadcast_parameters(module, self.group)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Average every gradient over the group; call it after backward, before the optimizer's step."""
+        allreduce_gradients(self.module, self.group)
+
+
 class DataParallelScratch(Trainer):
-    """Data parallel from scratch: one blocking all-reduce per gradient after backward."""
+    """Data parallel from scratch: one blocking all-reduce per gradient after backward (:class:`DataParallel`)."""
 
     def __init__(self, model, group, **options):
         self.group = group
-        broadcast_parameters(model, group)
+        self.ddp = DataParallel(model, group)
         super().__init__(model, **options)
 
     def sync_gradients(self) -> None:
-        allreduce_gradients(self.model, self.group)
+        self.ddp.finish_gradient_synchronization()
 
 
 class TorchDDP(Trainer):

@@ -84,23 +84,39 @@ class _Bucket:
         return self.buffer[start:start + n].view_as(p)
 
 
-class BucketedDataParallel(Trainer):
-    """Data parallel with gradient buckets all-reduced during backward."""
+class DataParallelBuckets(torch.nn.Module):
+    """Bucketed data parallelism as a module any training loop can use (the API of :class:`DataParallel`):
 
-    def __init__(self, model, group, bucket_mb: float = 25.0, **options):
-        self.group = group
-        self.dp = dist.get_world_size(group)
-        broadcast_parameters(model, group)
-        super().__init__(model, **options)
-        ready_order = [p for p in reversed(list(model.parameters())) if p.requires_grad]
-        cap = max(1, int(bucket_mb * 2**20))
+        ddp = DataParallelBuckets(model, group, bucket_mb=25)
+        loss = my_loss(ddp(x), y)
+        loss.backward()                          # buckets all-reduce while backward goes on
+        ddp.finish_gradient_synchronization()    # wait for them; the averaged gradients are in p.grad
+        optimizer.step()
+
+    ``bucket_mb=None`` puts every gradient in one bucket (one all-reduce a step, after the whole backward).
+    Inside ``with ddp.no_sync():`` backward only accumulates (gradient accumulation: communicate on the last
+    microbatch).
+    """
+
+    def __init__(self, module: torch.nn.Module, group=None, bucket_mb: float | None = None):
+        super().__init__()
+        self.module = module
+        self.group = group if group is not None else dist.group.WORLD
+        self.dp = dist.get_world_size(self.group)
+        broadcast_parameters(module, self.group)
+        ready_order = [p for p in reversed(list(module.parameters())) if p.requires_grad]
+        cap = sum(p.numel() * p.element_size() for p in ready_order) if bucket_mb is None \
+            else max(1, int(bucket_mb * 2**20))
         self.buckets = [_Bucket(i, ps) for i, ps in enumerate(assign_buckets(ready_order, cap))]
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self._communicate = True
         for p in ready_order:
             p.register_post_accumulate_grad_hook(self._grad_ready)
-        name_of = {p: n for n, p in model.named_parameters()}
-        self.extras["buckets"] = [[name_of[p] for p in b.params] for b in self.buckets]
+        name_of = {p: n for n, p in module.named_parameters()}
+        self.bucket_names = [[name_of[p] for p in b.params] for b in self.buckets]
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
 
     def _grad_ready(self, p: torch.nn.Parameter) -> None:
         # Called by autograd when p.grad holds this backward's full gradient.
@@ -115,17 +131,18 @@ class BucketedDataParallel(Trainer):
         bucket.pending = comm.all_reduce(bucket.buffer, group=self.group, async_op=True,
                                          name=f"all_reduce bucket {bucket.index}")
 
-    def accumulating(self, last: bool):
-        @contextlib.contextmanager
-        def only_last_communicates():
-            self._communicate = last
-            try:
-                yield
-            finally:
-                self._communicate = True
-        return only_last_communicates()
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward inside only adds up gradients locally; the next backward outside communicates them all."""
+        self._communicate = False
+        try:
+            yield
+        finally:
+            self._communicate = True
 
-    def sync_gradients(self) -> None:
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every bucket's all-reduce (launching any a missing gradient held back) and put the averages
+        in ``p.grad``."""
         for bucket in self.buckets:
             if bucket.pending is None:
                 # Some parameter got no gradient in the last backward: send what it holds
@@ -142,3 +159,20 @@ class BucketedDataParallel(Trainer):
                 # it (weight decay included). Like DDP, this assumes it got none on any rank.
                 p.grad = None if p.grad is None else bucket.view(p).clone()
             bucket.reset()
+
+
+class BucketedDataParallel(Trainer):
+    """Data parallel with gradient buckets all-reduced during backward (:class:`DataParallelBuckets`)."""
+
+    def __init__(self, model, group, bucket_mb: float | None = 25.0, **options):
+        self.group = group
+        self.ddp = DataParallelBuckets(model, group, bucket_mb)
+        self.buckets = self.ddp.buckets
+        super().__init__(model, **options)
+        self.extras["buckets"] = self.ddp.bucket_names
+
+    def accumulating(self, last: bool):
+        return contextlib.nullcontext() if last else self.ddp.no_sync()
+
+    def sync_gradients(self) -> None:
+        self.ddp.finish_gradient_synchronization()
