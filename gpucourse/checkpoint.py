@@ -77,17 +77,16 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, fields_of
 from .files import write_atomic
 
 FAULT_ENV = "GPUCOURSE_FAULT"
 META = "meta.json"
 LATEST = "latest"
-# Config fields a resumed run may change: they say how long and where it runs, not what it computes,
-RUN_OPTIONS = ("steps", "device", "record", "profile", "memory_snapshot", "straggler", "save", "save_every", "resume")
-# ...and how the same computation is laid out on ranks: every layout equals one device.
-LAYOUT_OPTIONS = ("dp", "tp", "pp", "cp", "zero", "impl", "schedule", "virtual_stages", "microbatches", "grad_accum",
-                  "bucket_mb", "checkpoint_activations", "attention", "sequence_parallel", "cp_algo", "zigzag")
+# Config fields a resumed run may change, as the config tags them: how long and where it runs, not what it
+# computes (run options) and how the same computation is laid out on ranks (every layout equals one device).
+RUN_OPTIONS = fields_of("run")
+LAYOUT_OPTIONS = fields_of("layout")
 FORMAT = 2  # 2: state under single-device names, whatever the layout (1: each layout its own)
 _NAME = re.compile(r"step-(\d{6,})")
 

@@ -22,6 +22,23 @@ RECOMPUTE = ("none", "selective", "full")  # what backward recomputes (checkpoin
 ATTENTION = ("flash", "math")              # how attention computes (model.GPTConfig.attention)
 
 
+def layout(default):
+    """A field that says how the computation is laid out on ranks: a checkpoint resumes at another value of it,
+    since every layout equals one device."""
+    return field(default=default, metadata={"kind": "layout"})
+
+
+def run_option(default):
+    """A field that says how long or where a run goes, or what it records: never what it computes."""
+    return field(default=default, metadata={"kind": "run"})
+
+
+def fields_of(kind: str) -> tuple[str, ...]:
+    """The names of :class:`TrainConfig`'s fields of one ``kind``: "layout", "run", or "training" (untagged:
+    what the run computes — the model, its batch, precision and optimisation — which a resume keeps)."""
+    return tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("kind", "training") == kind)
+
+
 @dataclass
 class TrainConfig:
     """Everything that defines one training run.
@@ -33,51 +50,54 @@ class TrainConfig:
     """
 
     model: str = "tiny"
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1  # context parallel: each rank holds seq_len / cp tokens of every sequence
-    zero: int = 0
-    schedule: str = "1f1b"
-    virtual_stages: int = 2  # interleaved-1f1b: model chunks per pipeline rank
-    microbatches: int = 1
-    grad_accum: int = 1
+    dp: int = layout(1)
+    tp: int = layout(1)
+    pp: int = layout(1)
+    cp: int = layout(1)  # context parallel: each rank holds seq_len / cp tokens of every sequence
+    zero: int = layout(0)
+    schedule: str = layout("1f1b")
+    virtual_stages: int = layout(2)  # interleaved-1f1b: model chunks per pipeline rank
+    microbatches: int = layout(1)
+    grad_accum: int = layout(1)
     precision: str = "fp32"
     master_weights: bool = False
     # Activation recomputation: False / "none", "selective" (attention's scores, softmax, dropout and weighted sum
     # recomputed in backward, as Megatron-LM's selective recomputation), True / "full" (every block's forward).
-    checkpoint_activations: bool | str = False
-    sequence_parallel: bool = False  # with tp: activations between sub-layers cut along the sequence
-    cp_algo: str = "ring"  # how context-parallel attention meets the other ranks' keys: ring, allgather, ulysses
-    zigzag: bool = False  # context parallel: 2·cp chunks, rank i holding i and 2·cp-1-i (causal load balance)
+    checkpoint_activations: bool | str = layout(False)
+    sequence_parallel: bool = layout(False)  # with tp: activations between sub-layers cut along the sequence
+    # How context-parallel attention meets the other ranks' keys: ring, allgather, ulysses.
+    cp_algo: str = layout("ring")
+    zigzag: bool = layout(False)  # context parallel: 2·cp chunks, rank i holding i and 2·cp-1-i (causal balance)
     # Mixture of experts (model.MoE): E experts per MoE block; None keeps the model's own setting.
     moe_experts: int = 0
     moe_top_k: int | None = None      # experts per token (2)
     moe_every: int | None = None      # an MoE in every block (1) or every n-th (n)
     moe_capacity: float | None = None  # capacity factor; None: no token dropped
     moe_aux: float | None = None      # weight of the load-balancing loss (0.01)
-    ep: int = 1  # expert parallel: experts spread over ep of the dp ranks (ep divides dp)
-    impl: str = "scratch"
-    bucket_mb: float | None = None
-    steps: int = 20
+    # Expert parallel: experts spread over ep of the dp ranks (ep divides dp). Not a layout field yet: a resume
+    # does not spread a checkpoint's experts over another ep.
+    ep: int = 1
+    impl: str = layout("scratch")
+    bucket_mb: float | None = layout(None)
+    steps: int = run_option(20)
     batch_size: int = 8
     seq_len: int = 64
     lr: float = 3e-3
     seed: int = 0
     dropout: float = 0.0
-    attention: str = "flash"  # "flash" (fused, no scores kept) or "math" (the T × T scores kept): see model.py
-    device: str = "auto"
-    record: bool = True
+    attention: str = layout("flash")  # "flash" (fused, no scores kept) or "math" (T × T scores kept): model.py
+    device: str = run_option("auto")
+    record: bool = run_option(True)
     # A planted fault for profiling practice: "RANK:MS" slows that rank by MS milliseconds every step, as a
     # slow or throttled device would; its peers wait for it in their next collective.
-    straggler: str | None = None
+    straggler: str | None = run_option(None)
     # Run options that are not part of the optimisation: where to write a
     # torch.profiler trace per rank, and where to save / resume checkpoints.
-    profile: str | None = None
-    memory_snapshot: str | None = None  # a folder for a CUDA memory snapshot per rank (CUDA only)
-    save: str | None = None
-    save_every: int = 0
-    resume: str | None = None
+    profile: str | None = run_option(None)
+    memory_snapshot: str | None = run_option(None)  # a folder for a CUDA memory snapshot per rank (CUDA only)
+    save: str | None = run_option(None)
+    save_every: int = run_option(0)
+    resume: str | None = run_option(None)
     overrides: dict = field(default_factory=dict)
 
     def __post_init__(self):

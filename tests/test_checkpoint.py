@@ -252,3 +252,23 @@ def test_torchrun_restarts_a_failed_job_from_its_last_checkpoint(tmp_path):
     assert_continues(RunResult.from_dict(result), torch.load(weights), full, full_weights, start=4)
     assert [step for step, _ in complete_checkpoints(folder)] == [4, 8, 12]
     assert (folder / LATEST).read_text() == "step-000012\n"
+
+
+def test_what_a_resume_may_change_is_read_from_the_configs_tags():
+    """Every config field has one kind; a checkpoint lets a resume change the layout and run fields, nothing else."""
+    import dataclasses
+
+    from gpucourse import checkpoint
+    from gpucourse.config import fields_of
+
+    kinds = {kind: set(fields_of(kind)) for kind in ("layout", "run", "training")}
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    assert sorted(n for names_ in kinds.values() for n in names_) == sorted(names)
+    assert (set(checkpoint.LAYOUT_OPTIONS), set(checkpoint.RUN_OPTIONS)) == (kinds["layout"], kinds["run"])
+    assert {"virtual_stages", "attention", "checkpoint_activations"} <= kinds["layout"]
+    assert {"straggler", "memory_snapshot", "steps"} <= kinds["run"] and {"lr", "seed", "model"} <= kinds["training"]
+    saved = TrainConfig(pp=2, microbatches=2).to_dict()
+    moved = TrainConfig(pp=2, microbatches=2, schedule="interleaved-1f1b", virtual_stages=2, steps=40,
+                        straggler="1:5", checkpoint_activations="selective", attention="math")
+    assert checkpoint._differences(saved, moved) == []
+    assert checkpoint._differences(saved, TrainConfig(pp=2, microbatches=2, lr=1e-2, seed=3)) == ["lr", "seed"]
