@@ -15,7 +15,7 @@ import textwrap
 
 from .config import ConfigError, TrainConfig, supported_table
 from .files import write_atomic
-from .parallel.schedules import SCHEDULES
+from .parallel.schedule_table import SCHEDULES
 from .readable import human_bytes
 from .runtime.launcher import (LaunchError, LaunchTimeout, WorkerError, check_in_place_world, in_place,
                                plan_device)
@@ -57,8 +57,7 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=d.ep, help="expert-parallel degree: experts spread over ep dp ranks")
     p.add_argument("--zero", type=int, default=d.zero, help="ZeRO stage 0-3")
     p.add_argument("--schedule", default=None,
-                   help=f"pipeline schedule (with --pp > 1; default {d.schedule}): {', '.join(SCHEDULES)}, "
-                        f"interleaved-1f1b, zb-h1, zbv or dualpipev")
+                   help=f"pipeline schedule (with --pp > 1; default {d.schedule}): {', '.join(SCHEDULES)}")
     p.add_argument("--virtual-stages", type=int, default=d.virtual_stages,
                    help="interleaved-1f1b: model chunks per pipeline rank")
     p.add_argument("--microbatches", type=int, default=d.microbatches, help="pipeline microbatches per step")
@@ -307,22 +306,21 @@ def cmd_schedule(args) -> int:
     from . import plan
     from .parallel import schedules, schedules_virtual
 
-    known = [*schedules.SCHEDULES, *schedules_virtual.SCHEDULES]
-    if args.schedule not in known:
-        raise UsageError(f"--schedule {args.schedule!r} is not one of {', '.join(known)}.")
+    if args.schedule not in SCHEDULES:
+        raise UsageError(f"--schedule {args.schedule!r} is not one of {', '.join(SCHEDULES)}.")
     for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches),
                         ("--virtual-stages", args.virtual_stages)):
         if value < 1:
             raise UsageError(f"{flag} {value} must be at least 1.")
-    if args.virtual_stages != 2 and args.schedule != "interleaved-1f1b":
-        raise UsageError("--virtual-stages sets the chunks per rank of interleaved-1f1b (zbv and dualpipev have 2, "
-                         "the others 1).")
-    if args.schedule == "dualpipev" and args.microbatches < 2 * args.pp:
-        raise UsageError(f"dualpipev needs --microbatches at least 2 × --pp ({args.microbatches} is less than "
-                         f"{2 * args.pp}).")
-    if args.schedule == "interleaved-1f1b" and args.microbatches % args.pp:
-        raise UsageError(f"interleaved-1f1b needs --microbatches a multiple of --pp ({args.microbatches} is not a "
-                         f"multiple of {args.pp}).")
+    record = SCHEDULES[args.schedule]
+    if args.virtual_stages != 2 and record.chunks != 0:
+        chooses = [s.name for s in SCHEDULES.values() if s.chunks == 0]
+        two = [s.name for s in SCHEDULES.values() if s.chunks == 2]
+        raise UsageError(f"--virtual-stages sets the chunks per rank of {' and '.join(chooses)} ({' and '.join(two)} "
+                         f"have 2, the others 1).")
+    problem = record.problem(args.pp, args.microbatches, args.virtual_stages)
+    if problem:
+        raise UsageError(problem)
     if args.pp * args.microbatches > 1 << 20:
         raise UsageError(f"--pp {args.pp} × --microbatches {args.microbatches} is over a million "
                          f"microbatch-stages, too many to simulate quickly; use fewer.")
@@ -755,8 +753,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=4, help="pipeline stages")
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per step")
     p.add_argument("--schedule", default="1f1b",
-                   help="naive, gpipe, 1f1b, interleaved-1f1b, zb-h1 (B and W split), zbv (V-shaped) or dualpipev "
-                        "(DeepSeek's DualPipe on the V)")
+                   help="; ".join(f"{name}: {s.summary}" for name, s in SCHEDULES.items()))
     p.add_argument("--virtual-stages", type=int, default=2, help="interleaved-1f1b: model chunks per rank")
     p.add_argument("--cost-f", type=float, default=1.0, help="time of one stage's forward of one microbatch")
     p.add_argument("--cost-b", type=float, default=2.0, help="time of one stage's backward of one microbatch")

@@ -160,12 +160,10 @@ class TrainConfig:
             raise ConfigError(f"impl={self.impl!r} is not one of {', '.join(IMPLS)}.")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}.")
-        from .parallel.schedules import SCHEDULES  # the schedules' own table (imported late: parallel reads configs)
-        from .parallel.schedules_virtual import SCHEDULES as VIRTUAL
+        from .parallel.schedule_table import SCHEDULES  # each schedule's record (what it needs, what runs it)
 
-        known = [*SCHEDULES, *VIRTUAL]
-        if self.schedule not in known:
-            raise ConfigError(f"schedule={self.schedule!r} is not one of {', '.join(known)}.")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}.")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"zero={self.zero!r} must be a ZeRO stage: 0, 1, 2 or 3.")
         if not 0.0 <= self.dropout < 1.0:
@@ -200,7 +198,7 @@ class TrainConfig:
                               f"{self.grad_accum} × {self.dp} = {per_step}.")
         if self.cp > 1 or self.zigzag:
             self._check_context_parallel(mc)
-        if self.schedule in VIRTUAL:
+        if SCHEDULES[self.schedule].virtual:
             self._check_virtual_schedule(mc, runnable)
         self._check_experts(mc, runnable)
         if self.sequence_parallel:
@@ -268,27 +266,22 @@ class TrainConfig:
     def _check_virtual_schedule(self, mc, runnable: bool) -> None:
         if self.pp == 1:
             raise ConfigError(f"schedule={self.schedule!r} is a pipeline schedule; it needs pp > 1.")
-        from .parallel.schedules_virtual import chunks_per_rank
+        from .parallel.schedule_table import SCHEDULES, get
 
-        v = chunks_per_rank(self.schedule, self.virtual_stages)
-        if self.schedule == "dualpipev" and self.microbatches < 2 * self.pp:
-            raise ConfigError(f"dualpipev fills both chunks of every rank: microbatches={self.microbatches} must be "
-                              f"at least 2 × pp = {2 * self.pp}.")
-        if self.schedule == "interleaved-1f1b":
-            if not isinstance(self.virtual_stages, int) or self.virtual_stages < 2:
-                raise ConfigError(f"virtual_stages={self.virtual_stages!r}: interleaving needs at least 2 chunks "
-                                  f"per rank (1 is the plain 1f1b schedule).")
-            if self.microbatches % self.pp:
-                raise ConfigError(f"interleaved-1f1b sends microbatches through a chunk pp at a time: "
-                                  f"microbatches={self.microbatches} must be a multiple of pp={self.pp}.")
+        record = get(self.schedule)
+        problem = record.problem(self.pp, self.microbatches, self.virtual_stages)
+        if problem:
+            raise ConfigError(problem)
+        v = record.chunks_per_rank(self.virtual_stages)
         if self.pp * v > mc.n_layer:
             raise ConfigError(f"{self.schedule} cuts the model into pp × {v} = {self.pp * v} chunks, more than the "
                               f"{mc.n_layer} blocks of model {self.model!r}.")
         if not runnable:
             return
-        if self.impl == "torch" and self.schedule == "zb-h1":
-            raise ConfigError("torch.distributed.pipelining has no one-chunk zero-bubble schedule; its zero-bubble "
-                              "schedules interleave: use schedule='zbv' with impl='torch', or impl='scratch'.")
+        if self.impl == "torch" and record.torch_class is None:
+            others = [s.name for s in SCHEDULES.values() if s.torch_class and s.virtual]
+            raise ConfigError(f"torch.distributed.pipelining has no {self.schedule} schedule ({record.summary}); "
+                              f"with impl='torch' use {', '.join(others)}, or impl='scratch'.")
         if self.impl == "torch" and (self.dp > 1 or self.tp > 1 or self.zero or self.grad_accum > 1):
             raise ConfigError(f"schedule={self.schedule!r} with impl='torch' runs the pipeline alone in this build "
                               f"(dp=1, tp=1, zero=0, grad_accum=1); the scratch engine composes it.")
@@ -430,7 +423,7 @@ class TrainConfig:
         if self.pp > 1:
             parts.append(("torch.distributed.pipelining" if torch_impl else "pipeline")
                          + ("" if torch_impl and self.schedule in ("1f1b", "gpipe") else f", {self.schedule} schedule")
-                         + (f", {self.virtual_stages} chunks per rank" if self.schedule == "interleaved-1f1b" else ""))
+                         + (f", {self.virtual_stages} chunks per rank" if self.chooses_chunks() else ""))
         if self.tp > 1:
             parts.append("DTensor tensor parallel" if torch_impl else "Megatron-style column/row parallel")
             if self.sequence_parallel:
@@ -471,12 +464,18 @@ class TrainConfig:
         moe = "+moe" if self.moe_experts and self.ep == 1 else ""
         return "×".join(names) + ("+sp" if self.sequence_parallel else "") + moe if names else "single" + moe
 
+    def chooses_chunks(self) -> bool:
+        """Whether this run's schedule takes its chunks per rank from ``virtual_stages`` (interleaving)."""
+        from .parallel.schedule_table import get
+
+        return self.pp > 1 and get(self.schedule).chunks == 0
+
     def list_name(self) -> str:
         """The layout's row name in ``--list``: :meth:`kind`, plus the schedule where the many-chunk pipeline engine
         runs it (``pp+zb-h1``); GPipe and 1F1B share the one-stage engine and its rows."""
-        from .parallel.schedules_virtual import SCHEDULES as VIRTUAL
+        from .parallel.schedule_table import get
 
-        return self.kind() + (f"+{self.schedule}" if self.pp > 1 and self.schedule in VIRTUAL else "")
+        return self.kind() + (f"+{self.schedule}" if self.pp > 1 and get(self.schedule).virtual else "")
 
 
 def has_replicate() -> bool:
@@ -524,12 +523,12 @@ def supported() -> list[tuple[str, str, str, dict]]:
                 cfg = TrainConfig(**changes).validate()
                 rows.append((cfg.kind(), "scratch", cfg.describe(), changes))
         if mesh == dict(pp=2):  # the many-chunk engine's schedules, in each impl that runs them
-            from .parallel.schedules_virtual import SCHEDULES as VIRTUAL
+            from .parallel.schedule_table import SCHEDULES
 
-            for schedule in VIRTUAL:
+            for schedule in [name for name, record in SCHEDULES.items() if record.virtual]:
                 for impl in IMPLS:
                     changes = {"pp": 2, "microbatches": 4, "schedule": schedule,
-                               **({"virtual_stages": 2} if schedule == "interleaved-1f1b" else {}),
+                               **({"virtual_stages": 2} if SCHEDULES[schedule].chunks == 0 else {}),
                                **({"impl": impl} if impl != "scratch" else {})}
                     try:
                         cfg = TrainConfig(**changes).validate()

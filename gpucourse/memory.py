@@ -267,9 +267,9 @@ def _context_attention_bytes(cfg: TrainConfig, b: int, t: int, width: float) -> 
 
 def _loss_stage(cfg: TrainConfig) -> int:
     """The pipeline rank that holds the final norm and the head: the last, or on the V placement the first."""
-    from .parallel.schedules_virtual import V_SHAPED
+    from .parallel.schedule_table import get
 
-    return 0 if cfg.schedule in V_SHAPED else cfg.pp - 1
+    return 0 if get(cfg.schedule).placement == "v" else cfg.pp - 1
 
 
 @functools.lru_cache(maxsize=256)
@@ -303,17 +303,15 @@ def _in_flight(schedule: str, pp: int, m: int, virtual_stages: int = 2, shares=N
     if pp == 1:
         return [1]
     from .parallel import schedules_virtual
+    from .parallel.schedule_table import get
 
-    if schedule in schedules_virtual.SCHEDULES:
-        ops, layout = _virtual(schedule, pp, m, virtual_stages)
-        if shares is None:
-            return [peak / layout.v for peak in schedules_virtual.simulate(ops, layout, m).peak_in_flight]
-        return _weighted_peaks(ops, shares)
-    if schedule == "naive":
-        return [1] * pp
-    if schedule == "gpipe":
-        return [m] * pp
-    return [min(pp - stage, m) for stage in range(pp)]  # 1F1B: warm-up depth of each stage
+    record = get(schedule)
+    if record.in_flight is not None:  # a one-chunk schedule's closed form
+        return record.in_flight(pp, m)
+    ops, layout = _virtual(schedule, pp, m, virtual_stages)
+    if shares is None:
+        return [peak / layout.v for peak in schedules_virtual.simulate(ops, layout, m).peak_in_flight]
+    return _weighted_peaks(ops, shares)
 
 
 def _weighted_peaks(ops, shares) -> list[float]:

@@ -203,12 +203,14 @@ def lay_out_schedule(schedule: str, pp: int, m: int, v: int = 2, cost_f: float =
     others' B is the whole backward. What ``gpucourse schedule`` prints and the planner's bubble both come from here.
     """
     from .parallel import schedules, schedules_virtual
+    from .parallel.schedule_table import get
 
-    if schedule in schedules.SCHEDULES:
+    record = get(schedule)
+    if not record.virtual:
         ops = schedules.build(schedule, pp, m)
         schedules.validate(ops, pp, m)
         return ops, None, schedules.simulate(ops, pp, m, cost_f, cost_b, cost_comm), {"f": cost_f, "b": cost_b}
-    split = schedule != "interleaved-1f1b"
+    split = record.split_backward
     costs = {"f": cost_f, "b": cost_b / 2, "w": cost_b / 2} if split else {"f": cost_f, "b": cost_b}
     ops, layout = schedules_virtual.build(schedule, pp, m, v)
     schedules_virtual.validate(ops, layout, m)

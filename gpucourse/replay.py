@@ -47,7 +47,7 @@ from .cluster import Cluster
 from .config import TrainConfig
 from .measure import RunResult
 from .memory import active_params, num_params, stage_params
-from .parallel.schedules_virtual import chunks_per_rank
+from .parallel.schedule_table import get as get_schedule
 
 COMPUTE = ("forward", "backward", "optimizer")
 KERNELS_PER_BLOCK = 14        # one block's forward: 2 LayerNorms, 4 matmuls, attention's few, GELU, 2 adds
@@ -93,7 +93,7 @@ def span_seconds(cluster: Cluster, cfg: TrainConfig, span: dict, split_backward:
     if "delay_s" in span:
         return span["delay_s"]  # a planted straggler loses the same time on any hardware
     fwd = forward_work(cfg, span["rank"])
-    chunks = chunks_per_rank(cfg.schedule, cfg.virtual_stages) if cfg.pp > 1 else 1
+    chunks = get_schedule(cfg.schedule).chunks_per_rank(cfg.virtual_stages) if cfg.pp > 1 else 1
     flops, nbytes, kernels = fwd["flops"] / chunks, fwd["bytes"] / chunks, fwd["kernels"] / chunks
     if span["kind"] == "forward":
         return cluster.compute_s(flops, nbytes, round(kernels), cfg.precision)

@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass, field
 
 from .config import TrainConfig
+from .parallel.schedule_table import get as get_schedule
 
 TOOLS = ("megatron", "nemo", "deepspeed", "torchtitan", "accelerate")
 
@@ -62,8 +63,8 @@ def batch(cfg: TrainConfig) -> tuple[int, int]:
 
 
 def chunks_per_rank(cfg: TrainConfig) -> int:
-    """Model chunks each pipeline rank holds: virtual_stages when interleaved, 2 for the V schedules, else 1."""
-    return {"interleaved-1f1b": cfg.virtual_stages, "zbv": 2, "dualpipev": 2}.get(cfg.schedule, 1) if cfg.pp > 1 else 1
+    """Model chunks each pipeline rank holds (the schedule's record says how many)."""
+    return get_schedule(cfg.schedule).chunks_per_rank(cfg.virtual_stages) if cfg.pp > 1 else 1
 
 
 def moe_layers(cfg: TrainConfig) -> list[int]:
@@ -337,8 +338,6 @@ def deepspeed(cfg: TrainConfig) -> tuple[dict, list[str]]:
 # torchtitan/train.py (accumulation = global_batch_size / (local_batch_size × dp)). Schedule names: torch 2.13's
 # torch/distributed/pipelining/schedules.py get_schedule_class.
 
-TITAN_SCHEDULES = {"naive": "GPipe", "gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B",
-                   "zb-h1": "1F1B", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
 ROTATE = {"ring": "alltoall", "allgather": "allgather"}  # torch's context_parallel: how K/V shards move
 
 
@@ -378,7 +377,7 @@ def torchtitan(cfg: TrainConfig) -> tuple[dict, list[str]]:
     if cfg.pp > 1:
         micro, _ = batch(cfg)
         v = chunks_per_rank(cfg)
-        parallelism.update(pipeline_parallel_schedule=TITAN_SCHEDULES[cfg.schedule],
+        parallelism.update(pipeline_parallel_schedule=get_schedule(cfg.schedule).titan,
                            pipeline_parallel_microbatch_size=micro)
         if mc.n_layer % (cfg.pp * v) == 0:               # blocks per stage as here: embeddings and head weigh 0
             parallelism.update(pipeline_parallel_layers_per_stage=mc.n_layer // (cfg.pp * v),

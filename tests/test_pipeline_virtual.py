@@ -23,6 +23,8 @@ LAUNCHES = {
         "pp2-zb-h1": dict(pp=2, schedule="zb-h1", microbatches=4),
         "pp2-zbv": dict(pp=2, schedule="zbv", microbatches=4),
         "pp2-dualpipev": dict(pp=2, schedule="dualpipev", microbatches=4),
+        "pp2-looped-bfs": dict(pp=2, schedule="looped-bfs", microbatches=4),
+        "pp2-looped-bfs-torch": dict(pp=2, schedule="looped-bfs", microbatches=4, impl="torch"),
         # PyTorch's own: ScheduleInterleaved1F1B, ScheduleZBVZeroBubble and ScheduleDualPipeV over the same chunks.
         "pp2-interleaved-torch": dict(pp=2, schedule="interleaved-1f1b", microbatches=4, impl="torch"),
         "pp2-zbv-torch": dict(pp=2, schedule="zbv", microbatches=4, impl="torch"),
@@ -70,7 +72,7 @@ def test_what_the_engine_does_not_run_is_refused_in_one_sentence():
                            (dict(pp=2, schedule="interleaved-1f1b", microbatches=2, virtual_stages=1), "at least 2"),
                            (dict(pp=4, schedule="interleaved-1f1b", microbatches=4), "more than the 4 blocks"),
                            (dict(schedule="zb-h1"), "needs pp > 1"),
-                           (dict(pp=2, schedule="zb-h1", microbatches=2, impl="torch"), "no one-chunk zero-bubble"),
+                           (dict(pp=2, schedule="zb-h1", microbatches=2, impl="torch"), "has no zb-h1 schedule"),
                            (dict(dp=2, pp=2, schedule="zbv", microbatches=2, impl="torch"), "pipeline alone"),
                            (dict(dp=2, pp=2, schedule="zb-h1", microbatches=2, zero=3), "not with zero=3")):
         with pytest.raises(ConfigError, match=words):

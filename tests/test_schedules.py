@@ -154,14 +154,15 @@ def test_cli_prints_the_gantt_and_the_numbers(capsys, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--pp", "0"], "--pp 0 must be at least 1."),
     (["--schedule", "zero-bubble"],
-     "--schedule 'zero-bubble' is not one of naive, gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv, dualpipev."),
+     "--schedule 'zero-bubble' is not one of naive, gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zbv, dualpipev."),
     (["--microbatches", "-3"], "--microbatches -3 must be at least 1."),
     (["--schedule", "interleaved-1f1b", "--microbatches", "6"],
-     "interleaved-1f1b needs --microbatches a multiple of --pp (6 is not a multiple of 4)."),
+     "interleaved-1f1b sends microbatches through a chunk pp at a time: microbatches=6 must be a multiple of pp=4."),
     (["--schedule", "zb-h1", "--virtual-stages", "3"],
-     "--virtual-stages sets the chunks per rank of interleaved-1f1b (zbv and dualpipev have 2, the others 1)."),
+     "--virtual-stages sets the chunks per rank of interleaved-1f1b and looped-bfs (zbv and dualpipev have 2, the "
+     "others 1)."),
     (["--schedule", "dualpipev", "--microbatches", "6"],
-     "dualpipev needs --microbatches at least 2 × --pp (6 is less than 8)."),
+     "dualpipev fills all 2 chunks of every rank: microbatches=6 must be at least 2 × pp = 8."),
 ])
 def test_cli_bad_input_is_one_sentence_and_exit_2(argv, message, capsys):
     assert cli.main(["schedule", *argv]) == 2
@@ -287,3 +288,38 @@ def test_cli_lays_out_the_new_schedules_with_both_bubble_definitions(capsys):
     out = capsys.readouterr().out
     assert "B 1, W 1" in out and "12.5% of the compute time" in out  # (p-1)/(3m) = 3/24, a third of 1F1B's
     assert "stage 3 | .. .. .. F0 B0 F1 B1" in out
+
+
+def test_every_schedule_has_one_record_and_what_it_names_exists():
+    """The records cover exactly the builders; the PyTorch classes and torchtitan names they give are real."""
+    import torch.distributed.pipelining as pipelining
+
+    from gpucourse.parallel import schedules_virtual
+    from gpucourse.parallel.schedule_table import SCHEDULES, get
+
+    assert set(SCHEDULES) == set(schedules.SCHEDULES) | set(schedules_virtual.SCHEDULES)
+    for name, record in SCHEDULES.items():
+        assert record.name == name and record.virtual == (name in schedules_virtual.SCHEDULES)
+        assert record.torch_class is None or hasattr(pipelining, record.torch_class), name
+        assert (record.in_flight is None) == record.virtual  # one-chunk: a closed form; else the simulator
+    for name in schedules.SCHEDULES:  # the closed forms are what the clock finds
+        for pp, m in ((2, 1), (4, 8), (3, 5)):
+            sim = schedules.simulate(schedules.build(name, pp, m), pp, m)
+            assert get(name).in_flight(pp, m) == sim.peak_in_flight, (name, pp, m)
+    with pytest.raises(schedules.ScheduleError, match="is not one of naive"):
+        get("zero-bubble")
+
+
+def test_looped_bfs_has_interleavings_bubble_at_gpipes_memory():
+    """Added as a builder and one record: every microbatch through chunk 0, then chunk 1 — the bubble of interleaved
+    1F1B once m ≥ p, with all m·v microbatch-chunks held at the peak (interleaved 1F1B holds far fewer)."""
+    from gpucourse.memory import in_flight
+    from gpucourse.parallel import schedules_virtual
+
+    for pp, m, v in ((2, 4, 2), (4, 8, 2), (4, 8, 3)):
+        ops, layout = schedules_virtual.build("looped-bfs", pp, m, v)
+        schedules_virtual.validate(ops, layout, m)
+        sim = schedules_virtual.simulate(ops, layout, m, 1.0, 2.0, 0.0)
+        assert sim.bubble_ratio == pytest.approx((pp - 1) / (v * m))
+        assert sim.peak_in_flight == [m * v] * pp and in_flight("looped-bfs", pp, m, v) == [m] * pp
+        assert max(in_flight("interleaved-1f1b", pp, m, v)) < m

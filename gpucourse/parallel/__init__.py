@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from ..measure import Recorder
 from ..model import MoE
+from . import schedule_table
 from .activation_checkpointing import recompute
 from .precision import Precision
 from .single import Trainer
@@ -52,7 +53,7 @@ def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, devi
     # How this rank's weights become the whole model's: undone in reverse order
     # (tensor-parallel shards made whole first, then the pipeline's stages merged).
     gathers, placements, loop, extras = [], [], None, {}
-    virtual = cfg.pp > 1 and cfg.schedule not in ("naive", "gpipe", "1f1b")  # several chunks a rank, or W split
+    virtual = cfg.pp > 1 and schedule_table.get(cfg.schedule).virtual  # several chunks a rank, or W split
     if cfg.pp > 1:
         from .pipeline import GPTStage, merge_stages, pipeline_extras
         if virtual:

@@ -196,12 +196,15 @@ class TorchPipelineSchedule:
     def _build(self, trainer: Trainer) -> None:
         # Built from the trainer's model as data parallelism left it: PipelineStage itself
         # holds DDP's all-reduce (no_sync) and FSDP's reduce-scatter to the last microbatch.
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed import pipelining
+        from torch.distributed.pipelining import PipelineStage
+
+        from .schedule_table import get
 
         pipe = PipelineStage(trainer.model, self.stage, self.pp, self.device, group=self.pp_group)
         for name, kind in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward")):
             setattr(pipe, name, _spanning(getattr(pipe, name), trainer.rec, kind, lambda: self.first_microbatch))
-        schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.schedule_name]
+        schedule_class = getattr(pipelining, get(self.schedule_name).torch_class)
         scale = self.m * trainer.grad_accum
         self.schedule = schedule_class(pipe, n_microbatches=self.m, loss_fn=lambda out, y: loss_fn(out, y) / scale,
                                        scale_grads=False)

@@ -39,6 +39,7 @@ import torch.nn as nn
 
 from .. import comm
 from ..model import GPT, blocks_of, loss_fn
+from . import schedule_table
 from .pipeline import stage_blocks
 from .schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, W
 from .schedules_virtual import build
@@ -259,9 +260,6 @@ class TorchVirtualPipeline:
     ``ScheduleInterleaved1F1B`` / ``ScheduleZBVZeroBubble`` (losses / (m · parts), ``scale_grads=False``, as
     ``pipeline.TorchPipelineSchedule``). They run on CPU ranks over gloo as on GPUs."""
 
-    CLASSES = {"interleaved-1f1b": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble",
-               "dualpipev": "ScheduleDualPipeV"}
-
     def __init__(self, pp_group, schedule: str, microbatches: int, device):
         self.pp_group, self.name, self.m, self.device = pp_group, schedule, microbatches, device
         self.schedule = None
@@ -273,7 +271,7 @@ class TorchVirtualPipeline:
         stages = [pipelining.PipelineStage(_Chunk(chunks, c), chunks.vstages[c], chunks.layout.stages, self.device,
                                            group=self.pp_group) for c in range(chunks.layout.v)]
         scale = self.m * trainer.grad_accum
-        self.schedule = getattr(pipelining, self.CLASSES[self.name])(
+        self.schedule = getattr(pipelining, schedule_table.get(self.name).torch_class)(
             stages, n_microbatches=self.m, loss_fn=lambda out, y: loss_fn(out, y) / scale, scale_grads=False)
 
     def __call__(self, trainer: Trainer, x: torch.Tensor, y: torch.Tensor):

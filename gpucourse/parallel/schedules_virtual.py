@@ -189,8 +189,17 @@ def with_transfers(orders: list[list[Op]], layout: Layout) -> list[list[Op]]:
     return out
 
 
+def looped_bfs(pp: int, m: int, v: int) -> list[list[Op]]:
+    """Breadth-first over the chunks (torch's ``ScheduleLoopedBFS``): every microbatch through a rank's chunk 0,
+    then all through chunk 1, ..., and the backwards in reverse. Interleaving's bubble, (p − 1)/(v·m) once
+    m ≥ p, at GPipe's memory: each rank holds all m microbatches of all v chunks at its peak."""
+    return [[Op(F, i, c) for c in range(v) for i in range(m)] + [Op(B, i, c) for c in reversed(range(v))
+                                                                 for i in range(m)] for _ in range(pp)]
+
+
 SCHEDULES = {
     "interleaved-1f1b": lambda pp, m, v: (interleaved_1f1b(pp, m, v), Layout(pp, v, "loop")),
+    "looped-bfs": lambda pp, m, v: (looped_bfs(pp, m, v), Layout(pp, v, "loop")),
     "zb-h1": lambda pp, m, v: (greedy(Layout(pp, 1, "loop"), m, split=True), Layout(pp, 1, "loop")),
     "zbv": lambda pp, m, v: (greedy(Layout(pp, 2, "v"), m, split=True), Layout(pp, 2, "v")),
     "dualpipev": lambda pp, m, v: (_dualpipe_v(pp, m), Layout(pp, 2, "v")),
@@ -203,14 +212,6 @@ def _dualpipe_v(pp: int, m: int) -> list[list[Op]]:
     from .schedules_dualpipe import dualpipe_v
 
     return dualpipe_v(pp, m)
-
-
-V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank, the second coming back up: the loss on rank 0
-
-
-def chunks_per_rank(name: str, v: int = 2) -> int:
-    """Model chunks each rank holds under schedule ``name``: v interleaved, 2 on the V placement, else 1."""
-    return v if name == "interleaved-1f1b" else 2 if name in V_SHAPED else 1
 
 
 def build(name: str, pp: int, m: int, v: int = 2) -> tuple[list[list[Op]], Layout]:

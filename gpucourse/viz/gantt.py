@@ -288,9 +288,9 @@ def schedule(result=None, *, pp: int = 4, microbatches: int = 8, schedule: str =
     schedule with 1 … ``microbatches`` microbatches (multiples of pp when
     interleaved): watch the shaded bubble shrink as (p-1)/(m+p-1).
     """
-    from ..parallel import schedules_virtual
+    from ..parallel.schedule_table import get
 
-    if schedule in schedules_virtual.SCHEDULES:
+    if get(schedule).virtual:
         return _virtual_schedule(pp, microbatches, schedule, virtual_stages, cost_f, cost_b, cost_w, cost_comm,
                                  slider)
     return _schedule(result, pp, microbatches, schedule, cost_f, cost_b, cost_comm, slider)
@@ -301,13 +301,15 @@ def _virtual_schedule(pp, microbatches, name, v, cost_f, cost_b, cost_w, cost_co
     import plotly.graph_objects as go
 
     from ..parallel import schedules_virtual
+    from ..parallel.schedule_table import get
 
-    split = name != "interleaved-1f1b"
+    record = get(name)
+    split = record.split_backward
     cost_f = 1.0 if cost_f is None else cost_f
     cost_b = (1.0 if split else 2.0) if cost_b is None else cost_b
     cost_w = (1.0 if split else 0.0) if cost_w is None else cost_w
-    step = pp if name == "interleaved-1f1b" else 1
-    least = 2 * pp if name == "dualpipev" else step  # DualPipeV fills both chunks of every rank: m ≥ 2p
+    step = pp if record.multiple_of_pp else 1
+    least = record.least_microbatches(pp)  # DualPipeV fills both chunks of every rank: m ≥ 2p
     counts = [m for m in range(least, microbatches + 1, step)] if slider else [microbatches]
     if not counts:
         raise ValueError(f"{name} on {pp} ranks needs at least {least} microbatches, not {microbatches}.")
