@@ -18,8 +18,6 @@ __all__ = ["ConfigError", "TrainConfig"]
 
 IMPLS = ("scratch", "torch", "accelerate")
 PRECISIONS = ("fp32", "bf16", "fp16")
-RECOMPUTE = ("none", "selective", "full")  # what backward recomputes (checkpoint_activations)
-ATTENTION = ("flash", "math")              # how attention computes (model.GPTConfig.attention)
 
 
 def layout(default):
@@ -168,229 +166,20 @@ class TrainConfig:
             raise ConfigError(f"zero={self.zero!r} must be a ZeRO stage: 0, 1, 2 or 3.")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout={self.dropout} must be at least 0 and below 1.")
-        if self.recompute not in RECOMPUTE:
-            raise ConfigError(f"checkpoint_activations={self.checkpoint_activations!r} is not one of "
-                              f"{', '.join(RECOMPUTE)} (or False / True).")
-        if self.attention not in ATTENTION:
-            raise ConfigError(f"attention={self.attention!r} is not one of {', '.join(ATTENTION)}.")
-        if self.attention == "math" and self.precision != "fp32" and not self.master_weights:
-            raise ConfigError(f"attention='math' under autocast keeps its scores in whatever precision the device's "
-                              f"autocast lists give softmax (fp32 on CUDA, {self.precision} on CPU); run it in fp32 "
-                              f"or with master_weights, where the scores' precision is the weights'.")
         if self.lr <= 0:
             raise ConfigError(f"lr={self.lr} must be positive.")
         mc = self.model_config()
         if self.seq_len > mc.block_size:
             raise ConfigError(f"seq_len={self.seq_len} is longer than model {self.model!r}'s "
                               f"block_size={mc.block_size}.")
-        if self.tp > 1:
-            if mc.n_head % self.tp:
-                raise ConfigError(f"tp={self.tp} must divide n_head={mc.n_head} of model {self.model!r}: "
-                                  f"each rank holds whole attention heads.")
-            if (4 * mc.n_embd) % self.tp:
-                raise ConfigError(f"tp={self.tp} must divide the MLP width 4 × n_embd = {4 * mc.n_embd}.")
-        if self.pp > mc.n_layer:
-            raise ConfigError(f"pp={self.pp} is more than the {mc.n_layer} blocks of model {self.model!r}; "
-                              f"each stage needs at least one block.")
         per_step = self.dp * self.grad_accum
         if self.batch_size % per_step:
             raise ConfigError(f"batch_size={self.batch_size} must be divisible by grad_accum × dp = "
                               f"{self.grad_accum} × {self.dp} = {per_step}.")
-        if self.cp > 1 or self.zigzag:
-            self._check_context_parallel(mc)
-        if SCHEDULES[self.schedule].virtual:
-            self._check_virtual_schedule(mc, runnable)
-        self._check_experts(mc, runnable)
-        if self.sequence_parallel:
-            if self.tp == 1:
-                raise ConfigError("sequence_parallel cuts tensor parallelism's replicated activations along the "
-                                  "sequence; it needs tp > 1.")
-            local = self.seq_len // self.cp  # the tokens a context-parallel rank holds
-            if local % self.tp:
-                held = f"seq_len={self.seq_len}" if self.cp == 1 else f"seq_len / cp = {local}"
-                raise ConfigError(f"{held} must divide by tp={self.tp} under sequence parallelism: each rank "
-                                  f"keeps 1/tp of its tokens between sub-layers.")
-        if self.pp > 1:
-            per_part = self.batch_size // per_step  # a pipeline runs its schedule once per accumulated part
-            if per_part % self.microbatches:
-                part = "rank" if self.grad_accum == 1 else "rank's accumulated part"
-                raise ConfigError(f"microbatches={self.microbatches} must divide the batch of each data-parallel "
-                                  f"{part}, batch_size / (dp × grad_accum) = {per_part} sequences.")
-        elif self.microbatches != 1:
-            raise ConfigError("microbatches=M splits the batch between pipeline stages and needs pp > 1; "
-                              "on one stage use grad_accum to split it.")
-        if self.master_weights and self.precision == "fp32":
-            raise ConfigError("master_weights keeps an fp32 copy of half-precision weights; "
-                              "choose precision bf16 or fp16 with it.")
-        if self.bucket_mb is not None:
-            if not self.bucket_mb > 0:
-                raise ConfigError(f"bucket_mb={self.bucket_mb} must be a positive number of megabytes.")
-            if self.dp * self.cp == 1 or self.zero or self.impl == "accelerate":
-                raise ConfigError("bucket_mb sets the gradient buckets of plain data parallelism "
-                                  "(dp × cp > 1, zero=0, impl scratch or torch).")
-        if runnable:
-            self._check_supported()
+        from .parallel import check_strategies  # each strategy's own rules, in the order they apply
+
+        check_strategies(self, mc, runnable)
         return self
-
-    def _check_supported(self) -> None:
-        if self.precision != "fp32" and (self.tp > 1 or self.pp > 1 or self.impl == "accelerate"
-                                         or (self.zero and self.impl != "scratch")):
-            raise ConfigError(f"precision={self.precision} runs with single, data-parallel and scratch ZeRO "
-                              f"layouts in this build, not {self.kind()} with impl={self.impl!r}.")
-        if self.master_weights and self.impl == "torch" and self.zero:
-            raise ConfigError("master_weights with impl='torch' is offered for DDP only (zero=0).")
-        if self.zero == 1 and self.impl == "torch" and (self.tp > 1 or self.pp > 1):
-            raise ConfigError("torch's ZeRO-1 (ZeroRedundancyOptimizer) runs with data parallelism alone (tp=1, pp=1); "
-                              "use zero=2 or 3 (FSDP2), or impl='scratch'.")
-        if self.impl == "torch" and self.tp > 1 and self.dp > 1 and not self.zero:
-            if not has_replicate():
-                raise ConfigError(f"data parallelism over DTensor (tensor-parallel) parameters needs PyTorch's "
-                                  f"composable replicate, which torch {_torch_version()} lacks; use zero=2 or 3 "
-                                  f"(FSDP2), or impl='scratch'.")
-            if self.bucket_mb is not None:
-                raise ConfigError("bucket_mb sets DistributedDataParallel's buckets; with DTensor tensor parallelism "
-                                  "data parallelism is PyTorch's replicate, which all-reduces block by block.")
-        if self.impl == "torch":
-            if self.pp > 1 and self.schedule == "naive":
-                raise ConfigError("torch.distributed.pipelining has no 'naive' schedule; use gpipe or 1f1b, "
-                                  "or impl='scratch'.")
-            if self.pp > 1 and self.schedule == "1f1b" and self.microbatches < self.pp:
-                raise ConfigError(f"torch's Schedule1F1B needs microbatches >= pp ({self.microbatches} < {self.pp}); "
-                                  f"use more microbatches, gpipe, or impl='scratch'.")
-        if self.impl == "accelerate":
-            if self.tp > 1 or self.pp > 1:
-                raise ConfigError("impl='accelerate' runs data parallelism only (tp=1, pp=1).")
-            if self.zero not in (0, 3):
-                raise ConfigError(f"impl='accelerate' offers DDP (zero=0) and FSDP (zero=3), not zero={self.zero}.")
-
-    def _check_virtual_schedule(self, mc, runnable: bool) -> None:
-        if self.pp == 1:
-            raise ConfigError(f"schedule={self.schedule!r} is a pipeline schedule; it needs pp > 1.")
-        from .parallel.schedule_table import SCHEDULES, get
-
-        record = get(self.schedule)
-        problem = record.problem(self.pp, self.microbatches, self.virtual_stages)
-        if problem:
-            raise ConfigError(problem)
-        v = record.chunks_per_rank(self.virtual_stages)
-        if self.pp * v > mc.n_layer:
-            raise ConfigError(f"{self.schedule} cuts the model into pp × {v} = {self.pp * v} chunks, more than the "
-                              f"{mc.n_layer} blocks of model {self.model!r}.")
-        if not runnable:
-            return
-        if self.impl == "torch" and record.torch_class is None:
-            others = [s.name for s in SCHEDULES.values() if s.torch_class and s.virtual]
-            raise ConfigError(f"torch.distributed.pipelining has no {self.schedule} schedule ({record.summary}); "
-                              f"with impl='torch' use {', '.join(others)}, or impl='scratch'.")
-        if self.impl == "torch" and (self.dp > 1 or self.tp > 1 or self.zero or self.grad_accum > 1):
-            raise ConfigError(f"schedule={self.schedule!r} with impl='torch' runs the pipeline alone in this build "
-                              f"(dp=1, tp=1, zero=0, grad_accum=1); the scratch engine composes it.")
-        if self.impl == "accelerate":
-            raise ConfigError(f"schedule={self.schedule!r} runs with impl='scratch' or 'torch'.")
-        if self.zero == 3 or self.bucket_mb is not None or self.cp > 1 or self.moe_experts \
-                or self.checkpoint_activations or self.precision != "fp32":
-            raise ConfigError(f"schedule={self.schedule!r} runs with data parallelism (ZeRO 1 or 2 too) and "
-                              f"tensor parallelism in fp32 in this build; not with zero=3, buckets, cp, a mixture "
-                              f"of experts, activation checkpointing or half precision.")
-
-    def _check_context_parallel(self, mc) -> None:
-        from .parallel.context_parallel import ALGORITHMS
-
-        if self.cp_algo not in ALGORITHMS:
-            raise ConfigError(f"cp_algo={self.cp_algo!r} is not one of {', '.join(ALGORITHMS)}.")
-        if self.cp == 1:
-            raise ConfigError("zigzag orders the tokens of context-parallel ranks; it needs cp > 1.")
-        chunks = 2 * self.cp if self.zigzag else self.cp
-        if self.seq_len % chunks:
-            split = f"2 × cp = {chunks} zig-zag chunks" if self.zigzag else f"cp = {chunks} chunks"
-            raise ConfigError(f"seq_len={self.seq_len} must divide into {split} of equal length.")
-        heads = mc.n_head // self.tp
-        if self.cp_algo == "ulysses" and heads % self.cp:
-            raise ConfigError(f"ulysses gives each of cp={self.cp} ranks whole heads: cp must divide the "
-                              f"{heads} heads each tensor-parallel rank holds (n_head={mc.n_head}, tp={self.tp}).")
-        if self.dropout:
-            raise ConfigError(f"dropout={self.dropout} inside context-parallel attention is not written: "
-                              f"use dropout=0 with cp > 1.")
-        if self.attention != "flash":
-            raise ConfigError(f"attention={self.attention!r} is one device's kernel; with cp > 1 attention is "
-                              f"context parallelism's own ({self.cp_algo}): leave attention='flash'.")
-        if self.recompute == "selective":
-            raise ConfigError("selective recomputation with cp > 1 is not written: recomputing context-parallel "
-                              "attention would run its communication again in backward; use 'full' or none.")
-        if self.impl == "torch":
-            self._check_torch_context_parallel()
-        elif self.impl != "scratch":
-            raise ConfigError(f"context parallelism runs with impl='scratch' or 'torch', not impl={self.impl!r}.")
-
-    def _check_torch_context_parallel(self) -> None:
-        import torch
-
-        from .parallel.context_parallel_torch import TORCH_ROTATE, torch_context_parallel
-
-        if self.cp_algo not in TORCH_ROTATE:
-            raise ConfigError(f"PyTorch's context parallelism is a ring ({' or '.join(TORCH_ROTATE)}); it has no "
-                              f"cp_algo={self.cp_algo!r}: use impl='scratch' for it.")
-        if torch_context_parallel() is None:
-            raise ConfigError(f"this torch ({torch.__version__}) lacks the context-parallel ring this build uses "
-                              f"(torch.distributed.tensor.experimental._context_parallel): use impl='scratch'.")
-
-    def _check_experts(self, mc, runnable: bool) -> None:
-        given = [f"moe_{n}" for n in ("top_k", "every", "capacity", "aux") if getattr(self, f"moe_{n}") is not None]
-        if not isinstance(self.moe_experts, int) or isinstance(self.moe_experts, bool) or self.moe_experts < 0:
-            raise ConfigError(f"moe_experts={self.moe_experts!r} must be a whole number of experts (0: none).")
-        if not mc.moe_experts:
-            if given:
-                raise ConfigError(f"{given[0]} sets up a mixture of experts; give moe_experts (how many) with it.")
-            if self.ep > 1:
-                raise ConfigError(f"ep={self.ep} spreads the experts of a mixture of experts; give moe_experts "
-                                  f"with it.")
-            return
-        E, k = mc.moe_experts, mc.moe_top_k
-        if E < 2:
-            raise ConfigError(f"moe_experts={E}: a mixture needs at least 2 experts.")
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= E:
-            raise ConfigError(f"moe_top_k={k!r} must be between 1 and the {E} experts.")
-        if not isinstance(mc.moe_every, int) or not 1 <= mc.moe_every <= mc.n_layer:
-            raise ConfigError(f"moe_every={mc.moe_every!r} must be between 1 (every block) and the "
-                              f"{mc.n_layer} blocks.")
-        if self.moe_capacity is not None and not self.moe_capacity > 0:
-            raise ConfigError(f"moe_capacity={self.moe_capacity} must be a positive capacity factor "
-                              f"(leave it out to drop no token).")
-        if self.moe_aux is not None and self.moe_aux < 0:
-            raise ConfigError(f"moe_aux={self.moe_aux} must be at least 0.")
-        if self.ep > 1:
-            if self.dp % self.ep:
-                raise ConfigError(f"ep={self.ep} must divide dp={self.dp}: expert parallelism is carved out of "
-                                  f"the data-parallel ranks.")
-            if E % self.ep:
-                raise ConfigError(f"ep={self.ep} must divide moe_experts={E}: each rank holds E/ep experts.")
-        if runnable:
-            self._check_experts_supported()
-
-    def _check_experts_supported(self) -> None:
-        if self.cp > 1:
-            raise ConfigError("a mixture of experts with cp > 1 is not written: its balance loss is computed over "
-                              "whole sequences, which context parallelism cuts.")
-        if self.sequence_parallel:
-            raise ConfigError("a mixture of experts with sequence_parallel is not written: route whole sequences "
-                              "(leave sequence_parallel off).")
-        if self.recompute == "full":
-            raise ConfigError("checkpoint_activations with a mixture of experts is not written: recomputing a "
-                              "block would route its tokens, and count them, twice.")
-        if self.precision == "fp16":
-            raise ConfigError("fp16's loss scaling does not scale the experts' balance loss here; use bf16 or "
-                              "fp32 with a mixture of experts.")
-        if self.impl != "scratch":
-            raise ConfigError(f"a mixture of experts runs from scratch in this build (impl='scratch'), not "
-                              f"impl={self.impl!r}: PyTorch has no mixture-of-experts layer of its own.")
-        if self.ep > 1 and self.zero == 3:
-            raise ConfigError("ep > 1 with zero=3 is not written: use zero 1 or 2 (experts get shards of their "
-                              "own), or ep=1.")
-        if self.ep > 1 and self.bucket_mb is not None:
-            raise ConfigError("bucket_mb with ep > 1 is not written: experts' gradients are averaged over a "
-                              "group of their own.")
-        if self.ep > 1 and (self.save or self.resume):
-            raise ConfigError("checkpoints of expert-parallel runs are not written yet; save with ep=1.")
 
     def straggler_delay(self) -> tuple[int, float] | None:
         """``straggler`` as (rank, seconds lost per step), or None."""
@@ -476,17 +265,6 @@ class TrainConfig:
         from .parallel.schedule_table import get
 
         return self.kind() + (f"+{self.schedule}" if self.pp > 1 and get(self.schedule).virtual else "")
-
-
-def has_replicate() -> bool:
-    """Whether this torch has the composable ``replicate`` built on FSDP2 (DDP that takes DTensor parameters)."""
-    import importlib.util
-    return importlib.util.find_spec("torch.distributed._composable.replicate_with_fsdp") is not None
-
-
-def _torch_version() -> str:
-    import torch
-    return torch.__version__
 
 
 # The layouts ``gpucourse train --list`` tries, each dimension at degree 2: validate() decides which run.

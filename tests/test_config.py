@@ -121,3 +121,22 @@ def test_the_list_of_what_runs_is_what_the_rules_accept():
     for changes in rows.values():
         TrainConfig(**changes).validate()
     assert len(MESHES) == 10 and len(rows) >= 30
+
+
+def test_each_strategy_owns_its_fields_and_its_rules():
+    """One record per technique, in the order parallelize applies them: every layout field is one strategy's, and
+    a rule broken is refused by that strategy's own check (the config only checks what is not a strategy's)."""
+    from gpucourse.config import fields_of
+    from gpucourse.parallel import STRATEGIES
+
+    owned = [f for s in STRATEGIES for f in s.fields]
+    assert len(owned) == len(set(owned)) and set(fields_of("layout")) <= set(owned)
+    assert [s.name for s in STRATEGIES] == ["pipeline", "tensor", "context", "experts", "recomputation", "data"]
+    cases = {"context": dict(cp=2, dropout=0.1), "tensor": dict(tp=3), "experts": dict(ep=2, dp=2),
+             "pipeline": dict(pp=2, microbatches=3), "recomputation": dict(attention="sparse"),
+             "data": dict(bucket_mb=1.0)}
+    for strategy in STRATEGIES:
+        cfg = TrainConfig(**cases[strategy.name])
+        with pytest.raises(ConfigError):
+            for check in strategy.checks:
+                check(cfg, cfg.model_config(), True)

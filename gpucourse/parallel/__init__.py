@@ -25,17 +25,50 @@ around any optimizer class. The course's data-parallel trainers use the same mod
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 from ..measure import Recorder
 from ..model import MoE
-from . import schedule_table
+from . import (activation_checkpointing, context_parallel, context_parallel_torch, data_parallel, expert_parallel,
+               pipeline, schedule_table, tensor_parallel)
 from .activation_checkpointing import recompute
 from .precision import Precision
 from .single import Trainer
 
 if TYPE_CHECKING:  # a config is read here, never built: importing it would loop back (config checks strategies)
     from ..config import TrainConfig
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One technique, as the engine knows it: its name, the config fields it owns, and its rules — each a
+    ``check(cfg, model_config, runnable)`` raising one sentence, kept in the technique's own files."""
+
+    name: str
+    fields: tuple
+    checks: tuple[Callable, ...]
+
+
+# In the order parallelize applies them, and the order their rules are checked in.
+STRATEGIES = (
+    Strategy("pipeline", ("pp", "schedule", "virtual_stages", "microbatches"), (pipeline.check,)),
+    Strategy("tensor", ("tp", "sequence_parallel"), (tensor_parallel.check,)),
+    Strategy("context", ("cp", "cp_algo", "zigzag"), (context_parallel.check, context_parallel_torch.check)),
+    Strategy("experts", ("ep", "moe_experts", "moe_top_k", "moe_every", "moe_capacity", "moe_aux"),
+             (expert_parallel.check,)),
+    Strategy("recomputation", ("checkpoint_activations", "attention"), (activation_checkpointing.check,)),
+    Strategy("data", ("dp", "zero", "impl", "bucket_mb", "grad_accum", "precision", "master_weights"),
+             (data_parallel.check,)),
+)
+
+
+def check_strategies(cfg: TrainConfig, mc, runnable: bool = True) -> None:
+    """Every strategy's rules for ``cfg`` (``mc``: its model's config), in order; the first broken one raises
+    :class:`~gpucourse.readable.ConfigError` (what :meth:`gpucourse.TrainConfig.validate` calls)."""
+    for strategy in STRATEGIES:
+        for check in strategy.checks:
+            check(cfg, mc, runnable)
 
 
 def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, device=None) -> Trainer:

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..measure import note_saved_input
 from ..model import blocks_of
+from ..readable import ConfigError
 
 
 def checkpoint_blocks(model: torch.nn.Module) -> torch.nn.Module:
@@ -66,3 +67,22 @@ def recompute(model: torch.nn.Module, what: str) -> torch.nn.Module:
     if what == "selective":
         return checkpoint_attention(model)
     return model
+
+
+# --- its rules -----------------------------------------------------------------------------------------------------
+
+RECOMPUTE = ("none", "selective", "full")  # what backward recomputes (TrainConfig.checkpoint_activations)
+ATTENTION = ("flash", "math")              # how attention computes (model.GPTConfig.attention)
+
+
+def check(cfg, mc, runnable: bool = True) -> None:
+    """What recomputation and the attention kernel it works on refuse, one sentence each."""
+    if cfg.recompute not in RECOMPUTE:
+        raise ConfigError(f"checkpoint_activations={cfg.checkpoint_activations!r} is not one of "
+                          f"{', '.join(RECOMPUTE)} (or False / True).")
+    if cfg.attention not in ATTENTION:
+        raise ConfigError(f"attention={cfg.attention!r} is not one of {', '.join(ATTENTION)}.")
+    if cfg.attention == "math" and cfg.precision != "fp32" and not cfg.master_weights:
+        raise ConfigError(f"attention='math' under autocast keeps its scores in whatever precision the device's "
+                          f"autocast lists give softmax (fp32 on CUDA, {cfg.precision} on CPU); run it in fp32 "
+                          f"or with master_weights, where the scores' precision is the weights'.")

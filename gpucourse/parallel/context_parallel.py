@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from .. import comm
 from ..data import context_positions
 from ..model import blocks_of
+from ..readable import ConfigError
 from .sequence_parallel import GatherSequence, conjugate
 
 ALGORITHMS = ("ring", "allgather", "ulysses")
@@ -294,3 +295,34 @@ class RingAttention(torch.autograd.Function):
             if step < n - 1:
                 k_cur, v_cur = k_next, v_next
         return dq, dk_cur, dv_cur, None, None
+
+
+# --- its rules -----------------------------------------------------------------------------------------------------
+
+def check(cfg, mc, runnable: bool = True) -> None:
+    """What context parallelism refuses, one sentence each (:meth:`gpucourse.TrainConfig.validate` asks)."""
+    if cfg.cp == 1 and not cfg.zigzag:
+        return
+    if cfg.cp_algo not in ALGORITHMS:
+        raise ConfigError(f"cp_algo={cfg.cp_algo!r} is not one of {', '.join(ALGORITHMS)}.")
+    if cfg.cp == 1:
+        raise ConfigError("zigzag orders the tokens of context-parallel ranks; it needs cp > 1.")
+    chunks = 2 * cfg.cp if cfg.zigzag else cfg.cp
+    if cfg.seq_len % chunks:
+        split = f"2 × cp = {chunks} zig-zag chunks" if cfg.zigzag else f"cp = {chunks} chunks"
+        raise ConfigError(f"seq_len={cfg.seq_len} must divide into {split} of equal length.")
+    heads = mc.n_head // cfg.tp
+    if cfg.cp_algo == "ulysses" and heads % cfg.cp:
+        raise ConfigError(f"ulysses gives each of cp={cfg.cp} ranks whole heads: cp must divide the "
+                          f"{heads} heads each tensor-parallel rank holds (n_head={mc.n_head}, tp={cfg.tp}).")
+    if cfg.dropout:
+        raise ConfigError(f"dropout={cfg.dropout} inside context-parallel attention is not written: "
+                          f"use dropout=0 with cp > 1.")
+    if cfg.attention != "flash":
+        raise ConfigError(f"attention={cfg.attention!r} is one device's kernel; with cp > 1 attention is "
+                          f"context parallelism's own ({cfg.cp_algo}): leave attention='flash'.")
+    if cfg.recompute == "selective":
+        raise ConfigError("selective recomputation with cp > 1 is not written: recomputing context-parallel "
+                          "attention would run its communication again in backward; use 'full' or none.")
+    if cfg.impl not in ("scratch", "torch"):  # (PyTorch's own refuses more: context_parallel_torch.check)
+        raise ConfigError(f"context parallelism runs with impl='scratch' or 'torch', not impl={cfg.impl!r}.")

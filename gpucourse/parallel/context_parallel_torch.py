@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model import blocks_of
+from ..readable import ConfigError
 from .context_parallel import embed_at_positions
 
 # --- PyTorch's ring attention ---------------------------------------------------------------------
@@ -92,3 +93,15 @@ def _cpu_ring(op_call, args, kwargs):
         spec = DTensorSpec(info.compute_mesh, placements, TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
         wrapped.append(DTensor(local, spec, requires_grad=False))
     return tuple(wrapped)
+
+
+def check(cfg, mc, runnable: bool = True) -> None:
+    """What PyTorch's context parallelism refuses (``impl="torch"``), one sentence each."""
+    if cfg.cp == 1 or cfg.impl != "torch":
+        return
+    if cfg.cp_algo not in TORCH_ROTATE:
+        raise ConfigError(f"PyTorch's context parallelism is a ring ({' or '.join(TORCH_ROTATE)}); it has no "
+                          f"cp_algo={cfg.cp_algo!r}: use impl='scratch' for it.")
+    if torch_context_parallel() is None:
+        raise ConfigError(f"this torch ({torch.__version__}) lacks the context-parallel ring this build uses "
+                          f"(torch.distributed.tensor.experimental._context_parallel): use impl='scratch'.")

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..model import blocks_of
+from ..readable import ConfigError
 from .single import Trainer
 
 
@@ -164,3 +165,49 @@ def _recording_allreduce_hook(state, bucket):
         return f.value()[0]
 
     return fut.then(done)
+
+
+# --- its rules (and those of ZeRO, FSDP, the precisions and the engines that run them) ------------------------------
+
+def has_replicate() -> bool:
+    """Whether this torch has the composable ``replicate`` built on FSDP2 (DDP that takes DTensor parameters)."""
+    import importlib.util
+    return importlib.util.find_spec("torch.distributed._composable.replicate_with_fsdp") is not None
+
+
+def check(cfg, mc, runnable: bool = True) -> None:
+    """What data parallelism, ZeRO and the precisions refuse, one sentence each; ``runnable``: also what this
+    build does not run (an estimate on paper may still size it)."""
+    if cfg.master_weights and cfg.precision == "fp32":
+        raise ConfigError("master_weights keeps an fp32 copy of half-precision weights; "
+                          "choose precision bf16 or fp16 with it.")
+    if cfg.bucket_mb is not None:
+        if not cfg.bucket_mb > 0:
+            raise ConfigError(f"bucket_mb={cfg.bucket_mb} must be a positive number of megabytes.")
+        if cfg.dp * cfg.cp == 1 or cfg.zero or cfg.impl == "accelerate":
+            raise ConfigError("bucket_mb sets the gradient buckets of plain data parallelism "
+                              "(dp × cp > 1, zero=0, impl scratch or torch).")
+    if not runnable:
+        return
+    if cfg.precision != "fp32" and (cfg.tp > 1 or cfg.pp > 1 or cfg.impl == "accelerate"
+                                    or (cfg.zero and cfg.impl != "scratch")):
+        raise ConfigError(f"precision={cfg.precision} runs with single, data-parallel and scratch ZeRO "
+                          f"layouts in this build, not {cfg.kind()} with impl={cfg.impl!r}.")
+    if cfg.master_weights and cfg.impl == "torch" and cfg.zero:
+        raise ConfigError("master_weights with impl='torch' is offered for DDP only (zero=0).")
+    if cfg.zero == 1 and cfg.impl == "torch" and (cfg.tp > 1 or cfg.pp > 1):
+        raise ConfigError("torch's ZeRO-1 (ZeroRedundancyOptimizer) runs with data parallelism alone (tp=1, pp=1); "
+                          "use zero=2 or 3 (FSDP2), or impl='scratch'.")
+    if cfg.impl == "torch" and cfg.tp > 1 and cfg.dp > 1 and not cfg.zero:
+        if not has_replicate():
+            raise ConfigError(f"data parallelism over DTensor (tensor-parallel) parameters needs PyTorch's "
+                              f"composable replicate, which torch {torch.__version__} lacks; use zero=2 or 3 "
+                              f"(FSDP2), or impl='scratch'.")
+        if cfg.bucket_mb is not None:
+            raise ConfigError("bucket_mb sets DistributedDataParallel's buckets; with DTensor tensor parallelism "
+                              "data parallelism is PyTorch's replicate, which all-reduces block by block.")
+    if cfg.impl == "accelerate":
+        if cfg.tp > 1 or cfg.pp > 1:
+            raise ConfigError("impl='accelerate' runs data parallelism only (tp=1, pp=1).")
+        if cfg.zero not in (0, 3):
+            raise ConfigError(f"impl='accelerate' offers DDP (zero=0) and FSDP (zero=3), not zero={cfg.zero}.")

@@ -59,6 +59,7 @@ import torch.nn as nn
 
 from .. import comm
 from ..model import MoE, blocks_of
+from ..readable import ConfigError
 
 
 def expert_groups(mesh, ep: int) -> tuple:
@@ -158,3 +159,63 @@ def gather_experts(module: nn.Module, ep_group, state: dict) -> dict:
     for part in theirs:
         whole.update({name: t.to(device) for name, t in part.items()})
     return whole
+
+
+# --- its rules -----------------------------------------------------------------------------------------------------
+
+def check(cfg, mc, runnable: bool = True) -> None:
+    """What a mixture of experts and expert parallelism refuse, one sentence each."""
+    given = [f"moe_{n}" for n in ("top_k", "every", "capacity", "aux") if getattr(cfg, f"moe_{n}") is not None]
+    if not isinstance(cfg.moe_experts, int) or isinstance(cfg.moe_experts, bool) or cfg.moe_experts < 0:
+        raise ConfigError(f"moe_experts={cfg.moe_experts!r} must be a whole number of experts (0: none).")
+    if not mc.moe_experts:
+        if given:
+            raise ConfigError(f"{given[0]} sets up a mixture of experts; give moe_experts (how many) with it.")
+        if cfg.ep > 1:
+            raise ConfigError(f"ep={cfg.ep} spreads the experts of a mixture of experts; give moe_experts "
+                              f"with it.")
+        return
+    E, k = mc.moe_experts, mc.moe_top_k
+    if E < 2:
+        raise ConfigError(f"moe_experts={E}: a mixture needs at least 2 experts.")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= E:
+        raise ConfigError(f"moe_top_k={k!r} must be between 1 and the {E} experts.")
+    if not isinstance(mc.moe_every, int) or not 1 <= mc.moe_every <= mc.n_layer:
+        raise ConfigError(f"moe_every={mc.moe_every!r} must be between 1 (every block) and the "
+                          f"{mc.n_layer} blocks.")
+    if cfg.moe_capacity is not None and not cfg.moe_capacity > 0:
+        raise ConfigError(f"moe_capacity={cfg.moe_capacity} must be a positive capacity factor "
+                          f"(leave it out to drop no token).")
+    if cfg.moe_aux is not None and cfg.moe_aux < 0:
+        raise ConfigError(f"moe_aux={cfg.moe_aux} must be at least 0.")
+    if cfg.ep > 1:
+        if cfg.dp % cfg.ep:
+            raise ConfigError(f"ep={cfg.ep} must divide dp={cfg.dp}: expert parallelism is carved out of "
+                              f"the data-parallel ranks.")
+        if E % cfg.ep:
+            raise ConfigError(f"ep={cfg.ep} must divide moe_experts={E}: each rank holds E/ep experts.")
+    if not runnable:
+        return
+    if cfg.cp > 1:
+        raise ConfigError("a mixture of experts with cp > 1 is not written: its balance loss is computed over "
+                          "whole sequences, which context parallelism cuts.")
+    if cfg.sequence_parallel:
+        raise ConfigError("a mixture of experts with sequence_parallel is not written: route whole sequences "
+                          "(leave sequence_parallel off).")
+    if cfg.recompute == "full":
+        raise ConfigError("checkpoint_activations with a mixture of experts is not written: recomputing a "
+                          "block would route its tokens, and count them, twice.")
+    if cfg.precision == "fp16":
+        raise ConfigError("fp16's loss scaling does not scale the experts' balance loss here; use bf16 or "
+                          "fp32 with a mixture of experts.")
+    if cfg.impl != "scratch":
+        raise ConfigError(f"a mixture of experts runs from scratch in this build (impl='scratch'), not "
+                          f"impl={cfg.impl!r}: PyTorch has no mixture-of-experts layer of its own.")
+    if cfg.ep > 1 and cfg.zero == 3:
+        raise ConfigError("ep > 1 with zero=3 is not written: use zero 1 or 2 (experts get shards of their "
+                          "own), or ep=1.")
+    if cfg.ep > 1 and cfg.bucket_mb is not None:
+        raise ConfigError("bucket_mb with ep > 1 is not written: experts' gradients are averaged over a "
+                          "group of their own.")
+    if cfg.ep > 1 and (cfg.save or cfg.resume):
+        raise ConfigError("checkpoints of expert-parallel runs are not written yet; save with ep=1.")

@@ -52,6 +52,7 @@ import torch.nn as nn
 
 from .. import comm
 from ..model import GPT, blocks_of, loss_fn
+from ..readable import ConfigError
 from .schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, build
 from .single import Trainer, cpu_state_dict
 
@@ -251,3 +252,65 @@ def merge_stages(pp_group, state: dict) -> dict:
     gathered: list = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(gathered, cpu_state_dict(state), group=pp_group)
     return {k: v for part in gathered for k, v in part.items()}
+
+
+# --- its rules -----------------------------------------------------------------------------------------------------
+
+def check(cfg, mc, runnable: bool = True) -> None:
+    """What pipeline parallelism and its schedules refuse, one sentence each (a schedule's own needs are in its
+    record, :mod:`.schedule_table`)."""
+    from .schedule_table import SCHEDULES
+
+    if cfg.pp > mc.n_layer:
+        raise ConfigError(f"pp={cfg.pp} is more than the {mc.n_layer} blocks of model {cfg.model!r}; "
+                          f"each stage needs at least one block.")
+    record = SCHEDULES[cfg.schedule]
+    if record.virtual:
+        _check_chunked(cfg, mc, runnable, record)
+    if cfg.pp > 1:
+        per_part = cfg.batch_size // (cfg.dp * cfg.grad_accum)  # a pipeline runs its schedule once per part
+        if per_part % cfg.microbatches:
+            part = "rank" if cfg.grad_accum == 1 else "rank's accumulated part"
+            raise ConfigError(f"microbatches={cfg.microbatches} must divide the batch of each data-parallel "
+                              f"{part}, batch_size / (dp × grad_accum) = {per_part} sequences.")
+    elif cfg.microbatches != 1:
+        raise ConfigError("microbatches=M splits the batch between pipeline stages and needs pp > 1; "
+                          "on one stage use grad_accum to split it.")
+    if runnable and cfg.impl == "torch" and cfg.pp > 1:
+        if cfg.schedule == "naive":
+            raise ConfigError("torch.distributed.pipelining has no 'naive' schedule; use gpipe or 1f1b, "
+                              "or impl='scratch'.")
+        if cfg.schedule == "1f1b" and cfg.microbatches < cfg.pp:
+            raise ConfigError(f"torch's Schedule1F1B needs microbatches >= pp ({cfg.microbatches} < {cfg.pp}); "
+                              f"use more microbatches, gpipe, or impl='scratch'.")
+
+
+def _check_chunked(cfg, mc, runnable: bool, record) -> None:
+    """The schedules with several chunks a rank or a split backward (``pipeline_virtual.py`` runs them)."""
+    from .schedule_table import SCHEDULES
+
+    if cfg.pp == 1:
+        raise ConfigError(f"schedule={cfg.schedule!r} is a pipeline schedule; it needs pp > 1.")
+    problem = record.problem(cfg.pp, cfg.microbatches, cfg.virtual_stages)
+    if problem:
+        raise ConfigError(problem)
+    v = record.chunks_per_rank(cfg.virtual_stages)
+    if cfg.pp * v > mc.n_layer:
+        raise ConfigError(f"{cfg.schedule} cuts the model into pp × {v} = {cfg.pp * v} chunks, more than the "
+                          f"{mc.n_layer} blocks of model {cfg.model!r}.")
+    if not runnable:
+        return
+    if cfg.impl == "torch" and record.torch_class is None:
+        others = [s.name for s in SCHEDULES.values() if s.torch_class and s.virtual]
+        raise ConfigError(f"torch.distributed.pipelining has no {cfg.schedule} schedule ({record.summary}); "
+                          f"with impl='torch' use {', '.join(others)}, or impl='scratch'.")
+    if cfg.impl == "torch" and (cfg.dp > 1 or cfg.tp > 1 or cfg.zero or cfg.grad_accum > 1):
+        raise ConfigError(f"schedule={cfg.schedule!r} with impl='torch' runs the pipeline alone in this build "
+                          f"(dp=1, tp=1, zero=0, grad_accum=1); the scratch engine composes it.")
+    if cfg.impl == "accelerate":
+        raise ConfigError(f"schedule={cfg.schedule!r} runs with impl='scratch' or 'torch'.")
+    if cfg.zero == 3 or cfg.bucket_mb is not None or cfg.cp > 1 or cfg.moe_experts \
+            or cfg.checkpoint_activations or cfg.precision != "fp32":
+        raise ConfigError(f"schedule={cfg.schedule!r} runs with data parallelism (ZeRO 1 or 2 too) and "
+                          f"tensor parallelism in fp32 in this build; not with zero=3, buckets, cp, a mixture "
+                          f"of experts, activation checkpointing or half precision.")

@@ -65,6 +65,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..model import blocks_of
+from ..readable import ConfigError
 from .sequence_parallel import ReduceScatterSequence, enter_sequence_region, mark_sequence_region
 
 
@@ -325,3 +326,24 @@ def apply_dtensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool =
         parallelize_module(blocks[-1], tp_mesh, PrepareModuleOutput(
             output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))
     return module
+
+
+# --- its rules -----------------------------------------------------------------------------------------------------
+
+def check(cfg, mc, runnable: bool = True) -> None:
+    """What tensor and sequence parallelism refuse, one sentence each."""
+    if cfg.tp > 1:
+        if mc.n_head % cfg.tp:
+            raise ConfigError(f"tp={cfg.tp} must divide n_head={mc.n_head} of model {cfg.model!r}: "
+                              f"each rank holds whole attention heads.")
+        if (4 * mc.n_embd) % cfg.tp:
+            raise ConfigError(f"tp={cfg.tp} must divide the MLP width 4 × n_embd = {4 * mc.n_embd}.")
+    if cfg.sequence_parallel:
+        if cfg.tp == 1:
+            raise ConfigError("sequence_parallel cuts tensor parallelism's replicated activations along the "
+                              "sequence; it needs tp > 1.")
+        local = cfg.seq_len // cfg.cp  # the tokens a context-parallel rank holds
+        if local % cfg.tp:
+            held = f"seq_len={cfg.seq_len}" if cfg.cp == 1 else f"seq_len / cp = {local}"
+            raise ConfigError(f"{held} must divide by tp={cfg.tp} under sequence parallelism: each rank "
+                              f"keeps 1/tp of its tokens between sub-layers.")
