@@ -226,22 +226,11 @@ class TrainConfig:
                          f"(all-to-all dispatch)")
         elif self.moe_experts:
             parts.append(f"mixture of {self.moe_experts} experts, replicated")
-        if self.zero == 3 and self.impl == "scratch":
-            parts.append("ZeRO-3 (flat shards per block, each gathered just in time)")
-        elif self.zero and self.impl == "scratch":
-            parts.append(f"ZeRO-{self.zero} (flat shards)")
-        elif self.zero and self.impl == "torch":
-            parts.append({1: "ZeroRedundancyOptimizer", 2: "FSDP2, parameters kept between forward and backward",
-                          3: "FSDP2 fully_shard"}[self.zero])
-        elif self.zero:
-            parts.append("accelerate.Accelerator (FSDP; CUDA only)")
-        elif self.dp * self.cp > 1 and self.impl == "scratch":
-            parts.append("bucketed all-reduce overlapped with backward" if self.bucket_mb
-                         else "one all-reduce per gradient after backward")
-        elif self.dp > 1 and self.impl == "torch" and self.tp > 1:
-            parts.append("replicate (DDP on FSDP2's machinery, for DTensor parameters)")
-        elif self.dp > 1:
-            parts.append("DistributedDataParallel" if self.impl == "torch" else "accelerate.Accelerator (DDP)")
+        from .parallel import DATA_PARALLEL, data_parallel_kind  # the choice parallelize makes, by its name
+
+        kind = data_parallel_kind(self)
+        if kind:
+            parts.append(DATA_PARALLEL[kind].format(zero=self.zero))
         return " + ".join(parts) or "one device, the baseline"
 
     def kind(self) -> str:

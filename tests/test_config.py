@@ -140,3 +140,14 @@ def test_each_strategy_owns_its_fields_and_its_rules():
         with pytest.raises(ConfigError):
             for check in strategy.checks:
                 check(cfg, cfg.model_config(), True)
+
+
+def test_describe_names_the_trainer_parallelize_builds():
+    """One choice of data-parallel trainer, read by both: context parallelism alone averages its gradients over the
+    cp ranks too, so a cp-only run under PyTorch says DDP (its description once left that out)."""
+    from gpucourse.parallel import DATA_PARALLEL, data_parallel_kind
+
+    assert data_parallel_kind(TrainConfig(cp=2, impl="torch")) == "ddp"
+    assert TrainConfig(cp=2, impl="torch").describe().endswith(DATA_PARALLEL["ddp"])
+    assert data_parallel_kind(TrainConfig()) is None and TrainConfig().describe() == "one device, the baseline"
+    assert TrainConfig(dp=2, zero=2).describe() == "ZeRO-2 (flat shards)"

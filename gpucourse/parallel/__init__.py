@@ -150,6 +150,39 @@ def set_aux_weight(model, weight: float) -> None:
             m.aux_weight = weight
 
 
+# Which trainer synchronises the gradients, and what ``gpucourse train --list`` calls it: one choice, read by
+# _data_parallel (to build it) and TrainConfig.describe (to name it).
+DATA_PARALLEL = {
+    "zero3": "ZeRO-3 (flat shards per block, each gathered just in time)",
+    "zero": "ZeRO-{zero} (flat shards)",
+    "torch-zero1": "ZeroRedundancyOptimizer",
+    "fsdp2-kept": "FSDP2, parameters kept between forward and backward",
+    "fsdp2": "FSDP2 fully_shard",
+    "accelerate-fsdp": "accelerate.Accelerator (FSDP; CUDA only)",
+    "buckets": "bucketed all-reduce overlapped with backward",
+    "per-gradient": "one all-reduce per gradient after backward",
+    "replicate": "replicate (DDP on FSDP2's machinery, for DTensor parameters)",
+    "ddp": "DistributedDataParallel",
+    "accelerate-ddp": "accelerate.Accelerator (DDP)",
+}
+
+
+def data_parallel_kind(cfg: TrainConfig) -> str | None:
+    """The :data:`DATA_PARALLEL` entry that runs ``cfg``'s data parallelism (dp × cp ranks of the same weights),
+    None where there is none."""
+    if cfg.zero:
+        if cfg.impl == "scratch":
+            return "zero3" if cfg.zero == 3 else "zero"
+        return {1: "torch-zero1", 2: "fsdp2-kept", 3: "fsdp2"}[cfg.zero] if cfg.impl == "torch" else "accelerate-fsdp"
+    if cfg.dp * cfg.cp == 1:
+        return None
+    if cfg.impl == "scratch":
+        return "per-gradient" if cfg.bucket_mb is None else "buckets"
+    if cfg.impl == "torch":
+        return "replicate" if cfg.tp > 1 else "ddp"  # DDP takes no DTensor parameters; replicate does
+    return "accelerate-ddp"
+
+
 def _data_parallel(model, mesh, cfg: TrainConfig, **options) -> Trainer:
     """The trainer that synchronises ``model``'s gradients over the dp slice of the mesh (and steps the optimizer).
 
@@ -158,29 +191,31 @@ def _data_parallel(model, mesh, cfg: TrainConfig, **options) -> Trainer:
     """
     dp_mesh = mesh["dp", "cp"]._flatten() if cfg.cp > 1 else mesh["dp"]
     group = dp_mesh.get_group()
-    if cfg.zero:
-        if cfg.impl == "scratch" and cfg.zero == 3:
-            from .zero3 import Zero3Scratch
-            return Zero3Scratch(model, group, **options)
-        if cfg.impl == "scratch":
-            from .zero import ZeroScratch
-            return ZeroScratch(model, group, cfg.zero, **options)
+    kind = data_parallel_kind(cfg)
+    if kind in ("torch-zero1", "fsdp2-kept", "fsdp2"):
         options.pop("precision")  # fp32 only (the config says so)
-        if cfg.zero == 1:
-            from .zero import TorchZero1
-            return TorchZero1(model, group, **options)
+    if kind == "zero3":
+        from .zero3 import Zero3Scratch
+        return Zero3Scratch(model, group, **options)
+    if kind == "zero":
+        from .zero import ZeroScratch
+        return ZeroScratch(model, group, cfg.zero, **options)
+    if kind == "torch-zero1":
+        from .zero import TorchZero1
+        return TorchZero1(model, group, **options)
+    if kind in ("fsdp2-kept", "fsdp2"):
         from .zero import TorchFSDP
         return TorchFSDP(model, dp_mesh, cfg.zero, **options)
-    if cfg.dp * cfg.cp > 1:
-        if cfg.impl == "torch" and cfg.tp > 1:  # DDP takes no DTensor parameters; replicate does
-            from .data_parallel import TorchReplicate
-            return TorchReplicate(model, dp_mesh, **options)
-        if cfg.impl == "torch":
-            from .data_parallel import TorchDDP
-            return TorchDDP(model, group, cfg.bucket_mb, **options)
-        if cfg.bucket_mb is not None:
-            from .data_parallel_buckets import BucketedDataParallel
-            return BucketedDataParallel(model, group, cfg.bucket_mb, **options)
+    if kind == "replicate":
+        from .data_parallel import TorchReplicate
+        return TorchReplicate(model, dp_mesh, **options)
+    if kind == "ddp":
+        from .data_parallel import TorchDDP
+        return TorchDDP(model, group, cfg.bucket_mb, **options)
+    if kind == "buckets":
+        from .data_parallel_buckets import BucketedDataParallel
+        return BucketedDataParallel(model, group, cfg.bucket_mb, **options)
+    if kind == "per-gradient":
         from .data_parallel import DataParallelScratch
         return DataParallelScratch(model, group, **options)
     return Trainer(model, **options)
