@@ -971,7 +971,7 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchTimeout as e:
         print(f"gpucourse: timeout: {e}", file=sys.stderr)
         if e.waiting:
-            from .troubleshoot import diagnose_hang
+            from .runtime.collective_status import diagnose_hang
 
             print(f"gpucourse: diagnosis: {diagnose_hang(e.waiting)}", file=sys.stderr)
         return 124

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from .config import TrainConfig
 from .readable import human_bytes
 from .runtime import LaunchTimeout, WorkerError, current, launch, report
-from .runtime.collective_status import waiting_in
+from .runtime.collective_status import diagnose_hang
 from .runtime.launcher import plan_device, visible_gpus
 from .train import NonFiniteLoss, check_finite  # noqa: F401 (the loop's own check; the scenarios use it too)
 
@@ -239,49 +239,6 @@ def _desync() -> dict:
                      "On NCCL, TORCH_NCCL_DESYNC_DEBUG=1 makes the watchdog say, when a collective times out, "
                      "which rank never joined it (and TORCH_NCCL_TRACE_BUFFER_SIZE=2000 keeps a record of each "
                      "rank's last collectives, the 'flight recorder')."]}
-
-
-def diagnose_hang(waiting: dict) -> str:
-    """Read a :class:`LaunchTimeout`'s per-rank lines: where the ranks disagree."""
-    calls = {r: waiting_in(text) for r, text in waiting.items()}
-    inside = {r: c for r, c in calls.items() if c}
-    idle = sorted(r for r, c in calls.items() if not c)
-    if not inside:
-        return ("No rank is inside a collective: they are computing, or stuck outside torch.distributed "
-                "(a deadlock in data loading, an endless loop).")
-    parts = []
-    by_seq: dict[int, list[int]] = {}
-    for r, (seq, _) in inside.items():
-        by_seq.setdefault(seq, []).append(r)
-    if len(by_seq) == 1:
-        seq = next(iter(by_seq))
-        ops = {r: op for r, (_, op) in inside.items()}
-        if len(set(ops.values())) > 1:
-            parts.append(f"The ranks disagree about collective #{seq}: "
-                         + "; ".join(f"rank {r} called {op}" for r, op in sorted(ops.items()))
-                         + ". Each waits for partners that are in a different call, so none can finish.")
-        elif idle:
-            waiters = sorted(inside)
-            return (f"Rank{'s' * (len(waiters) > 1)} {', '.join(map(str, waiters))} "
-                    f"wait{'s' * (len(waiters) == 1)} in collective #{seq} ({next(iter(ops.values()))}) for "
-                    f"rank{'s' * (len(idle) > 1)} {', '.join(map(str, idle))}, which never made that call: "
-                    "they finished, returned or took another branch first. Look for a break, return or if "
-                    "that came out differently on some ranks (a decision taken on a rank's own data).")
-        else:
-            parts.append(f"Every rank waits in the same collective #{seq} ({next(iter(ops.values()))}): "
-                         "the partners it needs are all there. Rule out tensors of different shapes first "
-                         "(TORCH_DISTRIBUTED_DEBUG=DETAIL names a mismatch), then suspect the network or a rank "
-                         "outside this group (NCCL_DEBUG=INFO shows the transport).")
-    else:
-        order = sorted(inside.items(), key=lambda kv: kv[1][0])
-        parts.append("The ranks are at different collectives: "
-                     + "; ".join(f"rank {r} in #{seq} {op}" for r, (seq, op) in order)
-                     + ". A rank that is behind made fewer calls before: one was skipped, or added, on some ranks.")
-    if idle:
-        parts.append(f"Rank{'s' * (len(idle) > 1)} {', '.join(map(str, idle))} "
-                     f"{'are' if len(idle) > 1 else 'is'} not in any collective: computing, finished, or stuck "
-                     "elsewhere, while the others wait for it.")
-    return " ".join(parts)
 
 
 _FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\(.*?OpType=(\w+), "

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from gpucourse import cli, troubleshoot
 from gpucourse.runtime import collective_status
+from gpucourse.runtime.collective_status import diagnose_hang
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leftover_children")]
 
@@ -142,7 +143,7 @@ def test_explain_and_waiting_in_read_each_other():
     assert line == "waiting in #3 barrier() — last finished #2 all_reduce(float32[1024])"
     assert collective_status.waiting_in(line) == (3, "barrier()")
     assert collective_status.waiting_in("not in a collective — last finished #2 x()") is None
-    text = troubleshoot.diagnose_hang({0: line, 1: "waiting in #3 all_reduce(float32[4]) — last finished #2 x()"})
+    text = diagnose_hang({0: line, 1: "waiting in #3 all_reduce(float32[4]) — last finished #2 x()"})
     assert "disagree about collective #3" in text
 
 
@@ -151,10 +152,10 @@ def test_diagnose_hang_names_the_ranks_that_left():
     waiting = {0: "not in a collective — last finished #12 all_reduce(float32[1])",
                1: "waiting in #13 all_reduce(float32[1,3]) — last finished #12 all_reduce(float32[1])",
                2: "waiting in #13 all_reduce(float32[1,3]) — last finished #12 all_reduce(float32[1])"}
-    text = troubleshoot.diagnose_hang(waiting)
+    text = diagnose_hang(waiting)
     assert text.startswith("Ranks 1, 2 wait in collective #13 (all_reduce(float32[1,3])) for rank 0, which never")
     assert "suspect the network" not in text
-    alone = troubleshoot.diagnose_hang({0: waiting[1], 1: waiting[2]})
+    alone = diagnose_hang({0: waiting[1], 1: waiting[2]})
     assert "Every rank waits in the same collective #13" in alone
     assert alone.index("different shapes") < alone.index("suspect the network")  # the common cause first
 

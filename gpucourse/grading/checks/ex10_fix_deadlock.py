@@ -20,8 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...runtime.collective_status import waiting_in
-from ...troubleshoot import diagnose_hang
+from ...runtime.collective_status import diagnose_hang, waiting_in
 from .. import host
 from ..core import Exercise, Fail, derive_seed, describe_mismatch
 
