@@ -198,7 +198,7 @@ def test_the_figures_sides_are_the_same_work():
     # The two sides of a ratio differ in exactly the thing measured.
     configs = {"dp_scratch_vs_ddp": ("impl", "scratch", "torch"), "recording_overhead": ("record", True, False)}
     for key, (name, a, b) in configs.items():
-        ca, cb = bench._bench_config(**{name: a}).to_dict(), bench._bench_config(**{name: b}).to_dict()
+        ca, cb = (bench.harness.bench_config(**{name: value}).to_dict() for value in (a, b))
         assert {k for k in ca if ca[k] != cb[k]} == {name}, key
 
 
@@ -257,9 +257,9 @@ def test_a_run_that_went_as_simulated_measures_the_simulators_bubble_and_costs(n
     note_waits(timeline)
     result = SimpleNamespace(config=config, extras={"stage_of_rank": {"0": 0, "1": 1}}, timeline=timeline,
                              losses=[0.0] * (bench.WARMUP_STEPS + 1))
-    measured, cost = bench.measured_bubble(result)
+    measured, cost = bench.parallel_figures.measured_bubble(result)
     assert measured == pytest.approx(sim.bubble_fraction)
     assert cost["comm"] == pytest.approx(comm)  # each message's time from when both sides were there
     assert cost["ops"] == [[[pytest.approx(b - a) for op, a, b in row if op.kind in ("F", "B", "W")]
                             for row in sim.timeline]]  # one steady step
-    assert bench.simulated_bubble(config, cost) == pytest.approx(sim.bubble_fraction)
+    assert bench.parallel_figures.simulated_bubble(config, cost) == pytest.approx(sim.bubble_fraction)

@@ -413,7 +413,7 @@ def test_live_mode_in_a_notebook_leaves_one_figure(tmp_path):
 
 
 def test_live_view_overhead_is_measurable():
-    reading = bench.live_view_overhead(reps=1, steps=8, interval_s=0.05)
+    reading = bench.course_figures.live_view_overhead(reps=1, steps=8, interval_s=0.05)
     assert reading.value > 0 and reading.detail["bundles_sent"] >= 1
 
 

@@ -1,0 +1,103 @@
+"""Figures of memory: what ZeRO, sequence parallelism and recomputation keep, measured against their formulas and
+the estimate."""
+
+from __future__ import annotations
+
+from ..readable import human_bytes
+from ..train import run
+from ..readings import Reading, figure, ratio
+from .harness import RANKS, RUN_TIMEOUT_S, bench_config, memory_ratios, worst_ratio
+
+
+@figure("zero_memory_vs_formula", target="== 1.0", quick=dict(), full=dict())
+def zero_memory_vs_formula() -> Reading:
+    """Measured weights, gradients and optimizer bytes per rank of scratch ZeRO-1/2 over the ZeRO formula."""
+    from ..memory import num_params
+    from ..parallel.zero import memory_formula
+
+    n = num_params(bench_config().model_config())
+    configs = [bench_config(impl="scratch", dp=d, zero=z, batch_size=12, steps=1) for d in (2, 3) for z in (1, 2)]
+    ratios = memory_ratios(configs, lambda cfg, rank: memory_formula(n, cfg.dp, cfg.zero))
+    worst = worst_ratio(ratios)
+    return Reading(worst, {"ratios": ratios}, f"worst measured/formula ratio {worst:.6f} over {len(ratios)}")
+
+
+@figure("zero3_memory_vs_formula", target="== 1.0", quick=dict(), full=dict())
+def zero3_memory_vs_formula() -> Reading:
+    """Measured weights, gradients, optimizer state and peak gathered bytes of scratch ZeRO-3 over its formula."""
+    from ..memory import stage_units
+    from ..parallel.zero3 import memory_formula
+
+    configs = [bench_config(impl="scratch", dp=d, zero=3, batch_size=12, steps=1, **kw)
+               for d, kw in ((2, {}), (3, {}), (2, dict(tp=2)))]
+    ratios = {}
+    for cfg in configs:
+        result = run(cfg, timeout=RUN_TIMEOUT_S, quiet=True)
+        want = memory_formula(stage_units(cfg.model_config(), 1, 0, cfg.tp), cfg.dp)
+        for rank, mem in result.memory.items():
+            for k in ("weights", "gradients", "optimizer"):
+                ratios[f"{cfg.layout()} rank{rank} {k}"] = mem[k] / want[k]
+        ratios[f"{cfg.layout()} gathered"] = result.extras["zero"]["gathered_peak_bytes"] / want["gathered"]
+    worst = worst_ratio(ratios)
+    return Reading(worst, {"ratios": ratios}, f"worst measured/formula ratio {worst:.6f} over {len(ratios)}")
+
+
+@figure("sp_activation_ratio", target="== 0.5", quick=dict(), full=dict())
+def sp_activation_ratio() -> Reading:
+    """What the blocks' LayerNorms save per rank with sequence parallelism over without, tp = 2 (1/tp exactly)."""
+    saved = {}
+    for sp in (False, True):
+        result = run(bench_config(impl="scratch", dp=1, tp=RANKS, steps=1, sequence_parallel=sp),
+                     timeout=RUN_TIMEOUT_S, quiet=True)
+        saved[sp] = result.extras["activations_by_region"]["block layernorms"]
+    return Reading(ratio(saved[True], saved[False]), {"tp_bytes": saved[False], "sp_bytes": saved[True]},
+                   f"{human_bytes(saved[True])} with sequence parallelism, {human_bytes(saved[False])} without")
+
+
+@figure("memory_estimate_vs_measured", target="== 1.0", quick=dict(), full=dict())
+def memory_estimate_vs_measured() -> Reading:
+    """Measured weights, gradients and optimizer bytes over ``gpucourse memory``'s estimate, several layouts."""
+    from ..memory import estimate
+
+    configs = [bench_config(impl="scratch", steps=1, **kw) for kw in
+               (dict(dp=1), dict(dp=2), dict(dp=2, zero=2), dict(dp=1, tp=2), dict(dp=1, pp=2, microbatches=2))]
+    ratios = memory_ratios(configs, lambda cfg, rank: estimate(cfg)["per_rank"][rank])
+    worst = worst_ratio(ratios)
+    return Reading(worst, {"ratios": ratios}, f"worst measured/estimated ratio {worst:.6f} over {len(ratios)}")
+
+
+@figure("checkpointing_activation_ratio", quick=dict(), full=dict())
+def checkpointing_activation_ratio() -> Reading:
+    """Saved activation bytes with activation checkpointing over without (tiny model)."""
+    sizes = {}
+    for ckpt in (False, True):
+        result = run(bench_config(impl="scratch", dp=1, steps=1, checkpoint_activations=ckpt),
+                     timeout=RUN_TIMEOUT_S, quiet=True)
+        sizes[ckpt] = result.memory["0"]["activations"]
+    value = ratio(sizes[True], sizes[False])
+    return Reading(value, {"plain_bytes": sizes[False], "checkpointed_bytes": sizes[True]},
+                   f"{human_bytes(sizes[True])} with checkpointing, {human_bytes(sizes[False])} without")
+
+
+@figure("selective_activation_ratio", quick=dict(), full=dict())
+def selective_activation_ratio() -> Reading:
+    """Saved activation bytes with selective recomputation over none, attention written out (tiny model, bf16
+    weights, as Korthikanti et al. count), beside their formula's ratio for one layer at this shape (with dropout,
+    which the run has not: its scores are 2 of the formula's 5 bytes)."""
+    from ..memory import korthikanti_layer_bytes
+
+    sizes = {}
+    for recompute in ("none", "selective"):
+        result = run(bench_config(impl="scratch", dp=1, steps=1, precision="bf16", master_weights=True,
+                                   attention="math", checkpoint_activations=recompute),
+                     timeout=RUN_TIMEOUT_S, quiet=True)
+        sizes[recompute] = result.memory["0"]["activations"]
+    cfg = bench_config(dp=1)
+    mc = cfg.model_config()
+    paper = [korthikanti_layer_bytes(cfg.seq_len, cfg.batch_size, mc.n_embd, mc.n_head, recompute=r)
+             for r in ("selective", "none")]
+    value = ratio(sizes["selective"], sizes["none"])
+    return Reading(value, {"none_bytes": sizes["none"], "selective_bytes": sizes["selective"],
+                           "korthikanti_ratio": paper[0] / paper[1]},
+                   f"{human_bytes(sizes['selective'])} selective, {human_bytes(sizes['none'])} none "
+                   f"({value:.3f}; Korthikanti et al.'s layer: {paper[0] / paper[1]:.3f})")
