@@ -218,7 +218,10 @@ class TrainConfig:
             if self.sequence_parallel:
                 parts.append("sequence parallel")
         if self.cp > 1:
-            moved = "all-to-all hops" if self.cp_algo == "ring" else "one all-gather"
+            from .parallel.context_parallel import ATTENTIONS
+
+            moved = {"alltoall": "all-to-all hops", "allgather": "one all-gather"}.get(
+                ATTENTIONS[self.cp_algo].torch_rotate, "")
             algo = f"PyTorch's ring, K/V by {moved}" if torch_impl else f"{self.cp_algo} attention"
             parts.append(f"context parallel, {algo}{' (zig-zag)' if self.zigzag else ''}")
         if self.ep > 1:

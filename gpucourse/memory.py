@@ -250,19 +250,13 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, tp: int = 1, sp: boo
 
 
 def _context_attention_bytes(cfg: TrainConfig, b: int, t: int, width: float) -> float:
-    """What context-parallel attention keeps beyond one device's (fp32; t tokens a rank holds, width = C/tp).
-
-    ring: nothing more (its blocks are recomputed in backward from the saved log-sum-exp);
-    allgather: the whole sequence's K and V in place of the rank's own, and the mask as floats;
-    ulysses: the mask over the whole sequence as floats. (A ulysses run measures one more
-    (b, t, C) tensor per block than this finds, about 1.4 % of the tiny model's activations.)
-    """
-    if cfg.cp == 1 or cfg.cp_algo == "ring":
+    """What context-parallel attention keeps beyond one device's (fp32; t tokens a rank holds, width = C/tp): its
+    algorithm's record says (:data:`gpucourse.parallel.context_parallel.ATTENTIONS`)."""
+    if cfg.cp == 1:
         return 0
-    T = t * cfg.cp
-    if cfg.cp_algo == "allgather":
-        return 2 * 4 * b * (T - t) * width + 4 * t * T
-    return 4 * T * T
+    from .parallel.context_parallel import ATTENTIONS
+
+    return ATTENTIONS[cfg.cp_algo].kept(b, t, t * cfg.cp, width)
 
 
 def _loss_stage(cfg: TrainConfig) -> int:

@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass, field
 
 from .config import TrainConfig
+from .parallel.context_parallel import ATTENTIONS
 from .parallel.schedule_table import get as get_schedule
 
 TOOLS = ("megatron", "nemo", "deepspeed", "torchtitan", "accelerate")
@@ -104,7 +105,6 @@ def _schedule_note(tool: str, cfg: TrainConfig, offered: str) -> list[str]:
 # docs/source/api-guide/custom_fsdp.md (the Megatron FSDP flags). --cp-comm-type's help text says "allgather",
 # but the value reaches Transformer Engine's attention, which only knows "all_gather" (TransformerConfig.cp_comm_type).
 
-CP_COMM = {"ring": "p2p", "allgather": "all_gather", "ulysses": "a2a"}
 SHARDING = {2: "optim_grads", 3: "optim_grads_params"}  # Megatron FSDP's names for ZeRO-2 and ZeRO-3
 
 
@@ -134,7 +134,7 @@ def megatron(cfg: TrainConfig) -> tuple[dict, list[str]]:
     if cfg.pp > 1 and cfg.schedule == "interleaved-1f1b":
         args["--num-virtual-stages-per-pipeline-rank"] = cfg.virtual_stages  # virtual_stages
     if cfg.cp > 1:
-        args["--cp-comm-type"] = CP_COMM[cfg.cp_algo]    # cp_algo
+        args["--cp-comm-type"] = ATTENTIONS[cfg.cp_algo].megatron  # cp_algo
         if not cfg.zigzag:
             notes.append("Megatron-LM always cuts a sequence into 2 × cp chunks, rank i holding chunks i and "
                          "2·cp−1−i (the zig-zag balance); it has no plain contiguous split.")
@@ -222,7 +222,7 @@ def nemo(cfg: TrainConfig) -> tuple[dict, list[str]]:
     model = {"num_layers": mc.n_layer, "hidden_size": mc.n_embd, "num_attention_heads": mc.n_head,
              "seq_length": cfg.seq_len, "hidden_dropout": cfg.dropout, "attention_dropout": cfg.dropout}
     if cfg.cp > 1:
-        model["cp_comm_type"] = CP_COMM[cfg.cp_algo]
+        model["cp_comm_type"] = ATTENTIONS[cfg.cp_algo].megatron
         if not cfg.zigzag:
             notes.append("NeMo (Megatron-LM underneath) always cuts a sequence into 2 × cp chunks, rank i "
                          "holding chunks i and 2·cp−1−i; it has no plain contiguous split.")
@@ -292,7 +292,7 @@ def deepspeed(cfg: TrainConfig) -> tuple[dict, list[str]]:
     if cfg.sequence_parallel:
         notes.append("DeepSpeed has no Megatron-style sequence parallelism (LayerNorms and residuals cut along the "
                      "sequence inside tensor parallelism); its sequence parallelism is Ulysses, over cp.")
-    if cfg.cp > 1 and cfg.cp_algo == "ulysses":
+    if cfg.cp > 1 and ATTENTIONS[cfg.cp_algo].deepspeed:
         ds["data_parallel_size"] = cfg.dp
         ds["sequence_parallel_size"] = cfg.cp
         notes.append("DeepSpeed-Ulysses also needs the attention wrapped in deepspeed.sequence.layer."
@@ -338,7 +338,7 @@ def deepspeed(cfg: TrainConfig) -> tuple[dict, list[str]]:
 # torchtitan/train.py (accumulation = global_batch_size / (local_batch_size × dp)). Schedule names: torch 2.13's
 # torch/distributed/pipelining/schedules.py get_schedule_class.
 
-ROTATE = {"ring": "alltoall", "allgather": "allgather"}  # torch's context_parallel: how K/V shards move
+ROTATE = {a.name: a.torch_rotate for a in ATTENTIONS.values() if a.torch_rotate}  # how torch moves K/V shards
 
 
 def torchtitan(cfg: TrainConfig) -> tuple[dict, list[str]]:

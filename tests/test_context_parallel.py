@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpucourse import launch
+from gpucourse import TrainConfig, launch
 from gpucourse.data import context_positions
 from gpucourse.model import build_model
 
@@ -132,3 +132,19 @@ def test_the_fused_block_equals_the_written_out_one():
             (torch.softmax(scores, -1) @ leaves[2]).backward(grad)
             for g, leaf in zip(want, leaves):
                 assert torch.allclose(g, leaf.grad, atol=1e-12)
+
+
+def test_each_context_parallel_attention_is_one_record_read_everywhere():
+    """The algorithms' records are what the engine, the memory estimate, PyTorch's ring and the tools' settings
+    read: their names, and the names they give the other tools, are the records'."""
+    from gpucourse.parallel.context_parallel import ALGORITHMS, ATTENTIONS
+    from gpucourse.parallel.context_parallel_torch import TORCH_ROTATE
+    from gpucourse.stack_config import translate
+
+    assert ALGORITHMS == ("ring", "allgather", "ulysses") and all(a.name == n for n, a in ATTENTIONS.items())
+    assert TORCH_ROTATE == {"ring": "alltoall", "allgather": "allgather"}
+    for name, a in ATTENTIONS.items():
+        cfg = TrainConfig(cp=2, cp_algo=name, zigzag=True)
+        assert translate(cfg, "megatron").settings["--cp-comm-type"] == a.megatron
+        assert ("sequence_parallel_size" in translate(cfg, "deepspeed").settings) == a.deepspeed
+        assert a.kept(2, 16, 32, 8.0) >= 0

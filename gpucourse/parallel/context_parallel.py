@@ -47,6 +47,8 @@ come home, and cp − 1 of K and V).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -58,9 +60,6 @@ from ..model import blocks_of
 from ..readable import ConfigError
 from .sequence_parallel import GatherSequence, conjugate
 
-ALGORITHMS = ("ring", "allgather", "ulysses")
-
-
 def apply_context_parallel(module: torch.nn.Module, cp_group, seq_len: int, algo: str = "ring",
                            zigzag: bool = False) -> torch.nn.Module:
     """Make ``module`` (a GPT or a pipeline stage) work on this rank's tokens; return it.
@@ -69,7 +68,7 @@ def apply_context_parallel(module: torch.nn.Module, cp_group, seq_len: int, algo
     attention attends over every rank's keys with ``algo``.
     """
     every = embed_at_positions(module, cp_group, seq_len, zigzag)
-    attend = {"ring": RingAttention.apply, "allgather": allgather_attention, "ulysses": ulysses_attention}[algo]
+    attend = ATTENTIONS[algo].attend
     for block in blocks_of(module):
         block.attn.attend = lambda q, k, v: attend(q, k, v, cp_group, every)
     return module
@@ -297,6 +296,43 @@ class RingAttention(torch.autograd.Function):
         return dq, dk_cur, dv_cur, None, None
 
 
+# --- the algorithms, one record each ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Attention:
+    """One way context-parallel attention meets the other ranks' keys, and what the rest of the package needs to
+    know about it: ``attend(q, k, v, cp_group, every_position)``; ``kept(b, t, T, width)``, the bytes it keeps for
+    backward beyond one device's attention (fp32; t tokens a rank holds of T, width C/tp) for ``gpucourse
+    memory``; ``whole_heads``, whether it hands each rank whole heads (cp must divide the heads a tensor-parallel
+    rank holds); the names other tools give it: Megatron-LM's ``--cp-comm-type``, PyTorch's context-parallel
+    rotate method (None: PyTorch has none), whether DeepSpeed runs it. A new algorithm is its function and one
+    record here."""
+
+    name: str
+    attend: Callable
+    kept: Callable[[int, int, int, float], float]
+    whole_heads: bool
+    megatron: str
+    torch_rotate: str | None
+    deepspeed: bool
+    summary: str
+
+
+ATTENTIONS = {a.name: a for a in (
+    # Nothing more kept: its blocks are recomputed in backward from the saved log-sum-exp.
+    Attention("ring", RingAttention.apply, lambda b, t, T, width: 0.0, False, "p2p", "alltoall", False,
+              "K and V blocks passed round the ranks, partial results merged"),
+    # The whole sequence's K and V in place of the rank's own, and the mask as floats.
+    Attention("allgather", allgather_attention, lambda b, t, T, width: 2 * 4 * b * (T - t) * width + 4 * t * T,
+              False, "all_gather", "allgather", False, "the whole K and V gathered once a layer"),
+    # The mask over the whole sequence as floats. (A ulysses run measures one more (b, t, C) tensor per block
+    # than this finds, about 1.4 % of the tiny model's activations.)
+    Attention("ulysses", ulysses_attention, lambda b, t, T, width: 4 * T * T, True, "a2a", None, True,
+              "all-to-all from sequence shards to head shards and back"),
+)}
+ALGORITHMS = tuple(ATTENTIONS)
+
+
 # --- its rules -----------------------------------------------------------------------------------------------------
 
 def check(cfg, mc, runnable: bool = True) -> None:
@@ -312,8 +348,8 @@ def check(cfg, mc, runnable: bool = True) -> None:
         split = f"2 × cp = {chunks} zig-zag chunks" if cfg.zigzag else f"cp = {chunks} chunks"
         raise ConfigError(f"seq_len={cfg.seq_len} must divide into {split} of equal length.")
     heads = mc.n_head // cfg.tp
-    if cfg.cp_algo == "ulysses" and heads % cfg.cp:
-        raise ConfigError(f"ulysses gives each of cp={cfg.cp} ranks whole heads: cp must divide the "
+    if ATTENTIONS[cfg.cp_algo].whole_heads and heads % cfg.cp:
+        raise ConfigError(f"{cfg.cp_algo} gives each of cp={cfg.cp} ranks whole heads: cp must divide the "
                           f"{heads} heads each tensor-parallel rank holds (n_head={mc.n_head}, tp={cfg.tp}).")
     if cfg.dropout:
         raise ConfigError(f"dropout={cfg.dropout} inside context-parallel attention is not written: "

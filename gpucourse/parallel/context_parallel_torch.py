@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ..model import blocks_of
 from ..readable import ConfigError
-from .context_parallel import embed_at_positions
+from .context_parallel import ATTENTIONS, embed_at_positions
 
 # --- PyTorch's ring attention ---------------------------------------------------------------------
 #
@@ -31,7 +31,8 @@ from .context_parallel import embed_at_positions
 # SDPA calls its CPU flash kernel, which returns the same output and log-sum-exp; ``_cpu_ring``
 # registers PyTorch's same ring around that kernel, so the algorithm runs on a laptop unchanged.
 
-TORCH_ROTATE = {"ring": "alltoall", "allgather": "allgather"}  # our --cp-algo -> PyTorch's rotate method
+# Our --cp-algo -> PyTorch's rotate method, where it has one (the algorithms' records say).
+TORCH_ROTATE = {a.name: a.torch_rotate for a in ATTENTIONS.values() if a.torch_rotate}
 
 
 def torch_context_parallel():
