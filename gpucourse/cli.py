@@ -15,6 +15,7 @@ import textwrap
 
 from .config import ConfigError, TrainConfig, supported_table
 from .files import write_atomic
+from .parallel.context_parallel import ATTENTIONS
 from .parallel.schedule_table import SCHEDULES
 from .readable import human_bytes
 from .runtime.launcher import (LaunchError, LaunchTimeout, WorkerError, check_in_place_world, in_place,
@@ -43,7 +44,8 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=d.pp, help="pipeline-parallel degree (stages)")
     p.add_argument("--cp", type=int, default=d.cp, help="context-parallel degree: seq_len / cp tokens per rank")
-    p.add_argument("--cp-algo", default=d.cp_algo, help="context-parallel attention: ring, allgather or ulysses")
+    p.add_argument("--cp-algo", default=d.cp_algo, help="context-parallel attention: " + "; ".join(
+        f"{name} ({a.summary})" for name, a in ATTENTIONS.items()))
     p.add_argument("--zigzag", action="store_true",
                    help="context parallel: 2·cp chunks, rank i holding i and 2·cp-1-i (causal load balance)")
     p.add_argument("--moe-experts", type=int, default=d.moe_experts,
