@@ -195,7 +195,7 @@ def test_each_supported_rows_command_describes_that_rows_config():
     parser = cli.build_parser()
     for (layout, impl, _, changes), row in zip(supported(), supported_table()):
         args = parser.parse_args(shlex.split(row["example"])[1:])
-        assert cli._config_from(args) == TrainConfig(**changes), (layout, impl, row["example"])
+        assert cli.config_from(args) == TrainConfig(**changes), (layout, impl, row["example"])
 
 
 def test_the_course_defaults_turn_off_jupyterlabs_news_and_keep_a_learners_own_choice(tmp_path):
@@ -224,10 +224,10 @@ def test_checkpoint_activations_takes_selective_or_full_and_alone_means_full(cap
     parser = cli.build_parser()
     for argv, recompute in (([], "none"), (["--checkpoint-activations"], "full"),
                             (["--checkpoint-activations", "selective", "--attention", "math"], "selective")):
-        cfg = cli._config_from(parser.parse_args(["train", *argv]))
+        cfg = cli.config_from(parser.parse_args(["train", *argv]))
         assert cfg.recompute == recompute and cfg.checkpoint_activations == {"none": False, "full": True}.get(
             recompute, recompute)
-    assert cli._config_from(parser.parse_args(["train", "--attention", "math"])).attention == "math"
+    assert cli.config_from(parser.parse_args(["train", "--attention", "math"])).attention == "math"
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--checkpoint-activations", "some"])
     assert "invalid choice: 'some'" in capsys.readouterr().err

@@ -62,7 +62,7 @@ def test_every_listed_example_is_valid():
 
     for row in supported_table():
         args = cli.build_parser().parse_args(shlex.split(row["example"])[1:])
-        cli._config_from(args).validate()
+        cli.config_from(args).validate()
 
 
 def test_estimates_accept_layouts_this_build_does_not_train():

@@ -1,0 +1,59 @@
+"""The ``gpucourse`` command: the same runtime as the notebooks, from a terminal.
+
+Every subcommand checks its input before any rank starts; bad input gets one
+sentence on stderr and exit status 2, and no file is half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..config import ConfigError
+from ..runtime.launcher import LaunchError, LaunchTimeout, WorkerError
+from . import course, planning, tools, train
+from .common import UsageError, config_from
+
+__all__ = ["UsageError", "build_parser", "config_from", "main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a wrong flag gets one sentence (``gpucourse: error: ...``), not the whole usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help').\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="gpucourse", description="Run, watch and check distributed training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for group in (train, planning, tools, course):  # each command group adds its own subcommands
+        group.add_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``gpucourse`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, LaunchError, UsageError) as e:
+        print(f"gpucourse: error: {e}", file=sys.stderr)
+        return 2
+    except WorkerError as e:
+        print(f"gpucourse: {e}", file=sys.stderr)
+        return 1
+    except LaunchTimeout as e:
+        print(f"gpucourse: timeout: {e}", file=sys.stderr)
+        if e.waiting:
+            from ..runtime.collective_status import diagnose_hang
+
+            print(f"gpucourse: diagnosis: {diagnose_hang(e.waiting)}", file=sys.stderr)
+        return 124
+    except KeyboardInterrupt:
+        print("gpucourse: interrupted; every rank was stopped.", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

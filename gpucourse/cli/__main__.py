@@ -1,0 +1,7 @@
+"""``python -m gpucourse.cli``: the ``gpucourse`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

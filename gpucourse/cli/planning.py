@@ -1,0 +1,271 @@
+"""The commands that work on paper, starting no rank: ``schedule``, ``memory``, ``plan``, ``batch-size``, ``replay``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+
+from ..files import write_atomic
+from ..parallel.schedule_table import SCHEDULES
+from ..runtime.launcher import WorkerError
+from .common import UsageError, add_layout_args, check_writable, config_from, write_json
+
+
+def cmd_schedule(args) -> int:
+    from .. import plan
+    from ..parallel import schedules, schedules_virtual
+
+    if args.schedule not in SCHEDULES:
+        raise UsageError(f"--schedule {args.schedule!r} is not one of {', '.join(SCHEDULES)}.")
+    for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches),
+                        ("--virtual-stages", args.virtual_stages)):
+        if value < 1:
+            raise UsageError(f"{flag} {value} must be at least 1.")
+    record = SCHEDULES[args.schedule]
+    if args.virtual_stages != 2 and record.chunks != 0:
+        chooses = [s.name for s in SCHEDULES.values() if s.chunks == 0]
+        two = [s.name for s in SCHEDULES.values() if s.chunks == 2]
+        raise UsageError(f"--virtual-stages sets the chunks per rank of {' and '.join(chooses)} ({' and '.join(two)} "
+                         f"have 2, the others 1).")
+    problem = record.problem(args.pp, args.microbatches, args.virtual_stages)
+    if problem:
+        raise UsageError(problem)
+    if args.pp * args.microbatches > 1 << 20:
+        raise UsageError(f"--pp {args.pp} × --microbatches {args.microbatches} is over a million "
+                         f"microbatch-stages, too many to simulate quickly; use fewer.")
+    for flag, value in (("--cost-f", args.cost_f), ("--cost-b", args.cost_b), ("--cost-comm", args.cost_comm)):
+        if value < 0:
+            raise UsageError(f"{flag} {value} must not be negative.")
+    if args.json:
+        check_writable(args.json, "--json")
+    pp, m = args.pp, args.microbatches
+    ops, layout, sim, cost = plan.lay_out_schedule(args.schedule, pp, m, args.virtual_stages, args.cost_f,
+                                                   args.cost_b, args.cost_comm)
+    if layout is None:
+        formula = schedules.formula_bubble(args.schedule, pp, m)
+        costs = f"F costs {args.cost_f:g}, B {args.cost_b:g}"
+        rule = f"equal-cost formula {'(p-1)/p' if args.schedule == 'naive' else '(p-1)/(m+p-1)'} = {formula:.1%}"
+        ratio_rule = "" if args.schedule == "naive" else f"; (p-1)/m = {(pp - 1) / m:.1%}"
+    else:
+        formula = None
+        costs = (f"{layout.v} chunk{'s' * (layout.v > 1)} per rank ({layout.shape} placement), a rank's F costs "
+                 f"{args.cost_f:g}, B {cost['b']:g}" + (f", W {cost['w']:g}" if "w" in cost else ""))
+        rule = "transfers asynchronous"
+        interleaved = schedules_virtual.formula_bubble_ratio(args.schedule, pp, m, layout.v)
+        ratio_rule = f"; (p-1)/(v·m) = {interleaved:.1%}" if interleaved is not None else ""
+    print(f"{args.schedule}: {pp} stage{'s' * (pp > 1)}, {m} microbatch{'es' * (m > 1)}; "
+          f"{costs}, a transfer {args.cost_comm:g}")
+    print(schedules.gantt(sim))
+    print(f"  makespan        {sim.makespan:g} time units")
+    print(f"  bubble          {sim.bubble_fraction:.1%} of stage-time not computing ({rule})")
+    print(f"                  {sim.bubble_ratio:.1%} of the compute time (Megatron-LM's definition{ratio_rule})")
+    print(f"  peak in flight  {' '.join(map(str, sim.peak_in_flight))} microbatches held, stage 0 to {pp - 1}")
+    if args.json:
+        write_atomic(args.json, json.dumps({
+            "schedule": args.schedule, "pp": pp, "microbatches": m,
+            "cost": {"f": args.cost_f, "b": args.cost_b, "comm": args.cost_comm},
+            "ops": [[str(op) for op in row] for row in ops],
+            "timeline": [[{"op": str(op), "start": b, "end": e} for op, b, e in row] for row in sim.timeline],
+            "makespan": sim.makespan, "bubble_fraction": sim.bubble_fraction, "formula_bubble": formula,
+            "bubble_ratio": sim.bubble_ratio,
+            "peak_in_flight": sim.peak_in_flight, "busy": sim.busy, "comm": sim.comm, "idle": sim.idle,
+        }, indent=1))
+        print(f"  written to {args.json}")
+    return 0
+
+
+def cmd_memory(args) -> int:
+    from .. import memory
+
+    if args.json:
+        check_writable(args.json, "--json")
+    if args.params is not None:
+        if args.params < 1:
+            raise UsageError(f"--params {args.params:g} must be a positive number of parameters.")
+        est = memory.estimate_params(int(args.params), args.dp, args.zero, args.precision, args.master_weights)
+        print(f"{args.params:,.0f} parameters, dp={args.dp}, zero={args.zero}, {args.precision}"
+              f"{' with fp32 master weights' if args.master_weights else ''}: per rank")
+        for k, v in est.items():
+            print(f"  {k:<10} {v / 2**30:10.3f} GiB")
+        print(f"  {'total':<10} {sum(est.values()) / 2**30:10.3f} GiB (activations need the model's shape: "
+              f"use --model)")
+    else:
+        est = memory.estimate(config_from(args))
+        print(memory.format_estimate(est))
+    write_json(args.json, est)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from .. import plan
+
+    if args.json:
+        check_writable(args.json, "--json")
+    parts = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "mlp", "vocab", "experts",
+                                           "top_k", "expert_ffn") if getattr(args, k) is not None}
+    if args.params is None and args.shape is None and not parts:
+        raise UsageError("plan needs --params (a parameter count), --shape (one of "
+                         f"{', '.join(plan.SHAPES)}) or the shape's parts (--layers, --hidden, --heads, ...).")
+    shape = args.shape
+    if parts:
+        try:
+            base = plan.get_shape(args.shape).as_dict() if args.shape else {}
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        shape = {**{k: v for k, v in base.items() if k != "source"}, **parts}
+    result = plan.plan(args.params, args.gpus, args.gpu, args.gpus_per_node, args.batch_size, args.seq_len,
+                       args.precision, args.efficiency, shape=shape, framework=args.framework)
+    print(plan.format_plan(result, top=args.top, explained=args.explain))
+    write_json(args.json, result)
+    return 0
+
+
+def cmd_batch_size(args) -> int:
+    from .. import memory
+    from ..runtime.launcher import visible_gpus
+
+    if not args.budget_gb > 0:
+        raise UsageError(f"--budget-gb {args.budget_gb:g} must be positive.")
+    cfg = config_from(args)
+    cfg.validate(runnable=False)
+    budget = args.budget_gb * 2**30
+    measured = visible_gpus() >= cfg.world_size and cfg.device != "cpu"
+    fits = None
+    if measured:
+        from ..train import run
+
+        def fits(trial):
+            import dataclasses as dc
+            try:
+                result = run(dc.replace(trial, steps=1, device="cuda"), quiet=True)
+            except WorkerError as e:
+                if "OutOfMemory" in e.exc_type:
+                    return False
+                raise
+            return max(m.get("device_peak", 0) for m in result.memory.values()) <= budget
+    found = memory.largest_microbatch(cfg, budget, fits=fits)
+    how = "measured on CUDA" if measured else "estimated"
+    if not found["microbatch"]:
+        print(f"not even one sequence per microbatch fits in {args.budget_gb:g} GiB ({how}).")
+        return 1
+    m = found["microbatch"]
+    accum = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
+    print(f"largest microbatch: {m} sequences of {cfg.seq_len} tokens per forward on each rank ({how}, "
+          f"budget {args.budget_gb:g} GiB)")
+    print(f"  global batch = microbatch × {'microbatches' if cfg.pp > 1 else 'grad_accum'} × dp = "
+          f"{m} × {accum} × {cfg.dp} = {found['batch_size']} sequences per optimizer step")
+    if measured:
+        print("  measured: the CUDA allocator's peak in a one-step trial of each microbatch tried")
+    print("  a bigger global batch at the same memory: raise grad_accum (more microbatches per step, same peak);\n"
+          "  a bigger microbatch raises the peak (activations grow with it).")
+    tried = ", ".join(f"{b}{'✓' if ok else '✗'}" for b, ok in sorted(found["tried"].items()))
+    print("\n".join(textwrap.wrap(f"tried: {tried}", width=100, initial_indent="  ", subsequent_indent=" " * 9)))
+    return 0
+
+
+def cmd_replay(args) -> int:
+    import statistics
+
+    from .. import profiling
+    from ..gpus import get_gpu
+    from ..measure import RunResult
+    from ..replay import ReplayError, replay
+
+    if not os.path.isfile(args.run):
+        raise UsageError(f"{args.run} is not a file; give a run saved with 'gpucourse train --json FILE'.")
+    try:
+        measured = RunResult.load(args.run)
+    except (ValueError, TypeError, KeyError) as e:
+        raise UsageError(f"{args.run} is not a saved run ({e}).") from None
+    if args.json:
+        check_writable(args.json, "--json")
+    try:
+        modeled = replay(measured, on=args.on, gpus_per_node=args.gpus_per_node, nodes=args.nodes)
+    except ReplayError as e:
+        raise UsageError(str(e)) from None
+    info = modeled.extras["modeled"]
+    for note in info["notes"]:
+        print(f"gpucourse: note: {note}", file=sys.stderr)
+    steps = lambda r: statistics.median(r.step_times_s[1:] or r.step_times_s)  # noqa: E731
+    print(f"{measured.world_size} rank(s) of {measured.config['model']}, replayed on {info['cluster']} (modeled)")
+    print(f"step time       measured {1e3 * steps(measured):.3f} ms on {measured.device}, "
+          f"modeled {1e3 * steps(modeled):.3f} ms")
+    print(profiling.format_summary(profiling.summarize(modeled, peak_flops=get_gpu(args.on).peak_flops(
+        measured.config.get("precision", "fp32"))), peak_name=f"{args.on} {measured.config.get('precision', 'fp32')}"))
+    if args.json:
+        modeled.save(args.json)
+        print(f"  the modeled run written to {args.json}")
+    return 0
+
+
+def add_commands(sub) -> None:
+    """This group's subcommands, on the ``gpucourse`` parser's ``sub``."""
+    p = sub.add_parser("schedule", help="lay out a pipeline schedule on a clock, without starting any rank",
+                       description="Print a pipeline schedule's per-stage timeline, bubble and activations held.")
+    p.add_argument("--pp", type=int, default=4, help="pipeline stages")
+    p.add_argument("--microbatches", type=int, default=8, help="microbatches per step")
+    p.add_argument("--schedule", default="1f1b",
+                   help="; ".join(f"{name}: {s.summary}" for name, s in SCHEDULES.items()))
+    p.add_argument("--virtual-stages", type=int, default=2, help="interleaved-1f1b: model chunks per rank")
+    p.add_argument("--cost-f", type=float, default=1.0, help="time of one stage's forward of one microbatch")
+    p.add_argument("--cost-b", type=float, default=2.0, help="time of one stage's backward of one microbatch")
+    p.add_argument("--cost-comm", type=float, default=0.0, help="time of one activation or gradient transfer")
+    p.add_argument("--json", metavar="FILE", help="write the schedule, timeline and figures as JSON")
+    p.set_defaults(func=cmd_schedule)
+
+    p = sub.add_parser("memory", help="estimate memory per rank for a layout, before it runs",
+                       description="Takes the same flags as train; --params N sizes a model of N parameters.")
+    add_layout_args(p)
+    p.add_argument("--params", type=float, default=None, help="a parameter count instead of --model (e.g. 70e9)")
+    p.add_argument("--json", metavar="FILE", help="write the estimate as JSON")
+    p.set_defaults(func=cmd_memory)
+
+    p = sub.add_parser("plan", help="rank the layouts of a large model on many GPUs, on paper")
+    p.add_argument("--params", type=float, help="parameters, e.g. 70e9 (a plausible dense GPT shape is assumed)")
+    p.add_argument("--shape", help="a named public shape instead (gpucourse.shapes.SHAPES: gpt3-175b, megatron-1t, "
+                                   "llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, deepseek-v3-like, ...); "
+                                   "the flags below change its parts")
+    for flag, kind, text in (("--layers", int, "transformer blocks"), ("--hidden", int, "model width"),
+                             ("--heads", int, "attention heads"), ("--kv-heads", int, "key/value heads (GQA)"),
+                             ("--ffn", int, "MLP width (default 4 × hidden)"), ("--mlp", str, "gelu or swiglu"),
+                             ("--vocab", int, "vocabulary"), ("--experts", int, "routed experts per MoE block"),
+                             ("--top-k", int, "experts per token"), ("--expert-ffn", int, "an expert's MLP width")):
+        p.add_argument(flag, type=kind, default=None, help=f"shape: {text}")
+    p.add_argument("--framework", default=None,
+                   help="whose overlap of communication with compute to assume: megatron-core (default), "
+                        "megatron-core-tp-overlap, megatron-2021, fsdp, ddp")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    p.add_argument("--gpu", default="h100", help="GPU kind from the table (gpucourse.gpus), e.g. h100, a100")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per server (tensor parallelism stays inside)")
+    p.add_argument("--batch-size", type=int, default=1024, help="global batch in sequences")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--precision", default="bf16",
+                   help="bf16 (with fp32 master weights), fp8 (fp8 matmuls, the rest as bf16) or fp32")
+    p.add_argument("--efficiency", type=float, default=None,
+                   help="time compute as this fraction of peak FLOP/s, spread evenly (default: kernel by kernel "
+                        "on the model's shape)")
+    p.add_argument("--top", type=int, default=10, help="rows to print")
+    p.add_argument("--explain", action="store_true",
+                   help="each row's step as its parts (compute, recompute, bubble, each kind of communication, "
+                        "optimizer) and its memory per GPU")
+    p.add_argument("--json", metavar="FILE", help="write every layout as JSON")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("batch-size", help="the largest microbatch that fits a memory budget",
+                       description="Bisection: measured on CUDA, estimated on CPU against the budget.")
+    add_layout_args(p)
+    p.add_argument("--budget-gb", type=float, required=True, help="memory per rank, GiB")
+    p.set_defaults(func=cmd_batch_size)
+
+    p = sub.add_parser("replay", help="replay a saved run on a modeled GPU cluster: its step time, shares and MFU there",
+                       description="Lay a run's recorded work (train --json FILE) out on modeled GPUs: each "
+                                   "forward and backward timed from its FLOPs, each collective by an alpha-beta "
+                                   "model over the link it crosses (docs/modeled-timing.md).")
+    p.add_argument("run", metavar="RUN.json", help="a run saved with 'gpucourse train --json FILE'")
+    p.add_argument("--on", default="h100", help="GPU kind from the table (gpucourse.gpus): a100, h100, h200, b200, l4")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per server (default 8)")
+    p.add_argument("--nodes", type=int, default=None, help="servers (default: as many as the run's ranks need)")
+    p.add_argument("--json", metavar="FILE", help="also write the modeled run as JSON")
+    p.set_defaults(func=cmd_replay)

@@ -1,0 +1,205 @@
+"""``gpucourse train``: one layout trained, with a progress bar and a summary, or printed as another tool's settings."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ..config import TrainConfig, supported_table
+from ..readable import human_bytes
+from ..runtime.launcher import check_in_place_world, in_place, plan_device
+from .common import UsageError, add_layout_args, check_writable, config_from
+
+
+class _ProgressBar:
+    """A one-line bar on a terminal; a line per tenth of the run otherwise."""
+
+    def __init__(self, stream=sys.stderr):
+        self.stream = stream
+        self.tty = stream.isatty()
+
+    def __call__(self, s: dict) -> None:
+        done, total = s["step"] + 1, s["steps"]
+        text = f"step {done:>{len(str(total))}}/{total}  loss {s['loss']:.4f}  {s['time_s'] * 1e3:7.1f} ms/step"
+        if self.tty:
+            width = 24
+            filled = round(width * done / total)
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}")
+            if done == total:
+                self.stream.write("\n")
+        elif done == total or done % max(1, total // 10) == 0:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+def summary_table(result) -> str:
+    """The end-of-run summary the CLI prints."""
+    cfg = result.config
+    steps = len(result.losses)
+    per_step = sum(result.comm_bytes.get("per_step", [])) / max(steps, 1)
+    rows = [
+        ("layout", TrainConfig.from_dict(cfg).layout()),
+        ("impl", cfg["impl"]),
+        ("ranks", f"{result.world_size} on {result.device} ({result.backend})"),
+        ("model", cfg["model"]),
+        ("global batch", f"{cfg['batch_size']} seq × {cfg['seq_len']} tokens "
+                         f"(microbatch {cfg['batch_size'] // (cfg['dp'] * cfg['grad_accum'])} × "
+                         f"grad_accum {cfg['grad_accum']} × dp {cfg['dp']})"),
+        ("steps", str(steps) + (f" (steps {result.start_step}–{result.start_step + steps - 1}, resumed)"
+                                if result.start_step else "")),
+        ("loss", f"{result.losses[0]:.4f} → {result.losses[-1]:.4f}"),
+        ("step time", f"{1e3 * sum(result.step_times_s) / steps:.1f} ms mean"),
+        ("throughput", f"{result.tokens_per_s:,.0f} tokens/s"),
+        ("communication", f"{human_bytes(per_step)} per step, all ranks (run total: "
+                          + ", ".join(f"{op} {human_bytes(b)}" for op, b in result.comm_bytes.get("per_op", {}).items()
+                                      if op != "recv")  # a message is counted once, by its sender
+                          + (("; point-to-point counted once, as sent" if "send" in result.comm_bytes.get("per_op", {})
+                              else "") + ")") if per_step else "none"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def cmd_train(args) -> int:
+    if args.list:
+        rows = supported_table()
+        w = max(len(r["layout"]) for r in rows)
+        ww = max(len(r["what"]) for r in rows)
+        print(f"{'layout':<{w}}  {'impl':<10}  {'what':<{ww}}  example")
+        for r in rows:
+            print(f"{r['layout']:<{w}}  {r['impl']:<10}  {r['what']:<{ww}}  {r['example']}")
+        return 0
+    cfg = config_from(args)
+    if args.print_config is not None:  # the same layout in another tool's names; nothing trains
+        return _print_stack_config(cfg, args.print_config)
+    cfg.validate()
+    for path, flag in ((args.json, "--json"), (args.export_weights, "--export-weights")):
+        if path:
+            check_writable(path, flag)
+    if in_place():
+        check_in_place_world(cfg.world_size, "pp × dp × cp × tp")
+    else:
+        cfg.validate_on(plan_device(cfg.device, cfg.world_size).device)
+    analysis = _profile_options(args, cfg)
+    if cfg.memory_snapshot:
+        _check_folder(cfg.memory_snapshot, "--memory-snapshot", "the snapshots")
+
+    from ..train import run
+
+    rank0 = not in_place() or int(os.environ["RANK"]) == 0
+    result = run(cfg, timeout=args.timeout, export_weights=args.export_weights,
+                 on_step=None if args.quiet else _ProgressBar(), quiet=args.quiet)
+    if rank0:
+        if args.json:
+            result.save(args.json)
+        print(summary_table(result))
+        for path, what in ((args.json, "result"), (args.export_weights, "weights")):
+            if path:
+                print(f"  {what} written to {path}")
+        if analysis is not None:
+            _print_profile(result, cfg, *analysis)
+        if cfg.memory_snapshot:
+            from ..profiling import snapshot_path
+
+            paths = ", ".join(snapshot_path(cfg.memory_snapshot, r) for r in range(result.world_size))
+            print(f"  memory snapshots: {paths} (open in https://pytorch.org/memory_viz)")
+    return 0
+
+
+def _print_stack_config(cfg: TrainConfig, tool: str) -> int:
+    """Print ``cfg`` as ``tool``'s settings on stdout; what the tool cannot express, one note a line, on stderr."""
+    from .. import stack_config
+
+    if tool not in stack_config.TOOLS:
+        raise UsageError(f"--print-config {tool!r} is not one of {', '.join(stack_config.TOOLS)}.")
+    out = stack_config.translate(cfg, tool)
+    print(out.text, end="")
+    for note in out.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return 0
+
+
+def _check_folder(path: str, flag: str, what: str) -> None:
+    """Refuse, in one sentence, a folder flag that names a file or whose parent does not exist."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{flag} {path} is a file; give a folder for {what}.")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(path) and not os.path.isdir(parent):
+        raise UsageError(f"{flag} {path} cannot be created: the folder {parent} does not exist.")
+
+
+def _profile_options(args, cfg: TrainConfig):
+    """(peak FLOP/s, where it came from, baseline RunResult) for the analysis, or None; bad values refused first."""
+    if not (args.profile or args.peak_tflops or args.gpu or args.baseline):
+        return None
+    if args.profile:
+        _check_folder(args.profile, "--profile", "the traces")
+    if args.peak_tflops is not None and args.gpu:
+        raise UsageError("give --peak-tflops or --gpu, not both.")
+    peak = name = None
+    if args.peak_tflops is not None:
+        if not args.peak_tflops > 0:
+            raise UsageError(f"--peak-tflops {args.peak_tflops:g} must be positive.")
+        peak, name = args.peak_tflops * 1e12, "--peak-tflops"
+    elif args.gpu:
+        from ..gpus import get_gpu
+
+        try:
+            spec = get_gpu(args.gpu)
+        except (KeyError, ValueError) as e:
+            raise UsageError(str(e).strip("'\"")) from None
+        peak, name = spec.peak_flops(cfg.precision), f"{spec.name} {'fp32' if cfg.precision == 'fp32' else 'bf16'} peak"
+    baseline = None
+    if args.baseline:
+        from ..measure import RunResult
+
+        try:
+            baseline = RunResult.load(args.baseline)
+        except (OSError, ValueError, TypeError) as e:
+            raise UsageError(f"--baseline {args.baseline} is not a RunResult JSON file (from train --json): {e}.") from None
+    return peak, name, baseline
+
+
+def _print_profile(result, cfg: TrainConfig, peak, name, baseline) -> None:
+    from .. import profiling
+
+    print()
+    print(profiling.format_summary(profiling.summarize(result, peak_flops=peak, baseline=baseline), name))
+    if cfg.profile:
+        print(f"traces: {', '.join(profiling.trace_path(cfg.profile, r) for r in range(result.world_size))} "
+              f"(open in https://ui.perfetto.dev or chrome://tracing)")
+
+
+def add_commands(sub) -> None:
+    """This group's subcommands, on the ``gpucourse`` parser's ``sub``."""
+    p = sub.add_parser("train", help="train a layout (dp × tp × pp) and print a summary",
+                       description="Train one layout. --batch-size is the global batch per optimizer step.")
+    add_layout_args(p)
+    p.add_argument("--json", metavar="FILE", help="write the RunResult as JSON")
+    p.add_argument("--export-weights", metavar="FILE", help="save the trained model as one single-device state_dict")
+    p.add_argument("--timeout", type=float, default=None, help="seconds before the run is stopped (default: none)")
+    p.add_argument("--no-record", action="store_true", help="do not record timeline spans")
+    p.add_argument("--save", metavar="DIR", help="save distributed checkpoints into DIR (DIR/step-NNNNNN)")
+    p.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="with --save: a checkpoint every N steps, and one at the end (default 0: only at the end)")
+    p.add_argument("--resume", metavar="DIR",
+                   help="go on from the newest complete checkpoint in DIR (same model and settings; the layout and "
+                        "--steps may change); "
+                        "if DIR is also --save and holds none yet, start from step 0")
+    p.add_argument("--quiet", action="store_true", help="no progress or device line")
+    p.add_argument("--list", action="store_true", help="list the layouts and impls this build supports")
+    p.add_argument("--print-config", metavar="TOOL", default=None,
+                   help="print this layout as megatron, nemo, deepspeed, torchtitan or accelerate settings (in "
+                        "their own names) and exit without training; what the tool cannot express goes to stderr")
+    p.add_argument("--profile", metavar="DIR",
+                   help="write a torch.profiler Chrome trace per rank (DIR/rankN.trace.json) and print where "
+                        "each rank's time went: compute, communication, idle")
+    p.add_argument("--memory-snapshot", metavar="DIR",
+                   help="on GPUs: record every CUDA allocation of each rank and write DIR/rankN.memory.pickle at the "
+                        "end (also after an out-of-memory error), to open in https://pytorch.org/memory_viz")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="one device's peak TFLOP/s, for MFU (model FLOPs utilisation)")
+    p.add_argument("--gpu", default=None, help="take the peak for MFU from the GPU table (h100, a100, h200, l4...)")
+    p.add_argument("--baseline", metavar="FILE",
+                   help="a RunResult JSON of the same model on one rank (train --json): print scaling efficiency")
+    p.set_defaults(func=cmd_train)
