@@ -83,7 +83,8 @@ def test_the_figures_are_registered_with_their_targets():
                      "cp_scratch_vs_torch": "<= 1.20",
                      "model_vs_published_max_error": "<= 0.30", "naive_idle_measured_vs_formula": "0.8..1.1",
                      "replay_s_per_1k_ops": "report", "pp_interleaved_bubble_vs_formula": "== 1.0",
-                     "pp_zb_vs_1f1b_idle": "report", "pp_interleaved_scratch_vs_torch": "<= 1.20"}
+                     "pp_zb_vs_1f1b_idle": "report", "pp_interleaved_scratch_vs_torch": "<= 1.20",
+                     "quiz_best_heuristic_accuracy": "<= 0.35"}
     assert {k: targets[k] for k in issue_targets} == issue_targets
     for f in bench.FIGURES:
         bench.parse_target(f.target)  # every target parses

@@ -1184,7 +1184,7 @@ def test_pipeline_schedule_questions_are_not_gameable():
     assert_not_gameable(qs, letters=4)
 
 
-# --- the bank's two bench figures -------------------------------------------------------------------------------
+# --- the bank's bench figures -------------------------------------------------------------------------------------
 
 def test_the_banks_figures_are_registered_with_their_rule():
     from gpucourse import bench
@@ -1207,6 +1207,121 @@ def test_the_banks_figures_are_registered_with_their_rule():
     recall = set(reading.detail["recall"])
     assert reading.value == 1 - len(recall) / len(BANK)
     assert "setup-world-size" not in recall and "par-zero1" in recall
+    best = figures["quiz_best_heuristic_accuracy"]
+    assert best.target == "<= 0.35"
+    reading = best.measure(**best.quick)
+    assert reading.value == max(heuristic_accuracies(BANK).values()) <= 0.35
+    assert reading.detail["accuracies"][reading.detail["best"]] == round(reading.value, 3)
+    assert reading.detail["best"] in HEURISTICS and reading.detail["single_choice"] == len(SINGLES)
+    assert set(reading.detail["select_all"]) == set(SET_HEURISTICS)
+
+
+# --- test-taking heuristics: guessing from the choices' shape, never their content, scores about chance ----------
+
+from gpucourse.bench.quiz_figures import (FALLBACK, HEURISTICS, SET_HEURISTICS, guess,  # noqa: E402
+                                          heuristic_accuracies, set_scores)
+
+SINGLES = [q for q in BANK if q["kind"] == "single"]
+SELECT_ALL = [q for q in BANK if q["kind"] == "multiple"]
+# The most any heuristic may score on the single-choice questions, chance being 1/4 (every one has 4 choices): with
+# 148 questions one heuristic's score at chance has a standard deviation of about 0.036, so 0.35 is a real tell, not
+# the luckiest of two dozen guessers.
+HEURISTIC_CEILING = 0.35
+# How far a select-all heuristic may beat a random pick of as many choices, exactly or by Jaccard overlap: with 20
+# questions a score's standard deviation is about 0.1.
+SELECT_ALL_MARGIN = 0.15
+
+
+def test_the_guessing_heuristics_are_many_and_never_see_the_answer():
+    """A broad battery: lengths and their ranks, punctuation and clauses, numbers, hedges, overlap with the stem and
+    with the other choices, fixed letters and combinations; each reads only the stem and the choices."""
+    families = {"longest", "shortest", "second_longest", "closest_to_mean_length", "most_punctuation",
+                "only_semicolon", "only_colon", "only_parenthesis", "only_because_which", "most_digits",
+                "middle_number", "hedged", "most_stem_words", "centroid", "first", "second", "third", "last",
+                "punctuation_then_second_longest"}
+    assert len(HEURISTICS) >= 12 and families <= set(HEURISTICS)
+    for q in SINGLES:
+        blind = {k: v for k, v in q.items() if k not in ("answer", "explanation")}
+        picks = {name: guess(name, blind) for name in HEURISTICS}  # no answer to read: a KeyError otherwise
+        assert all(0 <= p < len(q["choices"]) for p in picks.values()), q["id"]
+        moved = {**blind, "answer": (q["answer"] + 1) % 4}
+        assert {name: guess(name, moved) for name in HEURISTICS} == picks
+    for q in SELECT_ALL:
+        picks = [SET_HEURISTICS[name](list(q["choices"]), q["question"]) for name in SET_HEURISTICS]
+        assert all(p and p <= set(range(len(q["choices"]))) for p in picks), q["id"]
+
+
+def test_each_heuristic_picks_the_tell_it_is_named_for():
+    choices = ["all of it, always",
+               "it can take about 40 GB: the usual case",
+               "the network; because the link is slow, which hurts",
+               "a much longer answer that names the gradients and the buckets (both of them) at length"]
+    stem = "Why are the gradients put into buckets?"
+    expected = {"longest": 3, "shortest": 0, "second_longest": 2, "second_shortest": 1, "most_punctuation": 2,
+                "only_semicolon": 2, "only_colon": 1, "only_parenthesis": 3, "only_because_which": 2,
+                "most_digits": 1, "hedged": 1, "not_absolute": 1, "most_stem_words": 3, "first": 0, "second": 1,
+                "third": 2, "last": 3, "semicolon_else_second_longest": 2}
+    assert {name: HEURISTICS[name](choices, stem) for name in expected} == expected
+    overlap = ["ring all-reduce bandwidth", "ring all-reduce latency", "ring all-reduce bandwidth latency", "tree"]
+    assert (HEURISTICS["centroid"](overlap, ""), HEURISTICS["odd_one_out"](overlap, "")) == (2, 3)
+    assert HEURISTICS["middle_number"](["8 GB", "1 GB", "4 GB", "2 GB"], "") == 3  # 1, 2, 4, 8: the lower middle
+    # With nothing to go on a heuristic abstains, and its guess is the fixed fallback, the first choice.
+    tie = {"question": "?", "choices": ["a; b", "c; d", "e", "f"], "kind": "single"}
+    assert HEURISTICS["only_semicolon"](tie["choices"], "?") is None and guess("only_semicolon", tie) == FALLBACK == 0
+    assert HEURISTICS["middle_number"](["a", "b", "c", "d"], "") is None
+
+
+def score_table(scores: dict[str, float]) -> str:
+    return ", ".join(f"{name} {score:.3f}" for name, score in sorted(scores.items(), key=lambda kv: -kv[1]))
+
+
+def test_no_guessing_heuristic_beats_chance_on_single_choice_questions():
+    """Every heuristic, scored over all single-choice questions (an abstaining one falls back to the first choice),
+    stays at most 0.35, chance being 0.25."""
+    chance = sum(1 / len(q["choices"]) for q in SINGLES) / len(SINGLES)
+    scores = heuristic_accuracies(BANK)
+    print(f"chance {chance:.3f} over {len(SINGLES)} single-choice questions; {score_table(scores)}")
+    assert chance == 0.25
+    beaten = {name: round(score, 3) for name, score in scores.items() if score > HEURISTIC_CEILING}
+    assert not beaten, f"heuristics above {HEURISTIC_CEILING} (chance {chance}): {beaten}; all: {score_table(scores)}"
+
+
+def test_the_heuristics_catch_a_gamed_bank():
+    """A bank whose right choice is always the only one with a semicolon, or always the first, fails the check."""
+    def only_semicolon(q):
+        choices = [c.replace(";", ",") for c in q["choices"]]
+        choices[q["answer"]] += "; that is why"
+        return {**q, "choices": choices}
+
+    def right_first(q):
+        rest = [c for i, c in enumerate(q["choices"]) if i != q["answer"]]
+        return {**q, "choices": [q["choices"][q["answer"]], *rest], "answer": 0}
+
+    assert heuristic_accuracies([only_semicolon(q) for q in SINGLES])["only_semicolon"] == 1.0
+    assert heuristic_accuracies([right_first(q) for q in SINGLES])["first"] == 1.0 > HEURISTIC_CEILING
+
+
+def test_random_pick_chance_is_exact():
+    from gpucourse.bench.quiz_figures import random_pick_scores
+
+    # 2 of 4 drawn, 2 right: the right pair 1 time in 6; one right 4 times in 6 (Jaccard 1/3); none once.
+    assert random_pick_scores(4, 2, 2) == pytest.approx((1 / 6, 4 / 6 * 1 / 3 + 1 / 6))
+    assert random_pick_scores(5, 3, 2) == pytest.approx((0.0, 3 / 10 * 2 / 3 + 6 / 10 * 1 / 4))
+    assert random_pick_scores(4, 4, 3) == (0.0, 0.75)
+
+
+def test_no_guessing_heuristic_beats_chance_on_select_all_questions():
+    """Guessing a select-all answer by its shape (the two longest, the most punctuated half, all but the odd one out)
+    does not beat a random pick of as many choices, by exact set or by Jaccard overlap, by more than 0.15."""
+    scores = set_scores(BANK)
+    table = "; ".join(f"{name}: exact {s['exact']:.3f} (chance {s['exact_chance']:.3f}), Jaccard {s['jaccard']:.3f} "
+                      f"(chance {s['jaccard_chance']:.3f})" for name, s in scores.items())
+    print(f"{len(SELECT_ALL)} select-all questions; {table}")
+    assert len(SET_HEURISTICS) >= 8
+    beaten = {name: s for name, s in scores.items()
+              if s["exact"] > s["exact_chance"] + SELECT_ALL_MARGIN
+              or s["jaccard"] > s["jaccard_chance"] + SELECT_ALL_MARGIN}
+    assert not beaten, f"select-all heuristics more than {SELECT_ALL_MARGIN} above chance: {beaten}"
 
 
 # --- tensor parallelism, hybrid layouts, data parallelism, ZeRO and pipelines: every figure the questions state ---
