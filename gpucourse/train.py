@@ -103,7 +103,7 @@ def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dic
     # Mixture of experts: what each router did, step by step (summed over the ranks by merge()).
     experts = [(name, m) for name, m in trainer.module.named_modules() if isinstance(m, MoE)]
     moe_steps = []
-    losses, step_times = [], []
+    losses, step_times, save_times = [], [], []
     slow = cfg.straggler_delay()
     for step in range(start_step, cfg.steps):
         checkpoint.inject_fault(ctx.rank, step)
@@ -130,7 +130,9 @@ def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dic
         if cfg.record:  # what this rank did during the step, for a live view
             report({"kind": "activity", "step": step, "time_s": step_times[-1], "busy_s": rec.totals(first_span)})
         if cfg.save and (step + 1 == cfg.steps or cfg.save_every and (step + 1) % cfg.save_every == 0):
+            saving = time.perf_counter()
             checkpoint.save(trainer, cfg, step + 1, rec)
+            save_times.append(time.perf_counter() - saving)  # what a save costs: the interval's price
     comm.set_recorder(None)  # gathering the weights for export is not training traffic
     state = trainer.full_state_dict()
     if export_path and ctx.rank == 0:
@@ -141,7 +143,8 @@ def _train(cfg: TrainConfig, ctx, rec: Recorder, export_path: str | None) -> dic
             "step_times_s": step_times,
             "memory": trainer.memory,
             "extras": {**_extras(trainer), **({"moe": {"layers": [n for n, _ in experts], "steps": moe_steps}}
-                                              if experts else {})},
+                                              if experts else {}),
+                       **({"checkpoint_save_s": save_times} if save_times else {})},
             **rec.export()}
 
 

@@ -525,3 +525,22 @@ def test_notebook_07_compares_none_selective_and_full_recomputation_on_gpt3():
     assert rows["full"][0] < 0.05 * rows["none"][0] and "frees nearly all of them" in text
     assert round(3 * (rows["full"][1]["step_s"] / rows["none"][1]["step_s"] - 1)) == 1
     assert "for a step a third longer" in text
+
+
+def test_notebook_10_chooses_a_save_interval_from_a_failure_rate_and_reads_a_hang():
+    """10: Young's interval at Llama 3 405B's published failure rate (419 unexpected interruptions in 54 days),
+    the NCCL watchdog's message and settings named as PyTorch's docs name them."""
+    import math
+
+    import torch.distributed.checkpoint as dcp
+
+    text = " ".join(prose("10_accelerate_scaling").split())
+    mtbf_h = 54 * 24 / 419
+    assert round(mtbf_h, 1) == 3.1 and "419 unexpected interruptions in 54 days on 16,384 H100s" in text
+    assert "one every 3.1 hours" in text
+    assert round(math.sqrt(2 * 60 * mtbf_h * 3600) / 60) == 19 and "one about every 19 minutes" in text
+    assert round(math.sqrt(2 * 600 * mtbf_h * 3600) / 60 / 60) == 1 and "a ten-minute save for one an hour" in text
+    assert hasattr(dcp, "async_save") and "torch.distributed.checkpoint.async_save" in text
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
+        assert name in text
+    assert "Watchdog caught collective operation timeout" in text and "10 minutes by default for NCCL" in text
