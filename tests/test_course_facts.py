@@ -544,3 +544,31 @@ def test_notebook_10_chooses_a_save_interval_from_a_failure_rate_and_reads_a_han
     for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
         assert name in text
     assert "Watchdog caught collective operation timeout" in text and "10 minutes by default for NCCL" in text
+
+
+def test_notebook_08_times_each_overlap_knob_on_the_cluster_model():
+    """08: on Llama 3 70B over 64 H100s, --tp-comm-overlap hides 11 s of tp all-reduces, a sixth of a tp 8 × pp 2
+    step; --overlap-grad-reduce hides all of a tp 2 × dp 32 step's gradient reduction."""
+    import dataclasses
+
+    from gpucourse import plan
+    from gpucourse.shapes import get_shape
+
+    text = " ".join(prose("08_profiling").split())
+    llama = get_shape("llama3-70b")
+    core = plan.FRAMEWORKS["megatron-core"]
+
+    def timed(framework, **kw):
+        cfg = TrainConfig(model="gpt2-small", overrides={**llama.overrides(), "block_size": 4096}, batch_size=1024,
+                          seq_len=4096, precision="bf16", master_weights=True, sequence_parallel=True, zero=1, **kw)
+        return plan.step_time(cfg, int(llama.params()), get_gpu("h100"), 8, shape=llama, framework=framework)
+
+    deep = dict(dp=4, tp=8, pp=2, microbatches=256, schedule="interleaved-1f1b")
+    plain, hidden = timed(core, **deep), timed(plan.FRAMEWORKS["megatron-core-tp-overlap"], **deep)
+    assert round(plain["tp_exposed_s"]) == 11 and hidden["tp_exposed_s"] == 0
+    assert round(plain["step_s"] / (plain["step_s"] - hidden["step_s"])) == 6
+    assert "`--tp-comm-overlap` hides 11 s of them, a sixth of the step" in text
+    wide = dict(dp=32, tp=2, grad_accum=32)
+    after, overlapped = timed(dataclasses.replace(core, name="no overlap", dp="after"), **wide), timed(core, **wide)
+    assert after["dp_exposed_s"] == after["dp_comm_s"] > 0 == overlapped["dp_exposed_s"]
+    assert "`--overlap-grad-reduce` hides all of it" in text and "CUDA_DEVICE_MAX_CONNECTIONS=1" in text
