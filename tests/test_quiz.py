@@ -104,6 +104,14 @@ def ulysses_forward_mib(seq_len: int, cp: int, hidden: int, layers: int = 1, mic
     one = micro * (seq_len // cp) * hidden * torch.empty(0, dtype=torch.bfloat16).element_size()
     return layers * 4 * one * RING_FACTOR["all_to_all"](cp) / 2**20
 
+BF16_BYTES = torch.empty(0, dtype=torch.bfloat16).element_size()
+
+
+def young_interval(save: float, mtbf: float) -> float:
+    """Young's first-order checkpoint interval, √(2 · save time · MTBF), in the units given."""
+    return math.sqrt(2 * save * mtbf)
+
+
 NUMERIC = {
     "setup-ring-allreduce-bytes": lambda: RING_FACTOR["all_reduce"](8) * 1.0,
     "setup-allgather-bytes": lambda: RING_FACTOR["all_gather"](4) * 400,
@@ -139,6 +147,9 @@ NUMERIC = {
     "par-cp-ulysses-bytes": lambda: ulysses_forward_mib(131_072, 8, 4096),
     "mem-selective-sp-bytes": lambda: korthikanti_layer_bytes(2048, 2, 5120, 40, tp=4, sp=True,
                                                               recompute="selective") / 2**20,
+    "ft-young-interval": lambda: young_interval(save=2, mtbf=512 / 128 * 60),
+    "off-pcie-seconds": lambda: 2 * 13e9 * BF16_BYTES / 50e9,
+    "hsdp-cross-node-bytes": lambda: RING_FACTOR["all_reduce"](4) * 13e9 * BF16_BYTES / 8 / 1e9,
 }
 
 
@@ -1786,3 +1797,161 @@ def test_profiling_tool_figures():
     assert profiling.snapshot_path("DIR", 3) == os.path.join("DIR", "rank3.memory.pickle")
     assert "pytorch.org/memory_viz" in torch.cuda.memory._dump_snapshot.__doc__
     assert "--memory-snapshot DIR" in BY_ID["prof-memory-snapshot"]["explanation"]
+
+
+# --- fault tolerance, offload, overlap, compile, MIG/MPS, HSDP: every figure the questions state ---------------
+
+def choice_with(qid: str, text: str) -> int:
+    """The index of question ``qid``'s one choice that contains ``text``."""
+    hits = [i for i, c in enumerate(BY_ID[qid]["choices"]) if text in c]
+    assert len(hits) == 1, (qid, text, hits)
+    return hits[0]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_fault_tolerance_figures(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    # ft-young-interval: 512 h / 128 nodes = 4 h = 240 min between failures; √(2 × 2 × 240) = √960 ≈ 31 minutes.
+    assert 512 / 128 * 60 == 240 and young_interval(2, 240) == pytest.approx(math.sqrt(960)) and round(math.sqrt(960)) == 31
+    # ft-async-interval: 120 s → 10 s blocked, MTBF 20 h: √4800 ≈ 69 min before, √400 = 20 after, √12 ≈ 3.5 times shorter;
+    # 12 times shorter would be 5.77 min; √12 times longer would be 240 min = 4 h.
+    before, after = young_interval(120 / 60, 20 * 60), young_interval(10 / 60, 20 * 60)
+    assert round(before) == 69 and after == pytest.approx(20) and 120 / 10 == 12
+    assert before / after == pytest.approx(math.sqrt(12)) and round(math.sqrt(12), 1) == 3.5
+    assert f"{before / 12:.2f}" == "5.77" and before * math.sqrt(12) == pytest.approx(240) and 240 / 60 == 4
+    q = BY_ID["ft-async-interval"]
+    assert q["answer"] == choice_with("ft-async-interval", "3.5 times, to 20 minutes")
+    # ft-elastic-node-loss: 8 nodes of 8 are 64 ranks; after one node is lost, 7 ≥ the minimum of 4 remain: 56.
+    assert 8 * 8 == 64 and 7 * 8 == 56 and 7 >= 4
+    # ft-barrier-timeout: NCCL's default process-group timeout is 10 minutes, shorter than the 14-minute write.
+    assert "10 minutes for NCCL" in torch.distributed.init_process_group.__doc__ and 14 > 10
+    # ft-dcp-reshard: dcp.save writes __<rank>_<n>.distcp files and one .metadata file, and loads in place.
+    state = {"w": torch.arange(6.0)}
+    dcp.save(state, checkpoint_id=str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".metadata", "__0_0.distcp"]
+    loaded = {"w": torch.zeros(6)}
+    dcp.load(loaded, checkpoint_id=str(tmp_path))
+    assert torch.equal(loaded["w"], state["w"])
+    # ft-flight-recorder: PyTorch ships the analyzer for the flight recorder's dumps.
+    import importlib.util
+
+    assert importlib.util.find_spec("torch.distributed.flight_recorder.fr_trace") is not None
+    # ft-accelerate-resume: 3,000 batches to skip; Accelerate has the call, and save_state names what it saves.
+    from accelerate import Accelerator
+
+    assert "num_batches" in inspect.signature(Accelerator.skip_first_batches).parameters
+    assert "RNG generators" in Accelerator.save_state.__doc__
+
+
+def test_offload_figures():
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    # off-zero-offload-split: 6B × 16 bytes = 96 GB; 2 bytes of 16-bit weights (12 GB) on the GPU, 12 bytes (72 GB)
+    # of master weights and Adam's moments on the host.
+    per_param = estimate_params(1, 1, 0, "bf16", True, scratch_padding=False)
+    assert per_param == {"weights": 2, "gradients": 2, "optimizer": 12} and model_state_gb(6e9) == 96
+    assert 6e9 * per_param["weights"] / 1e9 == 12 and 6e9 * per_param["optimizer"] / 1e9 == 72
+    # off-pcie-seconds: 26 GB each way, 52 GB at 50 GB/s = 1.04 s; PCIe 5.0 x16 peaks at 32 GT/s × 16 lanes × 128/130.
+    assert 13e9 * BF16_BYTES / 1e9 == 26 and NUMERIC["off-pcie-seconds"]() == pytest.approx(1.04)
+    assert round(32e9 * 16 * 128 / 130 / 8 / 1e9) == 63 and 32e9 * 16 / 8 * 2 / 1e9 == 128
+    # off-when-helps: 13B × 16 = 208 GB against 80, 26 GB of bf16 weights; 7B over 32 FSDP ranks is 3.5 GB each.
+    assert model_state_gb(13e9) == 208 and 13e9 * BF16_BYTES / 1e9 == 26 and model_state_gb(7e9, 32, 3) == 3.5
+    # off-infinity-nvme: 200B × 16 = 3.2 TB, beyond 8 × 80 GB and 2 TB of host memory; whole 16-bit weights are
+    # 400 GB per GPU, five H100s' worth.
+    assert model_state_gb(200e9) == 3200 and 8 * 80 == 640 and 200e9 * BF16_BYTES / 1e9 == 400 == 5 * 80
+    # off-fsdp2-cpu-policy: pinned host memory by default; save_on_cpu offers the same for activations.
+    assert CPUOffloadPolicy().pin_memory is True
+    assert "pin_memory" in inspect.signature(torch.autograd.graph.save_on_cpu).parameters
+
+
+def test_overlap_figures():
+    from torch.distributed.fsdp import BackwardPrefetch, FSDPModule, FullyShardedDataParallel, fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    # dp-bucket-view and dp-bucket-cap-latency: DDP's defaults, 25 MiB buckets, copies unless told otherwise.
+    ddp = inspect.signature(DistributedDataParallel.__init__).parameters
+    assert ddp["gradient_as_bucket_view"].default is False and ddp["find_unused_parameters"].default is False
+    assert "default size of 25 MiB" in " ".join(DistributedDataParallel.__doc__.split())
+    assert 1.3e9 * 4 / 1e9 == pytest.approx(5.2) and 400 / 4 == 100 and 4 * 25 == 100
+    # ovl-fsdp-prefetch: FSDP's default backward prefetch.
+    assert inspect.signature(FullyShardedDataParallel.__init__).parameters["backward_prefetch"].default \
+        == BackwardPrefetch.BACKWARD_PRE
+    # hsdp-mesh-layout and hsdp-accumulate: a 2-D mesh is HSDP, and FSDP2 can skip the all-reduce alone.
+    assert "(Replicate(), Shard(0))" in " ".join(fully_shard.__doc__.split())
+    assert all(hasattr(FSDPModule, name) for name in ("set_requires_all_reduce", "set_requires_gradient_sync",
+                                                       "set_reshard_after_backward"))
+
+
+def test_compile_figures():
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    # tc-recompile: a second batch size recompiles once with the size dynamic; later sizes reuse the graphs.
+    assert dynamo.config.automatic_dynamic_shapes and dynamo.config.recompile_limit == 8
+    dynamo.reset()
+    counters.clear()
+    step = torch.compile(lambda x: (x * 2).sin() + 1, backend="eager")
+    for batch in (32, 32, 20, 32, 20, 32, 20):
+        step(torch.randn(batch, 8))
+    assert counters["stats"]["unique_graphs"] == 2
+    # tc-graph-break: a .item() inside the compiled code splits it in two graphs; fullgraph=True refuses instead.
+    def forward(x):
+        y = x.sin()
+        print(y.sum().item(), end="")
+        return y.cos()
+
+    explained = dynamo.explain(forward)(torch.randn(3))
+    assert (explained.graph_count, explained.graph_break_count) == (2, 1)
+    with pytest.raises(Exception):
+        torch.compile(forward, backend="eager", fullgraph=True)(torch.randn(3))
+    dynamo.reset()
+    # tc-reduce-overhead: the mode is CUDA graphs.
+    assert "CUDA graphs" in torch.compile.__doc__ and "reduce-overhead" in torch.compile.__doc__
+    # tc-first-step: (90 + 19 × 0.9) / 20 ≈ 5.4 s; 5.4 / 1.2 = 4.5; 0.9 s is 25% under 1.2 s; 90 s back in 300 steps.
+    assert f"{(90 + 19 * 0.9) / 20:.1f}" == "5.4" and 5.4 / 1.2 == pytest.approx(4.5)
+    assert 1 - 0.9 / 1.2 == pytest.approx(0.25) and 90 / (1.2 - 0.9) == pytest.approx(300)
+
+
+def test_mig_and_hsdp_figures():
+    # mig-ddp-slow and mig-profile-size: 8 A100s × 7 instances = 56 ranks; a 1g.10gb has 10 GB, a 3g.40gb 40 GB.
+    assert 8 * 7 == 56 and 10 < 30 <= 40
+    # hsdp-cross-node-bytes: a 3.25 GB shard; a ring among 4 replicas sends 1.5 times it.
+    assert 13e9 * BF16_BYTES / 8 / 1e9 == 3.25 and RING_FACTOR["all_reduce"](4) == 1.5
+    assert NUMERIC["hsdp-cross-node-bytes"]() == pytest.approx(4.875)
+    # hsdp-shard-group: 70B × 16 bytes over 8, 16, 32 and 128 GPUs; 40 GB must remain of 80; replicas 128 / group.
+    state = {group: model_state_gb(70e9, group, 3) for group in (8, 16, 32, 128)}
+    assert state == {8: 140, 16: 70, 32: 35, 128: 8.75}
+    assert min(g for g, gb in state.items() if 80 - gb >= 40) == 32 and 80 - 35 == 45 and 80 - 70 == 10
+    choices = BY_ID["hsdp-shard-group"]["choices"]
+    for group, gb in state.items():
+        [c] = [c for c in choices if c.startswith(f"{group} GPUs,")]
+        assert f"{gb:g} GB of state" in c and f"{128 // group} replica" in c
+    assert choices[BY_ID["hsdp-shard-group"]["answer"]].startswith("32 GPUs,")
+    # hsdp-from-full-shard: 7B × 16 bytes over 512 GPUs ≈ 0.22 GB, over a node's 8 = 14 GB.
+    assert round(model_state_gb(7e9, 512, 3), 2) == 0.22 and model_state_gb(7e9, 8, 3) == 14
+
+
+def test_pipeline_figures_of_the_top_up():
+    # pp-accum-is-microbatches: 16 × 4 × 8 = 512; with dp=4 each pipeline runs 512 / (4 × 4) = 32 microbatches and
+    # 1F1B's bubble is 3/35 of the step (3/32 idle over compute); the other choices' m and shares.
+    assert with_microbatch(TrainConfig(dp=16, grad_accum=8), 4).batch_size == 512
+    assert accum_steps(512, 4, 4) == 32 and TrainConfig(dp=4, pp=4).world_size == 16
+    shares = {m: bubble("1f1b", 4, m) for m in (8, 16, 32, 128)}
+    assert shares == pytest.approx({8: 3 / 11, 16: 3 / 19, 32: 3 / 35, 128: 3 / 131})
+    assert [round(100 * v) for v in shares.values()] == [27, 16, 9, 2]
+    q = BY_ID["pp-accum-is-microbatches"]
+    for m, v in shares.items():
+        [c] = [c for c in q["choices"] if c.startswith(f"{m} microbatches,")]
+        assert f"3/{m + 3} of the step is bubble, about {round(100 * v)}%" in c
+    assert q["choices"][q["answer"]].startswith("32 microbatches,")
+    # pp-slow-last-stage: stage 3 at 16 ms paces 16 microbatches, plus a fill of 3 × 10 ms: 286 ms; balanced stages
+    # take 218.5 ms, all at 10 ms 190 ms; the stages' sum times 16 is 736 ms, stage 3 alone times 16 is 256 ms.
+    def step_ms(per_stage):
+        return schedules.simulate(schedules.build("1f1b", 4, 16), 4, 16, cost_f=[t / 3 for t in per_stage],
+                                  cost_b=[2 * t / 3 for t in per_stage]).makespan
+
+    assert step_ms([10, 10, 10, 16]) == pytest.approx(286) == 16 * 16 + 3 * 10
+    assert step_ms([11.5] * 4) == pytest.approx(218.5) and round(218.5 + 0.5) == 219
+    assert step_ms([10] * 4) == pytest.approx(190) and 46 * 16 == 736 and 16 * 16 == 256
+    assert BY_ID["pp-slow-last-stage"]["answer"] == choice_with("pp-slow-last-stage", "about 286 ms")
