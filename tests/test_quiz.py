@@ -150,6 +150,11 @@ NUMERIC = {
     "ft-young-interval": lambda: young_interval(save=2, mtbf=512 / 128 * 60),
     "off-pcie-seconds": lambda: 2 * 13e9 * BF16_BYTES / 50e9,
     "hsdp-cross-node-bytes": lambda: RING_FACTOR["all_reduce"](4) * 13e9 * BF16_BYTES / 8 / 1e9,
+    "pp-p2p-bytes": lambda: 16 * 2 * 4096 * 8192 * BF16_BYTES / 2**20,
+    "dp-allreduce-time": lambda: 1.3e9 * 4 * RING_FACTOR["all_reduce"](8) / 200e9 * 1e3,
+    "fsdp-step-bytes": lambda: 3 * RING_FACTOR["all_gather"](8) * 7e9 * BF16_BYTES / 1e9,
+    "tp-forward-bytes": lambda: MEGATRON_SUBLAYERS * RING_FACTOR["all_reduce"](8) * 4096 * 8192 * BF16_BYTES / 2**20,
+    "setup-busbw-from-time": lambda: 4e9 / 22_000e-6 * bus_factor("all_reduce", 16) / 1e9,
 }
 
 
@@ -1955,3 +1960,94 @@ def test_pipeline_figures_of_the_top_up():
     assert step_ms([11.5] * 4) == pytest.approx(218.5) and round(218.5 + 0.5) == 219
     assert step_ms([10] * 4) == pytest.approx(190) and 46 * 16 == 736 and 16 * 16 == 256
     assert BY_ID["pp-slow-last-stage"]["answer"] == choice_with("pp-slow-last-stage", "about 286 ms")
+
+
+def test_figures_of_the_second_top_up():
+    """The 21 questions added to the seven smallest notebooks: every figure their choices and explanations state."""
+    from torch.utils.data import DistributedSampler
+
+    from gpucourse.parallel.precision import DynamicLossScaler as Scaler
+
+    # pp-halve-microbatch: p=8, m=8 → 7/15; m=16 → 7/23 ≈ 30%; 7/30 and 7/16 are the misreadings.
+    assert bubble("1f1b", 8, 8) == pytest.approx(7 / 15) and bubble("1f1b", 8, 16) == pytest.approx(7 / 23)
+    assert [round(100 * x) for x in (7 / 15, 7 / 23, 7 / 30, 7 / 16)] == [47, 30, 23, 44]
+    assert schedules.formula_bubble_ratio("1f1b", 8, 16) == pytest.approx(7 / 16)
+    # pp-layout-bubble: 128 sequences, microbatch 1: pp=8 × dp=4 runs m=32, pp=4 × dp=8 m=16; 7/39 > 3/19.
+    assert accum_steps(128, 1, 4) == 32 and accum_steps(128, 1, 8) == 16 and 32 / 8 == 16 / 4 == 4
+    assert bubble("1f1b", 8, 32) == pytest.approx(7 / 39) and bubble("1f1b", 4, 16) == pytest.approx(3 / 19)
+    assert [round(100 * x) for x in (7 / 39, 3 / 19, 3 / 11, 1 / 32, 1 / 16)] == [18, 16, 27, 3, 6]
+    assert f"{100 * 7 / 39:.1f}" == "17.9" and f"{100 * 3 / 19:.1f}" == "15.8"
+    # pp-p2p-bytes: 128 MiB a microbatch.
+    assert 2 * 4096 * 8192 * BF16_BYTES / 2**20 == 128
+    # prof-oom-read-message: 1.52 GiB cached but unused is less than the 2 GiB asked for.
+    assert 1.52 < 2.00 and round(79.19 - 1.06 - 75.80 - 1.52, 2) == 0.81
+    # prof-scaler-collapse: 16 halvings take 65536 to 1.
+    assert scale_after(65536, overflow=True, steps=16) == 1 == 65536 / 2**16
+    assert Scaler(init_scale=1.0).scale == 1.0
+    # prof-uneven-shards-hang: 80,004 files, files[rank::8]: ranks 0–3 get 10,001, 4–7 10,000; the sampler pads.
+    files = list(range(80_004))
+    assert [len(files[r::8]) for r in range(8)] == [10_001] * 4 + [10_000] * 4 and 80_004 == 8 * 10_000 + 4
+    assert {len(DistributedSampler(files, num_replicas=8, rank=r)) for r in range(8)} == {10_001}
+    assert len(DistributedSampler(files, num_replicas=8, rank=0, drop_last=True)) == 10_000
+    from torch.nn.parallel import DistributedDataParallel
+    assert hasattr(DistributedDataParallel, "join")
+    # dp-allreduce-time: 5.2 GB × 1.75 / 200 GB/s = 45.5 ms; algbw 114 GB/s.
+    assert NUMERIC["dp-allreduce-time"]() == pytest.approx(45.5) and round(200 / 1.75) == 114
+    # dp-same-batches: 8 × 32 = 256 distinct sequences with a sampler.
+    assert 8 * 32 == 256
+    # dp-accum-sync-count: 8 × 45 = 360 ms against 45.
+    assert 8 * 45 == 360
+    # pipe-interleave-slow-links: p=8, m=16, v=4, transfers 0, 0.5 and 1 unit.
+    plain = {c: schedules.simulate(schedules.one_f_one_b(8, 16), 8, 16, 1.0, 2.0, c).makespan for c in (0, 0.5, 1)}
+    inter = {c: interleaved(8, 16, 4, c).makespan for c in (0, 0.5, 1)}
+    assert plain == pytest.approx({0: 69, 0.5: 105, 1: 141}) and inter == pytest.approx({0: 53.25, 0.5: 92, 1: 142})
+    assert round(53.25) == 53 and round(141 / 4) == 35
+    assert one_f_one_b(8, 16).bubble_ratio == pytest.approx(7 / 16)
+    assert interleaved(8, 16, 4).bubble_ratio == pytest.approx(7 / 64)
+    ops, _ = schedules_virtual.build("interleaved-1f1b", 8, 16, 4)
+    assert sends_per_microbatch(ops, 16) == sends_per_microbatch(ops, 16, schedules.SEND_B) == 31 == 7 + 24
+    # pipe-interleave-chunk-layers: p=4, v=3: rank 1 holds chunks 1, 5, 9 (layers 2–3, 10–11, 18–19).
+    layout = schedules_virtual.Layout(4, 3)
+    assert [layout.virtual(1, c) for c in range(3)] == [1, 5, 9]
+    assert [layout.virtual(2, c) for c in range(3)] == [2, 6, 10] and 24 // 12 == 2
+    ops, _ = schedules_virtual.build("interleaved-1f1b", 4, 8, 3)
+    assert sends_per_microbatch(ops, 8) == 11 and sends_per_microbatch(schedules.one_f_one_b(4, 8), 8) == 3
+    # pipe-looped-bfs-memory: the same idle time over compute, 3/16; 16 chunks on each rank against 11, 9, 7, 5.
+    peaks, ratios, sends = {}, {}, {}
+    for name in ("looped-bfs", "interleaved-1f1b"):
+        ops, layout = schedules_virtual.build(name, 4, 8, 2)
+        sim = schedules_virtual.simulate(ops, layout, 8, 1.0, 2.0, 0.0, 0.0)
+        peaks[name], ratios[name], sends[name] = sim.peak_in_flight, sim.bubble_ratio, sends_per_microbatch(ops, 8)
+    assert peaks == {"looped-bfs": [16] * 4, "interleaved-1f1b": [11, 9, 7, 5]}
+    assert ratios["looped-bfs"] == ratios["interleaved-1f1b"] == pytest.approx(3 / 16)
+    assert sends["looped-bfs"] == sends["interleaved-1f1b"] == 7 and 16 / 2 == 8 and 11 / 2 == 5.5
+    # fsdp-step-bytes: 12.25 GB a collective, 36.75 for three, 24.5 for DDP.
+    assert RING_FACTOR["all_gather"](8) * 14 == 12.25 and RING_FACTOR["all_reduce"](8) * 14 == 24.5
+    assert 36.75 / 24.5 == 1.5
+    # fsdp-reshard-after-forward: 26 GB of bf16 weights, 3.25 GB a shard; the docstring says what False does.
+    from torch.distributed.fsdp import fully_shard
+    assert "avoids the all-gather in backward" in " ".join(fully_shard.__doc__.split())
+    assert 13e9 * BF16_BYTES / 1e9 == 26 and 26 / 8 == 3.25 and 26 - 3.25 == 22.75 < 30
+    # zero-stage-fits: 38.5, 26.25, 14 GB; 28 GB free; 112 GB in all.
+    gb = {z: model_state_gb(7e9, 8, z) for z in (1, 2, 3)}
+    assert gb == pytest.approx({1: 38.5, 2: 26.25, 3: 14}) and model_state_gb(7e9) == 112
+    assert min(z for z, v in gb.items() if v <= 40 - 12) == 2
+    # tp-col-col-gather: 64 MiB after proj, 256 MiB of GELU output, a 16 MiB slice.
+    assert 4 * 2048 * 4096 * BF16_BYTES / 2**20 == 64 and 4 * 2048 * 16384 * BF16_BYTES / 2**20 == 256 == 4 * 64
+    assert 64 / 4 == 16
+    # tp-forward-bytes: 64 MiB payload, 112 MiB an all-reduce, two in forward.
+    assert 4096 * 8192 * BF16_BYTES / 2**20 == 64 and RING_FACTOR["all_reduce"](8) * 64 == 112
+    # tp-vocab-logits: 2 × 4096 × 128,000 fp32 logits ≈ 3.9 GiB, a 16,000-entry shard ≈ 0.49 GiB.
+    full = 2 * 4096 * 128_000 * 4
+    assert 128_000 // 8 == 16_000 and f"{full / 2**30:.1f}" == "3.9" and f"{full / 8 / 2**30:.2f}" == "0.49"
+    # setup-busbw-from-time: algbw 181.8 GB/s × 1.875.
+    assert f"{4e9 / 0.022 / 1e9:.1f}" == "181.8" and bus_factor("all_reduce", 16) == 1.875
+    assert f"{NUMERIC['setup-busbw-from-time']():.1f}" == "340.9"
+    # setup-reduce-scatter-choice: 14 GB for the all-reduce, 7 for the reduce-scatter, a 1 GB slice.
+    assert RING_FACTOR["all_reduce"](8) * 8 == 14 and RING_FACTOR["reduce_scatter"](8) * 8 == 7 and 8 / 8 == 1
+    # setup-small-message-latency: 8192 B in 25 µs: algbw 0.33 GB/s, busbw 0.57; 0.017 µs at 480 GB/s, the
+    # course's modelled H100 busbw at 8 GiB.
+    algbw = 8192 / 25e-6 / 1e9
+    assert f"{algbw:.2f}" == "0.33" and f"{algbw * bus_factor('all_reduce', 8):.2f}" == "0.57"
+    assert f"{8192 / 480e9 * 1e6:.3f}" == "0.017"
+    assert round(Cluster(get_gpu("h100"), 8).bus_bandwidth("all_reduce", 8 << 30, 8) / 1e9) == 480
