@@ -249,7 +249,7 @@ def third_party_loop(kind: str, steps: int = 6) -> dict:
 
     from gpucourse.parallel.data_parallel import DataParallel
     from gpucourse.parallel.data_parallel_buckets import DataParallelBuckets
-    from gpucourse.parallel.zero import ShardedOptimizer
+    from gpucourse.parallel.sharded_optimizer import ShardedOptimizer
 
     rank, world = (0, 1) if kind == "single" else (dist.get_rank(), dist.get_world_size())
     torch.manual_seed(0)

@@ -51,14 +51,7 @@ def _imports(module: str) -> list[tuple[str, str, int]]:
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = []
-    tree = ast.parse(path.read_text(), str(path))
-    # ``if TYPE_CHECKING:`` imports never run: a type checker's, not a dependency.
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
-                   for stmt in node.body for n in ast.walk(stmt)}
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name == "gpucourse" or alias.name.startswith("gpucourse."):
@@ -157,7 +150,7 @@ def test_the_package_edges_are_read():
     """Importing ``a.b`` runs ``a`` first: an import of ``parallel.pipeline`` depends on ``parallel`` too."""
     assert any(t == "parallel" for t, _, _ in GRAPH["plan"])  # plan imports parallel.pipeline
     assert not any(t == "parallel" for t, _, _ in GRAPH["parallel.pipeline"])  # its own package: already running
-    assert not any(t == "config" for t, _, _ in GRAPH["parallel"])  # an import under TYPE_CHECKING never runs
+    assert not any(t == "config" for t, _, _ in GRAPH["parallel"])  # the strategies read a config, never import it
 
 
 def test_the_benchmark_toolkit_imports_nothing_from_the_project():

@@ -17,7 +17,7 @@ The data-parallel pieces are also components for a loop that is not the
 course's: :class:`~.data_parallel.DataParallel` and
 :class:`~.data_parallel_buckets.DataParallelBuckets` wrap a module (call
 ``finish_gradient_synchronization()`` after backward), and
-:class:`~.zero.ShardedOptimizer` is ZeRO-1 as a ``torch.optim.Optimizer``
+:class:`~.sharded_optimizer.ShardedOptimizer` is ZeRO-1 as a ``torch.optim.Optimizer``
 around any optimizer class. The course's data-parallel trainers use the same modules
 (its ZeRO keeps one flat buffer, sharded evenly: `ZeroScratch`).
 """
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from ..measure import Recorder
 from ..model import MoE
@@ -36,8 +36,8 @@ from .activation_checkpointing import recompute
 from .precision import Precision
 from .single import Trainer
 
-if TYPE_CHECKING:  # a config is read here, never built: importing it would loop back (config checks strategies)
-    from ..config import TrainConfig
+# A config (gpucourse.TrainConfig) is only read here, never built or imported: config.py asks these strategies
+# to check it, so importing it back would make a loop.
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ STRATEGIES = (
 )
 
 
-def check_strategies(cfg: TrainConfig, mc, runnable: bool = True) -> None:
+def check_strategies(cfg, mc, runnable: bool = True) -> None:
     """Every strategy's rules for ``cfg`` (``mc``: its model's config), in order; the first broken one raises
     :class:`~gpucourse.readable.ConfigError` (what :meth:`gpucourse.TrainConfig.validate` calls)."""
     for strategy in STRATEGIES:
@@ -71,7 +71,7 @@ def check_strategies(cfg: TrainConfig, mc, runnable: bool = True) -> None:
             check(cfg, mc, runnable)
 
 
-def parallelize(model, mesh, cfg: TrainConfig, rec: Recorder | None = None, device=None) -> Trainer:
+def parallelize(model, mesh, cfg, rec: Recorder | None = None, device=None) -> Trainer:
     """The trainer for ``cfg``'s layout: ``model`` transformed by each strategy in turn, on ``mesh`` (pp dp cp tp)."""
     device = device or next(model.parameters()).device
     rec = rec if rec is not None else Recorder(0, device, enabled=False)
@@ -167,7 +167,7 @@ DATA_PARALLEL = {
 }
 
 
-def data_parallel_kind(cfg: TrainConfig) -> str | None:
+def data_parallel_kind(cfg) -> str | None:
     """The :data:`DATA_PARALLEL` entry that runs ``cfg``'s data parallelism (dp × cp ranks of the same weights),
     None where there is none."""
     if cfg.zero:
@@ -183,7 +183,7 @@ def data_parallel_kind(cfg: TrainConfig) -> str | None:
     return "accelerate-ddp"
 
 
-def _data_parallel(model, mesh, cfg: TrainConfig, **options) -> Trainer:
+def _data_parallel(model, mesh, cfg, **options) -> Trainer:
     """The trainer that synchronises ``model``'s gradients over the dp slice of the mesh (and steps the optimizer).
 
     With context parallelism the dp and cp ranks hold the same weights and average their gradients together:
