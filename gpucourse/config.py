@@ -20,20 +20,29 @@ IMPLS = ("scratch", "torch", "accelerate")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
-def layout(default):
+def setting(default, help: str, **flag):
+    """A field that says what the run computes (the model, its batch, precision, optimisation): a resume keeps it.
+
+    ``help`` is what ``gpucourse train --FIELD`` says; ``flag`` holds argparse's choices, nargs or metavar where
+    the plain type of the default is not enough. The CLI derives each field's flag from these (``cli.common``)."""
+    return field(default=default, metadata={"kind": "training", "help": help, **flag})
+
+
+def layout(default, help: str, **flag):
     """A field that says how the computation is laid out on ranks: a checkpoint resumes at another value of it,
     since every layout equals one device."""
-    return field(default=default, metadata={"kind": "layout"})
+    return field(default=default, metadata={"kind": "layout", "help": help, **flag})
 
 
-def run_option(default):
-    """A field that says how long or where a run goes, or what it records: never what it computes."""
-    return field(default=default, metadata={"kind": "run"})
+def run_option(default, help: str, train_only: bool = False, **flag):
+    """A field that says how long or where a run goes, or what it records: never what it computes.
+    ``train_only``: a flag of ``gpucourse train`` alone (saving, resuming, profiling), not of the planning commands."""
+    return field(default=default, metadata={"kind": "run", "help": help, "train_only": train_only, **flag})
 
 
 def fields_of(kind: str) -> tuple[str, ...]:
-    """The names of :class:`TrainConfig`'s fields of one ``kind``: "layout", "run", or "training" (untagged:
-    what the run computes — the model, its batch, precision and optimisation — which a resume keeps)."""
+    """The names of :class:`TrainConfig`'s fields of one ``kind``: "layout", "run", or "training" (what the run
+    computes — the model, its batch, precision and optimisation — which a resume keeps)."""
     return tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("kind", "training") == kind)
 
 
@@ -47,56 +56,72 @@ class TrainConfig:
     single-device run.
     """
 
-    model: str = "tiny"
-    dp: int = layout(1)
-    tp: int = layout(1)
-    pp: int = layout(1)
-    cp: int = layout(1)  # context parallel: each rank holds seq_len / cp tokens of every sequence
-    zero: int = layout(0)
-    schedule: str = layout("1f1b")
-    virtual_stages: int = layout(2)  # interleaved-1f1b: model chunks per pipeline rank
-    microbatches: int = layout(1)
-    grad_accum: int = layout(1)
-    precision: str = "fp32"
-    master_weights: bool = False
+    model: str = setting("tiny", "model size: " + ", ".join(MODELS))
+    dp: int = layout(1, "data-parallel degree")
+    tp: int = layout(1, "tensor-parallel degree")
+    pp: int = layout(1, "pipeline-parallel degree (stages)")
+    cp: int = layout(1, "context-parallel degree: seq_len / cp tokens of every sequence per rank")
+    zero: int = layout(0, "ZeRO stage 0-3")
+    schedule: str = layout("1f1b", "pipeline schedule (with --pp > 1; default 1f1b)", cli_default=None)
+    virtual_stages: int = layout(2, "interleaved-1f1b: model chunks per pipeline rank")
+    microbatches: int = layout(1, "pipeline microbatches per step")
+    grad_accum: int = layout(1, "gradient-accumulation microbatches")
+    precision: str = setting("fp32", "fp32, bf16 or fp16 (autocast unless --master-weights)")
+    master_weights: bool = setting(False, "half-precision weights and gradients, fp32 master copy in the optimizer")
     # Activation recomputation: False / "none", "selective" (attention's scores, softmax, dropout and weighted sum
     # recomputed in backward, as Megatron-LM's selective recomputation), True / "full" (every block's forward).
-    checkpoint_activations: bool | str = layout(False)
-    sequence_parallel: bool = layout(False)  # with tp: activations between sub-layers cut along the sequence
-    # How context-parallel attention meets the other ranks' keys: ring, allgather, ulysses.
-    cp_algo: str = layout("ring")
-    zigzag: bool = layout(False)  # context parallel: 2·cp chunks, rank i holding i and 2·cp-1-i (causal balance)
+    checkpoint_activations: bool | str = layout(
+        False, "recompute activations in backward instead of keeping them: full (alone: every block's) or "
+               "selective (attention's scores, softmax and weighted sum only)",
+        nargs="?", const="full", choices=("none", "selective", "full"), cli_default="none")
+    sequence_parallel: bool = layout(
+        False, "with --tp: keep seq_len / tp tokens per rank between sub-layers (LayerNorm, residual)")
+    cp_algo: str = layout("ring", "context-parallel attention")  # how it meets the other ranks' keys
+    zigzag: bool = layout(False, "context parallel: 2·cp chunks, rank i holding i and 2·cp-1-i (causal load balance)")
     # Mixture of experts (model.MoE): E experts per MoE block; None keeps the model's own setting.
-    moe_experts: int = 0
-    moe_top_k: int | None = None      # experts per token (2)
-    moe_every: int | None = None      # an MoE in every block (1) or every n-th (n)
-    moe_capacity: float | None = None  # capacity factor; None: no token dropped
-    moe_aux: float | None = None      # weight of the load-balancing loss (0.01)
-    # Expert parallel: experts spread over ep of the dp ranks (ep divides dp). Not a layout field yet: a resume
-    # does not spread a checkpoint's experts over another ep.
-    ep: int = 1
-    impl: str = layout("scratch")
-    bucket_mb: float | None = layout(None)
-    steps: int = run_option(20)
-    batch_size: int = 8
-    seq_len: int = 64
-    lr: float = 3e-3
-    seed: int = 0
-    dropout: float = 0.0
-    attention: str = layout("flash")  # "flash" (fused, no scores kept) or "math" (T × T scores kept): model.py
-    device: str = run_option("auto")
-    record: bool = run_option(True)
-    # A planted fault for profiling practice: "RANK:MS" slows that rank by MS milliseconds every step, as a
-    # slow or throttled device would; its peers wait for it in their next collective.
-    straggler: str | None = run_option(None)
-    # Run options that are not part of the optimisation: where to write a
-    # torch.profiler trace per rank, and where to save / resume checkpoints.
-    profile: str | None = run_option(None)
-    memory_snapshot: str | None = run_option(None)  # a folder for a CUDA memory snapshot per rank (CUDA only)
-    save: str | None = run_option(None)
-    save_every: int = run_option(0)
-    resume: str | None = run_option(None)
-    overrides: dict = field(default_factory=dict)
+    moe_experts: int = setting(0, "mixture of experts: E expert MLPs in place of each MoE block's MLP (0: dense)")
+    moe_top_k: int | None = setting(None, "mixture of experts: experts per token (2)")
+    moe_every: int | None = setting(None, "mixture of experts in every block (1) or every n-th block (n)")
+    moe_capacity: float | None = setting(
+        None, "capacity factor: an expert takes at most c·tokens·top_k/E choices (default: no dropping)")
+    moe_aux: float | None = setting(None, "weight of the load-balancing loss (0.01)")
+    # Not a layout field yet: a resume does not spread a checkpoint's experts over another ep.
+    ep: int = setting(1, "expert-parallel degree: experts spread over ep dp ranks")
+    impl: str = layout("scratch", "scratch (gpucourse's own), torch (PyTorch's) or accelerate (Hugging Face "
+                                  "Accelerate)")
+    bucket_mb: float | None = layout(
+        None, "data parallel: gradient bucket size in MB, all-reduced during backward (default: scratch all-reduces "
+              "after backward, PyTorch's DDP takes 25 MB)")
+    steps: int = run_option(20, "optimizer steps")
+    batch_size: int = setting(8, "global batch per optimizer step, in sequences (= microbatch × grad_accum × dp)")
+    seq_len: int = setting(64, "tokens per sequence")
+    lr: float = setting(3e-3, "learning rate (AdamW)")
+    seed: int = setting(0, "seed for weights and data order")
+    dropout: float = setting(0.0, "dropout probability")
+    attention: str = layout("flash", "flash (fused: no T × T scores kept) or math (the scores written out and kept, "
+                                     "as before FlashAttention)", choices=("flash", "math"))
+    device: str = run_option("auto", "auto, cpu or cuda")
+    record: bool = run_option(True, "record timeline spans", flag="--no-record")
+    # A planted fault for profiling practice: its peers wait for the slow rank in their next collective.
+    straggler: str | None = run_option(
+        None, "plant a straggler: that rank loses MS milliseconds every step, as a slow device would",
+        metavar="RANK:MS")
+    profile: str | None = run_option(
+        None, "write a torch.profiler Chrome trace per rank (DIR/rankN.trace.json) and print where each rank's time "
+              "went: compute, communication, idle", train_only=True, metavar="DIR")
+    memory_snapshot: str | None = run_option(
+        None, "on GPUs: record every CUDA allocation of each rank and write DIR/rankN.memory.pickle at the end (also "
+              "after an out-of-memory error), to open in https://pytorch.org/memory_viz", train_only=True,
+        metavar="DIR")
+    save: str | None = run_option(None, "save distributed checkpoints into DIR (DIR/step-NNNNNN)", train_only=True,
+                                  metavar="DIR")
+    save_every: int = run_option(0, "with --save: a checkpoint every N steps, and one at the end (default 0: only at "
+                                    "the end)", train_only=True, metavar="N")
+    resume: str | None = run_option(
+        None, "go on from the newest complete checkpoint in DIR (same model and settings; the layout and --steps "
+              "may change); if DIR is also --save and holds none yet, start from step 0", train_only=True,
+        metavar="DIR")
+    overrides: dict = field(default_factory=dict)  # GPTConfig fields changed from the model's; no flag
 
     def __post_init__(self):
         # One spelling each for "no recomputation" and "every block": False and True, as before there were three.

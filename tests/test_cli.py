@@ -231,3 +231,30 @@ def test_checkpoint_activations_takes_selective_or_full_and_alone_means_full(cap
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--checkpoint-activations", "some"])
     assert "invalid choice: 'some'" in capsys.readouterr().err
+
+
+def test_every_config_field_has_its_flag_derived_from_its_tag(monkeypatch):
+    """A field's flag comes from its tag and help in config.py: adding a field adds its flag, and no flag is
+    written twice by hand."""
+    import dataclasses
+
+    from gpucourse.cli import common
+    from gpucourse.config import layout
+
+    parser = cli.build_parser()
+    train = parser._subparsers._group_actions[0].choices["train"]
+    dests = {a.dest for a in train._actions}
+    assert {f.name for f in dataclasses.fields(TrainConfig)} - dests == {"overrides"}
+    assert cli.config_from(parser.parse_args(["train"])) == TrainConfig()
+    assert cli.config_from(parser.parse_args(["train", "--no-record", "--dropout", "0.1"])) == TrainConfig(
+        record=False, dropout=0.1)
+    plan = parser._subparsers._group_actions[0].choices["memory"]
+    assert not {"save", "resume", "profile"} & {a.dest for a in plan._actions}  # train's alone
+
+    @dataclasses.dataclass
+    class Wider(TrainConfig):
+        new_knob: int = layout(3, "a knob added in one place")
+
+    monkeypatch.setattr(common, "TrainConfig", Wider)
+    args = cli.build_parser().parse_args(["train", "--new-knob", "5"])
+    assert common.config_from(args).new_knob == 5

@@ -29,58 +29,39 @@ def check_writable(path: str, flag: str) -> None:
         raise UsageError(f"{flag} {path} cannot be written: permission denied.")
 
 
-def add_layout_args(p: argparse.ArgumentParser) -> None:
-    d = TrainConfig()
-    p.add_argument("--model", default=d.model, help="model size: tiny, small, medium, gpt2-small, gpt2-medium")
-    p.add_argument("--dp", type=int, default=d.dp, help="data-parallel degree")
-    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree")
-    p.add_argument("--pp", type=int, default=d.pp, help="pipeline-parallel degree (stages)")
-    p.add_argument("--cp", type=int, default=d.cp, help="context-parallel degree: seq_len / cp tokens per rank")
-    p.add_argument("--cp-algo", default=d.cp_algo, help="context-parallel attention: " + "; ".join(
-        f"{name} ({a.summary})" for name, a in ATTENTIONS.items()))
-    p.add_argument("--zigzag", action="store_true",
-                   help="context parallel: 2·cp chunks, rank i holding i and 2·cp-1-i (causal load balance)")
-    p.add_argument("--moe-experts", type=int, default=d.moe_experts,
-                   help="mixture of experts: E expert MLPs in place of each MoE block's MLP (0: dense)")
-    p.add_argument("--moe-top-k", type=int, default=d.moe_top_k, help="mixture of experts: experts per token (2)")
-    p.add_argument("--moe-every", type=int, default=d.moe_every,
-                   help="mixture of experts in every block (1) or every n-th block (n)")
-    p.add_argument("--moe-capacity", type=float, default=d.moe_capacity,
-                   help="capacity factor: an expert takes at most c·tokens·top_k/E choices (default: no dropping)")
-    p.add_argument("--moe-aux", type=float, default=d.moe_aux, help="weight of the load-balancing loss (0.01)")
-    p.add_argument("--ep", type=int, default=d.ep, help="expert-parallel degree: experts spread over ep dp ranks")
-    p.add_argument("--zero", type=int, default=d.zero, help="ZeRO stage 0-3")
-    p.add_argument("--schedule", default=None,
-                   help=f"pipeline schedule (with --pp > 1; default {d.schedule}): {', '.join(SCHEDULES)}")
-    p.add_argument("--virtual-stages", type=int, default=d.virtual_stages,
-                   help="interleaved-1f1b: model chunks per pipeline rank")
-    p.add_argument("--microbatches", type=int, default=d.microbatches, help="pipeline microbatches per step")
-    p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="gradient-accumulation microbatches")
-    p.add_argument("--precision", default=d.precision, help="fp32, bf16 or fp16 (autocast unless --master-weights)")
-    p.add_argument("--master-weights", action="store_true",
-                   help="half-precision weights and gradients, fp32 master copy in the optimizer")
-    p.add_argument("--checkpoint-activations", nargs="?", const="full", default="none",
-                   choices=("none", "selective", "full"),
-                   help="recompute activations in backward instead of keeping them: full (alone: every block's) or "
-                        "selective (attention's scores, softmax and weighted sum only)")
-    p.add_argument("--attention", default=d.attention, choices=("flash", "math"),
-                   help="flash (fused: no T × T scores kept) or math (the scores written out and kept, as before "
-                        "FlashAttention)")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="with --tp: keep seq_len / tp tokens per rank between sub-layers (LayerNorm, residual)")
-    p.add_argument("--impl", default=d.impl,
-                   help="scratch (gpucourse's own), torch (PyTorch's) or accelerate (Hugging Face Accelerate)")
-    p.add_argument("--bucket-mb", type=float, default=d.bucket_mb,
-                   help="data parallel: gradient bucket size in MB, all-reduced during backward")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=d.batch_size,
-                   help="global batch per optimizer step, in sequences (= microbatch × grad_accum × dp)")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
-    p.add_argument("--lr", type=float, default=d.lr, help="learning rate (AdamW)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed for weights and data order")
-    p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
-    p.add_argument("--straggler", metavar="RANK:MS", default=d.straggler,
-                   help="plant a straggler: that rank loses MS milliseconds every step, as a slow device would")
+def _records_listed(name: str) -> str:
+    """What a flag's help adds from the strategies' records: the schedules and context-parallel attentions there are."""
+    if name == "schedule":
+        return ": " + ", ".join(SCHEDULES)
+    if name == "cp_algo":
+        return ": " + "; ".join(f"{key} ({a.summary})" for key, a in ATTENTIONS.items())
+    return ""
+
+
+def _flag_type(annotation: str):
+    """int, float or str from a field's annotation ("int", "float | None", "str | None"...)."""
+    for name, kind in (("int", int), ("float", float)):
+        if name in annotation.replace(" ", "").split("|"):
+            return kind
+    return str
+
+
+def add_layout_args(p: argparse.ArgumentParser, train: bool = False) -> None:
+    """A flag for each :class:`TrainConfig` field, derived from the field's tag and help (config.py): the
+    model, the layout and the run options; ``train`` adds those only ``gpucourse train`` takes (save, resume,
+    profile, memory snapshot)."""
+    for f in dataclasses.fields(TrainConfig):
+        meta = f.metadata
+        if "help" not in meta or (meta.get("train_only") and not train):
+            continue
+        spec = {k: meta[k] for k in ("choices", "nargs", "const", "metavar") if k in meta}
+        flag, help_ = meta.get("flag", "--" + f.name.replace("_", "-")), meta["help"] + _records_listed(f.name)
+        if isinstance(f.default, bool) and "nargs" not in spec:
+            # A switch: "--sequence-parallel" turns it on; a field on by default is turned off ("--no-record").
+            p.add_argument(flag, dest=f.name, action="store_false" if f.default else "store_true", help=help_)
+        else:
+            p.add_argument(flag, dest=f.name, type=_flag_type(f.type), default=meta.get("cli_default", f.default),
+                           help=help_, **spec)
 
 
 def config_from(args) -> TrainConfig:
@@ -92,8 +73,6 @@ def config_from(args) -> TrainConfig:
             del given["schedule"]
         elif given.get("pp", 1) == 1:  # a schedule orders a pipeline: without one it would change nothing
             raise UsageError(f"--schedule {given['schedule']} orders a pipeline's stages; give --pp 2 or more with it.")
-    if "no_record" in vars(args):
-        given["record"] = not args.no_record
     return TrainConfig(**given)
 
 

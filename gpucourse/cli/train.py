@@ -174,29 +174,15 @@ def add_commands(sub) -> None:
     """This group's subcommands, on the ``gpucourse`` parser's ``sub``."""
     p = sub.add_parser("train", help="train a layout (dp × tp × pp) and print a summary",
                        description="Train one layout. --batch-size is the global batch per optimizer step.")
-    add_layout_args(p)
+    add_layout_args(p, train=True)
     p.add_argument("--json", metavar="FILE", help="write the RunResult as JSON")
     p.add_argument("--export-weights", metavar="FILE", help="save the trained model as one single-device state_dict")
     p.add_argument("--timeout", type=float, default=None, help="seconds before the run is stopped (default: none)")
-    p.add_argument("--no-record", action="store_true", help="do not record timeline spans")
-    p.add_argument("--save", metavar="DIR", help="save distributed checkpoints into DIR (DIR/step-NNNNNN)")
-    p.add_argument("--save-every", type=int, default=0, metavar="N",
-                   help="with --save: a checkpoint every N steps, and one at the end (default 0: only at the end)")
-    p.add_argument("--resume", metavar="DIR",
-                   help="go on from the newest complete checkpoint in DIR (same model and settings; the layout and "
-                        "--steps may change); "
-                        "if DIR is also --save and holds none yet, start from step 0")
     p.add_argument("--quiet", action="store_true", help="no progress or device line")
     p.add_argument("--list", action="store_true", help="list the layouts and impls this build supports")
     p.add_argument("--print-config", metavar="TOOL", default=None,
                    help="print this layout as megatron, nemo, deepspeed, torchtitan or accelerate settings (in "
                         "their own names) and exit without training; what the tool cannot express goes to stderr")
-    p.add_argument("--profile", metavar="DIR",
-                   help="write a torch.profiler Chrome trace per rank (DIR/rankN.trace.json) and print where "
-                        "each rank's time went: compute, communication, idle")
-    p.add_argument("--memory-snapshot", metavar="DIR",
-                   help="on GPUs: record every CUDA allocation of each rank and write DIR/rankN.memory.pickle at the "
-                        "end (also after an out-of-memory error), to open in https://pytorch.org/memory_viz")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="one device's peak TFLOP/s, for MFU (model FLOPs utilisation)")
     p.add_argument("--gpu", default=None, help="take the peak for MFU from the GPU table (h100, a100, h200, l4...)")
