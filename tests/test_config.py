@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from gpucourse import ConfigError, TrainConfig
 from gpucourse import cli
@@ -140,6 +141,27 @@ def test_each_strategy_owns_its_fields_and_its_rules():
         with pytest.raises(ConfigError):
             for check in strategy.checks:
                 check(cfg, cfg.model_config(), True)
+    # What each applies is written beside it too: in its technique's own files (data parallelism's choice of
+    # trainer, from DATA_PARALLEL, in the package that holds the trainers).
+    homes = {s.name: {f.__module__.rsplit(".", 1)[-1] for f in s.applies + s.checks} for s in STRATEGIES}
+    assert homes == {"pipeline": {"pipeline", "pipeline_virtual"}, "tensor": {"tensor_parallel"},
+                     "context": {"context_parallel", "context_parallel_torch"}, "experts": {"expert_parallel"},
+                     "recomputation": {"activation_checkpointing"}, "data": {"data_parallel", "parallel"}}
+
+
+def test_a_strategy_a_run_does_not_use_leaves_the_model_as_it_was():
+    """parallelize calls every strategy's apply in order; one the layout does not use returns the model untouched,
+    building nothing (no group is asked for: the mesh here has no groups at all)."""
+    from gpucourse.model import build_model
+    from gpucourse.parallel import STRATEGIES, Built
+
+    cfg = TrainConfig()
+    model = build_model(cfg.model_config(), seed=0)
+    built = Built(torch.device("cpu"), None, None)
+    for strategy in STRATEGIES[:-1]:  # the last builds the trainer, on the dp group
+        for apply in strategy.applies:
+            assert apply(model, None, cfg, built) is model
+    assert (built.gathers, built.placements, built.loop, built.extras) == ([], [], None, {})
 
 
 def test_describe_names_the_trainer_parallelize_builds():

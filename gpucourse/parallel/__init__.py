@@ -1,8 +1,10 @@
 """Parallel strategies, one file per technique, each a lesson to read top to bottom.
 
-:func:`parallelize` is the one place that reads the config. It applies the
-strategies to the plain model in one fixed order, as torchtitan's
-``parallelize_llama`` does, each given only its own slice of the device mesh:
+:func:`parallelize` applies the strategies to the plain model in one fixed order,
+as torchtitan's ``parallelize_llama`` does: :data:`STRATEGIES`, the same tuple
+whose rules :meth:`gpucourse.TrainConfig.validate` checks. Each strategy's
+``apply`` lives in its technique's file and takes only its own slice of the
+device mesh:
 
     pipeline split (pp)  →  tensor parallel (tp)  →  context parallel (cp)  →  experts (ep)
       →  activation checkpointing  →  data parallel / ZeRO / FSDP (dp)  →  precision  →  optimizer
@@ -24,14 +26,14 @@ around any optimizer class. The course's data-parallel trainers use the same mod
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from ..measure import Recorder
-from ..model import MoE
 from . import (activation_checkpointing, context_parallel, context_parallel_torch, data_parallel, expert_parallel,
-               pipeline, schedule_table, tensor_parallel)
+               pipeline, pipeline_virtual, tensor_parallel)
 from .activation_checkpointing import recompute
 from .precision import Precision
 from .single import Trainer
@@ -42,24 +44,56 @@ from .single import Trainer
 
 @dataclass(frozen=True)
 class Strategy:
-    """One technique, as the engine knows it: its name, the config fields it owns, and its rules — each a
-    ``check(cfg, model_config, runnable)`` raising one sentence, kept in the technique's own files."""
+    """One technique, as the engine knows it: its name, the config fields it owns, its rules — each a
+    ``check(cfg, model_config, runnable)`` raising one sentence — and how it applies — each an
+    ``apply(model, mesh, cfg, built)`` returning the model transformed (or as it was, where the run does not use
+    it). Both kept in the technique's own files, one per implementation where they differ."""
 
     name: str
     fields: tuple
     checks: tuple[Callable, ...]
+    applies: tuple[Callable, ...]
 
 
-# In the order parallelize applies them, and the order their rules are checked in.
+@dataclass
+class Built:
+    """What the strategies build besides the model, for the trainer and the checkpoints."""
+
+    device: torch.device
+    rec: Recorder
+    precision: Precision
+    # How this rank's weights become the whole model's: undone in reverse order (tensor-parallel shards made whole
+    # first, then experts gathered, then the pipeline's stages merged).
+    gathers: list = field(default_factory=list)
+    placements: list = field(default_factory=list)  # where each tensor-parallel shard sits, for checkpoints
+    loop: object = None   # a pipeline schedule's step, in place of the trainer's microbatch loop
+    extras: dict = field(default_factory=dict)  # what every rank can say about the run (the schedule's ops)
+    trainer: Trainer | None = None  # the last strategy's: it synchronises gradients and steps the optimizer
+
+
+def apply_data_parallel(model, mesh, cfg, built: Built):
+    """The trainer that synchronises ``model``'s gradients over the dp slice of the mesh and steps the optimizer,
+    chosen by :func:`data_parallel_kind`, into ``built.trainer``."""
+    built.trainer = _data_parallel(model, mesh, cfg, lr=cfg.lr, grad_accum=cfg.grad_accum, rec=built.rec,
+                                   precision=built.precision, loop=built.loop, gathers=built.gathers,
+                                   placements=built.placements)
+    built.trainer.extras.update(built.extras)
+    return model
+
+
+# In the order parallelize applies them (torchtitan's), and the order their rules are checked in.
 STRATEGIES = (
-    Strategy("pipeline", ("pp", "schedule", "virtual_stages", "microbatches"), (pipeline.check,)),
-    Strategy("tensor", ("tp", "sequence_parallel"), (tensor_parallel.check,)),
-    Strategy("context", ("cp", "cp_algo", "zigzag"), (context_parallel.check, context_parallel_torch.check)),
+    Strategy("pipeline", ("pp", "schedule", "virtual_stages", "microbatches"), (pipeline.check,),
+             (pipeline.apply, pipeline_virtual.apply)),
+    Strategy("tensor", ("tp", "sequence_parallel"), (tensor_parallel.check,), (tensor_parallel.apply,)),
+    Strategy("context", ("cp", "cp_algo", "zigzag"), (context_parallel.check, context_parallel_torch.check),
+             (context_parallel.apply, context_parallel_torch.apply)),
     Strategy("experts", ("ep", "moe_experts", "moe_top_k", "moe_every", "moe_capacity", "moe_aux"),
-             (expert_parallel.check,)),
-    Strategy("recomputation", ("checkpoint_activations", "attention"), (activation_checkpointing.check,)),
+             (expert_parallel.check,), (expert_parallel.apply,)),
+    Strategy("recomputation", ("checkpoint_activations", "attention"), (activation_checkpointing.check,),
+             (activation_checkpointing.apply,)),
     Strategy("data", ("dp", "zero", "impl", "bucket_mb", "grad_accum", "precision", "master_weights"),
-             (data_parallel.check,)),
+             (data_parallel.check,), (apply_data_parallel,)),
 )
 
 
@@ -82,72 +116,11 @@ def parallelize(model, mesh, cfg, rec: Recorder | None = None, device=None) -> T
         from .accelerate_dp import AccelerateTrainer
         recompute(model, cfg.recompute)
         return AccelerateTrainer(model, zero=cfg.zero, lr=cfg.lr, grad_accum=cfg.grad_accum, rec=rec)
-
-    # How this rank's weights become the whole model's: undone in reverse order
-    # (tensor-parallel shards made whole first, then the pipeline's stages merged).
-    gathers, placements, loop, extras = [], [], None, {}
-    virtual = cfg.pp > 1 and schedule_table.get(cfg.schedule).virtual  # several chunks a rank, or W split
-    if cfg.pp > 1:
-        from .pipeline import GPTStage, merge_stages, pipeline_extras
-        if virtual:
-            from .pipeline_virtual import GPTChunks
-            from .schedules_virtual import build as build_virtual
-            layout = build_virtual(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)[1]
-            model = GPTChunks(model, mesh["pp"].get_local_rank(), layout)
-        else:
-            model = GPTStage(model, mesh["pp"].get_local_rank(), cfg.pp)
-        gathers.append(functools.partial(merge_stages, mesh["pp"].get_group()))
-        extras = pipeline_extras(mesh, cfg.schedule, cfg.microbatches, cfg.virtual_stages)
-    if cfg.tp > 1:
-        from . import tensor_parallel
-        if cfg.impl == "torch":
-            # DTensors gather themselves
-            tensor_parallel.apply_dtensor_parallel(model, mesh["tp"], cfg.sequence_parallel)
-        else:
-            tensor_parallel.apply_tensor_parallel(model, mesh["tp"].get_group(), cfg.sequence_parallel)
-            gathers.insert(0, functools.partial(tensor_parallel.gather_shards, model, mesh["tp"].get_group()))
-            placements.append(tensor_parallel.ShardPlacement(model, mesh["tp"]))
-    if cfg.cp > 1:  # each rank attends over the other cp ranks' keys
-        from . import context_parallel
-        if cfg.impl == "torch":
-            from .context_parallel_torch import apply_torch_context_parallel
-            apply_torch_context_parallel(model, mesh["cp"], cfg.seq_len, cfg.cp_algo, cfg.zigzag)
-        else:
-            context_parallel.apply_context_parallel(model, mesh["cp"].get_group(), cfg.seq_len, cfg.cp_algo,
-                                                    cfg.zigzag)
-    if cfg.ep > 1:  # each rank keeps E/ep experts of every MoE block; tokens travel to the others by all-to-all
-        from . import expert_parallel
-        ep_group, edp_group = expert_parallel.expert_groups(mesh, cfg.ep)
-        expert_parallel.apply_expert_parallel(model, ep_group, edp_group)
-        gathers.insert(len(gathers) - (cfg.pp > 1), functools.partial(expert_parallel.gather_experts, model,
-                                                                       ep_group))
-    set_aux_weight(model, 1 / (cfg.grad_accum * (cfg.microbatches if cfg.pp > 1 else 1)))
-    recompute(model, cfg.recompute)
-    if cfg.pp > 1:
-        from .pipeline import PipelineSchedule, TorchPipelineSchedule
-        if cfg.impl == "torch" and virtual:
-            from .pipeline_virtual import TorchVirtualPipeline
-            loop = TorchVirtualPipeline(mesh["pp"].get_group(), cfg.schedule, cfg.microbatches, device)
-        elif cfg.impl == "torch":
-            loop = TorchPipelineSchedule(mesh["pp"].get_group(), cfg.schedule, cfg.microbatches, device)
-        elif virtual:
-            from .pipeline_virtual import VirtualPipelineSchedule
-            loop = VirtualPipelineSchedule(mesh["pp"].get_group(), cfg.schedule, cfg.microbatches,
-                                           cfg.virtual_stages, cfg.model_config().n_embd)
-        else:
-            loop = PipelineSchedule(mesh["pp"].get_group(), cfg.schedule, cfg.microbatches,
-                                    cfg.model_config().n_embd)
-    trainer = _data_parallel(model, mesh, cfg, lr=cfg.lr, grad_accum=cfg.grad_accum, rec=rec, precision=precision,
-                             loop=loop, gathers=gathers, placements=placements)
-    trainer.extras.update(extras)
-    return trainer
-
-
-def set_aux_weight(model, weight: float) -> None:
-    """Give each mixture of experts' balance loss the weight its microbatch's loss gets (1 / microbatches)."""
-    for m in model.modules():
-        if isinstance(m, MoE):
-            m.aux_weight = weight
+    built = Built(device, rec, precision)
+    for strategy in STRATEGIES:
+        for apply in strategy.applies:
+            model = apply(model, mesh, cfg, built)
+    return built.trainer
 
 
 # Which trainer synchronises the gradients, and what ``gpucourse train --list`` calls it: one choice, read by

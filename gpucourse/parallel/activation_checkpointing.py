@@ -69,6 +69,13 @@ def recompute(model: torch.nn.Module, what: str) -> torch.nn.Module:
     return model
 
 
+# --- how the engine applies it ---------------------------------------------------------------------------------------
+
+def apply(model, mesh, cfg, built):
+    """The run's recomputation, ``cfg.recompute``, on this rank's blocks (no mesh needed)."""
+    return recompute(model, cfg.recompute)
+
+
 # --- its rules -----------------------------------------------------------------------------------------------------
 
 RECOMPUTE = ("none", "selective", "full")  # what backward recomputes (TrainConfig.checkpoint_activations)

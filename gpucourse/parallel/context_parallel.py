@@ -333,6 +333,16 @@ ATTENTIONS = {a.name: a for a in (
 ALGORITHMS = tuple(ATTENTIONS)
 
 
+# --- how the engine applies it ---------------------------------------------------------------------------------------
+
+def apply(model, mesh, cfg, built):
+    """Each rank works on its tokens of every sequence and attends over the other cp ranks' keys with
+    ``cfg.cp_algo``, on the cp slice of ``mesh`` (impl "torch": ``context_parallel_torch.apply``)."""
+    if cfg.cp == 1 or cfg.impl == "torch":
+        return model
+    return apply_context_parallel(model, mesh["cp"].get_group(), cfg.seq_len, cfg.cp_algo, cfg.zigzag)
+
+
 # --- its rules -----------------------------------------------------------------------------------------------------
 
 def check(cfg, mc, runnable: bool = True) -> None:

@@ -96,6 +96,13 @@ def _cpu_ring(op_call, args, kwargs):
     return tuple(wrapped)
 
 
+def apply(model, mesh, cfg, built):
+    """impl "torch": PyTorch's context-parallel attention on the cp slice of ``mesh``."""
+    if cfg.cp == 1 or cfg.impl != "torch":
+        return model
+    return apply_torch_context_parallel(model, mesh["cp"], cfg.seq_len, cfg.cp_algo, cfg.zigzag)
+
+
 def check(cfg, mc, runnable: bool = True) -> None:
     """What PyTorch's context parallelism refuses (``impl="torch"``), one sentence each."""
     if cfg.cp == 1 or cfg.impl != "torch":

@@ -161,6 +161,25 @@ def gather_experts(module: nn.Module, ep_group, state: dict) -> dict:
     return whole
 
 
+# --- how the engine applies it ---------------------------------------------------------------------------------------
+
+def apply(model, mesh, cfg, built):
+    """Each MoE block's balance loss weighted as its microbatch's loss (1 / microbatches); with ep > 1 each rank
+    keeps E/ep experts of every MoE block and tokens travel to the others by all-to-all.
+    What the engine needs later goes into ``built`` (``parallel.Built``). The experts are gathered after tensor-parallel shards are made whole, before
+    pipeline stages are merged."""
+    weight = 1 / (cfg.grad_accum * (cfg.microbatches if cfg.pp > 1 else 1))
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.aux_weight = weight
+    if cfg.ep == 1:
+        return model
+    ep_group, edp_group = expert_groups(mesh, cfg.ep)
+    apply_expert_parallel(model, ep_group, edp_group)
+    built.gathers.insert(len(built.gathers) - (cfg.pp > 1), functools.partial(gather_experts, model, ep_group))
+    return model
+
+
 # --- its rules -----------------------------------------------------------------------------------------------------
 
 def check(cfg, mc, runnable: bool = True) -> None:

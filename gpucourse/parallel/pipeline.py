@@ -254,6 +254,24 @@ def merge_stages(pp_group, state: dict) -> dict:
     return {k: v for part in gathered for k, v in part.items()}
 
 
+# --- how the engine applies it ---------------------------------------------------------------------------------------
+
+def apply(model, mesh, cfg, built):
+    """The one-chunk schedules: ``model`` becomes this rank's stage (its blocks; the embedding on the first, the
+    head on the last) and the step loop becomes the schedule's, on the pp slice of ``mesh``.
+    What the engine needs later goes into ``built`` (``parallel.Built``)."""
+    from .schedule_table import get
+
+    if cfg.pp == 1 or get(cfg.schedule).virtual:
+        return model
+    pp_rank, pp_group = mesh["pp"].get_local_rank(), mesh["pp"].get_group()
+    built.gathers.append(functools.partial(merge_stages, pp_group))
+    built.extras.update(pipeline_extras(mesh, cfg.schedule, cfg.microbatches, cfg.virtual_stages))
+    built.loop = TorchPipelineSchedule(pp_group, cfg.schedule, cfg.microbatches, built.device) \
+        if cfg.impl == "torch" else PipelineSchedule(pp_group, cfg.schedule, cfg.microbatches, cfg.model_config().n_embd)
+    return GPTStage(model, pp_rank, cfg.pp)
+
+
 # --- its rules -----------------------------------------------------------------------------------------------------
 
 def check(cfg, mc, runnable: bool = True) -> None:

@@ -33,6 +33,8 @@ data parallelism after it are unchanged.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -40,7 +42,7 @@ import torch.nn as nn
 from .. import comm
 from ..model import GPT, blocks_of, loss_fn
 from . import schedule_table
-from .pipeline import stage_blocks
+from .pipeline import merge_stages, pipeline_extras, stage_blocks
 from .schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, W
 from .schedules_virtual import build
 from .single import Trainer
@@ -283,3 +285,21 @@ class TorchVirtualPipeline:
             self.schedule.step(*([px] if chunks.first else []), **({"target": py, "losses": part} if chunks.last else {}))
             losses += part
         return torch.stack(losses).sum().detach() if chunks.last else None
+
+
+# --- how the engine applies it ---------------------------------------------------------------------------------------
+
+def apply(model, mesh, cfg, built):
+    """The schedules with several chunks a rank or a split backward: ``model`` becomes this rank's chunks and the
+    step loop the schedule's, on the pp slice of ``mesh``.
+    What the engine needs later goes into ``built`` (``parallel.Built``)."""
+    if cfg.pp == 1 or not schedule_table.get(cfg.schedule).virtual:
+        return model
+    pp_group = mesh["pp"].get_group()
+    built.gathers.append(functools.partial(merge_stages, pp_group))
+    built.extras.update(pipeline_extras(mesh, cfg.schedule, cfg.microbatches, cfg.virtual_stages))
+    built.loop = TorchVirtualPipeline(pp_group, cfg.schedule, cfg.microbatches, built.device) if cfg.impl == "torch" \
+        else VirtualPipelineSchedule(pp_group, cfg.schedule, cfg.microbatches, cfg.virtual_stages,
+                                     cfg.model_config().n_embd)
+    return GPTChunks(model, mesh["pp"].get_local_rank(),
+                     build(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)[1])

@@ -328,6 +328,24 @@ def apply_dtensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool =
     return module
 
 
+# --- how the engine applies it ---------------------------------------------------------------------------------------
+
+def apply(model, mesh, cfg, built):
+    """The blocks' linear layers split over the tp ranks, on the tp slice of ``mesh``.
+
+    What the engine needs later goes into ``built`` (``parallel.Built``). Scratch layers gather their shards for a whole-model state dict (first of the gathers: shards are made whole
+    before pipeline stages are merged) and say where each shard sits for a checkpoint; DTensors do both themselves.
+    """
+    if cfg.tp == 1:
+        return model
+    if cfg.impl == "torch":
+        return apply_dtensor_parallel(model, mesh["tp"], cfg.sequence_parallel)
+    apply_tensor_parallel(model, mesh["tp"].get_group(), cfg.sequence_parallel)
+    built.gathers.insert(0, functools.partial(gather_shards, model, mesh["tp"].get_group()))
+    built.placements.append(ShardPlacement(model, mesh["tp"]))
+    return model
+
+
 # --- its rules -----------------------------------------------------------------------------------------------------
 
 def check(cfg, mc, runnable: bool = True) -> None:
