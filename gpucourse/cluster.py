@@ -275,9 +275,9 @@ class Cluster:
             return min(options, key=lambda o: o[0])
         if op == "all_to_all":  # n − 1 exchanges, each as slow as the slowest link
             return (n - 1) * alpha + (n - 1) / n * nbytes / beta, "ring", "Simple"
-        if op == "broadcast":
+        if op in ("broadcast", "reduce"):  # one root: each byte crosses each link once, as NCCL pipelines it
             return math.ceil(math.log2(n)) * alpha + nbytes / beta, "tree", "Simple"
-        raise ValueError(f"no cost model for the collective {op!r}; known: all_reduce, broadcast, send, recv, "
+        raise ValueError(f"no cost model for the collective {op!r}; known: all_reduce, broadcast, reduce, send, recv, "
                          f"{', '.join(RING_OPS)}.")
 
     def nvls_s(self, nbytes: float, ranks) -> float | None:

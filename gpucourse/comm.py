@@ -33,6 +33,7 @@ RING_FACTOR = {
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0 if n > 1 else 0.0,
+    "reduce": lambda n: 1.0 if n > 1 else 0.0,  # to one rank: every byte crosses each link once (nccl-tests: ×1)
     "send": lambda n: 1.0,
     "recv": lambda n: 0.0,
     "all_to_all": lambda n: (n - 1) / n,  # each rank keeps 1/n of what it holds and sends the rest
@@ -72,7 +73,7 @@ _C10D_OPS = {
     "allgather_into_tensor_coalesced_": ("all_gather", 0),
     "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
-    "broadcast_": ("broadcast", 0), "send": ("send", 0), "recv_": ("recv", 0),
+    "broadcast_": ("broadcast", 0), "reduce_": ("reduce", 0), "send": ("send", 0), "recv_": ("recv", 0),
     "alltoall_base_": ("all_to_all", 1),
 }
 
@@ -253,6 +254,13 @@ def broadcast(tensor, src, group=None, async_op=False, name="broadcast"):
     """Every rank's ``tensor`` becomes a copy of rank ``src``'s (``src`` is a global rank)."""
     return _run("broadcast", name,
                 lambda async_op: dist.broadcast(tensor, src=src, group=group, async_op=async_op),
+                tensor, group, async_op)
+
+
+def reduce(tensor, dst, op=dist.ReduceOp.SUM, group=None, async_op=False, name="reduce"):
+    """Rank ``dst`` (a global rank) ends with the reduction of everyone's ``tensor``; the others' are left as
+    they were or used as scratch."""
+    return _run("reduce", name, lambda async_op: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op),
                 tensor, group, async_op)
 
 

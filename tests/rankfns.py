@@ -249,7 +249,7 @@ def third_party_loop(kind: str, steps: int = 6) -> dict:
 
     from gpucourse.parallel.data_parallel import DataParallel
     from gpucourse.parallel.data_parallel_buckets import DataParallelBuckets
-    from gpucourse.parallel.sharded_optimizer import ShardedOptimizer
+    from gpucourse.parallel.sharded_optimizer import ShardedGradientsOptimizer, ShardedOptimizer
 
     rank, world = (0, 1) if kind == "single" else (dist.get_rank(), dist.get_world_size())
     torch.manual_seed(0)
@@ -258,11 +258,12 @@ def third_party_loop(kind: str, steps: int = 6) -> dict:
         torch.nn.init.normal_(model[0].weight)
     wrap = {"single": lambda m: m, "dp": DataParallel, "sharded": DataParallel, "accumulated": DataParallelBuckets,
             "buckets": lambda m: DataParallelBuckets(m, bucket_mb=0.0005),
-            "one-bucket": DataParallelBuckets}[kind]
+            "one-bucket": DataParallelBuckets, "sharded-gradients": lambda m: m}[kind]
     net = wrap(model)
     groups = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 0.05},
               {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
-    opt = (ShardedOptimizer(groups, torch.optim.SGD, lr=0.2, momentum=0.9) if kind == "sharded"
+    sharded = {"sharded": ShardedOptimizer, "sharded-gradients": ShardedGradientsOptimizer}.get(kind)
+    opt = (sharded(groups, torch.optim.SGD, lr=0.2, momentum=0.9) if sharded
            else torch.optim.SGD(groups, lr=0.2, momentum=0.9))
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     data = torch.Generator().manual_seed(1)
@@ -278,21 +279,34 @@ def third_party_loop(kind: str, steps: int = 6) -> dict:
             second = F.smooth_l1_loss(net(x[4:]), y[4:]) / 2
             second.backward()
             loss = first.detach() + second.detach()
+        elif kind == "sharded-gradients":  # two microbatches too: each backward reduces, the owner accumulates
+            losses_ = [F.smooth_l1_loss(net(x[i:i + 4]), y[i:i + 4]) / 2 for i in (0, 4)]
+            for part in losses_:
+                part.backward()
+            loss = sum(part.detach() for part in losses_)
+            out_grads = [p.grad is None for p in model.parameters()]
+            held = opt.gradient_bytes()
         else:
             loss = F.smooth_l1_loss(net(x), y)
             loss.backward()
-        if kind != "single":
+        if kind not in ("single", "sharded-gradients"):
             net.finish_gradient_synchronization()
+        if kind != "single":
             loss = loss.detach().clone()
             dist.all_reduce(loss)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        if kind == "sharded-gradients":
+            opt.clip_grad_norm_(0.25)  # the norm is every rank's shares together
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)  # below every step's norm: it clips
         opt.step()
         sched.step()
         losses.append(loss.item() / world)
     out = {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
            "lr": sched.get_last_lr()}
-    if kind == "sharded":
-        fresh = ShardedOptimizer(groups, torch.optim.SGD, lr=0.2, momentum=0.9)
+    if kind == "sharded-gradients":
+        out["freed"], out["gradient_bytes"] = out_grads, held
+    if sharded:
+        fresh = sharded(groups, torch.optim.SGD, lr=0.2, momentum=0.9)
         fresh.load_state_dict(opt.state_dict())
         out["held"] = sorted(len(g["params"]) for g in opt.inner.param_groups)
         out["reloaded"] = all(torch.equal(fresh.inner.state[p]["momentum_buffer"], s["momentum_buffer"])

@@ -11,7 +11,7 @@ from gpucourse import launch
 import rankfns
 
 pytestmark = pytest.mark.timeout(240)
-KINDS = ["dp", "buckets", "one-bucket", "accumulated", "sharded"]
+KINDS = ["dp", "buckets", "one-bucket", "accumulated", "sharded", "sharded-gradients"]
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +32,22 @@ def test_a_loop_of_ones_own_through_each_component_equals_one_device(loops, kind
             assert (got["weights"][name] - want).abs().max().item() <= 1e-6, (kind, rank, name)
 
 
-def test_the_sharded_optimizer_keeps_a_share_of_the_state_and_reloads_it(loops):
+@pytest.mark.parametrize("kind", ["sharded", "sharded-gradients"])
+def test_the_sharded_optimizer_keeps_a_share_of_the_state_and_reloads_it(loops, kind):
     per_rank, _ = loops
-    shares = [outputs["sharded"] for outputs in per_rank]
+    shares = [outputs[kind] for outputs in per_rank]
     # Handed out greedily by size: the first weight (256 numbers) to rank 0, the second (128) and both biases
     # (32, 4) to rank 1, whose total stays under rank 0's: each tensor stepped by one rank.
     assert [s["held"] for s in shares] == [[0, 1], [1, 2]]
     assert all(s["reloaded"] for s in shares) and all(s["lr_reloaded"] == [0.2 * 0.5**3] * 2 for s in shares)
+
+
+def test_zero2_as_an_optimizer_frees_every_gradient_and_holds_its_share(loops):
+    """After backward no rank has a parameter's .grad (each went to its owner and was freed); between backward and
+    step each rank holds the gradients of what it owns: rank 0 the first weight (256 floats), rank 1 the rest."""
+    per_rank, _ = loops
+    assert all(all(outputs["sharded-gradients"]["freed"]) for outputs in per_rank)
+    assert [outputs["sharded-gradients"]["gradient_bytes"] for outputs in per_rank] == [256 * 4, (128 + 32 + 4) * 4]
 
 
 def test_components_build_no_optimizer_and_one_bucket_means_one(loops):

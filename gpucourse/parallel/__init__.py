@@ -20,7 +20,8 @@ course's: :class:`~.data_parallel.DataParallel` and
 :class:`~.data_parallel_buckets.DataParallelBuckets` wrap a module (call
 ``finish_gradient_synchronization()`` after backward), and
 :class:`~.sharded_optimizer.ShardedOptimizer` is ZeRO-1 as a ``torch.optim.Optimizer``
-around any optimizer class. The course's data-parallel trainers use the same modules
+around any optimizer class, :class:`~.sharded_optimizer.ShardedGradientsOptimizer` ZeRO-2
+(the gradients reduced to their owner during backward, and clipped by it). The course's data-parallel trainers use the same modules
 (its ZeRO keeps one flat buffer, sharded evenly: `ZeroScratch`).
 """
 
