@@ -21,6 +21,7 @@ import torch
 
 VOCAB = "\n !',.:?abcdefghijklmnopqrstuvwxyz0123456789"
 _STOI = {c: i for i, c in enumerate(VOCAB)}
+_IDS = bytes.maketrans(VOCAB.encode(), bytes(range(len(VOCAB))))  # character byte -> token id, in one C call
 
 _SUBJECTS = ["the cat", "a dog", "my friend", "the old man", "a small bird", "the teacher",
              "our robot", "the gpu", "every rank", "the model"]
@@ -53,8 +54,8 @@ def corpus(n_chars: int = 400_000, seed: int = 1234) -> torch.Tensor:
         s = _sentence(rng) + ("\n" if rng.random() < 0.2 else " ")
         parts.append(s)
         total += len(s)
-    text = "".join(parts)[:n_chars]
-    return torch.tensor([_STOI[c] for c in text], dtype=torch.long)
+    text = "".join(parts)[:n_chars]  # the grammar writes only characters of VOCAB
+    return torch.frombuffer(bytearray(text.encode().translate(_IDS)), dtype=torch.uint8).long()
 
 
 def encode(text: str) -> torch.Tensor:

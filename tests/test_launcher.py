@@ -57,6 +57,21 @@ def test_back_to_back_launches():
         assert [v[:2] for v in values] == [(0, 2), (1, 2)]
 
 
+def _corpus_built_before_entry() -> int:
+    from gpucourse import data
+
+    return data.corpus.cache_info().currsize
+
+
+def test_forked_ranks_inherit_what_the_launching_process_built():
+    """A re-run's ranks start with the course's corpus already built (the launcher builds it once, before forking,
+    where the launching process uses the course's data), instead of each rank building it every launch."""
+    from gpucourse import data
+
+    data.corpus.cache_clear()
+    assert launch(_corpus_built_before_entry, world_size=2, timeout=60, quiet=True) == [1, 1]
+
+
 def test_spawn_starts_an_importable_function():
     values = launch(rankfns.whoami, world_size=2, timeout=90, start_method="spawn", quiet=True)
     assert [v[:2] for v in values] == [(0, 2), (1, 2)]

@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from ..config import TrainConfig
 from ..runtime import launch
-from ..runtime.launcher import plan_device, preimport
+from ..runtime.launcher import plan_device
 from ..train import run
 from ..readings import WARMUP_STEPS, Reading, figure, interleave, ratio
 from .harness import RANKS, RUN_TIMEOUT_S
@@ -206,27 +207,71 @@ def _time_launch(start: Callable[[str], None]) -> dict:
         shutil.rmtree(out_dir, ignore_errors=True)
 
 
-@figure("launch_vs_notebook_launcher", target="<= 1.0", quick=dict(reps=5), full=dict(reps=15))
+def launcher_kernel(side: str, device_type: str) -> None:
+    """A notebook kernel that starts ranks with one launcher only (``side``: "ours" or "accelerate"), as a learner's
+    would: for each line on stdin, one launch of :func:`first_step` and a line ``times {...}`` on stdout.
+
+    Each launcher gets a kernel of its own, so neither inherits what the other's launches left in the kernel.
+    Both kernels have imported ``torch._dynamo`` as one that has built an optimizer has; ours also builds what
+    its launcher builds before forking (``preimport``), accelerate's what ``notebook_launcher`` does.
+    """
+    import torch._dynamo  # noqa: F401
+
+    if side == "ours":
+        def start(out_dir):
+            launch(first_step, out_dir, device_type, world_size=RANKS, device=device_type, timeout=RUN_TIMEOUT_S,
+                   quiet=True)
+    else:
+        from accelerate import notebook_launcher
+
+        def start(out_dir):
+            # Its default port 29500 would collide with any other run; it also prints a banner.
+            with contextlib.redirect_stdout(io.StringIO()):
+                notebook_launcher(first_step, args=(out_dir, device_type), num_processes=RANKS,
+                                  use_port=str(_free_port()))
+    for _ in sys.stdin:
+        # The ranks write to this process's stdout too (their output, teed): the answer is the line marked so.
+        print("times " + json.dumps(_time_launch(start)), flush=True)
+
+
+class _Kernel:
+    """A :func:`launcher_kernel` in its own process; ``launch()`` asks it for one launch and returns its times."""
+
+    def __init__(self, side: str, device_type: str):
+        code = "import sys; from gpucourse.bench.course_figures import launcher_kernel; launcher_kernel(*sys.argv[1:])"
+        self.process = subprocess.Popen([sys.executable, "-c", code, side, device_type], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
+
+    def launch(self) -> dict:
+        self.process.stdin.write("go\n")
+        self.process.stdin.flush()
+        for line in self.process.stdout:
+            if line.startswith("times "):
+                return json.loads(line[len("times "):])
+        raise RuntimeError(f"the launcher's kernel ended (exit code {self.process.wait()}) without an answer.")
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+@figure("launch_vs_notebook_launcher", target="<= 0.8", quick=dict(reps=5), full=dict(reps=15))
 def launch_vs_notebook_launcher(reps: int) -> Reading:
-    """Call-to-first-step time of ``gpucourse.launch`` over ``accelerate.notebook_launcher``, 2 ranks."""
-    from accelerate import notebook_launcher
-
-    preimport()
+    """Call-to-first-step time of a re-run with ``gpucourse.launch`` over ``accelerate.notebook_launcher``, 2 ranks,
+    each launcher in a kernel of its own."""
     device_type = plan_device("auto", RANKS).device
-
-    def ours(out_dir):
-        launch(first_step, out_dir, device_type, world_size=RANKS, device=device_type, timeout=RUN_TIMEOUT_S,
-               quiet=True)
-
-    def accelerate(out_dir):
-        # Its default port 29500 would collide with any other run; it also prints a banner.
-        with contextlib.redirect_stdout(io.StringIO()):
-            notebook_launcher(first_step, args=(out_dir, device_type), num_processes=RANKS,
-                              use_port=str(_free_port()))
-
-    sides = {"ours": lambda: _time_launch(ours), "accelerate": lambda: _time_launch(accelerate)}
-    interleave(sides, 1)  # untimed: the first launch in a process imports the elastic agent
-    times = interleave(sides, reps)
+    kernels = {side: _Kernel(side, device_type) for side in ("ours", "accelerate")}
+    try:
+        sides = {side: kernel.launch for side, kernel in kernels.items()}
+        interleave(sides, 1)  # untimed: the first launch in a kernel imports the elastic agent; the rest are re-runs
+        times = interleave(sides, reps)
+    finally:
+        for kernel in kernels.values():
+            kernel.close()
+    times = {"ours": times["ours"], "accelerate": times["accelerate"]}
     med = {side: {k: statistics.median(t[k] for t in ts) for k in LAUNCH_TIMES} for side, ts in times.items()}
     detail = {side: {**{f"median_{k}": med[side][k] for k in LAUNCH_TIMES},
                      **{k: [t[k] for t in ts] for k in LAUNCH_TIMES}}

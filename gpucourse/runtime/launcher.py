@@ -410,15 +410,24 @@ def _drain(channel, on_message, stop: threading.Event) -> None:
 
 
 def preimport() -> None:
-    """Import what every rank's first AdamW would import, once, here, before ranks are forked.
+    """Import and build here, once, what every rank's first step would otherwise pay for, before ranks are forked.
 
-    AdamW's constructor imports ``torch._dynamo``: about a second of CPU on a
-    small machine, paid by every rank that has not inherited it. A notebook
-    kernel that has built an optimizer before has it already; importing it here
-    makes every launch in the suite start like that, so the figures measure
-    launchers and training steps rather than that import (and the suite runs faster).
+    A forked rank inherits it all (copy-on-write), so a re-run in the same notebook starts with it:
+
+    - ``torch._dynamo``, which AdamW's constructor imports: about a second of CPU on a small machine, paid by
+      every rank that has not inherited it;
+    - the course's corpus (``data.corpus()``, cached per process), which every rank that reads a batch builds
+      first: tens of milliseconds a rank, every launch. Only where this process has imported the course's data
+      module (a notebook or a command that trains has); the grader's sandbox cannot, and needs no corpus.
+
+    A kernel that has built an optimizer or read a batch has them already; doing it here makes every launch
+    start like that (the figures then measure launchers and training steps, and the suite runs faster).
     """
     import torch._dynamo  # noqa: F401
+
+    data = sys.modules.get(__name__.split(".")[0] + ".data")
+    if data is not None:
+        data.corpus()
 
 
 def launch(fn, *args, world_size: int, timeout: float | None = None, device: str = "auto",
