@@ -41,6 +41,9 @@ ATTACKS = {
     "ex01_functional_collective": ("ex01", EX01, "switches off"),
     "ex01_pops_dispatch_mode": ("ex01", EX01, None),
     "ex05_borrows_through_object": ("ex05", ALL, "KeyError"),
+    # Back channels: a collective from a thread the recorder does not watch, data passed as files.
+    "ex01_thread_collective": ("ex01", EX01, "refuses to start a thread"),
+    "ex01_files_between_ranks": ("ex01", MULTI_RANK, None),
 }
 
 

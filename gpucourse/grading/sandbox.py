@@ -166,13 +166,46 @@ def replace_names(names: list[str], why: str) -> None:
             setattr(module, attr, _refuse_name(module_name, attr, why))
 
 
-class FileRules:
-    """Which paths learner code may read and write (the policy of the audit hook)."""
+def refuse_threads(why: str) -> None:
+    """Make starting a Python thread raise ForbiddenCall (``why`` names it with ``{name}``).
 
-    def __init__(self, private: str, hidden: list[str]):
+    The recorder is a dispatch mode, and a dispatch mode is thread-local: a collective issued from another thread
+    would be neither refused nor recorded. No exercise needs a thread, so none may start; every way Python starts
+    one goes through these functions (``threading.Thread.start`` calls the module's own reference)."""
+    import _thread
+    import threading
+
+    for module, name in ((_thread, "start_new_thread"), (_thread, "start_new"), (_thread, "start_joinable_thread"),
+                         (threading, "_start_new_thread"), (threading, "_start_joinable_thread")):
+        if hasattr(module, name):
+            setattr(module, name, _refuse_name(module.__name__, name, why))
+
+
+def own_folder(batch: dict, rank: int) -> str:
+    """This rank's own writable folder, its TMPDIR, HOME and working directory: no other rank may read it, so no
+    file carries data between ranks (everything they exchange goes through collectives, which are recorded)."""
+    import tempfile
+
+    folder = os.path.join(batch["private"], "ranks", f"b{batch['batch']}-r{rank}")
+    os.makedirs(folder, exist_ok=True)
+    os.environ.update(TMPDIR=folder, HOME=folder, TORCHINDUCTOR_CACHE_DIR=os.path.join(folder, "torchinductor"))
+    tempfile.tempdir = folder
+    os.chdir(folder)
+    return folder
+
+
+class FileRules:
+    """Which paths learner code may read and write (the policy of the audit hook).
+
+    It writes only in ``private`` (its rank's own folder); inside ``shared`` (the sandbox's folder, which holds
+    every rank's) it reads only its own folder and ``readable`` (the learner's file)."""
+
+    def __init__(self, private: str, hidden: list[str], shared: str | None = None, readable: tuple = ()):
         import sysconfig
 
         self.private = os.path.realpath(private)
+        self.shared = os.path.realpath(shared) if shared else None
+        self.readable = {os.path.realpath(p) for p in readable}
         self.hidden = [os.path.realpath(p) for p in hidden]
         # Python and its packages stay readable even when a virtual environment lives in the repository.
         self.library = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
@@ -189,8 +222,10 @@ class FileRules:
         real = os.path.realpath(os.fsdecode(path))
         if writing and not (self._under(real, self.private) or real == os.devnull):
             return f"write {real}: learner code may write only in its own temporary folder"
-        if self._under(real, self.private):
+        if self._under(real, self.private) or real in self.readable:
             return None
+        if self.shared and self._under(real, self.shared):
+            return f"read {real}: each rank reads only its own folder (ranks exchange data by collectives alone)"
         parts = real.split(os.sep)
         if len(parts) > 2 and parts[1] == "proc" and parts[2].isdigit() and parts[2] != self.pid:
             return f"read {real}: another process's files"
@@ -315,7 +350,7 @@ def _aliases(value, args) -> int | None:
 
 def serve_rank(batch: dict) -> None:
     """One rank of a batch (started by :func:`gpucourse.launch` in the sandbox process)."""
-    from ..runtime import collective_status
+    from ..runtime import collective_status, current
 
     os.close(batch["control_fd"])  # the sandbox's own channel to the host is not the learner's
     rank = dist.get_rank()
@@ -334,8 +369,15 @@ def serve_rank(batch: dict) -> None:
     refusal = batch["refusal"]
     recorder = Recorder(set(batch["forbidden_collectives"]), refusal)
     replace_names(batch["forbidden_names"], refusal.replace("{op}", "{name}"))
+    refuse_threads("the grader's sandbox refuses to start a thread ({name}): a collective issued from another "
+                   "thread would go unseen by the checks, and no exercise needs one")
+    context = current()
+    if context.channel is not None:  # the launcher's queue: every rank holds its ends, so it could carry data
+        context.channel.close()
+        context.channel = None
     server = Server(batch, sock, recorder)
-    install_audit_hook(FileRules(batch["private"], batch["hidden_paths"]), tuple(batch["hidden_modules"]))
+    rules = FileRules(own_folder(batch, rank), batch["hidden_paths"], batch["private"], (batch["file"],))
+    install_audit_hook(rules, tuple(batch["hidden_modules"]))
     server.serve()
 
 
