@@ -43,7 +43,16 @@ numbers. Attention is softmax(q kᵀ / √d) v over every rank's keys; with
     their block, and come home.
 
 ``RingAttention`` (below, given) joins the two into one op autograd can use.
-Do not change the input tensors; return tensors of q's dtype.
+
+The contract every function here keeps, checked on its own besides the values:
+
+- the input tensors come back bit for bit (no in-place change, after the
+  forward nor after the backward);
+- every tensor returned has q's dtype (``out``'s for the merge): float32,
+  float64 and bfloat16 are all tried;
+- q, k, v and grad_out may be views with any strides (a caller's transpose);
+- it works on one rank too (a ring with no hop), and with scores in the
+  hundreds.
 """
 
 import math

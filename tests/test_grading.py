@@ -26,7 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 MUTANTS = REPO / "tests" / "mutants"
 EXERCISES = list(grading.exercises().values())
 
-# ex13's checks (their names are long).
+# Checks with long names: ex11's contract checks, ex13's.
+EX11_CONTRACT = "the contract: inputs as views, float64, scores in the hundreds (2 ranks)"
+EX11_ONE_RANK = "one rank: a ring with no hop, in bf16 too"
 EX13_VALID = "every (microbatch, chunk) forwarded and backwarded once, each after what it needs"
 EX13_WARMUP = "a warm-up of 2(p − s − 1) + (v − 1)·p forwards, at most m·v, then one forward, one backward"
 EX13_FORWARDS = "forwards go p microbatches through a chunk, then the next chunk"
@@ -155,21 +157,33 @@ WRONG_ANSWERS = {
     "ex11_ring_attention/merge_adds": (["merge_partials is the softmax over both sets of keys",
                                        "the ring forward is attention over the whole sequence (2 ranks)",
                                        "causal, plain and zig-zag split (3 ranks)",
-                                       "K and V go round the ring: n − 1 hops to rank + 1 (4 ranks)"], "out + out_j"),
-    "ex11_ring_attention/merge_naive_exp": (["merge_partials is the softmax over both sets of keys"], "overflows"),
+                                       "K and V go round the ring: n − 1 hops to rank + 1 (4 ranks)", EX11_CONTRACT],
+                                      "out + out_j"),
+    "ex11_ring_attention/merge_naive_exp": (["merge_partials is the softmax over both sets of keys", EX11_CONTRACT],
+                                            "overflows"),
     "ex11_ring_attention/block_nan_rows": (["block_attention masks by position",
                                            "the ring forward is attention over the whole sequence (2 ranks)",
                                            "causal, plain and zig-zag split (3 ranks)",
-                                           "K and V go round the ring: n − 1 hops to rank + 1 (4 ranks)"], "nan"),
+                                           "K and V go round the ring: n − 1 hops to rank + 1 (4 ranks)",
+                                           EX11_CONTRACT], "nan"),
     "ex11_ring_attention/owner_wrong_direction": (["causal, plain and zig-zag split (3 ranks)",
                                                   "K and V go round the ring: n − 1 hops to rank + 1 (4 ranks)"],
                                                  "not rank + s"),
     "ex11_ring_attention/sends_backwards": (["K and V go round the ring: n − 1 hops to rank + 1 (4 ranks)"],
                                            "only to the next one"),
     "ex11_ring_attention/grads_not_home": (["the ring backward gives autograd's dq, dk, dv (2 ranks)",
-                                           "causal backward, zig-zag split (4 ranks)"], "one more hop"),
+                                           "causal backward, zig-zag split (4 ranks)", EX11_CONTRACT], "one more hop"),
     "ex11_ring_attention/no_delta": (["the ring backward gives autograd's dq, dk, dv (2 ranks)",
-                                     "causal backward, zig-zag split (4 ranks)"], "rowsum term is missing"),
+                                     "causal backward, zig-zag split (4 ranks)", EX11_CONTRACT, EX11_ONE_RANK],
+                                    "rowsum term is missing"),
+    # Each of the contracts (gpucourse.grading.contracts) broken alone.
+    "ex11_ring_attention/receives_into_views": ([EX11_CONTRACT], "contract 'any strides'"),
+    "ex11_ring_attention/backward_scales_q_in_place": (["the ring backward gives autograd's dq, dk, dv (2 ranks)",
+                                                       "causal backward, zig-zag split (4 ranks)", EX11_CONTRACT,
+                                                       EX11_ONE_RANK], "contract 'inputs unchanged'"),
+    "ex11_ring_attention/float32_outputs": ([EX11_ONE_RANK], "contract 'keeps the dtype'"),
+    "ex11_ring_attention/no_max_subtracted": ([EX11_CONTRACT], "are nan"),
+    "ex11_ring_attention/grads_hop_to_self": ([EX11_ONE_RANK], "not connected"),
     "ex12_expert_dispatch/unstable_sort": (["permute sorts choices by expert, stably",
                                             "dispatch sends each row to its expert's rank (2 ranks)"], "not stable"),
     "ex12_expert_dispatch/round_robin_owner": (["dispatch sends each row to its expert's rank (2 ranks)",

@@ -34,7 +34,7 @@ def block_attention(q, k, v, q_pos, k_pos, causal):
 def _pass(tensors):
     """Start sending ``tensors`` to the next rank and receiving the previous rank's: (received, handles)."""
     n, rank = dist.get_world_size(), dist.get_rank()
-    received = [torch.empty_like(t) for t in tensors]
+    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     handles = [dist.isend(t.contiguous(), (rank + 1) % n) for t in tensors]
     handles += [dist.irecv(r, (rank - 1) % n) for r in received]
     return received, handles
