@@ -81,7 +81,16 @@ broadcast, send/recv …) are switched off, so the rows travel only to the rank
 that needs them. Each row crosses once each way: a forward and backward of
 ``moe_forward`` is five all-to-alls on each rank — the E counts, once (keep
 what ``moe_forward`` and ``combine`` need in ``state``), the rows out, the
-rows back, and in backward those two again. Do not change the input tensors.
+rows back, and in backward those two again.
+
+The contract every function here keeps, checked on its own besides the values:
+
+- the input tensors come back bit for bit (``chosen`` included: no in-place
+  change, not even through a view);
+- what ``dispatch`` sends keeps ``x``'s dtype, and what ``combine`` returns
+  ``expert_out``'s — bf16 expert outputs with float32 router weights too;
+- an expert may get no row, or a single one (a (1, C) tensor), whatever the
+  seed.
 
 ``make_expert`` and ``forward_backward`` (below, given) are what the grader
 calls to run ``moe_forward`` forward and backward with experts of its own.

@@ -29,6 +29,7 @@ EXERCISES = list(grading.exercises().values())
 # Checks with long names: ex11's contract checks, ex13's.
 EX11_CONTRACT = "the contract: inputs as views, float64, scores in the hundreds (2 ranks)"
 EX11_ONE_RANK = "one rank: a ring with no hop, in bf16 too"
+EX12_FEW = "an expert that gets no token, or a single one (4 ranks)"
 EX13_VALID = "every (microbatch, chunk) forwarded and backwarded once, each after what it needs"
 EX13_WARMUP = "a warm-up of 2(p − s − 1) + (v − 1)·p forwards, at most m·v, then one forward, one backward"
 EX13_FORWARDS = "forwards go p microbatches through a chunk, then the next chunk"
@@ -188,26 +189,34 @@ WRONG_ANSWERS = {
                                             "dispatch sends each row to its expert's rank (2 ranks)"], "not stable"),
     "ex12_expert_dispatch/round_robin_owner": (["dispatch sends each row to its expert's rank (2 ranks)",
                                                 "forward and backward equal every expert on one device (4 ranks, "
-                                                "skewed routing)", "an expert that gets no token (4 ranks)"],
+                                                "skewed routing)", EX12_FEW],
                                                "not on rank e % n"),
     "ex12_expert_dispatch/splits_from_own_counts": (["dispatch sends each row to its expert's rank (2 ranks)",
                                                      "combine weights and sums into tokens (2 ranks)",
                                                      "forward and backward equal every expert on one device "
                                                      "(4 ranks, skewed routing)",
-                                                     "an expert that gets no token (4 ranks)",
+                                                     EX12_FEW,
                                                      "bytes: each row crosses once each way (4 ranks)"],
                                                     "not from this rank's own"),
     "ex12_expert_dispatch/unweighted_combine": (["combine weights and sums into tokens (2 ranks)",
                                                  "forward and backward equal every expert on one device (4 ranks, "
-                                                 "skewed routing)", "an expert that gets no token (4 ranks)"],
+                                                 "skewed routing)", EX12_FEW],
                                                 "unweighted"),
     "ex12_expert_dispatch/same_splits_backward": (["forward and backward equal every expert on one device (4 ranks, "
-                                                   "skewed routing)", "an expert that gets no token (4 ranks)",
+                                                   "skewed routing)", EX12_FEW,
                                                    "bytes: each row crosses once each way (4 ranks)"],
                                                   "split sizes swapped"),
-    "ex12_expert_dispatch/empty_expert_crash": (["an expert that gets no token (4 ranks)"], "non-empty list"),
+    "ex12_expert_dispatch/empty_expert_crash": ([EX12_FEW], "non-empty list"),
     "ex12_expert_dispatch/counts_exchanged_again": (["bytes: each row crosses once each way (4 ranks)"],
                                                     "exchanged 3 times"),
+    # Each of the contracts (gpucourse.grading.contracts) broken alone, and a single row forced whatever the seed.
+    "ex12_expert_dispatch/dispatch_writes_chosen": (["dispatch sends each row to its expert's rank (2 ranks)",
+                                                     "combine weights and sums into tokens (2 ranks)"],
+                                                    "contract 'inputs unchanged'"),
+    "ex12_expert_dispatch/combine_default_dtype": (["combine weights and sums into tokens (2 ranks)"],
+                                                   "contract 'keeps the dtype'"),
+    "ex12_expert_dispatch/single_row_squeezed": (["forward and backward equal every expert on one device (4 ranks, "
+                                                  "skewed routing)", EX12_FEW], "Number of indices"),
     "ex13_interleaved_schedule/warmup_1f1b": ([EX13_WARMUP, EX13_EDGES], "plain 1F1B's pp − s − 1"),
     "ex13_interleaved_schedule/warmup_no_chunk_term": ([EX13_WARMUP, EX13_VALID, EX13_BUBBLE, EX13_MEMORY,
                                                         EX13_EDGES, EX13_LARGE], "without the (v − 1)·pp"),

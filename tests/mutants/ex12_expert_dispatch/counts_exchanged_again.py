@@ -63,7 +63,7 @@ def combine(expert_out, weights, state, num_tokens):
     send_splits = counts.view(n, per).sum(1).tolist()
     recv_splits = recv_counts.view(n, per).sum(1).tolist()
     back = AllToAll.apply(expert_out, send_splits, recv_splits)  # in `order`, as they left
-    weight = weights.flatten()[order]
+    weight = weights.flatten()[order].to(back.dtype)  # float32 router weights on bf16 outputs: the outputs' dtype
     out = expert_out.new_zeros((num_tokens, expert_out.shape[1]))
     return out.index_add(0, order // k, back * weight[:, None])
 

@@ -58,7 +58,7 @@ def combine(expert_out, weights, state, num_tokens):
     """The outputs home by the reverse all-to-all, each weighted by its choice's weight and summed into its token."""
     order, k = state["order"], weights.shape[1]
     back = AllToAll.apply(expert_out, state["send_splits"], state["recv_splits"])  # in `order`, as they left
-    weight = weights.flatten()[order]
+    weight = weights.flatten()[order].to(back.dtype)  # float32 router weights on bf16 outputs: the outputs' dtype
     out = expert_out.new_zeros((num_tokens, expert_out.shape[1]))
     return out.index_add(0, order // k, back * weight[:, None])
 
