@@ -44,6 +44,8 @@ ATTACKS = {
     # Back channels: a collective from a thread the recorder does not watch, data passed as files.
     "ex01_thread_collective": ("ex01", EX01, "refuses to start a thread"),
     "ex01_files_between_ranks": ("ex01", MULTI_RANK, None),
+    "ex01_thread_module_afresh": ("ex01", EX01, "afresh"),
+    "ex01_fork_exec": ("ex01", EX01, "refuses to start a process"),
 }
 
 
@@ -115,8 +117,9 @@ def one_f_one_b(pp, m):
 
 
 def test_hostile_code_is_contained(tmp_path, monkeypatch, marked):
-    """A fork bomb, a socket, deleting files, sleeping forever, a segfault and a detached process: each a failed
-    check with one sentence, the files it went for intact, nothing left running, the last check graded."""
+    """A fork bomb, a socket, deleting files, sleeping forever, a segfault and a detached process started by the
+    fork primitive itself: each a failed check with one sentence, the files it went for intact, nothing left
+    running."""
     victim = tmp_path / "victim"
     shutil.copytree(REPO / "exercises", victim)
     targets = [REPO / "solutions" / "ex01_ring_allreduce.py", victim / "ex02_data_parallel.py", victim]
@@ -132,7 +135,7 @@ def test_hostile_code_is_contained(tmp_path, monkeypatch, marked):
     assert "did not finish within" in checks["3 ranks, lengths not divisible by 3"]["message"]
     assert "ended in the middle of this check" in \
         checks["each rank sends 2(n-1)/n of the tensor, to rank+1 (3 ranks)"]["message"]
-    assert checks["one rank"]["status"] == "passed"
+    assert "refuses to start a process (_posixsubprocess.fork_exec)" in checks["one rank"]["message"]
     assert all(p.read_bytes() == content for p, content in before.items())
     assert time.monotonic() - start < 200
 

@@ -181,6 +181,19 @@ def refuse_threads(why: str) -> None:
             setattr(module, name, _refuse_name(module.__name__, name, why))
 
 
+def refuse_programs(why: str) -> None:
+    """Make ``_posixsubprocess.fork_exec`` raise ForbiddenCall: ``subprocess`` calls it after the audit event the
+    hook refuses, and learner code could call it directly, with no event at all."""
+    import _posixsubprocess
+
+    _posixsubprocess.fork_exec = _refuse_name("_posixsubprocess", "fork_exec", why)
+
+
+# The modules whose functions the walls replace: loading one afresh (after taking it out of sys.modules) would
+# bring the originals back, so the audit hook refuses to.
+REPLACED_MODULES = ("_thread", "_posixsubprocess")
+
+
 def own_folder(batch: dict, rank: int) -> str:
     """This rank's own writable folder, its TMPDIR, HOME and working directory: no other rank may read it, so no
     file carries data between ranks (everything they exchange goes through collectives, which are recorded)."""
@@ -251,6 +264,9 @@ def install_audit_hook(rules: FileRules, hidden_modules: tuple[str, ...]) -> Non
                 raise PermissionError(f"the grader's sandbox refuses to {why.replace('read', 'list', 1)}")
         elif event == "import" and args and isinstance(args[0], str):
             name = args[0]
+            if name in REPLACED_MODULES:
+                raise ForbiddenCall(f"import {name} afresh: the grader's sandbox keeps the one it has (it refuses "
+                                    f"to start threads and programs)")
             if name not in CENSORED_ON_IMPORT and \
                     any(name == m or name.startswith(m + ".") for m in hidden_modules):
                 raise ForbiddenCall(f"import {name}: the course's own answers are not available to an exercise; "
@@ -371,6 +387,7 @@ def serve_rank(batch: dict) -> None:
     replace_names(batch["forbidden_names"], refusal.replace("{op}", "{name}"))
     refuse_threads("the grader's sandbox refuses to start a thread ({name}): a collective issued from another "
                    "thread would go unseen by the checks, and no exercise needs one")
+    refuse_programs("the grader's sandbox refuses to start a process ({name})")
     context = current()
     if context.channel is not None:  # the launcher's queue: every rank holds its ends, so it could carry data
         context.channel.close()

@@ -3,8 +3,8 @@
 sums over 2 ranks: a fork bomb; bf16: opens a socket; input unchanged: deletes
 the solution, its own file and the folder it was graded from, and renames what
 it can; 3 ranks: sleeps forever; bytes sent (3 ranks): a segfault; one rank:
-leaves a detached process behind (through the fork primitive no audit hook
-sees), then answers right.
+tries to leave a detached process behind through the fork primitive no audit
+hook sees (refused too), then would answer right.
 """
 
 import ctypes
