@@ -132,7 +132,7 @@ def merge(ctx):
     out = torch.softmax(s, -1) @ v
     for first, second, label in (((o1, l1), (o2, l2), ""), ((o2, l2), (o1, l1), " (the other way round)")):
         args = tuple(x.float() for x in (*first, *second))
-        got_out, got_lse = _pair("merge_partials", contracts.call(ctx, MERGE, *args).value)
+        got_out, got_lse = _pair("merge_partials", ctx.call(MERGE.function, *args).value)
         added = first[0] + second[0]
         larger = torch.maximum(first[1], second[1])
         overflow = " (the log-sum-exps of rows 0-5 are in the hundreds: e^lse overflows float32 past 88)"
@@ -157,7 +157,7 @@ def one_block(ctx):
     for causal in (True, False):
         out, lse = _attend(q, k, v, q_pos, k_pos, causal)
         args = (*(x.float() for x in (q, k, v)), q_pos, k_pos, causal)
-        got_out, got_lse = _pair("block_attention", contracts.call(ctx, BLOCK, *args).value)
+        got_out, got_lse = _pair("block_attention", ctx.call(BLOCK.function, *args).value)
         label = " (causal)" if causal else " (no mask)"
         _expect(f"block_attention's out{label}", got_out, out,
                 [(_attend(q, k, v, q_pos, k_pos, not causal)[0],
@@ -188,14 +188,19 @@ def _owner_swapped(per_rank, positions, causal) -> list:
     return outs
 
 
-def _forward(ctx, t: int, causal: bool, zigzag: bool, key, strided: bool = False, scale: float = 1.0,
-             dtype=torch.float32) -> list:
-    """Every rank's forward, held to its contract and checked against the whole sequence's attention (in bf16,
-    only the contract: its rounding is far above the tolerance); the Outcomes."""
+def _call_all(ctx, contract: Contract, args: list, held: bool, strided: bool = False) -> list:
+    """Every rank's call; ``held``: held to ``contract`` too (the contract checks), with ``strided`` inputs."""
+    return contracts.call_all(ctx, contract, args, strided) if held else ctx.call_all(contract.function, args)
+
+
+def _forward(ctx, t: int, causal: bool, zigzag: bool, key, held: bool = False, strided: bool = False,
+             scale: float = 1.0, dtype=torch.float32) -> list:
+    """Every rank's forward, checked against the whole sequence's attention (in bf16 only against its contract:
+    its rounding is far above the tolerance); ``held``: against its contract too. The Outcomes."""
     n = ctx.world_size
     per_rank, positions, (q, k, v) = _blocks(ctx, n, t, key, zigzag, scale, dtype)
     whole = _whole(q, k, v, causal)
-    outs = contracts.call_all(ctx, FORWARD, [(*per_rank[r], positions, causal) for r in range(n)], strided)
+    outs = _call_all(ctx, FORWARD, [(*per_rank[r], positions, causal) for r in range(n)], held, strided)
     if dtype == torch.bfloat16:
         return outs
     split = "zig-zag" if zigzag else "plain"
@@ -226,7 +231,8 @@ def ring_two(ctx):
     _forward(ctx, 3, causal=True, zigzag=False, key="causal")
 
 
-def _backward(ctx, t: int, causal: bool, zigzag: bool, key, strided: bool = False, dtype=torch.float32) -> None:
+def _backward(ctx, t: int, causal: bool, zigzag: bool, key, held: bool = False, strided: bool = False,
+              dtype=torch.float32) -> None:
     n = ctx.world_size
     per_rank, positions, (q, k, v) = _blocks(ctx, n, t, key, zigzag, dtype=dtype)
     grad_out = torch.randn(q.shape, generator=ctx.generator("grad", key), dtype=torch.float64)
@@ -239,7 +245,7 @@ def _backward(ctx, t: int, causal: bool, zigzag: bool, key, strided: bool = Fals
     ds_wrong = p * (grad_out @ v.transpose(-2, -1)) / math.sqrt(D)
     dq_wrong, dk_wrong = ds_wrong @ k, ds_wrong.transpose(-2, -1) @ q
     label = f"({'causal' if causal else 'no mask'}, {'zig-zag' if zigzag else 'plain'} split, {n} ranks)"
-    for o in contracts.call_all(ctx, BACKWARD, args, strided):
+    for o in _call_all(ctx, BACKWARD, args, held, strided):
         r = o.rank
         mine = positions[r]
         if not isinstance(o.value, (tuple, list)) or len(o.value) != 3:
@@ -313,18 +319,31 @@ def backward_four(ctx):
     "Scores in the hundreds overflow e^s: subtract each row's largest score before exp, or use logsumexp. "
     "And never write into an input: compute new tensors."))
 def contract_two(ctx):
-    _forward(ctx, 3, causal=True, zigzag=False, key="views", strided=True)
-    _backward(ctx, 3, causal=True, zigzag=False, key="views", strided=True)
-    _forward(ctx, 4, causal=True, zigzag=True, key="float64", dtype=torch.float64)
-    _backward(ctx, 4, causal=True, zigzag=True, key="float64", dtype=torch.float64)
-    _forward(ctx, 2, causal=False, zigzag=False, key="large", scale=12.0)  # scores of about ±144 and beyond
+    _forward(ctx, 3, causal=True, zigzag=False, key="views", held=True, strided=True)
+    _backward(ctx, 3, causal=True, zigzag=False, key="views", held=True, strided=True)
+    _forward(ctx, 4, causal=True, zigzag=True, key="float64", held=True, dtype=torch.float64)
+    _backward(ctx, 4, causal=True, zigzag=True, key="float64", held=True, dtype=torch.float64)
+    _forward(ctx, 2, causal=False, zigzag=False, key="large", held=True, scale=12.0)  # scores of ±144 and beyond
 
 
 @EXERCISE.check("one rank: a ring with no hop, in bf16 too", points=1, world_size=1, hint=(
     "With one rank the ring has no hop: the forward is block_attention over its own block, and the backward's "
     "dK and dV are already home (n hops of zero steps). Loops over range(n − 1) and (rank ± 1) % n allow that; "
-    "a send to yourself does not. In bf16 every tensor you create must be bf16 too."))
+    "a send to yourself does not. In bf16 (and float64) every tensor you create must have q's dtype, and "
+    "merge_partials and block_attention keep their inputs as they were, views and large scores included."))
 def one_rank(ctx):
-    _forward(ctx, 5, causal=True, zigzag=False, key="one")
-    _backward(ctx, 5, causal=True, zigzag=False, key="one")
-    _forward(ctx, 4, causal=True, zigzag=False, key="bf16", dtype=torch.bfloat16)
+    _forward(ctx, 5, causal=True, zigzag=False, key="one", held=True)
+    _backward(ctx, 5, causal=True, zigzag=False, key="one", held=True)
+    _forward(ctx, 4, causal=True, zigzag=False, key="bf16", held=True, dtype=torch.bfloat16)
+    # The two local functions under the same contract: float64 views, scores in the hundreds.
+    g = ctx.generator("local")
+    q, k, v = (torch.randn(B, H, 4, D, generator=g, dtype=torch.float64) * s for s in (12.0, 12.0, 1.0))
+    pos = torch.arange(4)
+    out, lse = _attend(q, k, v, pos, pos, True)
+    got = _pair("block_attention", contracts.call(ctx, BLOCK, q, k, v, pos, pos, True, strided=True).value)
+    _expect("block_attention's out (float64 views, scores in the hundreds)", got[0], out)
+    _expect("block_attention's lse (float64 views, scores in the hundreds)", got[1], lse)
+    halves = [_attend(q, k[..., keys, :], v[..., keys, :], pos, pos[keys], True) for keys in (slice(0, 2), slice(2, 4))]
+    got = _pair("merge_partials", contracts.call(ctx, MERGE, *halves[0], *halves[1]).value)
+    _expect("the merged out (float64, log-sum-exps in the hundreds)", got[0], out)
+    _expect("the merged lse (float64, log-sum-exps in the hundreds)", got[1], lse)

@@ -119,13 +119,13 @@ def _expect(what: str, got, want: torch.Tensor, known_wrong=(), atol: float = AT
     raise Fail(problem)
 
 
-def _call_all(ctx, function, args: list, case: str = "") -> list:
-    """``ctx.call_all`` of ``function`` (a name, or a Contract the outcomes are held to); an error says in which
-    ``case``, and gloo's abort on mismatched split sizes, why."""
+def _call_all(ctx, function, args: list, case: str = "", held: bool = False) -> list:
+    """``ctx.call_all`` of ``function`` (a name or a Contract; ``held``: the outcomes held to that contract, as the
+    contract check does); an error says in which ``case``, and gloo's abort on mismatched split sizes, why."""
     try:
-        if isinstance(function, Contract):
+        if held:
             return contracts.call_all(ctx, function, args)
-        return ctx.call_all(function, args)
+        return ctx.call_all(function.function if isinstance(function, Contract) else function, args)
     except host.LearnerError as e:
         if not case or e.exc_type == "NotImplementedError":
             raise
@@ -153,7 +153,7 @@ def _pair(what: str, value) -> tuple:
 # --- one process: permute ---------------------------------------------------------------------------------------
 
 
-@EXERCISE.check("permute sorts choices by expert, stably", points=2, hint=(
+@EXERCISE.check("permute sorts choices by expert, stably", points=1, hint=(
     "Flatten chosen (choice t·k + j is token t's j-th expert) and sort the choice numbers by expert with "
     "torch.argsort(flat, stable=True): a plain argsort is free to reorder the choices of one expert (torch's "
     "does, past 16 elements), and then the rows reach an expert out of token order. counts is "
@@ -170,7 +170,7 @@ def permute(ctx):
         flat = chosen.flatten()
         want_order = torch.argsort(flat, stable=True)
         want_counts = torch.bincount(flat, minlength=E)
-        o = contracts.call(ctx, PERMUTE, chosen.clone(), E)
+        o = ctx.call(PERMUTE.function, chosen.clone(), E)
         order, counts = _pair("permute", o.value)
         problem = describe_mismatch(f"order ({label})", order, want_order, 0, 0)
         if problem and torch.is_tensor(order) and order.shape == want_order.shape and \
@@ -295,9 +295,6 @@ def combine(ctx):
         sources.append(right)
     outs = _call_all(ctx, COMBINE, [(expert_outs[r], ws[r].clone(), dispatched[r].value[1], xs[r].shape[0])
                                     for r in range(n)], f"{label}, {n} ranks")
-    # bf16 expert outputs with the float32 router weights: the output is bf16 too (the contract is the check).
-    _call_all(ctx, COMBINE, [(expert_outs[r].bfloat16(), ws[r].clone(), dispatched[r].value[1], xs[r].shape[0])
-                             for r in range(n)], f"bf16 expert outputs, float32 weights, {n} ranks")
     for o in outs:
         r = o.rank
         # Choice (t, j)'s output row: by its expert where the rows were the expected ones, else by the row alone.
@@ -314,6 +311,29 @@ def combine(ctx):
                 [(per_choice.sum(1), "it is the sum of the experts' outputs, unweighted: multiply each row by its "
                                      "choice's weight before summing"),
                  ((per_choice * w * w).sum(1), "each output is weighted twice: weight once, in combine")])
+
+
+@EXERCISE.check("the contract: inputs left as they were, x's and expert_out's dtype kept (2 ranks)", points=1,
+                world_size=2, hint=(
+    "A caller keeps using what it passed in: never write into x, chosen or weights — not even through a view "
+    "(chosen.view(-1) shares chosen's memory); compute new tensors. Make what you create in the dtype of what "
+    "it holds: the rows sent in x's dtype, the combined output in expert_out's (expert_out.new_zeros), and bring "
+    "float32 router weights to that dtype before multiplying: bf16 rows times float32 weights are float32."))
+def contract(ctx):
+    n = ctx.world_size
+    label, E, chosens = _dispatch_cases(ctx)[0]
+    _call_all(ctx, PERMUTE, [(chosens[r].clone(), E) for r in range(n)], f"{label}, {n} ranks", held=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        xs, ws = _tokens(ctx, chosens, ("contract", name))
+        case = f"{label}, x in {name}, float32 weights, {n} ranks"
+        dispatched = _call_all(ctx, DISPATCH, [(xs[r].to(dtype), chosens[r].clone(), E) for r in range(n)], case,
+                               held=True)
+        rows = [_pair(f"rank {o.rank}'s dispatch", o.value) for o in dispatched]
+        if not all(torch.is_tensor(received) for received, _ in rows):
+            raise Fail("dispatch returned its received rows as something other than a tensor")
+        _call_all(ctx, COMBINE, [(received * 1.5, ws[r].clone(), state, xs[r].shape[0])
+                                 for r, (received, state) in enumerate(rows)], case, held=True)
 
 
 # --- forward and backward against one device ---------------------------------------------------------------
