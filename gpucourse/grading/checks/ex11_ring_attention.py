@@ -84,6 +84,8 @@ def _blocks(ctx, n: int, t: int, key, zigzag: bool = False, scale: float = 1.0, 
     T = n * t
     g = ctx.generator("qkv", key)
     q, k, v = (torch.randn(B, H, T, D, generator=g, dtype=torch.float64) * s for s in (scale, scale, 1.0))
+    if scale > 1:  # whatever the seed, one score of √D·scale² (407 at 12): e^s overflows float32 past 88
+        q[..., 0, :] = k[..., 0, :] = scale
     positions = [context_positions(T, r, n, zigzag) for r in range(n)]
     per_rank = [tuple(x[:, :, positions[r]].to(dtype) for x in (q, k, v)) for r in range(n)]
     return per_rank, positions, (q, k, v)
@@ -330,20 +332,20 @@ def contract_two(ctx):
     "With one rank the ring has no hop: the forward is block_attention over its own block, and the backward's "
     "dK and dV are already home (n hops of zero steps). Loops over range(n − 1) and (rank ± 1) % n allow that; "
     "a send to yourself does not. In bf16 (and float64) every tensor you create must have q's dtype, and "
-    "merge_partials and block_attention keep their inputs as they were, views and large scores included."))
+    "merge_partials and block_attention keep their inputs as they were, and take views."))
 def one_rank(ctx):
     _forward(ctx, 5, causal=True, zigzag=False, key="one", held=True)
     _backward(ctx, 5, causal=True, zigzag=False, key="one", held=True)
     _forward(ctx, 4, causal=True, zigzag=False, key="bf16", held=True, dtype=torch.bfloat16)
-    # The two local functions under the same contract: float64 views, scores in the hundreds.
+    # The two local functions under the same contract: float64, on views.
     g = ctx.generator("local")
-    q, k, v = (torch.randn(B, H, 4, D, generator=g, dtype=torch.float64) * s for s in (12.0, 12.0, 1.0))
+    q, k, v = (torch.randn(B, H, 4, D, generator=g, dtype=torch.float64) for _ in range(3))
     pos = torch.arange(4)
     out, lse = _attend(q, k, v, pos, pos, True)
     got = _pair("block_attention", contracts.call(ctx, BLOCK, q, k, v, pos, pos, True, strided=True).value)
-    _expect("block_attention's out (float64 views, scores in the hundreds)", got[0], out)
-    _expect("block_attention's lse (float64 views, scores in the hundreds)", got[1], lse)
+    _expect("block_attention's out (float64 views)", got[0], out)
+    _expect("block_attention's lse (float64 views)", got[1], lse)
     halves = [_attend(q, k[..., keys, :], v[..., keys, :], pos, pos[keys], True) for keys in (slice(0, 2), slice(2, 4))]
     got = _pair("merge_partials", contracts.call(ctx, MERGE, *halves[0], *halves[1]).value)
-    _expect("the merged out (float64, log-sum-exps in the hundreds)", got[0], out)
-    _expect("the merged lse (float64, log-sum-exps in the hundreds)", got[1], lse)
+    _expect("the merged out (float64)", got[0], out)
+    _expect("the merged lse (float64)", got[1], lse)
