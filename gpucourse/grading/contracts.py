@@ -6,10 +6,11 @@ A check says what a function must compute. Its contract says what every caller t
 - **keeps the dtype**: what it returns has its inputs' dtype (bf16 in, bf16 out; float64 in, float64 out);
 - **any strides**: an input the caller may pass as a view (a transposed q, a slice) works like a contiguous one.
 
-Each exercise declares its functions' contracts with :class:`Contract` and calls them through :func:`call_all`,
-which runs the function on every rank and holds each outcome to its contract, so a broken promise fails alike in
-every exercise: one line that names the contract, the function, the argument and the shortest way to see it again
-(world size, dtype, shapes).
+Each exercise declares its functions' contracts with :class:`Contract`, and its contract checks — checks of
+their own, so that a function that breaks only a promise keeps the points its values earn — call the functions
+through :func:`call_all`, which runs them on every rank and holds each outcome to its contract. A broken promise
+fails alike in every exercise: one line that names the contract, the function, the argument and the shortest way
+to see it again (world size, dtype, shapes).
 """
 
 from __future__ import annotations
