@@ -271,7 +271,6 @@ def launch_vs_notebook_launcher(reps: int) -> Reading:
     finally:
         for kernel in kernels.values():
             kernel.close()
-    times = {"ours": times["ours"], "accelerate": times["accelerate"]}
     med = {side: {k: statistics.median(t[k] for t in ts) for k in LAUNCH_TIMES} for side, ts in times.items()}
     detail = {side: {**{f"median_{k}": med[side][k] for k in LAUNCH_TIMES},
                      **{k: [t[k] for t in ts] for k in LAUNCH_TIMES}}
