@@ -78,6 +78,8 @@ class GPUSpec:
     flash2_share: float = 1.0
     nvls_efficiency: float = 0.0
     gemm_fp8_efficiency: float = 0.0  # the best large fp8 GEMM over the fp8 peak (0: as gemm_efficiency)
+    pcie_GBps: float = 32.0  # the GPU's PCIe link to the host, one direction (Gen4 x16; Gen5 x16 64)
+    host_GBps: float = 50.0  # the server's CPU memory bandwidth over its GPUs (what CPU offload works with)
 
     def usable_bytes(self) -> float:
         """The memory a training run may fill: the card's ``memory_gb`` counted as GiB, as its HBM stacks are and
@@ -129,6 +131,11 @@ RESERVED_BYTES = 2 * 2**30
 #   network/README.md, nccl-tests on 8 × H200, 16 GiB: NVLS 480 GB/s bus bandwidth, 274 GB/s algorithm bandwidth,
 #   0.61 of 450; on 8 × B200 838 GB/s, 479 of 900, 0.53). The H200's NVLink and NVSwitch are the H100's, so the
 #   H100 takes its figure; A100 has no NVLS (NCCL's nvlsEfficiency is 0 for Ampere).
+# Host links (CPU offload, gpucourse.offload): pcie_GBps, one direction of the datasheets' PCIe figure (H100, H200
+# and HGX B200 SXM "PCIe Gen5: 128 GB/s", A100 SXM "PCIe Gen4: 64 GB/s", L4 "PCIe Gen4 x16 64 GB/s"); host_GBps, the
+# DGX server's CPU memory bandwidth shared by its 8 GPUs: DGX A100, 2 × AMD EPYC 7742 with 8 channels of DDR4-3200
+# (2 × 204.8 GB/s); DGX H100 and H200, 2 × Xeon Platinum 8480C with 8 channels of DDR5-4800 (2 × 307.2 GB/s); DGX
+# B200, 2 × Xeon Platinum 8570 with 8 channels of DDR5-5600 (2 × 358.4 GB/s). The L4 keeps the defaults.
 # Fitted on the fitting set of gpucourse.published (published.fit, tests/test_published.py): sustained and
 # gemm_overhead_k, A100 0.80 and 128, H100 0.85 and 1024 (H200 and B200, with no fitting runs, take the H100's). The
 # H100's 1024 agrees with measured GEMM tables: a 2048³ GEMM at 0.82 of a 4096³ one (XLA's
@@ -137,26 +144,30 @@ GPUS: dict[str, GPUSpec] = {g.name: g for g in (
     GPUSpec("h100", 989 * T, 67 * T, 80, 450, 50, "H100 SXM: NVLink 4 (900 GB/s both ways), 400 Gb/s NIC per GPU",
             peak_fp8_flops=1979 * T, hbm_GBps=3350, achievable=0.4, bus_efficiency=0.8, sm_count=132,
             gemm_efficiency=0.8, attention_efficiency=0.62, attention_bwd_efficiency=0.5, flash2_share=0.55,
-            sustained=0.85, gemm_overhead_k=1024, nvls_efficiency=0.61, gemm_fp8_efficiency=0.71),
+            sustained=0.85, gemm_overhead_k=1024, nvls_efficiency=0.61, gemm_fp8_efficiency=0.71,
+            pcie_GBps=64, host_GBps=76.8),
     GPUSpec("h200", 989 * T, 67 * T, 141, 450, 50, "H200 SXM: H100's compute with more, faster memory",
             peak_fp8_flops=1979 * T, hbm_GBps=4800, achievable=0.4, bus_efficiency=0.8, sm_count=132,
             gemm_efficiency=0.8, attention_efficiency=0.62, attention_bwd_efficiency=0.5, flash2_share=0.55,
-            sustained=0.85, gemm_overhead_k=1024, nvls_efficiency=0.61, gemm_fp8_efficiency=0.73),
+            sustained=0.85, gemm_overhead_k=1024, nvls_efficiency=0.61, gemm_fp8_efficiency=0.73,
+            pcie_GBps=64, host_GBps=76.8),
     GPUSpec("b200", 2250 * T, 75 * T, 180, 900, 50, "B200 (HGX): NVLink 5 (1.8 TB/s both ways), 400 Gb/s NIC per GPU",
             peak_fp8_flops=4500 * T, hbm_GBps=7700, achievable=0.4, bus_efficiency=0.8, sm_count=148,
             gemm_efficiency=0.78, attention_efficiency=0.62, attention_bwd_efficiency=0.5, flash2_share=0.55,
-            sustained=0.85, gemm_overhead_k=1024, nvls_efficiency=0.53, gemm_fp8_efficiency=0.76),
+            sustained=0.85, gemm_overhead_k=1024, nvls_efficiency=0.53, gemm_fp8_efficiency=0.76,
+            pcie_GBps=64, host_GBps=89.6),
     GPUSpec("a100", 312 * T, 19.5 * T, 80, 300, 25, "A100 SXM 80 GB: NVLink 3 (600 GB/s both ways), 200 Gb/s NIC",
             hbm_GBps=2039, achievable=0.55, bus_efficiency=0.8, sm_count=108, gemm_efficiency=0.87,
             attention_efficiency=0.62, attention_bwd_efficiency=0.55, hbm_efficiency=0.88, sustained=0.8,
-            gemm_overhead_k=128),
+            gemm_overhead_k=128, pcie_GBps=32, host_GBps=51.2),
     GPUSpec("l4", 121 * T, 30.3 * T, 24, 32, 12.5, "L4: no NVLink, PCIe 4.0 x16; 100 Gb/s Ethernet",
             peak_fp8_flops=242.5 * T,
             hbm_GBps=300, intra_node_latency_us=10, inter_node_latency_us=20, achievable=0.5, bus_efficiency=0.8,
             sm_count=58),
     GPUSpec("cpu", 0.1 * T, 0.1 * T, 16, 10, 1.25, "one CPU core as a 'virtual GPU': rough orders of magnitude",
             hbm_GBps=20, intra_node_latency_us=20, inter_node_latency_us=50, achievable=0.3, bus_efficiency=0.5,
-            sm_count=1, gemm_efficiency=0.3, attention_efficiency=0.2, attention_bwd_efficiency=0.2),
+            sm_count=1, gemm_efficiency=0.3, attention_efficiency=0.2, attention_bwd_efficiency=0.2,
+            pcie_GBps=0, host_GBps=0),
 )}
 
 _FIELDS = {f.name: f for f in dataclasses.fields(GPUSpec)}

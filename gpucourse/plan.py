@@ -52,6 +52,7 @@ from .cluster import Cluster
 from .config import ConfigError, TrainConfig
 from .gpus import get_gpu
 from .memory import estimate, estimate_params
+from .offload import offload_memory, offload_time
 from .readable import human_bytes
 from . import shapes
 from .shapes import Shape, ShapeError, for_params, get_shape
@@ -158,11 +159,16 @@ def _enough(cfg: TrainConfig) -> int:
     return min(cfg.microbatches, 3 * cfg.pp) if cfg.schedule == "interleaved-1f1b" else cfg.microbatches
 
 
-def memory_of(cfg: TrainConfig, shape: Shape) -> dict:
+def memory_of(cfg: TrainConfig, shape: Shape, offload: bool = False) -> dict:
     """Memory per GPU of ``cfg`` training ``shape``: :func:`gpucourse.memory.estimate` (``gpucourse memory``, checked
     against runs) where the shape is the course's own block; otherwise the weights, gradients and optimizer of
     the shape's own parameters on the worst rank (GQA, SwiGLU, its vocabulary, experts over ep) and its
-    activations by :func:`activation_bytes`."""
+    activations by :func:`activation_bytes`. ``offload``: the optimizer's state on the host
+    (:func:`gpucourse.offload.offload_memory`; ``host_bytes`` says how much)."""
+    if offload:
+        held = memory_of(cfg, shape)
+        on_gpu, host = offload_memory(held["max"], cfg.master_weights and cfg.precision != "fp32")
+        return {**held, "max": on_gpu, "max_total": sum(on_gpu.values()), "host_bytes": host}
     if shape.is_course_block:
         m = _enough(cfg)
         if m == cfg.microbatches:
@@ -354,7 +360,7 @@ def _stage_compute(cfg: TrainConfig, shape: Shape, cluster: Cluster, m: int, ove
 
 def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, efficiency: float | None = None,
               shape: Shape | dict | str | None = None, framework: str | Overlap | None = None,
-              matmuls: str | None = None) -> dict:
+              matmuls: str | None = None, offload: bool = False) -> dict:
     """The timing model above for one layout: seconds per step, by part.
 
     Compute is timed kernel by kernel on the model's ``shape`` (default: the course GPT of ``cfg``'s sizes) on
@@ -365,7 +371,8 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
     server. ``framework``: which communication overlaps compute (:data:`FRAMEWORKS`; default
     ``DEFAULT_FRAMEWORK``). ``matmuls``: the precision the matmuls run in, when not ``cfg.precision``:
     ``"fp8"`` times them at the GPU's fp8 peak (Transformer Engine's recipe: fp8 matmuls, bf16 attention and the
-    rest, bf16 weights with fp32 master weights in memory).
+    rest, bf16 weights with fp32 master weights in memory). ``offload``: the optimizer steps on the CPU
+    (:mod:`gpucourse.offload`): its part is the step's wait for PCIe and the CPU instead of the GPU's Adam.
     """
     mc = cfg.model_config()
     try:
@@ -469,7 +476,9 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
     # Adam updates what the rank holds: its 1/(tp·pp) of the weights (experts also 1/ep), 1/(dp·cp) of that with ZeRO.
     all_experts = shape.expert_params()
     held = (num_params - all_experts) / (cfg.tp * cfg.pp) + all_experts / (cfg.tp * cfg.pp * cfg.ep)
-    optimizer = cluster.optimizer_s(held / (cfg.dp * cfg.cp) if cfg.zero else held)
+    stepped = held / (cfg.dp * cfg.cp) if cfg.zero else held  # the parameters this GPU's optimizer steps
+    offloaded = offload_time(stepped, cluster.gpu, cfg.precision, window) if offload else None
+    optimizer = offloaded["exposed_s"] if offload else cluster.optimizer_s(stepped)
     parts = {"compute": compute - recompute, "recompute": recompute, "bubble": bubble, **exposed, "dp": exposed_dp,
              "optimizer": optimizer}
     total = sum(parts.values())
@@ -478,18 +487,21 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
             "communication_s": sum(exposed.values()) + exposed_dp, "dp_exposed_s": exposed_dp,
             **{f"{k}_exposed_s": v for k, v in exposed.items()},
             "tp_comm_s": tp_comm, "pp_comm_s": pp_comm, "cp_comm_s": cp_comm, "ep_comm_s": ep_comm,
-            "dp_comm_s": dp_comm, "optimizer_s": optimizer, "parts": parts, "tokens_per_s": tokens / total,
+            "dp_comm_s": dp_comm, "optimizer_s": optimizer, "offload": offloaded, "parts": parts,
+            "tokens_per_s": tokens / total,
             "model_flops": model_flops, "mfu": model_flops / (total * peak), "framework": overlap.name}
 
 
 def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: int = 8, batch_size: int = 1024,
          seq_len: int = 4096, precision: str = "bf16", efficiency: float | None = None,
-         shape: Shape | dict | str | None = None, framework: str | None = None) -> dict:
+         shape: Shape | dict | str | None = None, framework: str | None = None, offload: bool = False) -> dict:
     """Size and time every layout; return them ranked (fitting ones first, fastest first).
 
     ``shape``: a model's shape — a name from ``SHAPES``, a dict of parts (:func:`gpucourse.shapes.get_shape`) or
     a :class:`~gpucourse.shapes.Shape` — instead of the one :func:`shape_for_params` picks for ``num_params``.
     ``framework``: whose overlap of communication and compute to assume (:data:`FRAMEWORKS`).
+    ``offload``: also try each layout with its optimizer on the CPU (:mod:`gpucourse.offload`; rows say
+    ``"offload": True``), as DeepSpeed's ``offload_optimizer`` or Megatron-Core's ``--optimizer-cpu-offload`` run it.
     """
     if gpus < 1 or gpus_per_node < 1:
         raise ConfigError(f"gpus={gpus} and gpus_per_node={gpus_per_node} must be at least 1.")
@@ -504,6 +516,9 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
             raise ConfigError(str(e)) from None
     overlap = get_framework(framework)
     spec = get_gpu(gpu)
+    if offload and not (spec.pcie_GBps and spec.host_GBps):
+        raise ConfigError(f"offload needs the GPU's host link (pcie_GBps, host_GBps), which {spec.name} has not "
+                          f"in the table: add them in your GPU table to plan offload.")
     rows = []
     matmuls = precision
     if precision == "fp8":  # fp8 matmuls; the weights, their gradients and the rest in bf16 (memory as bf16's)
@@ -515,21 +530,12 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
                           sequence_parallel=overlap.name.startswith("megatron-core"), zero_stages=overlap.zero,
                           even_split=overlap.even_split,
                           attention="math" if overlap.attention == "unfused" else "flash"):
-        try:
-            mem = memory_of(cfg, shape)
-        except ConfigError:
-            continue
-        row = {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "cp": cfg.cp, "ep": cfg.ep, "sp": cfg.sequence_parallel,
-               "zero": cfg.zero, "schedule": cfg.schedule if cfg.pp > 1 else "",
-               "microbatches": cfg.microbatches,
-               "grad_accum": cfg.grad_accum, "checkpoint_activations": cfg.checkpoint_activations,
-               "memory": mem["max"], "memory_total": mem["max_total"],
-               "fits": mem["max_total"] <= spec.usable_bytes(), "config": cfg.to_dict(),
-               "kv_replication": shape.kv_replication(cfg.tp),
-               "memory_source": COURSE_MEMORY if shape.is_course_block else
-               "from the shape's own parameters and Korthikanti et al.'s activations",
-               **step_time(cfg, mem["num_params"], spec, gpus_per_node, efficiency, shape, overlap, matmuls)}
-        rows.append(row)
+        for offloaded in (False, True) if offload else (False,):
+            try:
+                mem = memory_of(cfg, shape, offloaded)
+            except ConfigError:
+                break
+            rows.append(_row(cfg, shape, mem, spec, gpus_per_node, efficiency, overlap, matmuls, offloaded))
     rows.sort(key=lambda r: (not r["fits"], r["step_s"]))
     if num_params is None:
         num_params = shape.params()
@@ -537,8 +543,22 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
     return {"params": num_params, "model_params": shape.params(), **moe, "shape": shape.as_dict(), "gpus": gpus,
             "gpu": dataclasses.asdict(spec), "gpus_per_node": gpus_per_node,
             "batch_size": batch_size, "seq_len": seq_len, "precision": matmuls,
-            "efficiency": efficiency, "framework": overlap.name,
+            "efficiency": efficiency, "framework": overlap.name, "offload": offload,
             "layouts": rows}
+
+
+def _row(cfg: TrainConfig, shape: Shape, mem: dict, spec, gpus_per_node: int, efficiency, overlap: Overlap,
+         matmuls: str, offload: bool) -> dict:
+    """One layout's line of :func:`plan`: its memory, whether it fits, its timed step."""
+    return {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "cp": cfg.cp, "ep": cfg.ep, "sp": cfg.sequence_parallel,
+            "zero": cfg.zero, "schedule": cfg.schedule if cfg.pp > 1 else "", "microbatches": cfg.microbatches,
+            "grad_accum": cfg.grad_accum, "checkpoint_activations": cfg.checkpoint_activations,
+            "memory": mem["max"], "memory_total": mem["max_total"], "host_bytes": mem.get("host_bytes", 0.0),
+            "fits": mem["max_total"] <= spec.usable_bytes(), "config": cfg.to_dict(),
+            "kv_replication": shape.kv_replication(cfg.tp),
+            "memory_source": COURSE_MEMORY if shape.is_course_block else
+            "from the shape's own parameters and Korthikanti et al.'s activations",
+            **step_time(cfg, mem["num_params"], spec, gpus_per_node, efficiency, shape, overlap, matmuls, offload)}
 
 
 COURSE_MEMORY = "gpucourse memory's estimate"
@@ -564,6 +584,10 @@ def explain(row: dict) -> str:
         v = row["config"]["virtual_stages"]
         layout += f" ({row['schedule']}{f', {v} chunks a rank' if row['schedule'] == 'interleaved-1f1b' else ''})"
     layout += f", ZeRO-{row['zero']}" * bool(row["zero"]) + RECOMPUTE_NOTE[row["checkpoint_activations"]]
+    if row.get("offload"):
+        moved = row["offload"]
+        layout += (f", optimizer on the CPU ({human_bytes(row['host_bytes'])} of host memory; to the host "
+                   f"{moved['to_host_s']:.2f} s, CPU Adam {moved['cpu_adam_s']:.2f} s, back {moved['to_gpu_s']:.2f} s)")
     if row.get("kv_replication", 1) > 1:  # more tensor-parallel ranks than K/V heads
         layout += f" (each K/V head held by {row['kv_replication']} of the tp ranks)"
     parts = ", ".join(f"{PARTS[k]} {v:.2f} s ({v / row['step_s']:.0%})" for k, v in row["parts"].items()
@@ -581,6 +605,7 @@ def format_plan(result: dict, top: int = 10, explained: bool = False) -> str:
     gpu = result["gpu"]
     cp_head = f" {'cp':>3} {'sp':>3}" if result["seq_len"] >= LONG_SEQUENCE else ""  # long sequences: cp and sp too
     ep_head = f" {'ep':>3}" if "active_params" in result else ""  # a mixture of experts: expert parallelism too
+    off_head = f" {'offl':>4}" if result.get("offload") else ""  # offload tried: which rows step on the CPU
     shape = get_shape({k: v for k, v in result["shape"].items() if k != "source"})
     experts = f": {result['active_params'] / 1e9:.1f} B active per token" if ep_head else ""
     lines = [f"{result['params'] / 1e9:.1f} B parameters ({shape.describe()}{experts}) on {result['gpus']} × "
@@ -588,12 +613,14 @@ def format_plan(result: dict, top: int = 10, explained: bool = False) -> str:
              f"{result['gpus_per_node']} per node), batch {result['batch_size']} × {result['seq_len']} tokens, "
              f"{result['precision']} with fp32 master weights",
              f"{len(fitting)} of {len(result['layouts'])} layouts fit; the fastest, by the timing model:",
-             f"  {'dp':>4}{ep_head} {'tp':>3} {'pp':>3}{cp_head} {'sched':>5} {'zero':>4} {'ckpt':>4} {'memory/GPU':>11} "
+             f"  {'dp':>4}{ep_head} {'tp':>3} {'pp':>3}{cp_head} {'sched':>5} {'zero':>4}{off_head} {'ckpt':>4} "
+             f"{'memory/GPU':>11} "
              f"{'step':>8} {'compute':>8} {'comm':>8} {'bubble':>8} {'tokens/s':>10}"]
     for r in fitting[:top]:
         cp = f" {r.get('cp', 1):>3} {'yes' if r.get('sp') else 'no':>3}" if cp_head else ""
         ep = f" {r.get('ep', 1):>3}" if ep_head else ""
-        lines.append(f"  {r['dp']:>4}{ep} {r['tp']:>3} {r['pp']:>3}{cp} {schedule_name(r):>5} {r['zero']:>4} "
+        off = f" {'yes' if r.get('offload') else 'no':>4}" if off_head else ""
+        lines.append(f"  {r['dp']:>4}{ep} {r['tp']:>3} {r['pp']:>3}{cp} {schedule_name(r):>5} {r['zero']:>4}{off} "
                      f"{CKPT_COLUMN[r['checkpoint_activations']]:>4} {human_bytes(r['memory_total']):>11} "
                      f"{r['step_s']:>7.2f}s {r['compute_s']:>7.2f}s {r['communication_s']:>7.2f}s "
                      f"{r['bubble_s']:>7.2f}s {r['tokens_per_s']:>10,.0f}")

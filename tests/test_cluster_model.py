@@ -324,3 +324,54 @@ def test_calibrate_times_a_blocks_kernels_here_beside_the_model():
     assert "modeled/measured" in format_ratios(rows, "cpu")
     assert (gpu_entry("NVIDIA H100 80GB HBM3"), gpu_entry("NVIDIA H200"), gpu_entry("Tesla T4")) == \
         ("h100", "h200", None)
+
+
+# --- CPU offload of the optimizer ----------------------------------------------------------------------------------------
+
+def test_offload_times_pcie_both_ways_and_a_cpu_adam_step_by_their_formulas():
+    from gpucourse.offload import HOST_EFFICIENCY, PCIE_EFFICIENCY, offload_time
+
+    h100 = get_gpu("h100")
+    assert (h100.pcie_GBps, h100.host_GBps) == (64, 2 * 307.2 / 8)  # Gen5 x16; 2 sockets × 8 channels DDR5-4800
+    t = offload_time(1e9, h100, "bf16", window_s=0.01)
+    pcie = 64e9 * PCIE_EFFICIENCY
+    assert t["to_host_s"] == pytest.approx(2e9 / pcie) == t["to_gpu_s"]
+    assert t["cpu_adam_s"] == pytest.approx(28e9 / (76.8e9 * HOST_EFFICIENCY))  # 2 + 24 + 2 bytes a parameter
+    assert t["exposed_s"] == pytest.approx(t["to_host_s"] - 0.01 + t["cpu_adam_s"] + t["to_gpu_s"])
+    hidden = offload_time(1e9, h100, "bf16", window_s=1.0)  # the copy to the host hides behind a long backward
+    assert hidden["exposed_s"] == pytest.approx(hidden["cpu_adam_s"] + hidden["to_gpu_s"])
+    assert offload_time(1e9, h100, "fp32")["cpu_adam_s"] == pytest.approx(28e9 / (76.8e9 * HOST_EFFICIENCY))
+    with pytest.raises(ValueError, match="cpu has no host link"):
+        offload_time(1e9, get_gpu("cpu"), "bf16")
+
+
+def test_offload_moves_the_optimizer_to_the_host_and_shrinks_with_zero_over_dp():
+    """Llama 3 8B on one A100 does not fit (its 12 bytes of Adam state a parameter alone are 96 GB); with the
+    optimizer on the CPU it does, at the price of a CPU step. With ZeRO-2 over 8 GPUs each offloads an eighth."""
+    from gpucourse.plan import memory_of
+
+    shape = get_shape("llama3-8b")
+    result = plan(None, 1, "a100", shape="llama3-8b", batch_size=16, offload=True)
+    rows = result["layouts"]
+    assert not any(r["fits"] for r in rows if not r["offload"]) and rows[0]["fits"] and rows[0]["offload"]
+    kept = next(r for r in rows if not r["offload"] and r["config"] == rows[0]["config"])
+    assert rows[0]["memory"]["optimizer"] == 0 and kept["memory"]["optimizer"] == 12 * shape.params()
+    assert rows[0]["host_bytes"] == pytest.approx(16 * shape.params())  # the state and an fp32 gradient
+    assert rows[0]["memory_total"] == pytest.approx(kept["memory_total"] - 12 * shape.params())
+    assert rows[0]["parts"]["optimizer"] == pytest.approx(rows[0]["offload"]["exposed_s"])
+    assert "optimizer on the CPU" in explain(rows[0]) and " offl " in format_plan(result)
+    cfg = TrainConfig(model="gpt2-small", overrides={**shape.overrides(), "block_size": 4096}, dp=8, zero=2,
+                      batch_size=8, seq_len=4096, precision="bf16", master_weights=True)
+    eight = step_time(cfg, int(shape.params()), get_gpu("a100"), 8, shape=shape, offload=True)["offload"]
+    one = rows[0]["offload"]
+    assert eight["cpu_adam_s"] == pytest.approx(one["cpu_adam_s"] / 8)
+    assert memory_of(cfg, shape, offload=True)["host_bytes"] == pytest.approx(16 * shape.params() / 8)
+    with pytest.raises(ConfigError, match="offload needs the GPU's host link"):
+        plan(None, 1, "cpu", shape="llama3-8b", offload=True)
+
+
+def test_plan_offload_from_the_command_line(capsys):
+    assert main(["plan", "--shape", "llama3-8b", "--gpus", "1", "--gpu", "a100", "--batch-size", "16",
+                 "--offload", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert " offl " in out and out.splitlines()[3].split()[4] == "yes"

@@ -590,3 +590,51 @@ def test_notebook_06_compares_hsdp_with_full_sharding_and_names_mig_and_mps():
     assert (round(states[8] / 1e9), round(states[64] / 1e9, 2)) == (26, 3.25)
     assert "The network carries 0.14 s a step instead of 0.24 s" in text and "(26 GB a GPU instead of 3.25)" in text
     assert "up to 7 isolated instances" in text and "`1g.10gb`, `3g.40gb` and `7g.80gb` on an 80 GB A100" in text
+
+
+def test_what_notebook_07_says_offload_moves_and_costs():
+    """Llama 3 8B's Adam state (fp32 masters and two moments) is 96 GB; the CPU step moves 28 bytes a parameter;
+    ZeRO-2 over eight GPUs gives each an eighth of the CPU's work."""
+    from gpucourse import offload, plan
+    from gpucourse.shapes import get_shape
+
+    text = prose("07_memory_batch")
+    llama8 = get_shape("llama3-8b")
+    assert f"For Llama 3 8B that is {12 * llama8.params() / 1e9:.0f} GB before a single activation" in text
+    assert f"memory-bound, {offload.host_adam_bytes(2, True)} bytes of traffic a parameter" in text
+    a100 = get_gpu("a100")
+    steps = {}
+    for gpus, zero in ((1, 0), (8, 2)):
+        cfg = TrainConfig(model="gpt2-small", overrides={**llama8.overrides(), "block_size": 4096}, dp=gpus, zero=zero,
+                          batch_size=16 * gpus, grad_accum=16, seq_len=4096, precision="bf16", master_weights=True)
+        steps[gpus] = plan.step_time(cfg, int(llama8.params()), a100, 8, shape=llama8, offload=True)["offload"]
+        fits = {on: plan.memory_of(cfg, llama8, on)["max_total"] <= a100.usable_bytes() for on in (False, True)}
+        assert fits == ({False: False, True: True} if gpus == 1 else {False: True, True: True})
+    assert "shrink eightfold" in text and steps[8]["cpu_adam_s"] == pytest.approx(steps[1]["cpu_adam_s"] / 8)
+    assert steps[1]["to_host_s"] > 0 and steps[1]["exposed_s"] == pytest.approx(steps[1]["cpu_adam_s"] +
+                                                                                   steps[1]["to_gpu_s"])
+
+
+def test_what_notebook_08_counts_for_a_fused_chain():
+    """Eager, `r + relu(x + b) * 0.5` runs four kernels that read or write 9 full-size tensors (counted here from
+    the operations PyTorch dispatches); fused, it reads x and r and writes the result: 3."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, r, b = torch.randn(64, 32), torch.randn(64, 32), torch.randn(32)
+    moved = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            full = [a for a in (*args, out) if isinstance(a, torch.Tensor) and a.numel() == x.numel()]
+            moved.append(len(full))
+            return out
+
+    with Count():
+        r + F.relu(x + b) * 0.5
+    assert len(moved) == 4 and sum(moved) == 9
+    text = prose("08_profiling")
+    assert "9 full-size reads and writes against the fused kernel's 3, so at most 3× faster" in text
+    assert "eager PyTorch runs it as four kernels" in text

@@ -116,7 +116,8 @@ def cmd_plan(args) -> int:
             raise UsageError(str(e)) from None
         shape = {**{k: v for k, v in base.items() if k != "source"}, **parts}
     result = plan.plan(args.params, args.gpus, args.gpu, args.gpus_per_node, args.batch_size, args.seq_len,
-                       args.precision, args.efficiency, shape=shape, framework=args.framework)
+                       args.precision, args.efficiency, shape=shape, framework=args.framework,
+                       offload=args.offload)
     print(plan.format_plan(result, top=args.top, explained=args.explain))
     write_json(args.json, result)
     return 0
@@ -246,6 +247,9 @@ def add_commands(sub) -> None:
     p.add_argument("--efficiency", type=float, default=None,
                    help="time compute as this fraction of peak FLOP/s, spread evenly (default: kernel by kernel "
                         "on the model's shape)")
+    p.add_argument("--offload", action="store_true",
+                   help="also try each layout with the optimizer on the CPU (ZeRO-Offload): GPU memory freed, PCIe "
+                        "transfers and a CPU Adam step added")
     p.add_argument("--top", type=int, default=10, help="rows to print")
     p.add_argument("--explain", action="store_true",
                    help="each row's step as its parts (compute, recompute, bubble, each kind of communication, "
