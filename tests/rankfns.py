@@ -7,6 +7,7 @@ once, a Ctrl-C, and ``launch`` in place under torchrun.
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import os
@@ -250,6 +251,7 @@ def third_party_loop(kind: str, steps: int = 6) -> dict:
     from gpucourse.parallel.data_parallel import DataParallel
     from gpucourse.parallel.data_parallel_buckets import DataParallelBuckets
     from gpucourse.parallel.sharded_optimizer import ShardedGradientsOptimizer, ShardedOptimizer
+    from gpucourse.parallel.zero import FlatShardedOptimizer
 
     rank, world = (0, 1) if kind == "single" else (dist.get_rank(), dist.get_world_size())
     torch.manual_seed(0)
@@ -258,11 +260,14 @@ def third_party_loop(kind: str, steps: int = 6) -> dict:
         torch.nn.init.normal_(model[0].weight)
     wrap = {"single": lambda m: m, "dp": DataParallel, "sharded": DataParallel, "accumulated": DataParallelBuckets,
             "buckets": lambda m: DataParallelBuckets(m, bucket_mb=0.0005),
-            "one-bucket": DataParallelBuckets, "sharded-gradients": lambda m: m}[kind]
+            "one-bucket": DataParallelBuckets, "sharded-gradients": lambda m: m, "flat-1": lambda m: m,
+            "flat-2": lambda m: m}[kind]
     net = wrap(model)
     groups = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 0.05},
               {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
-    sharded = {"sharded": ShardedOptimizer, "sharded-gradients": ShardedGradientsOptimizer}.get(kind)
+    sharded = {"sharded": ShardedOptimizer, "sharded-gradients": ShardedGradientsOptimizer,
+               "flat-1": functools.partial(FlatShardedOptimizer, stage=1),
+               "flat-2": functools.partial(FlatShardedOptimizer, stage=2)}.get(kind)
     opt = (sharded(groups, torch.optim.SGD, lr=0.2, momentum=0.9) if sharded
            else torch.optim.SGD(groups, lr=0.2, momentum=0.9))
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
@@ -289,12 +294,14 @@ def third_party_loop(kind: str, steps: int = 6) -> dict:
         else:
             loss = F.smooth_l1_loss(net(x), y)
             loss.backward()
-        if kind not in ("single", "sharded-gradients"):
+        if kind in ("flat-1", "flat-2"):
+            opt.reduce_gradients()  # averaged into each rank's shard of the flat buffers
+        elif kind not in ("single", "sharded-gradients"):
             net.finish_gradient_synchronization()
         if kind != "single":
             loss = loss.detach().clone()
             dist.all_reduce(loss)
-        if kind == "sharded-gradients":
+        if kind in ("sharded-gradients", "flat-1", "flat-2"):
             opt.clip_grad_norm_(0.25)  # the norm is every rank's shares together
         else:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)  # below every step's norm: it clips
@@ -306,11 +313,14 @@ def third_party_loop(kind: str, steps: int = 6) -> dict:
     if kind == "sharded-gradients":
         out["freed"], out["gradient_bytes"] = out_grads, held
     if sharded:
-        fresh = sharded(groups, torch.optim.SGD, lr=0.2, momentum=0.9)
-        fresh.load_state_dict(opt.state_dict())
         out["held"] = sorted(len(g["params"]) for g in opt.inner.param_groups)
-        out["reloaded"] = all(torch.equal(fresh.inner.state[p]["momentum_buffer"], s["momentum_buffer"])
-                              for p, s in opt.inner.state.items())
+        out["shard_sizes"] = [sum(p.numel() for p in g["params"]) for g in opt.inner.param_groups]
+        saved = list(opt.inner.state.values())
+        fresh = sharded(groups, torch.optim.SGD, lr=0.2, momentum=0.9)  # (a flat one takes the parameters over)
+        fresh.load_state_dict(opt.state_dict())
+        out["reloaded"] = len(saved) > 0 and all(
+            torch.equal(new["momentum_buffer"], old["momentum_buffer"])
+            for new, old in zip(fresh.inner.state.values(), saved))
         out["lr_reloaded"] = [g["lr"] for g in fresh.param_groups]
     return out
 

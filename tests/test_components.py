@@ -11,7 +11,7 @@ from gpucourse import launch
 import rankfns
 
 pytestmark = pytest.mark.timeout(240)
-KINDS = ["dp", "buckets", "one-bucket", "accumulated", "sharded", "sharded-gradients"]
+KINDS = ["dp", "buckets", "one-bucket", "accumulated", "sharded", "sharded-gradients", "flat-1", "flat-2"]
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,32 @@ def test_the_sharded_optimizer_keeps_a_share_of_the_state_and_reloads_it(loops, 
     # (32, 4) to rank 1, whose total stays under rank 0's: each tensor stepped by one rank.
     assert [s["held"] for s in shares] == [[0, 1], [1, 2]]
     assert all(s["reloaded"] for s in shares) and all(s["lr_reloaded"] == [0.2 * 0.5**3] * 2 for s in shares)
+
+
+@pytest.mark.parametrize("kind", ["flat-1", "flat-2"])
+def test_the_flat_sharded_optimizer_cuts_each_group_into_equal_shards_and_reloads_them(loops, kind):
+    """Each parameter group in one flat buffer, cut in two: the weights (256 + 128 numbers) 192 a rank, the biases
+    (32 + 4) 18 — one shard of each group per rank, stepped with that group's settings."""
+    per_rank, _ = loops
+    shares = [outputs[kind] for outputs in per_rank]
+    assert [s["shard_sizes"] for s in shares] == [[192, 18], [192, 18]] and [s["held"] for s in shares] == [[1, 1]] * 2
+    assert all(s["reloaded"] for s in shares) and all(s["lr_reloaded"] == [0.2 * 0.5**3] * 2 for s in shares)
+
+
+def test_the_course_zero_trainer_steps_through_the_flat_sharded_optimizer():
+    import torch.distributed as dist
+
+    from gpucourse.parallel.zero import FlatShardedOptimizer, ZeroScratch
+
+    dist.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 4))
+        trainer = ZeroScratch(model, dist.group.WORLD, stage=2, lr=0.1, optimizer_class=torch.optim.SGD)
+        assert isinstance(trainer.optimizer, FlatShardedOptimizer) and trainer.optimizer.stage == 2
+        assert isinstance(trainer.optimizer.inner, torch.optim.SGD)  # the trainer's optimizer steps the shards
+        assert trainer.optimizer.parts[0].numel == sum(p.numel() for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
 
 
 def test_zero2_as_an_optimizer_frees_every_gradient_and_holds_its_share(loops):

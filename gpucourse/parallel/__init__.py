@@ -21,8 +21,9 @@ course's: :class:`~.data_parallel.DataParallel` and
 ``finish_gradient_synchronization()`` after backward), and
 :class:`~.sharded_optimizer.ShardedOptimizer` is ZeRO-1 as a ``torch.optim.Optimizer``
 around any optimizer class, :class:`~.sharded_optimizer.ShardedGradientsOptimizer` ZeRO-2
-(the gradients reduced to their owner during backward, and clipped by it). The course's data-parallel trainers use the same modules
-(its ZeRO keeps one flat buffer, sharded evenly: `ZeroScratch`).
+(the gradients reduced to their owner during backward, and clipped by it), and
+:class:`~.zero.FlatShardedOptimizer` ZeRO-1 or 2 on flat buffers cut into equal shards. The
+course's data-parallel trainers use the same modules, and its ZeRO trainer the flat one.
 """
 
 from __future__ import annotations
@@ -175,10 +176,10 @@ def _data_parallel(model, mesh, cfg, **options) -> Trainer:
         from .zero import ZeroScratch
         return ZeroScratch(model, group, cfg.zero, **options)
     if kind == "torch-zero1":
-        from .zero import TorchZero1
+        from .zero_torch import TorchZero1
         return TorchZero1(model, group, **options)
     if kind in ("fsdp2-kept", "fsdp2"):
-        from .zero import TorchFSDP
+        from .zero_torch import TorchFSDP
         return TorchFSDP(model, dp_mesh, cfg.zero, **options)
     if kind == "replicate":
         from .data_parallel import TorchReplicate

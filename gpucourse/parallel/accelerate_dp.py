@@ -4,7 +4,7 @@ Accelerate hides the launcher, the process group and the wrapping behind one
 object: ``accelerator.prepare(model, optimizer)`` returns a DDP-wrapped model
 (or an FSDP one, with a plugin), and ``accelerator.backward(loss)`` replaces
 ``loss.backward()``. Under the hood it is exactly ``data_parallel.TorchDDP`` or
-``zero.TorchFSDP``: the losses equal the single-device run's.
+``zero_torch.TorchFSDP``: the losses equal the single-device run's.
 
 Two traps this file avoids:
 

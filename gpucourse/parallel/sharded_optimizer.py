@@ -1,5 +1,5 @@
-"""ZeRO stages 1 and 2 as optimizers, for a training loop that is not the course's (``zero.py`` has the stages
-inside the course's trainer, on one flat buffer).
+"""ZeRO stages 1 and 2 as optimizers that shard by whole parameters (``zero.py``'s ``FlatShardedOptimizer``, which
+the course's trainer uses, cuts flat buffers into equal shards instead).
 
 Stage 1, sharding the optimizer state, needs nothing from the loop but gradients that are already the same on
 every rank: each rank owns some whole parameters, steps only those with its own optimizer (so it keeps only their
@@ -20,7 +20,25 @@ from .. import comm
 from ..measure import optimizer_state_bytes
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class RankShare:
+    """``state_dict`` and ``load_state_dict`` of a sharded optimizer: its ``inner`` optimizer holds this rank's share
+    of the state (rank ``rank`` of ``size``), saved beside every parameter group's settings; each rank loads its
+    own."""
+
+    def state_dict(self) -> dict:
+        return {"rank": self.rank, "size": self.size, "inner": self.inner.state_dict(),
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if (state_dict["rank"], state_dict["size"]) != (self.rank, self.size):
+            raise ValueError(f"this state is rank {state_dict['rank']} of {state_dict['size']}'s share; this is rank "
+                             f"{self.rank} of {self.size}: load each rank's own.")
+        self.inner.load_state_dict(state_dict["inner"])
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update(saved)
+
+
+class ShardedOptimizer(RankShare, torch.optim.Optimizer):
     """ZeRO stage 1 as an optimizer for any loop: the optimizer state sharded by whole parameters over ``group``.
 
         ddp = DataParallel(model)                                  # the gradients averaged on every rank
@@ -73,18 +91,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             comm.broadcast(p.data, src=dist.get_global_rank(self.group, rank), group=self.group,
                            name="broadcast updated parameter")
         return loss
-
-    def state_dict(self) -> dict:
-        return {"rank": self.rank, "size": self.size, "inner": self.inner.state_dict(),
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        if (state_dict["rank"], state_dict["size"]) != (self.rank, self.size):
-            raise ValueError(f"this state is rank {state_dict['rank']} of {state_dict['size']}'s share; this is rank "
-                             f"{self.rank} of {self.size}: load each rank's own.")
-        self.inner.load_state_dict(state_dict["inner"])
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            group.update(saved)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (its share)."""

@@ -28,14 +28,11 @@ P' floats and all-gathers P'; stage 2 reduce-scatters P' and all-gathers P'.
 Counted the ring way, a reduce-scatter plus an all-gather is exactly one
 all-reduce: stage 2 moves what plain data parallelism moves.
 
-For a training loop of your own, ``sharded_optimizer.ShardedOptimizer`` is stage 1 as a ``torch.optim.Optimizer``:
-it wraps any optimizer class, and each rank keeps the state of whole parameters of its own (like PyTorch's
-``ZeroRedundancyOptimizer``, not one flat buffer) and sends them to the others after its step.
-
-``impl="torch"``: stage 1 is ``ZeroRedundancyOptimizer`` (it shards whole
-parameters between ranks, not one flat buffer) under DDP; stages 2 and 3 are
-FSDP2's ``fully_shard``, keeping the gathered weights between forward and
-backward for stage 2 (``reshard_after_forward=False``) and freeing them for 3.
+The stages are an optimizer, :class:`FlatShardedOptimizer`: the course's trainer (:class:`ZeroScratch`) steps
+through it, and so can a training loop of your own, with any optimizer class. ``sharded_optimizer.py`` has the
+other way to cut the state, by whole parameters (like PyTorch's ``ZeroRedundancyOptimizer``), and ZeRO-2 that
+reduces each gradient during backward. ``impl="torch"``: ``zero_torch.py`` (``ZeroRedundancyOptimizer`` under DDP
+for stage 1, FSDP2's ``fully_shard`` for stages 2 and 3); checkpoints: ``sharded_state.py``.
 """
 
 from __future__ import annotations
@@ -47,9 +44,10 @@ import torch.distributed as dist
 
 from .. import comm
 from ..measure import optimizer_state_bytes, tensor_bytes
-from ..model import blocks_of
-from .data_parallel import TorchDDP, broadcast_parameters, replica_group
-from ..optim import ADAMW, MasterWeightsAdamW, init_state
+from ..optim import MasterWeightsAdamW
+from .data_parallel import replica_group
+from .sharded_optimizer import RankShare
+from .sharded_state import load_sharded_optimizer_state, sharded_optimizer_state
 from .single import Trainer
 
 
@@ -60,59 +58,6 @@ def memory_formula(num_params: int, dp: int, stage: int) -> dict:
     shard = math.ceil(num_params / dp)
     padded = shard * dp
     return {"weights": 4 * padded, "gradients": 4 * (padded if stage == 1 else shard), "optimizer": 8 * shard}
-
-
-# --- Checkpoints: a flat shard's optimizer state, as every parameter's own ----------------------
-#
-# A checkpoint names optimizer state by parameter ("blocks.0.ln1.weight.exp_avg"), whole, so that
-# any layout can load it. A rank's flat shard holds pieces of several parameters, cut wherever the
-# shard boundary falls; saving all-gathers each field over dp and cuts it per parameter (every dp
-# rank then briefly holds its stage's whole moments; DCP writes each once); loading cuts this rank's
-# shard back out of the parameters' tensors.
-
-def _fields(trainer: Trainer, shard: torch.Tensor) -> dict:
-    """The optimizer state of ``shard`` by field (``exp_avg``, ``exp_avg_sq``, ``step``; ``master`` with masters)."""
-    optimizer = trainer.torch_optimizer()
-    init_state(optimizer)  # fresh (about to load): make the tensors a load fills in
-    if isinstance(trainer.optimizer, MasterWeightsAdamW):
-        master = dict(zip(map(id, trainer.optimizer.params), trainer.optimizer.masters))[id(shard)]
-        return {**optimizer.state[master], "master": master}
-    return dict(optimizer.state[shard])
-
-
-def sharded_optimizer_state(trainer: Trainer, shards, group) -> dict:
-    """``{"name.field": tensor}`` of every parameter in ``shards``.
-
-    ``shards``: ``[(flat shard, [(name, offset, numel, shape)])]``.
-    """
-    dp, state = dist.get_world_size(group), {}
-    for shard, entries in shards:
-        for field, value in _fields(trainer, shard).items():
-            if value.dim() == 0:  # Adam's step count: one for the whole shard
-                state.update({f"{name}.{field}": value.clone() for name, *_ in entries})
-                continue
-            whole = torch.empty(value.numel() * dp, dtype=value.dtype, device=value.device)
-            comm.all_gather_flat(whole, value.detach().contiguous(), group=group)
-            state.update({f"{name}.{field}": whole[offset:offset + n].view(shape)
-                          for name, offset, n, shape in entries})
-    return state
-
-
-def load_sharded_optimizer_state(trainer: Trainer, shards, state: dict, group) -> None:
-    """The reverse of :func:`sharded_optimizer_state`: this rank's shard of each field, cut from the parameters'."""
-    dp, rank = dist.get_world_size(group), dist.get_rank(group)
-    for shard, entries in shards:
-        for field, target in _fields(trainer, shard).items():
-            present = [(f"{name}.{field}", offset, n) for name, offset, n, _ in entries if f"{name}.{field}" in state]
-            with torch.no_grad():
-                if target.dim() == 0:
-                    if present:
-                        target.copy_(state[present[0][0]])
-                    continue
-                whole = torch.zeros(target.numel() * dp, dtype=target.dtype, device=target.device)
-                for key, offset, n in present:  # a parameter without state there: zeros (it never got a gradient)
-                    whole[offset:offset + n] = state[key].reshape(-1)
-                target.copy_(whole[rank * target.numel():(rank + 1) * target.numel()])
 
 
 class FlatShards:
@@ -162,39 +107,58 @@ class FlatShards:
         return kept
 
 
-class ZeroScratch(Trainer):
-    """ZeRO stage 1 or 2 over the data-parallel ``group``, from scratch.
+class FlatShardedOptimizer(RankShare, torch.optim.Optimizer):
+    """ZeRO stage 1 or 2 as an optimizer, on flat buffers as the ZeRO paper and Megatron-Core's distributed optimizer
+    keep them — the course's trainer (:class:`ZeroScratch`) and any other loop use it alike:
 
-    Under expert parallelism the experts' weights are replicated over a smaller
-    group (``expert_group``): they get a flat buffer of their own, sharded over
-    that group, beside the one for everything else — as Megatron-Core's
-    distributed optimizer keeps separate expert buffers.
+        opt = FlatShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-3)  # no DataParallel
+        ... loss.backward(); opt.reduce_gradients(); opt.clip_grad_norm_(1.0); opt.step(); sched.step()
+
+    Each parameter group becomes one :class:`FlatShards` (two under expert parallelism: the experts' weights are
+    replicated over a smaller group, so they get a buffer of their own, as Megatron-Core keeps separate expert
+    buffers), and ``optimizer_class`` steps only this rank's shards, each with its group's settings as they are at
+    the step (a scheduler's learning rate included). Every rank starts from its group's first rank's weights.
+    ``reduce_gradients()`` averages the gradients over ``group`` into each shard — stage 1 all-reduces the whole
+    flat gradient and keeps it, stage 2 reduce-scatters it so a rank keeps only its shard — and ``step()`` calls it
+    when the loop has not. ``make``: instead of ``optimizer_class``, a function from the shards' parameter groups
+    to the optimizer that steps them (the course's trainer passes one that keeps fp32 master weights).
+    ``state_dict`` holds this rank's share of the state.
     """
 
-    def __init__(self, model, group, stage: int = 1, **options):
-        self.group, self.stage = group, stage
-        self.dp, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        broadcast_parameters(model, group)
-        by_group = {}
-        for p in model.parameters():
+    def __init__(self, params, optimizer_class: type | None = None, group=None, stage: int = 1, make=None,
+                 **defaults):
+        self.group = group if group is not None else dist.group.WORLD
+        self.stage, self.dp = stage, dist.get_world_size(self.group)
+        self.rank, self.size = dist.get_rank(self.group), self.dp  # which share of the state this rank holds
+        self.parts: list[FlatShards] = []
+        self.part_group: list[int] = []  # for each part, the index of its parameter group
+        self.reduced = False
+        super().__init__(params, defaults)  # calls add_param_group once a group
+        local = [{**self._settings(self.param_groups[g]), "params": [part.local]}
+                 for part, g in zip(self.parts, self.part_group)]
+        self.inner = make(local) if make is not None else optimizer_class(local)
+
+    @staticmethod
+    def _settings(group: dict) -> dict:
+        return {k: v for k, v in group.items() if k != "params"}
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        by_replicas = {}
+        for p in self.param_groups[-1]["params"]:
+            replicas = replica_group(p, self.group)
+            comm.broadcast(p.data, src=dist.get_global_rank(replicas, 0), group=replicas, name="broadcast weights")
             if p.requires_grad:
-                replicas = replica_group(p, group)
-                by_group.setdefault(id(replicas), (replicas, []))[1].append(p)
-        self.parts = [FlatShards(params, replicas) for replicas, params in by_group.values()]
-        super().__init__(model, **options)
-        dense = self.parts[0]
-        self.extras["zero"] = {"stage": stage, "num_params": dense.numel, "shard_size": dense.shard_size}
-        if len(self.parts) > 1:
-            self.extras["zero"]["expert_shards"] = [{"num_params": part.numel, "shard_size": part.shard_size}
-                                                    for part in self.parts[1:]]
+                by_replicas.setdefault(id(replicas), (replicas, []))[1].append(p)
+        for replicas, params in by_replicas.values():
+            self.parts.append(FlatShards(params, replicas))
+            self.part_group.append(len(self.param_groups) - 1)
+            if hasattr(self, "inner"):  # a group added after construction
+                self.inner.add_param_group({**self._settings(self.param_groups[-1]), "params": [self.parts[-1].local]})
 
-    def make_optimizer(self, lr):
-        return self.optimizer_for([part.local for part in self.parts], lr)
-
-    def gradients(self):
-        return [part.local.grad for part in self.parts]
-
-    def sync_gradients(self) -> None:
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Average every gradient over the group into this rank's shards (stage 1: the whole flat gradient too)."""
         for part in self.parts:
             flat_grad = part.flat_gradient()
             if self.stage == 1:
@@ -205,32 +169,123 @@ class ZeroScratch(Trainer):
                 shard_grad = torch.empty(part.shard_size, dtype=flat_grad.dtype, device=flat_grad.device)
                 comm.reduce_scatter_tensor(shard_grad, flat_grad, group=part.group, name="reduce_scatter gradients")
                 part.local.grad = shard_grad
-            part.local.grad /= self.dp  # the mean over every dp rank's tokens, experts' included
+            part.local.grad /= self.dp  # the mean over every rank's tokens, experts' included
+        self.reduced = True
 
-    def optimizer_step(self) -> None:
-        # On one device the optimizer skips a parameter without a gradient; inside the shard it
-        # cannot (weight decay would still shrink it), so those values are put back after the step.
+    def shard_gradients(self) -> list[torch.Tensor]:
+        """The averaged gradients of this rank's shards (what the step reads; a loss scaler unscales them)."""
+        return [part.local.grad for part in self.parts]
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the averaged gradients so that their total 2-norm is at most ``max_norm``; return the norm before
+        clipping. Each element lives in exactly one rank's shard, so the squares summed over the group are the
+        norm's square (an expert's shard over all of the group too: other ranks hold other experts)."""
+        if not self.reduced:
+            self.reduce_gradients()
+        squares = sum((g.double().pow(2).sum() for g in self.shard_gradients()), torch.zeros((), dtype=torch.float64))
+        comm.all_reduce(squares, group=self.group, name="all_reduce gradient norm")
+        norm = squares.sqrt().to(torch.float32)
+        for g in self.shard_gradients():
+            g.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return norm
+
+    @torch.no_grad()
+    def step_shards(self) -> None:
+        """The inner optimizer's step on this rank's shards, each with its group's current settings. On one device
+        the optimizer skips a parameter without a gradient; inside the shard it cannot (weight decay would still
+        shrink it), so those values are put back after the step (in the fp32 master weights too, if any)."""
+        if not self.reduced:
+            self.reduce_gradients()
+        inner_groups = getattr(self.inner, "param_groups", [])
+        for local, g in zip(inner_groups, self.part_group):
+            local.update(self._settings(self.param_groups[g]))  # what a scheduler set
         kept = [part.untouched() for part in self.parts]
-        with self.rec.span("optimizer"):
-            self.optimizer.step()
-        masters = getattr(self.optimizer, "masters", [None] * len(self.parts))  # fp32 master weights
-        with torch.no_grad():
-            for part, master, values_kept in zip(self.parts, masters, kept):
-                for start, values in values_kept:
-                    part.local[start:start + len(values)] = values
-                    if master is not None:
-                        master[start:start + len(values)] = values
+        self.inner.step()
+        masters = getattr(self.inner, "masters", [None] * len(self.parts))
+        for part, master, values_kept in zip(self.parts, masters, kept):
+            for start, values in values_kept:
+                part.local[start:start + len(values)] = values
+                if master is not None:
+                    master[start:start + len(values)] = values
+
+    @torch.no_grad()
+    def gather_weights(self) -> None:
+        """Every rank's updated shard to every rank: the flat buffers, and so the parameters, whole again."""
         for part in self.parts:
             # The all-gather's input must not alias its output, so send a copy of our shard.
             comm.all_gather_into_tensor(part.flat, part.local.detach().clone(), group=part.group,
                                         name="all_gather weights")
-        self.measure_memory()
-        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.step_shards()
+        self.gather_weights()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
         for part in self.parts:
             part.full_grad = None
+            part.local.grad = None
+            for p in part.params:
+                p.grad = None
+        self.reduced = False
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (its shards'; fp32 master weights included)."""
+        return self.inner.state_bytes() if hasattr(self.inner, "state_bytes") else optimizer_state_bytes(self.inner)
+
+    def gradient_bytes(self) -> int:
+        """Bytes of gradients this rank holds at the step: the whole flat gradient (stage 1) or its shard (2)."""
+        return tensor_bytes([part.full_grad if part.full_grad is not None else part.local.grad
+                             for part in self.parts])
+
+
+class ZeroScratch(Trainer):
+    """ZeRO stage 1 or 2 over the data-parallel ``group``, from scratch: the course's trainer around a
+    :class:`FlatShardedOptimizer`, with the trainer's optimizer (the course's AdamW, fp32 master weights in half
+    precision) stepping the shards."""
+
+    def __init__(self, model, group, stage: int = 1, **options):
+        self.group, self.stage = group, stage
+        self.dp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.params = list(model.parameters())
+        super().__init__(model, **options)
+        parts = self.optimizer.parts
+        self.extras["zero"] = {"stage": stage, "num_params": parts[0].numel, "shard_size": parts[0].shard_size}
+        if len(parts) > 1:
+            self.extras["zero"]["expert_shards"] = [{"num_params": part.numel, "shard_size": part.shard_size}
+                                                    for part in parts[1:]]
+
+    def make_optimizer(self, lr):
+        return FlatShardedOptimizer(self.params, group=self.group, stage=self.stage,
+                                    make=lambda groups: self.optimizer_for([g["params"][0] for g in groups], lr))
+
+    def gradients(self):
+        return self.optimizer.shard_gradients()
+
+    def sync_gradients(self) -> None:
+        self.optimizer.reduce_gradients()
+
+    def optimizer_step(self) -> None:
+        with self.rec.span("optimizer"):
+            self.optimizer.step_shards()
+        self.optimizer.gather_weights()
+        self.measure_memory()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def weight_bytes(self) -> int:
-        return tensor_bytes([part.flat for part in self.parts])
+        return tensor_bytes([part.flat for part in self.optimizer.parts])
+
+    def gradient_bytes(self) -> int:
+        return self.optimizer.gradient_bytes()
+
+    def torch_optimizer(self):
+        inner = self.optimizer.inner
+        return inner.inner if isinstance(inner, MasterWeightsAdamW) else inner
 
     def _shards(self, part: FlatShards) -> list:
         names = self.parameter_names()
@@ -238,52 +293,10 @@ class ZeroScratch(Trainer):
 
     def optimizer_state(self) -> dict:
         state = {}
-        for part in self.parts:
-            state.update(sharded_optimizer_state(self, self._shards(part), part.group))
+        for part in self.optimizer.parts:
+            state.update(sharded_optimizer_state(self.optimizer.inner, self._shards(part), part.group))
         return state
 
     def load_optimizer_state(self, state: dict) -> None:
-        for part in self.parts:
-            load_sharded_optimizer_state(self, self._shards(part), state, part.group)
-
-    def gradient_bytes(self) -> int:
-        return tensor_bytes([part.full_grad if part.full_grad is not None else part.local.grad
-                             for part in self.parts])
-
-
-class TorchZero1(TorchDDP):
-    """ZeRO-1 the PyTorch way: DDP for gradients, ZeroRedundancyOptimizer for the step."""
-
-    def make_optimizer(self, lr):
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        optimizer_class, kwargs = self.optimizer_class, self.optimizer_kwargs
-        if optimizer_class is None:  # the course's AdamW
-            optimizer_class, kwargs = torch.optim.AdamW, ADAMW
-        return ZeroRedundancyOptimizer(
-            [p for p in self.model.parameters() if p.requires_grad], optimizer_class=optimizer_class,
-            process_group=self.group, lr=lr, **kwargs)
-
-    def optimizer_bytes(self) -> int:
-        return optimizer_state_bytes(self.optimizer.optim)
-
-    def torch_optimizer(self):
-        return self.optimizer.optim  # the optimizer over this rank's own parameters: it holds their state
-
-
-class TorchFSDP(Trainer):
-    """FSDP2: each block (then the whole model) wrapped by ``fully_shard`` over the dp mesh."""
-
-    def __init__(self, model, dp_mesh, stage: int = 3, **options):
-        from torch.distributed.fsdp import fully_shard
-
-        reshard = stage == 3
-        for block in blocks_of(model):
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
-        super().__init__(model, **options)
-
-    def accumulating(self, last: bool):
-        # Skip the reduce-scatter on all but the last microbatch, as DDP's no_sync does.
-        self.model.set_requires_gradient_sync(last)
-        return super().accumulating(last)
+        for part in self.optimizer.parts:
+            load_sharded_optimizer_state(self.optimizer.inner, self._shards(part), state, part.group)

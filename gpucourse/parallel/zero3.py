@@ -55,7 +55,7 @@ from ..measure import tensor_bytes
 from ..model import blocks_of
 from .data_parallel import broadcast_parameters
 from .single import Trainer
-from .zero import load_sharded_optimizer_state, sharded_optimizer_state
+from .sharded_state import load_sharded_optimizer_state, sharded_optimizer_state
 
 
 def memory_formula(units: dict[str, int], dp: int, value_bytes: int = 4) -> dict:
@@ -291,7 +291,7 @@ class Zero3Scratch(Trainer):
                 for u in self.units]
 
     def optimizer_state(self) -> dict:
-        return sharded_optimizer_state(self, self._shards(), self.group)
+        return sharded_optimizer_state(self.optimizer, self._shards(), self.group)
 
     def load_optimizer_state(self, state: dict) -> None:
-        load_sharded_optimizer_state(self, self._shards(), state, self.group)
+        load_sharded_optimizer_state(self.optimizer, self._shards(), state, self.group)
