@@ -79,11 +79,13 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.kernel = cfg.attention
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         B, T, _ = x.shape
         # (B, T, heads·head_dim) -> (B, heads, T, head_dim); heads = whatever this rank holds.
         q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
-        y = self.attend(q, k, v)
+        # With a cache (generation), x holds only the new tokens: the cache keeps their keys and values and
+        # attends the queries over every key it holds for the sequence.
+        y = self.attend(q, k, v) if cache is None else cache.attend(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -229,8 +231,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MoE(cfg) if cfg.is_moe(index) else MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cache=cache)
         return x + self.mlp(self.ln2(x))
 
 
@@ -238,7 +240,9 @@ class GPT(nn.Module):
     """A decoder-only transformer language model.
 
     ``forward(idx)`` returns logits of shape (batch, time, vocab). Pass ``targets``
-    to get the mean cross-entropy loss instead.
+    to get the mean cross-entropy loss instead. Pass a ``cache`` (a KV cache of
+    :mod:`gpucourse.serving`) to run only new tokens: it gives their ``positions``
+    (batch, time), and block i's attention calls ``cache.layer(i).attend(q, k, v)``.
     """
 
     def __init__(self, cfg: GPTConfig):
@@ -266,19 +270,19 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token plus position embedding: (B, T) ids -> (B, T, n_embd)."""
-        pos = torch.arange(idx.shape[1], device=idx.device)
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token plus position embedding: (B, T) ids -> (B, T, n_embd); positions 0..T-1 unless given (B, T)."""
+        pos = torch.arange(idx.shape[1], device=idx.device) if positions is None else positions
         return self.drop(self.wte(idx) + self.wpe(pos))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and output head: (B, T, n_embd) -> (B, T, vocab)."""
         return self.head(self.ln_f(x))
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        x = self.embed(idx, None if cache is None else cache.positions)
+        for i, block in enumerate(self.blocks):
+            x = block(x) if cache is None else block(x, cache=cache.layer(i))
         logits = self.logits(x)
         if targets is None:
             return logits

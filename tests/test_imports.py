@@ -18,7 +18,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gpucourse"
 
 # The core trains and measures; it imports only torch and itself. The tools sit on top: nothing but a tool imports one.
 CORE = ("config", "model", "data", "optim", "comm", "measure", "files", "runtime", "parallel", "train",
-        "checkpoint", "profiling", "readable", "clock")
+        "checkpoint", "profiling", "readable", "clock", "serving")
 TOOLS = ("bench", "tour", "troubleshoot", "viz", "cli", "lab", "kernel_sockets", "grading", "quiz", "workshop",
          "__main__")
 

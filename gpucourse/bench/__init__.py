@@ -18,7 +18,7 @@ registered figure (or only those named), prints a table and can write them as
 one JSON object. The figures live with their topic: ``parallel_figures`` (the
 strategies), ``memory_figures``, ``course_figures`` (bandwidth, grading, the
 live view, the tour, starting ranks), ``replay_figures`` (the modeled clock),
-``quiz_figures`` and ``workshop_figures``.
+``quiz_figures``, ``workshop_figures`` and ``serving_figures``.
 """
 
 from __future__ import annotations
@@ -126,3 +126,4 @@ from . import replay_figures  # noqa: E402,F401 (registers the modeled clock's f
 from . import parallel_figures  # noqa: E402,F401 (registers the strategies' figures)
 from . import memory_figures  # noqa: E402,F401 (registers the memory figures)
 from . import course_figures  # noqa: E402,F401 (registers the course's figures)
+from . import serving_figures  # noqa: E402,F401 (registers the serving figures)

@@ -1,0 +1,20 @@
+"""Serving: generating tokens for many requests at once, with the training model unchanged.
+
+Four short lessons, each a file to read top to bottom:
+
+- ``kv_cache``: prefill and decode with a cache of keys and values, equal to recomputing the prefix;
+- ``paged``: the cache as blocks found through a block table, allocated as sequences grow;
+- ``trace``: a seeded synthetic workload (Poisson arrivals, prompt and answer lengths);
+- ``scheduler``: continuous batching against static batching, on a measured or a modeled clock,
+  read through ``metrics`` (time to first token, time per output token, throughput, goodput).
+"""
+
+from .kv_cache import Cache, KVCache, check_fits, generate, next_token
+from .metrics import Iteration, Report
+from .paged import BlockAllocator, OutOfBlocks, PagedKVCache
+from .scheduler import LinearCost, ModelRunner, Scheduler, Sequence, Simulated, serve, simulate, wall_clock
+from .trace import Request, load_trace, poisson_trace, save_trace
+
+__all__ = ["BlockAllocator", "Cache", "Iteration", "KVCache", "LinearCost", "ModelRunner", "OutOfBlocks",
+           "PagedKVCache", "Report", "Request", "Scheduler", "Sequence", "Simulated", "check_fits", "generate",
+           "load_trace", "next_token", "poisson_trace", "save_trace", "serve", "simulate", "wall_clock"]
