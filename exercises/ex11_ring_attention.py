@@ -2,7 +2,7 @@
 
 Taught in notebooks/12_sequence_context_parallel.ipynb; check your work with
 ``from gpucourse import check; check("ex11")`` or ``gpucourse grade ex11``.
-Compare with the reference, gpucourse/parallel/context_parallel.py, once yours passes.
+Compare with the reference, gpucourse/parallel/context_parallel_ring.py, once yours passes.
 
 Under context parallelism each of n ranks (all ranks of the default process
 group) holds a block of every sequence: its queries ``q`` and its keys and

@@ -2,7 +2,7 @@
 
 Taught in notebooks/12_sequence_context_parallel.ipynb. The package's own,
 which also skips the part of a block the causal mask hides, is
-gpucourse/parallel/context_parallel.py.
+gpucourse/parallel/context_parallel_ring.py.
 """
 
 import math

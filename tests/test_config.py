@@ -144,7 +144,8 @@ def test_each_strategy_owns_its_fields_and_its_rules():
     # What each applies is written beside it too: in its technique's own files (data parallelism's choice of
     # trainer, from DATA_PARALLEL, in the package that holds the trainers).
     homes = {s.name: {f.__module__.rsplit(".", 1)[-1] for f in s.applies + s.checks} for s in STRATEGIES}
-    assert homes == {"pipeline": {"pipeline", "pipeline_virtual"}, "tensor": {"tensor_parallel"},
+    assert homes == {"pipeline": {"pipeline", "pipeline_virtual"},
+                     "tensor": {"tensor_parallel", "tensor_parallel_torch"},
                      "context": {"context_parallel", "context_parallel_torch"}, "experts": {"expert_parallel"},
                      "recomputation": {"activation_checkpointing"}, "data": {"data_parallel", "parallel"}}
 

@@ -110,8 +110,8 @@ def test_ring_allgather_and_ulysses_equal_full_attention_forward_and_backward(wo
 def test_the_fused_block_equals_the_written_out_one():
     # What the ring computes per block on CPU (the flash kernel) against the math it stands for, forward and backward,
     # for each kind of visible part: all of it, causal, an arbitrary mask.
-    from gpucourse.parallel.context_parallel import (_causal_bias, block_attention, block_attention_backward,
-                                                     written_out, written_out_backward)
+    from gpucourse.parallel.context_parallel_ring import (_causal_bias, block_attention, block_attention_backward,
+                                                          written_out, written_out_backward)
     gen = torch.Generator().manual_seed(3)
     q, k, v, grad = (torch.randn(2, 3, 12, 8, generator=gen, dtype=torch.float64) for _ in range(4))
     arbitrary = torch.rand(12, 12, generator=gen) < 0.5

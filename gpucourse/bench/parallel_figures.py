@@ -232,7 +232,7 @@ def ring_work_times(seq_len: int, cp: int, zigzag: bool, reps: int, heads: int =
     of its runs counts.
     """
     from ..data import context_positions
-    from ..parallel.context_parallel import block_attention, block_attention_backward, visible_part
+    from ..parallel.context_parallel_ring import block_attention, block_attention_backward, visible_part
 
     every = [context_positions(seq_len, r, cp, zigzag) for r in range(cp)]
     gen = torch.Generator().manual_seed(0)

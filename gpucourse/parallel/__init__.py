@@ -35,7 +35,7 @@ import torch
 
 from ..measure import Recorder
 from . import (activation_checkpointing, context_parallel, context_parallel_torch, data_parallel, expert_parallel,
-               pipeline, pipeline_virtual, tensor_parallel)
+               pipeline, pipeline_virtual, tensor_parallel, tensor_parallel_torch)
 from .activation_checkpointing import recompute
 from .precision import Precision
 from .single import Trainer
@@ -87,7 +87,8 @@ def apply_data_parallel(model, mesh, cfg, built: Built):
 STRATEGIES = (
     Strategy("pipeline", ("pp", "schedule", "virtual_stages", "microbatches"), (pipeline.check,),
              (pipeline.apply, pipeline_virtual.apply)),
-    Strategy("tensor", ("tp", "sequence_parallel"), (tensor_parallel.check,), (tensor_parallel.apply,)),
+    Strategy("tensor", ("tp", "sequence_parallel"), (tensor_parallel.check,),
+             (tensor_parallel.apply, tensor_parallel_torch.apply)),
     Strategy("context", ("cp", "cp_algo", "zigzag"), (context_parallel.check, context_parallel_torch.check),
              (context_parallel.apply, context_parallel_torch.apply)),
     Strategy("experts", ("ep", "moe_experts", "moe_top_k", "moe_every", "moe_capacity", "moe_aux"),
