@@ -81,6 +81,8 @@ def cmd_memory(args) -> int:
 
     if args.json:
         check_writable(args.json, "--json")
+    if args.serve:
+        return _serve_memory(args)
     if args.params is not None:
         if args.params < 1:
             raise UsageError(f"--params {args.params:g} must be a positive number of parameters.")
@@ -94,6 +96,23 @@ def cmd_memory(args) -> int:
     else:
         est = memory.estimate(config_from(args))
         print(memory.format_estimate(est))
+    write_json(args.json, est)
+    return 0
+
+
+def _serve_memory(args) -> int:
+    """``memory --serve``: what serving the model (or ``--shape``) holds on each GPU."""
+    import dataclasses
+
+    from .. import serve_plan
+    from ..shapes import Shape
+
+    if args.budget_gb is not None and not args.budget_gb > 0:
+        raise UsageError(f"--budget-gb {args.budget_gb:g} must be positive.")
+    shape = args.shape or dataclasses.replace(Shape.of_model(config_from(args).model_config()), name=args.model)
+    budget = None if args.budget_gb is None else args.budget_gb * 2**30
+    est = serve_plan.memory(shape, args.seq_len, args.tp, args.pp, args.precision, args.kv, budget=budget)
+    print(serve_plan.format_memory(est))
     write_json(args.json, est)
     return 0
 
@@ -115,10 +134,28 @@ def cmd_plan(args) -> int:
         except ValueError as e:
             raise UsageError(str(e)) from None
         shape = {**{k: v for k, v in base.items() if k != "source"}, **parts}
+    if args.serve:
+        return _serve_plan(args, shape)
     result = plan.plan(args.params, args.gpus, args.gpu, args.gpus_per_node, args.batch_size, args.seq_len,
                        args.precision, args.efficiency, shape=shape, framework=args.framework,
                        offload=args.offload)
     print(plan.format_plan(result, top=args.top, explained=args.explain))
+    write_json(args.json, result)
+    return 0
+
+
+def _serve_plan(args, shape) -> int:
+    """``plan --serve``: the serving layouts of a shape (a parameter count alone does not say its KV heads)."""
+    from .. import serve_plan
+
+    if shape is None:
+        raise UsageError("plan --serve needs --shape or the shape's parts: a KV cache's size depends on its heads.")
+    weights = "fp8" if args.precision == "fp8" else "bf16"
+    if args.precision not in ("bf16", "fp8"):
+        raise UsageError(f"plan --serve stores weights in bf16 or fp8, not {args.precision}.")
+    result = serve_plan.plan(shape, args.gpus, args.gpu, args.context, args.tpot_ms / 1e3, weights, args.kv,
+                             args.gpus_per_node)
+    print(serve_plan.format_plan(result, top=args.top))
     write_json(args.json, result)
     return 0
 
@@ -220,6 +257,13 @@ def add_commands(sub) -> None:
                        description="Takes the same flags as train; --params N sizes a model of N parameters.")
     add_layout_args(p)
     p.add_argument("--params", type=float, default=None, help="a parameter count instead of --model (e.g. 70e9)")
+    p.add_argument("--serve", action="store_true",
+                   help="serving instead of training: weights per GPU, KV cache bytes per token and the largest batch "
+                        "of --seq-len-token sequences that fits --budget-gb (under --tp, --pp, --precision)")
+    p.add_argument("--shape", help="with --serve: a named public shape (gpucourse.shapes) instead of --model")
+    p.add_argument("--kv", default="bf16", help="with --serve: the KV cache's number format, bf16 or fp8")
+    p.add_argument("--budget-gb", type=float, default=None,
+                   help="with --serve: memory per GPU, GiB (default: what an H100 leaves a run)")
     p.add_argument("--json", metavar="FILE", help="write the estimate as JSON")
     p.set_defaults(func=cmd_memory)
 
@@ -247,6 +291,13 @@ def add_commands(sub) -> None:
     p.add_argument("--efficiency", type=float, default=None,
                    help="time compute as this fraction of peak FLOP/s, spread evenly (default: kernel by kernel "
                         "on the model's shape)")
+    p.add_argument("--serve", action="store_true",
+                   help="plan serving instead of training: tp × pp layouts (replicas over the rest) ranked by modeled "
+                        "output tokens per second under --tpot-ms, each at the largest batch that fits and meets it")
+    p.add_argument("--context", type=int, default=4096, help="with --serve: tokens each sequence holds (prompt + "
+                                                              "answer)")
+    p.add_argument("--tpot-ms", type=float, default=50.0, help="with --serve: the time-per-output-token target")
+    p.add_argument("--kv", default="bf16", help="with --serve: the KV cache's number format, bf16 or fp8")
     p.add_argument("--offload", action="store_true",
                    help="also try each layout with the optimizer on the CPU (ZeRO-Offload): GPU memory freed, PCIe "
                         "transfers and a CPU Adam step added")

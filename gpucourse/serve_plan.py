@@ -1,0 +1,222 @@
+"""Serving on modeled GPUs: what prefill and decode cost, and which layout serves a model best.
+
+Generation has two phases with opposite bottlenecks:
+
+- **Prefill** runs a prompt's P tokens through the model at once: every matmul has P rows, so the weights read
+  from memory are used P times each and the GPU runs at its arithmetic peak — *compute-bound*, timed here by the
+  cluster model's matmuls on their own shapes (``Cluster.gemm_s``) and its attention kernel.
+- **Decode** makes one token per sequence per step: a batch of B sequences gives matmuls of B rows, so each
+  weight read from memory does 2·B FLOPs, and every step also reads each sequence's whole KV cache — *memory-bound*
+  until B reaches the GPU's ridge point (peak FLOP/s over memory bandwidth, about 300 FLOPs a byte on an H100).
+  A step costs about (weight bytes + KV bytes of every sequence) / HBM bandwidth, whatever B is, so batching more
+  sequences multiplies tokens per second for almost nothing — until the KV cache fills the memory.
+
+On several GPUs (``tp`` × ``pp`` per replica, ``gpus / (tp·pp)`` replicas):
+
+- **tensor parallelism** splits each step's weight and KV reads tp ways (KV heads too; a K/V head is replicated when
+  kv_heads < tp) and adds two all-reduces of B × hidden numbers per block — small messages, so their latency, not
+  their bandwidth, is the cost: why tp stays inside an NVLink server;
+- **pipeline parallelism** holds 1/pp of the layers on each GPU; a token passes every stage in turn, so its latency
+  is the *sum* of the stages (plus a send between each), and throughput comes from keeping pp microbatches of
+  sequences in flight;
+- **replicas** (data parallelism) multiply throughput and change no latency.
+
+:func:`decode_step` and :func:`prefill` time one step of a layout; :func:`plan` sizes and ranks every layout by
+modeled tokens per second under a time-per-output-token target (``gpucourse plan --serve``). Every figure is
+modeled: the same GPU table and links as the training planner (``gpucourse/cluster.py``).
+"""
+
+from __future__ import annotations
+
+from .cluster import Cluster
+from .config import ConfigError
+from .gpus import get_gpu
+from .shapes import ShapeError, get_shape
+
+ELEM = {"fp32": 4, "bf16": 2, "fp8": 1}  # bytes a weight or a cached number is stored in
+
+
+def kv_bytes_per_token(shape, tp: int = 1, kv: str = "bf16") -> float:
+    """Bytes of keys and values one token adds to one GPU's cache: 2 × layers × its K/V heads × head_dim."""
+    return 2 * shape.layers * shape.kv_heads_per_rank(tp) * shape.head_dim * ELEM[kv]
+
+
+def weight_bytes(shape, tp: int = 1, pp: int = 1, weights: str = "bf16") -> float:
+    """Bytes of weights on the busiest GPU of a tp × pp replica."""
+    return max(shape.stage_params(pp, stage, tp)[0] for stage in range(pp)) * ELEM[weights]
+
+
+def _check(shape, tp: int, pp: int, weights: str, kv: str) -> None:
+    try:
+        shape.check_tp(tp)
+    except ShapeError as e:
+        raise ConfigError(str(e)) from None
+    if pp > shape.layers:
+        raise ConfigError(f"pp={pp} stages cannot each hold a block of a model of {shape.layers} blocks.")
+    for what, value in (("weights", weights), ("kv", kv)):
+        if value not in ELEM:
+            raise ConfigError(f"{what}={value!r} is not one of {', '.join(ELEM)}.")
+
+
+def decode_step(shape, gpu, batch: int, context: int, tp: int = 1, pp: int = 1, weights: str = "bf16",
+                kv: str = "bf16", gpus_per_node: int = 8) -> dict:
+    """One decode step of ``batch`` sequences holding ``context`` tokens each, on one tp × pp replica: seconds by
+    part (a stage's matmuls, its KV reads, its tp all-reduces; the pipeline's sends), the time per output token
+    (every stage in turn) and the arithmetic intensity (FLOPs per byte read) that places it on the roofline.
+    With pp > 1, ``batch`` is one microbatch: pp of them are in flight, one on each stage, so the replica serves
+    pp × batch sequences and makes ``batch`` tokens every stage time."""
+    shape, cluster = get_shape(shape), Cluster.of(gpu, gpus_per_node, max(1, -(-tp * pp // gpus_per_node)))
+    _check(shape, tp, pp, weights, kv)
+    matmuls = weights
+    block = [k for k in shape.kernels(batch, 1, tp, moe=bool(shape.experts)) if k["kind"] != "attention"]
+    per_block = sum(cluster.kernel_s(k, matmuls) for k in block)
+    blocks = -(-shape.layers // pp)
+    head = sum(cluster.kernel_s(k, matmuls) for k in shape.head_kernels(batch, tp)[:1])  # no loss when serving
+    kv_read = batch * context * kv_bytes_per_token(shape, tp, kv) / pp
+    attention = kv_read / cluster.hbm_Bps  # q·K and the weighted sum over V: one read of the cache, memory-bound
+    elem = ELEM["bf16"]
+    tp_comm = 2 * blocks * cluster.collective_s("all_reduce", batch * shape.hidden * elem, range(tp))[0] \
+        if tp > 1 else 0.0
+    stage = blocks * per_block + head / pp + attention + tp_comm
+    send = cluster.collective_s("send", batch * shape.hidden * elem, (0, tp))[0] if pp > 1 else 0.0
+    token_s = pp * stage + (pp - 1) * send
+    read = weight_bytes(shape, tp, pp, weights) + kv_read
+    flops = 2 * batch * shape.active_params() / (tp * pp) + 4 * batch * context * shape.heads * shape.head_dim * \
+        shape.layers / (tp * pp)
+    return {"stage_s": stage, "token_s": token_s, "matmul_s": blocks * per_block + head / pp,
+            "attention_s": attention, "tp_comm_s": tp_comm, "pp_send_s": (pp - 1) * send,
+            "bytes_read": read, "flops": flops, "intensity": flops / read,
+            # pp microbatches of ``batch`` in flight, one leaving the last stage every stage_s
+            "tokens_per_s": batch / (stage + (send if pp > 1 else 0.0))}
+
+
+def prefill(shape, gpu, prompts: int, prompt_len: int, tp: int = 1, pp: int = 1, weights: str = "bf16",
+            gpus_per_node: int = 8) -> dict:
+    """Prefill of ``prompts`` prompts of ``prompt_len`` tokens on one tp × pp replica: seconds to the first token
+    (every stage in turn), the share of it that is attention, and the arithmetic intensity."""
+    shape, cluster = get_shape(shape), Cluster.of(gpu, gpus_per_node, max(1, -(-tp * pp // gpus_per_node)))
+    _check(shape, tp, pp, weights, "bf16")
+    tokens = prompts * prompt_len
+    matmuls = weights
+    kernels = shape.kernels(tokens, prompt_len, tp, moe=bool(shape.experts))
+    per_block = sum(cluster.kernel_s(k, matmuls) for k in kernels)
+    attention = sum(cluster.kernel_s(k, matmuls) for k in kernels if k["kind"] == "attention")
+    head = cluster.kernel_s(shape.head_kernels(prompts, tp)[0], matmuls)  # the last token's logits only
+    tp_comm = 2 * shape.layers * cluster.collective_s("all_reduce", tokens * shape.hidden * 2, range(tp))[0] \
+        if tp > 1 else 0.0
+    send = cluster.collective_s("send", tokens * shape.hidden * 2, (0, tp))[0] if pp > 1 else 0.0
+    first_token_s = shape.layers * per_block + head + tp_comm + (pp - 1) * send
+    flops = tokens * shape.flops_per_token(prompt_len, causal=True, backward=False)
+    read = weight_bytes(shape, tp, pp, weights) * pp + tokens * kv_bytes_per_token(shape, tp)
+    return {"first_token_s": first_token_s, "attention_s": shape.layers * attention, "tp_comm_s": tp_comm,
+            "flops": flops, "bytes_read": read, "intensity": flops / read, "tokens_per_s": tokens / first_token_s}
+
+
+def ridge_point(gpu, precision: str = "bf16") -> float:
+    """FLOPs per byte at which the GPU's peak compute and its memory bandwidth take equal time: below it a
+    kernel is memory-bound."""
+    g = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    return g.peak_flops(precision) / (g.hbm_GBps * 1e9)
+
+
+def largest_batch(shape, gpu, context: int, tp: int = 1, pp: int = 1, weights: str = "bf16",
+                  kv: str = "bf16", budget: float | None = None) -> int:
+    """The most sequences of ``context`` tokens a microbatch may hold with the KV cache of all pp microbatches in
+    flight beside the weights on each GPU (each GPU holds its 1/pp of the layers' cache for pp × batch sequences);
+    the card's usable memory, ``GPUSpec.usable_bytes``; a decode step's activations are small and left out."""
+    g = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    shape = get_shape(shape)
+    free = (g.usable_bytes() if budget is None else budget) - weight_bytes(shape, tp, pp, weights)
+    return max(0, int(free // (context * kv_bytes_per_token(shape, tp, kv))))
+
+
+def memory(shape, context: int, tp: int = 1, pp: int = 1, weights: str = "bf16", kv: str = "bf16",
+           gpu: str = "h100", budget: float | None = None) -> dict:
+    """What serving ``shape`` holds on each GPU of a tp × pp replica (``gpucourse memory --serve``): the weights,
+    the KV cache's bytes per token, and the largest batch of ``context``-token sequences that fits ``budget``
+    bytes (default: the GPU's usable memory)."""
+    try:
+        shape = get_shape(shape)
+    except ShapeError as e:
+        raise ConfigError(str(e)) from None
+    _check(shape, tp, pp, weights, kv)
+    spec = get_gpu(gpu)
+    budget = spec.usable_bytes() if budget is None else budget
+    batch = largest_batch(shape, spec, context, tp, pp, weights, kv, budget)
+    return {"shape": shape.as_dict(), "tp": tp, "pp": pp, "weights": weights, "kv": kv, "context": context,
+            "weights_per_gpu": weight_bytes(shape, tp, pp, weights), "kv_per_token": kv_bytes_per_token(shape, tp, kv),
+            "kv_heads_per_gpu": shape.kv_heads_per_rank(tp), "budget": budget, "largest_batch": batch,
+            "kv_per_gpu": batch * context * kv_bytes_per_token(shape, tp, kv)}
+
+
+def format_memory(m: dict) -> str:
+    """The lines ``gpucourse memory --serve`` prints."""
+    from .readable import human_bytes
+
+    s = m["shape"]
+    return "\n".join([
+        f"serving {s['name'] or 'the shape'} with tp={m['tp']} pp={m['pp']}, weights {m['weights']}, KV cache "
+        f"{m['kv']}: per GPU",
+        f"  weights              {human_bytes(m['weights_per_gpu'])}",
+        f"  KV cache per token   {human_bytes(m['kv_per_token'])} (2 × {s['layers']} layers × "
+        f"{m['kv_heads_per_gpu']:g} K/V heads × {s['hidden'] // s['heads']} × {ELEM[m['kv']]} bytes)",
+        f"  budget               {human_bytes(m['budget'])}: at most {m['largest_batch']} sequences of "
+        f"{m['context']} tokens ({human_bytes(m['kv_per_gpu'])} of KV cache)"])
+
+
+def plan(shape, gpus: int, gpu: str = "h100", context: int = 4096, tpot_s: float = 0.05, weights: str = "bf16",
+         kv: str = "bf16", gpus_per_node: int = 8) -> dict:
+    """Every tp × pp layout of ``gpus`` GPUs (replicas over what is left), each at the largest batch that fits
+    its memory and meets the time-per-output-token target ``tpot_s``; ranked by modeled output tokens per second.
+    A layout that fits no sequence, or misses the target even at a batch of one, ranks last."""
+    try:
+        shape = get_shape(shape)
+    except ShapeError as e:
+        raise ConfigError(str(e)) from None
+    spec = get_gpu(gpu)
+    if gpus < 1 or context < 1 or tpot_s <= 0:
+        raise ConfigError(f"gpus={gpus}, context={context} and tpot_s={tpot_s} must be positive.")
+    _check(shape, 1, 1, weights, kv)
+    rows = []
+    for tp in (t for t in range(1, min(gpus, gpus_per_node) + 1) if gpus % t == 0 and gpus_per_node % t == 0):
+        try:
+            shape.check_tp(tp)
+        except ShapeError:
+            continue
+        for pp in (p for p in range(1, gpus // tp + 1) if (gpus // tp) % p == 0 and p <= shape.layers):
+            replicas = gpus // (tp * pp)
+            fits = largest_batch(shape, spec, context, tp, pp, weights, kv)
+            batch, step = 0, None
+            lo, hi = 1, fits  # the largest batch whose step meets the target: a step grows with the batch
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                trial = decode_step(shape, spec, mid, context, tp, pp, weights, kv, gpus_per_node)
+                if trial["token_s"] <= tpot_s:
+                    batch, step, lo = mid, trial, mid + 1
+                else:
+                    hi = mid - 1
+            rows.append({"tp": tp, "pp": pp, "replicas": replicas, "max_batch": fits, "batch": batch,
+                         "weights_per_gpu": weight_bytes(shape, tp, pp, weights),
+                         "kv_per_token": kv_bytes_per_token(shape, tp, kv),
+                         "tokens_per_s": replicas * step["tokens_per_s"] if step else 0.0,
+                         "token_s": step["token_s"] if step else None, "step": step})
+    rows.sort(key=lambda r: -r["tokens_per_s"])
+    return {"shape": shape.as_dict(), "gpus": gpus, "gpu": spec.name, "context": context, "tpot_s": tpot_s,
+            "weights": weights, "kv": kv, "layouts": rows}
+
+
+def format_plan(result: dict, top: int = 10) -> str:
+    """The table ``gpucourse plan --serve`` prints."""
+    from .readable import human_bytes
+
+    lines = [f"serving {result['shape']['name'] or 'the shape'} on {result['gpus']} × {result['gpu']}, "
+             f"{result['context']} tokens a sequence, time per output token ≤ {result['tpot_s'] * 1e3:g} ms "
+             f"(modeled; weights {result['weights']}, KV cache {result['kv']})",
+             f"  {'tp':>3} {'pp':>3} {'replicas':>8} {'weights/GPU':>12} {'KV/token':>9} {'fits':>6} {'batch':>6} "
+             f"{'ms/token':>9} {'tokens/s':>10}"]
+    for r in result["layouts"][:top]:
+        ms = f"{r['token_s'] * 1e3:.1f}" if r["token_s"] else "-"
+        lines.append(f"  {r['tp']:>3} {r['pp']:>3} {r['replicas']:>8} {human_bytes(r['weights_per_gpu']):>12} "
+                     f"{human_bytes(r['kv_per_token']):>9} {r['max_batch']:>6} {r['batch']:>6} {ms:>9} "
+                     f"{r['tokens_per_s']:>10,.0f}")
+    return "\n".join(lines)
