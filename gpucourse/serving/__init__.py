@@ -1,12 +1,14 @@
 """Serving: generating tokens for many requests at once, with the training model unchanged.
 
-Four short lessons, each a file to read top to bottom:
+Short lessons, each a file to read top to bottom:
 
 - ``kv_cache``: prefill and decode with a cache of keys and values, equal to recomputing the prefix;
 - ``paged``: the cache as blocks found through a block table, allocated as sequences grow;
 - ``trace``: a seeded synthetic workload (Poisson arrivals, prompt and answer lengths);
 - ``scheduler``: continuous batching against static batching, on a measured or a modeled clock,
-  read through ``metrics`` (time to first token, time per output token, throughput, goodput).
+  read through ``metrics`` (time to first token, time per output token, throughput, goodput);
+- ``parallel_decode``: tensor-, pipeline-, data- and expert-parallel decode with the training strategies,
+  each making the single-device tokens and sending the bytes per token its formula says.
 """
 
 from .kv_cache import Cache, KVCache, check_fits, generate, next_token

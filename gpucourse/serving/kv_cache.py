@@ -136,6 +136,16 @@ def check_fits(cfg, prompt_len: int, max_new_tokens: int, name: str = "a prompt"
                          f"{prompt_len + max_new_tokens - 1} positions; the model has {cfg.block_size} (block_size).")
 
 
+def check_prompts(cfg, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Refuse, in one sentence, prompts the model cannot continue by ``max_new_tokens`` tokens."""
+    if not prompts:
+        raise ValueError("there are no prompts to continue.")
+    for i, p in enumerate(prompts):
+        check_fits(cfg, len(p), max_new_tokens, f"prompt {i}")
+        if not all(0 <= t < cfg.vocab_size for t in p):
+            raise ValueError(f"prompt {i} holds a token outside the model's vocabulary of {cfg.vocab_size}.")
+
+
 @contextlib.contextmanager
 def inference(model):
     """Evaluation mode (no dropout) and no autograd for the block, the model's mode restored after."""
@@ -150,17 +160,16 @@ def inference(model):
 
 def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, generator: torch.Generator | None = None, use_cache: bool = True,
-             return_logits: bool = False):
+             return_logits: bool = False, heads: int | None = None):
     """Continue each prompt (a list of token ids) by ``max_new_tokens`` tokens; return them (B, max_new_tokens).
 
     ``use_cache=False`` recomputes the whole prefix at every step with the plain forward, the reference the
     cache must equal. ``return_logits``: also return the logits each token was chosen from (B, new, vocab).
+    ``heads``: the attention heads the cache keeps, those this rank's attention holds (tensor parallelism
+    leaves n_head / tp a rank); all of them by default.
     """
     cfg = model.cfg
-    for i, p in enumerate(prompts):
-        check_fits(cfg, len(p), max_new_tokens, f"prompt {i}")
-        if not all(0 <= t < cfg.vocab_size for t in p):
-            raise ValueError(f"prompt {i} holds a token outside the model's vocabulary of {cfg.vocab_size}.")
+    check_prompts(cfg, prompts, max_new_tokens)
     weight = next(model.parameters())
     B, longest = len(prompts), max(len(p) for p in prompts)
     tokens = torch.zeros(B, longest + max_new_tokens, dtype=torch.long, device=weight.device)
@@ -169,7 +178,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
     lengths = torch.tensor([len(p) for p in prompts], device=weight.device)
     rows, chosen, seen = torch.arange(B, device=weight.device), [], []
     with inference(model):
-        cache = KVCache(cfg, B, tokens.shape[1], dtype=weight.dtype, device=weight.device) if use_cache else None
+        cache = KVCache(cfg, B, tokens.shape[1], heads, weight.dtype, weight.device) if use_cache else None
         idx, counts = tokens[:, :longest], lengths  # the first step feeds the prompts (prefill)
         for _ in range(max_new_tokens):
             if cache is None:
