@@ -271,3 +271,30 @@ def test_what_the_serving_lessons_say_of_the_bench_trace():
     gains = [serving_figures.continuous_vs_static_throughput(requests=n).value for n in (160, 320)]
     assert [round(g, 1) for g in gains] == [2.3, 2.4], gains
     assert "2.3 to 2.4 times static batching's tokens per second" in " ".join(scheduler.__doc__.split())
+
+
+def test_serve_bench_from_the_command_line(tmp_path, capsys):
+    """The modeled run prints what simulate() finds for the same trace; the wall clock decodes with the model; bad
+    input gets one sentence."""
+    import json
+
+    from gpucourse.cli import main
+    from gpucourse.serving import poisson_trace, save_trace, simulate
+
+    out = tmp_path / "s.json"
+    assert main(["serve-bench", "--requests", "40", "--burst", "8", "--blocks", "48", "--json", str(out)]) == 0
+    printed = capsys.readouterr()
+    want = simulate(poisson_trace(40, 4.0, (16, 64), (8, 48), burst=8, seed=0), 48, 16).summary(2.0, 0.05)
+    got = json.loads(out.read_text())["summary"]
+    assert got == pytest.approx(want) and f"throughput        {want['throughput_tok_s']:,.0f}" in printed.out
+    assert "request 40/40" in printed.err  # the progress bar reached the end
+    trace = tmp_path / "t.json"
+    save_trace(trace, poisson_trace(3, 50.0, (4, 8), (2, 4), seed=1))
+    assert main(["serve-bench", "--trace", str(trace), "--clock", "wall", "--quiet"]) == 0
+    assert "3 requests, continuous batching" in capsys.readouterr().out
+    for argv, says in ((["--static", "--token-budget", "8"], "static batching feeds whole prompts"),
+                       (["--blocks", "2"], "more than the whole budget of 2"),
+                       (["--trace", str(tmp_path / "none.json")], "cannot read the trace"),
+                       (["--model", "huge"], "--model 'huge' is not one of")):
+        assert main(["serve-bench", *argv]) == 2
+        assert says in capsys.readouterr().err

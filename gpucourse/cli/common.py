@@ -7,11 +7,33 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 
 from ..config import TrainConfig
 from ..files import write_atomic
 from ..parallel.context_parallel import ATTENTIONS
 from ..parallel.schedule_table import SCHEDULES
+
+
+class ProgressBar:
+    """A one-line bar on a terminal; a line per tenth of the work otherwise. Call it with what is done of the
+    total and a line of text: ``bar(3, 20, "loss 2.1")`` shows "step  3/20  loss 2.1"."""
+
+    def __init__(self, stream=None, unit: str = "step"):
+        self.stream = stream or sys.stderr
+        self.tty, self.unit = self.stream.isatty(), unit
+
+    def __call__(self, done: int, total: int, text: str) -> None:
+        line = f"{self.unit} {done:>{len(str(total))}}/{total}  {text}"
+        if self.tty:
+            width = 24
+            filled = round(width * done / total)
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {line}")
+            if done == total:
+                self.stream.write("\n")
+        elif done == total or done % max(1, total // 10) == 0:
+            self.stream.write(line + "\n")
+        self.stream.flush()
 
 
 class UsageError(Exception):

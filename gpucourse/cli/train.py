@@ -8,28 +8,14 @@ import sys
 from ..config import TrainConfig, supported_table
 from ..readable import human_bytes
 from ..runtime.launcher import check_in_place_world, in_place, plan_device
-from .common import UsageError, add_layout_args, check_writable, config_from
+from .common import ProgressBar, UsageError, add_layout_args, check_writable, config_from
 
 
-class _ProgressBar:
-    """A one-line bar on a terminal; a line per tenth of the run otherwise."""
-
-    def __init__(self, stream=sys.stderr):
-        self.stream = stream
-        self.tty = stream.isatty()
-
-    def __call__(self, s: dict) -> None:
-        done, total = s["step"] + 1, s["steps"]
-        text = f"step {done:>{len(str(total))}}/{total}  loss {s['loss']:.4f}  {s['time_s'] * 1e3:7.1f} ms/step"
-        if self.tty:
-            width = 24
-            filled = round(width * done / total)
-            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}")
-            if done == total:
-                self.stream.write("\n")
-        elif done == total or done % max(1, total // 10) == 0:
-            self.stream.write(text + "\n")
-        self.stream.flush()
+def _step_bar(bar: ProgressBar):
+    """A training run's ``on_step``: the bar, with each step's loss and time."""
+    def on_step(s: dict) -> None:
+        bar(s["step"] + 1, s["steps"], f"loss {s['loss']:.4f}  {s['time_s'] * 1e3:7.1f} ms/step")
+    return on_step
 
 
 def summary_table(result) -> str:
@@ -88,7 +74,7 @@ def cmd_train(args) -> int:
 
     rank0 = not in_place() or int(os.environ["RANK"]) == 0
     result = run(cfg, timeout=args.timeout, export_weights=args.export_weights,
-                 on_step=None if args.quiet else _ProgressBar(), quiet=args.quiet)
+                 on_step=None if args.quiet else _step_bar(ProgressBar()), quiet=args.quiet)
     if rank0:
         if args.json:
             result.save(args.json)

@@ -213,10 +213,11 @@ class LinearCost:
         return self.seconds(work), run()
 
 
-def serve(trace: list[Request], scheduler: Scheduler, runner, clock=wall_clock) -> Report:
+def serve(trace: list[Request], scheduler: Scheduler, runner, clock=wall_clock, on_iteration=None) -> Report:
     """Serve every request of ``trace``: arrivals join the queue on the clock, the scheduler plans each iteration,
     the runner makes its tokens and the clock says how long it took (``clock(work, run)`` calls ``run()`` and
-    returns its seconds and tokens). Bad requests are refused before anything runs."""
+    returns its seconds and tokens). Bad requests are refused before anything runs. ``on_iteration(finished,
+    requests, now_s)``, if given, hears after every iteration how many requests have finished."""
     if len({r.id for r in trace}) < len(trace):
         raise ValueError("every request of a trace needs an id of its own; some ids repeat.")
     for request in trace:
@@ -239,6 +240,8 @@ def serve(trace: list[Request], scheduler: Scheduler, runner, clock=wall_clock) 
             scheduler.advance(seq, n, token, now)
         log.append(Iteration(now, seconds, sum(n for _, n in work), len(work), scheduler.blocks.used(),
                              [seq.cached for seq in scheduler.running], [seq.longest for seq in scheduler.running]))
+        if on_iteration is not None:
+            on_iteration(len(scheduler.finished), len(trace), now)
     return Report(sorted(scheduler.finished, key=lambda s: s.request.id), log, scheduler.blocks.block_size)
 
 

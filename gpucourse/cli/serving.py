@@ -1,0 +1,106 @@
+"""``gpucourse serve-bench``: a request trace served by the continuous-batching scheduler, with a progress bar and
+a summary — the course model decoding on this machine, or the modeled clock of a GPU without a model."""
+
+from __future__ import annotations
+
+from .common import ProgressBar, UsageError, check_writable, write_json
+
+
+def cmd_serve_bench(args) -> int:
+    from ..model import MODELS, build_model
+    from ..serving import BlockAllocator, LinearCost, ModelRunner, Scheduler, Simulated, load_trace, poisson_trace
+    from ..serving import serve, wall_clock
+
+    if args.json:
+        check_writable(args.json, "--json")
+    if args.model not in MODELS:
+        raise UsageError(f"--model {args.model!r} is not one of {', '.join(MODELS)}.")
+    for flag, value in (("--requests", args.requests), ("--blocks", args.blocks), ("--block-size", args.block_size)):
+        if value < 1:
+            raise UsageError(f"{flag} {value} must be at least 1.")
+    if not args.rate > 0 or not args.tpot_ms > 0 or not args.ttft_s > 0:
+        raise UsageError("--rate, --ttft-s and --tpot-ms must be positive.")
+    cfg = MODELS[args.model]
+    if args.trace:
+        try:
+            trace = load_trace(args.trace)
+        except OSError as e:
+            raise UsageError(f"cannot read the trace {args.trace}: {e.strerror}.") from None
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    else:
+        prompt = (args.prompt_lens[0], min(args.prompt_lens[1], cfg.block_size // 2))
+        trace = poisson_trace(args.requests, args.rate, prompt, tuple(args.output_lens), burst=args.burst,
+                              vocab_size=cfg.vocab_size, seed=args.seed)
+    try:
+        scheduler = Scheduler(BlockAllocator(args.blocks, args.block_size), static=args.static,
+                              token_budget=args.token_budget, eos=None if args.clock == "wall" else -1)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.clock == "wall":  # the course model really decodes, timed on this machine
+        runner, clock = ModelRunner(build_model(cfg, args.seed), scheduler.blocks), wall_clock
+    else:  # no model: the schedule alone, each iteration's seconds modeled
+        runner, clock = Simulated(eos=-1), LinearCost()
+    on_iteration = None if args.quiet else _finished_bar(ProgressBar(unit="request"))
+    try:
+        report = serve(trace, scheduler, runner, clock, on_iteration)
+    except ValueError as e:  # a request the budget or the model's context cannot hold
+        raise UsageError(str(e)) from None
+    s = report.summary(args.ttft_s, args.tpot_ms / 1e3)
+    waste = report.kv_waste()
+    kind = "static" if args.static else "continuous" + (f", {args.token_budget} tokens an iteration"
+                                                        if args.token_budget else "")
+    clock_name = "this machine's clock" if args.clock == "wall" else "the modeled clock (a 7 B model on one H100)"
+    print(f"{s['requests']} requests, {kind} batching, {args.blocks} KV blocks of {args.block_size} tokens, "
+          f"on {clock_name}:")
+    print(f"  throughput        {s['throughput_tok_s']:,.0f} output tokens/s ({s['output_tokens']:,} tokens in "
+          f"{s['span_s']:.2f} s, {s['iterations']:,} iterations)")
+    print(f"  time to 1st token median {s['ttft_median_s'] * 1e3:,.0f} ms, max {s['ttft_max_s'] * 1e3:,.0f} ms")
+    print(f"  time per token    median {s['tpot_median_s'] * 1e3:,.1f} ms, max {s['tpot_max_s'] * 1e3:,.1f} ms")
+    print(f"  goodput           {s['goodput_req_s']:.2f} requests/s within TTFT ≤ {args.ttft_s:g} s and TPOT ≤ "
+          f"{args.tpot_ms:g} ms")
+    print(f"  KV memory         peak {s['peak_blocks']} of {args.blocks} blocks, {s['preemptions']} preemptions; "
+          f"{waste['paged_waste']:.1%} of paged slots empty (max-length reservation: "
+          f"{waste['max_length_waste']:.1%})")
+    write_json(args.json, {"summary": s, "kv_waste": waste})
+    return 0
+
+
+def _finished_bar(bar: ProgressBar):
+    """The scheduler's ``on_iteration``: the bar moves when a request finishes."""
+    shown = [0]
+
+    def on_iteration(done: int, total: int, now: float) -> None:
+        if done != shown[0]:
+            shown[0] = done
+            bar(done, total, f"{now:8.2f} s into the trace")
+    return on_iteration
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("serve-bench", help="serve a request trace with continuous (or static) batching: throughput, "
+                                           "TTFT, TPOT, goodput",
+                       description="A seeded Poisson trace (or --trace FILE, as gpucourse.serving.save_trace writes "
+                                   "it) through the iteration-level scheduler and a paged KV cache.")
+    p.add_argument("--trace", help="a JSON trace file instead of the generated one")
+    p.add_argument("--requests", type=int, default=64, help="requests in the generated trace")
+    p.add_argument("--rate", type=float, default=4.0, help="arrivals a second (Poisson)")
+    p.add_argument("--burst", type=int, default=1, help="requests arriving together")
+    p.add_argument("--prompt-lens", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"),
+                   help="prompt lengths, uniform (at most half the model's context)")
+    p.add_argument("--output-lens", type=int, nargs=2, default=(8, 48), metavar=("MIN", "MAX"),
+                   help="answer lengths, uniform; the largest is every request's max_new_tokens")
+    p.add_argument("--seed", type=int, default=0, help="the trace's (and the model's) seed")
+    p.add_argument("--model", default="tiny", help="the course model that decodes with --clock wall")
+    p.add_argument("--clock", choices=("modeled", "wall"), default="modeled",
+                   help="modeled: no model, each iteration's seconds from a 7 B model on one H100; wall: the model "
+                        "decodes here and this machine's clock times it")
+    p.add_argument("--blocks", type=int, default=64, help="KV blocks in the pool")
+    p.add_argument("--block-size", type=int, default=16, help="tokens a KV block holds")
+    p.add_argument("--static", action="store_true", help="static batching instead of continuous")
+    p.add_argument("--token-budget", type=int, default=None, help="chunked prefill: tokens an iteration feeds")
+    p.add_argument("--ttft-s", type=float, default=2.0, help="goodput's time-to-first-token target")
+    p.add_argument("--tpot-ms", type=float, default=50.0, help="goodput's time-per-output-token target")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", metavar="FILE", help="write the summary as JSON")
+    p.set_defaults(func=cmd_serve_bench)
