@@ -99,3 +99,19 @@ def test_memory_serve_from_the_command_line(capsys):
     assert m["weights_per_gpu"] + m["largest_batch"] * 1024 * 18_432 <= 16 * 2**30
     assert main(["memory", "--serve", "--shape", "llama3-70b", "--tp", "3"]) == 2
     assert "tp=3 does not divide the 64 attention heads" in capsys.readouterr().err
+
+
+def test_plan_serve_prints_the_fastest_layout_as_a_servers_config(capsys):
+    best = plan("llama3-70b", 8, "h100", context=4096, tpot_s=0.05)["layouts"][0]
+    assert main(["plan", "--serve", "--shape", "llama3-70b", "--gpus", "8", "--print-config", "vllm",
+                 "--model-path", "org/m"]) == 0
+    out = capsys.readouterr().out
+    assert "vllm serve org/m" in out and f"--tensor-parallel-size {best['tp']}" in out
+    assert f"--max-num-seqs {best['pp'] * best['batch']}" in out  # pp microbatches in flight
+    assert main(["plan", "--serve", "--shape", "llama3-70b", "--gpus", "8", "--print-config", "trtllm"]) == 0
+    printed = capsys.readouterr()
+    assert "tensor_parallel_size=" in printed.out and "note:" in printed.err
+    assert main(["plan", "--serve", "--shape", "llama3-70b", "--gpus", "8", "--print-config", "sglang"]) == 2
+    assert "is not one of vllm, trtllm" in capsys.readouterr().err
+    assert main(["plan", "--serve", "--shape", "llama3-70b", "--gpus", "1", "--print-config", "vllm"]) == 2
+    assert "nothing to print" in capsys.readouterr().err  # 141 GB of weights fit no single H100

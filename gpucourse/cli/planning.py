@@ -146,15 +146,28 @@ def cmd_plan(args) -> int:
 
 def _serve_plan(args, shape) -> int:
     """``plan --serve``: the serving layouts of a shape (a parameter count alone does not say its KV heads)."""
-    from .. import serve_plan
+    from .. import serve_config, serve_plan
 
     if shape is None:
         raise UsageError("plan --serve needs --shape or the shape's parts: a KV cache's size depends on its heads.")
     weights = "fp8" if args.precision == "fp8" else "bf16"
     if args.precision not in ("bf16", "fp8"):
         raise UsageError(f"plan --serve stores weights in bf16 or fp8, not {args.precision}.")
+    if args.print_config is not None and args.print_config not in serve_config.TOOLS:
+        raise UsageError(f"--print-config {args.print_config!r} is not one of {', '.join(serve_config.TOOLS)}.")
     result = serve_plan.plan(shape, args.gpus, args.gpu, args.context, args.tpot_ms / 1e3, weights, args.kv,
                              args.gpus_per_node)
+    if args.print_config is not None:  # the fastest layout in the server's own names; the table stays unprinted
+        best = result["layouts"][0]
+        if not best["batch"]:
+            raise UsageError(f"no layout of {args.gpus} × {args.gpu} serves a sequence of {args.context} tokens "
+                             f"within {args.tpot_ms:g} ms a token: nothing to print.")
+        layout = serve_config.layout_from_plan(result, best, **({"model": args.model_path} if args.model_path else {}))
+        text, notes = serve_config.render(args.print_config, layout)
+        print(text, end="" if text.endswith("\n") else "\n")
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
+        return 0
     print(serve_plan.format_plan(result, top=args.top))
     write_json(args.json, result)
     return 0
@@ -298,6 +311,11 @@ def add_commands(sub) -> None:
                                                               "answer)")
     p.add_argument("--tpot-ms", type=float, default=50.0, help="with --serve: the time-per-output-token target")
     p.add_argument("--kv", default="bf16", help="with --serve: the KV cache's number format, bf16 or fp8")
+    p.add_argument("--print-config", metavar="TOOL", default=None,
+                   help="with --serve: the fastest layout as vllm's engine arguments or trtllm's LLM API (what the "
+                        "tool cannot express on stderr)")
+    p.add_argument("--model-path", default=None,
+                   help="with --print-config: the model name or path the server loads (default: a placeholder)")
     p.add_argument("--offload", action="store_true",
                    help="also try each layout with the optimizer on the CPU (ZeRO-Offload): GPU memory freed, PCIe "
                         "transfers and a CPU Adam step added")
