@@ -76,6 +76,50 @@ def kernel_ratios(device: str, gpu: str, model: str = "gpt2-small", tokens: int 
     return rows
 
 
+def serving_ratios(device: str, gpu: str, model: str = "gpt2-small", prompt_len: int = 512, prompts: int = 8,
+                   batches=(1, 16), new_tokens: int = 32, precision: str = "bf16", repeats: int = 3) -> list[dict]:
+    """``model`` serving on ``device`` beside :mod:`gpucourse.serve_plan`'s model of ``gpu``: a prefill of
+    ``prompts`` prompts of ``prompt_len`` tokens (tokens/s), and decode with the KV cache at each batch of
+    ``batches`` (``new_tokens`` tokens after a prompt of ``prompt_len``: tokens/s). Rows as :func:`kernel_ratios`'
+    (``ratio``: modeled over measured time)."""
+    from .model import build_model
+    from .serve_plan import decode_step, prefill
+    from .serving import KVCache
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    cfg = MODELS[model]
+    net = build_model(cfg, 0).to(device=device, dtype=dtype).eval()
+    shape, weights = Shape.of_model(cfg), "fp32" if precision == "fp32" else "bf16"
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    ids = torch.randint(0, cfg.vocab_size, (prompts, prompt_len), generator=g).to(device)
+    with torch.no_grad():
+        measured = _timed(lambda: net(ids), device, repeats)  # every position's logits: the head's matmul too
+    modeled = prefill(shape, gpu, prompts, prompt_len, weights=weights)["first_token_s"]
+    rows.append({"kernel": "prefill", "shape": f"{prompts} prompts × {prompt_len} tokens", "measured_s": measured,
+                 "modeled_s": modeled, "ratio": modeled / measured})
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for batch in batches:
+        prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=g).to(device)
+        steps = []
+        for _ in range(repeats + 1):  # the first pass warms up
+            cache = KVCache(cfg, batch, prompt_len + new_tokens, dtype=dtype, device=device)
+            with torch.no_grad():
+                logits = cache.feed_rows(net, prompt, torch.full((batch,), prompt_len, device=device))
+                sync()
+                start = time.perf_counter()
+                for _ in range(new_tokens):  # decode: one token a sequence a step, through the cache
+                    logits = cache.feed_rows(net, logits.argmax(-1)[:, None], torch.ones(batch, dtype=torch.long,
+                                                                                          device=device))
+                sync()
+            steps.append((time.perf_counter() - start) / new_tokens)
+        measured = statistics.median(steps[1:])
+        modeled = decode_step(shape, gpu, batch, prompt_len + new_tokens // 2, weights=weights, kv=weights)["token_s"]
+        rows.append({"kernel": "decode", "shape": f"batch {batch}, {prompt_len}+{new_tokens} tokens",
+                     "measured_s": measured, "modeled_s": modeled, "ratio": modeled / measured})
+    return rows
+
+
 def format_ratios(rows: list[dict], gpu: str = "") -> str:
     """The table gpu-check prints: each kernel's measured and modeled time and their ratio."""
     lines = [f"{'kernel':<10} {'shape':<36} {'measured':>10} {'modeled' + (' ' + gpu if gpu else ''):>14} "

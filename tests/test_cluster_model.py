@@ -326,6 +326,24 @@ def test_calibrate_times_a_blocks_kernels_here_beside_the_model():
         ("h100", "h200", None)
 
 
+def test_calibrate_times_prefill_and_cached_decode_here_beside_the_serving_model():
+    """gpu-check's serving lines (prefill, then decode steps through the KV cache at two batches), run here."""
+    from gpucourse.calibrate import serving_ratios
+    from gpucourse.model import MODELS
+    from gpucourse.serve_plan import decode_step, prefill
+    from gpucourse.shapes import Shape
+
+    rows = serving_ratios("cpu", "cpu", model="tiny", prompt_len=16, prompts=2, batches=(1, 4), new_tokens=3,
+                          precision="fp32", repeats=1)
+    assert [(r["kernel"], r["shape"]) for r in rows] == [("prefill", "2 prompts × 16 tokens"),
+                                                         ("decode", "batch 1, 16+3 tokens"),
+                                                         ("decode", "batch 4, 16+3 tokens")]
+    shape = Shape.of_model(MODELS["tiny"])
+    assert rows[0]["modeled_s"] == prefill(shape, "cpu", 2, 16, weights="fp32")["first_token_s"]
+    assert rows[2]["modeled_s"] == decode_step(shape, "cpu", 4, 17, weights="fp32", kv="fp32")["token_s"]
+    assert all(r["measured_s"] > 0 and r["ratio"] == r["modeled_s"] / r["measured_s"] for r in rows)
+
+
 # --- CPU offload of the optimizer ----------------------------------------------------------------------------------------
 
 def test_offload_times_pcie_both_ways_and_a_cpu_adam_step_by_their_formulas():
