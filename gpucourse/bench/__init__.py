@@ -127,3 +127,4 @@ from . import parallel_figures  # noqa: E402,F401 (registers the strategies' fig
 from . import memory_figures  # noqa: E402,F401 (registers the memory figures)
 from . import course_figures  # noqa: E402,F401 (registers the course's figures)
 from . import serving_figures  # noqa: E402,F401 (registers the serving figures)
+from . import serving_published_figures  # noqa: E402,F401 (registers the serving model against published figures)
