@@ -130,8 +130,8 @@ EXCLUDED = (
     ("NVIDIA technical blog, 'Achieving Top Inference Performance with the NVIDIA H100 Tensor Core GPU and NVIDIA "
      "TensorRT-LLM' (December 2023): Llama 2 70B on one DGX H100, 2048 in / 128 out, batch 1, 1.7 s a request "
      "(TensorRT-LLM v0.5.0)",
-     "the batch-1 run's precision and layout are not stated: with FP8 and tp 8 the model gives 1.27 s, with FP16 "
-     "and tp 8 1.78 s, so the row would test a guess"),
+     "the batch-1 run's precision and layout are not stated: with FP8 and tp 8 the model gives 1.32 s, with FP16 "
+     "and tp 8 1.83 s, so the row would test a guess"),
     ("TensorRT-LLM's later performance overview (docs/source/performance/perf-overview.md) and MLPerf Inference's "
      "Llama 2 70B results",
      "maximum throughput at a batch or concurrency the benchmark chose and does not print"),

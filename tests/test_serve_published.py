@@ -71,12 +71,21 @@ def test_the_errors_are_the_rows_own():
 
 
 def test_large_batches_are_close_and_a_cost_of_each_step_fitted_on_the_fitting_rows_brings_the_rest_in():
-    """Throughput of static batches within 11 %; without serve_plan's one serving constant (1 ms an iteration) every
-    latency-bound row (one request's tokens, a 128-token prompt) came out 16-33 % too fast."""
+    """Throughput of static batches within 12 %; serve_plan's one serving constant (1.4 ms an iteration) is the value
+    on a 0.1 ms grid that makes the largest fitting error smallest; without it every latency-bound row (one
+    request's tokens, a 128-token prompt) came out 16-33 % too fast."""
     from gpucourse import serve_plan
 
-    assert all(abs(r["error"]) <= 0.11 for r in ROWS if r["metric"] == "output_tokens_per_s_per_gpu")
-    assert sp.errors(ROWS)["max"] <= 0.21 and serve_plan.STEP_OVERHEAD_S == 1e-3
+    assert all(abs(r["error"]) <= 0.12 for r in ROWS if r["metric"] == "output_tokens_per_s_per_gpu")
+    assert sp.errors(ROWS)["max"] <= 0.22 and serve_plan.STEP_OVERHEAD_S == 1.4e-3
+    fitted = {}
+    try:
+        for tenths in range(31):
+            serve_plan.STEP_OVERHEAD_S = tenths * 1e-4
+            fitted[tenths] = sp.errors()["fit_max"]
+    finally:
+        serve_plan.STEP_OVERHEAD_S = 1.4e-3
+    assert min(fitted, key=fitted.get) == 14
     bound = [r["name"] for r in ROWS if r["metric"] == "tpot_s" or (r["metric"] == "first_token_s"
                                                                      and "128 in" in r["setting"])]
     serve_plan.STEP_OVERHEAD_S = 0.0
@@ -85,7 +94,7 @@ def test_large_batches_are_close_and_a_cost_of_each_step_fitted_on_the_fitting_r
         assert len(bound) == 4 and all(-0.33 <= without[n]["error"] <= -0.16 for n in bound)
         assert round(sp.errors()["max"], 3) == 0.326
     finally:
-        serve_plan.STEP_OVERHEAD_S = 1e-3
+        serve_plan.STEP_OVERHEAD_S = 1.4e-3
 
 
 def test_the_docs_table_and_what_it_says_are_the_models():
@@ -95,7 +104,8 @@ def test_the_docs_table_and_what_it_says_are_the_models():
     e = sp.errors(ROWS)
     assert (f"The largest error is {e['max']:.1%} (`gpucourse bench`'s `serve_model_vs_published_max_error`, "
             f"target 30 %), the largest held-out error {e['heldout_max']:.1%} and the held-out median "
-            f"{e['heldout_median']:.1%}") in flat
+            f"{e['heldout_median']:.1%}; the largest fitting error is {e['fit_max']:.1%}") in flat
+    assert "`serve_plan.STEP_OVERHEAD_S`, 1.4 ms an iteration" in flat
     assert f"holds {len(sp.RUNS)} published serving measurements" in flat
     assert f"fitting set ({e['fit_runs']} rows) and the held-out set ({e['heldout_runs']})" in flat
     assert cluster.LAUNCH_S == 4e-6 and "The model also charges 4 µs for each of a block's 5 or 6 kernels" in flat
@@ -111,11 +121,11 @@ def test_the_left_out_request_would_test_a_guess():
         return first + 127 * decode_step("llama2-70b", "h100", 1, 2048 + 64, 8, weights=weights, kv=weights)["token_s"]
 
     fp8, fp16 = request_s("fp8"), request_s("bf16")
-    assert (round(fp8, 2), round(fp16, 2)) == (1.27, 1.78)
-    assert round((fp8 - 1.7) / 1.7, 2) == -0.25 and round((fp16 - 1.7) / 1.7, 2) == 0.05
+    assert (round(fp8, 2), round(fp16, 2)) == (1.32, 1.83)
+    assert round((fp8 - 1.7) / 1.7, 2) == -0.22 and round((fp16 - 1.7) / 1.7, 2) == 0.08
     flat = " ".join(DOC.read_text().split())
-    assert "1.27 s (−25 %), with FP16 and tp 8 1.78 s (+5 %)" in flat
-    assert "1.27 s" in sp.EXCLUDED[0][1] and "1.78 s" in sp.EXCLUDED[0][1]
+    assert "1.32 s (−22 %), with FP16 and tp 8 1.83 s (+8 %)" in flat
+    assert "1.32 s" in sp.EXCLUDED[0][1] and "1.83 s" in sp.EXCLUDED[0][1]
 
 
 def test_the_bench_figure_reports_the_largest_error_and_every_row():
