@@ -42,6 +42,11 @@ EX13_LARGE = "16 ranks, 64 microbatches, 4 chunks: valid, and quick"
 
 # mutant (folder/file stem) -> (the checks it must fail, exactly; words the intended check's message holds).
 # The intended check is the first one listed.
+EX14_GROW = "grow takes what a sequence needs from the end of the free list"
+EX14_REFUSE = "too few free blocks: False, and nothing taken"
+EX14_SCATTERED = "paged attention equals attention over the contiguous keys (scattered tables)"
+EX14_EDGES = "part-full last blocks, one token, blocks of one"
+EX14_CONTRACT = "the contract: inputs left as they were, q's dtype kept, caches as views"
 WRONG_ANSWERS = {
     "ex01_ring_allreduce/no_allgather": (["sums over 2 ranks", "keeps bf16 as bf16",
                                           "returns a new tensor, leaves its input unchanged",
@@ -226,6 +231,14 @@ WRONG_ANSWERS = {
     "ex13_interleaved_schedule/warmup_not_capped": ([EX13_VALID, EX13_WARMUP, EX13_FORWARDS, EX13_BACKWARDS,
                                                      EX13_BUBBLE, EX13_MEMORY, EX13_EDGES, EX13_LARGE],
                                                     "at most m·v"),
+    "ex14_paged_attention/floor_blocks": ([EX14_GROW, EX14_REFUSE], "expected [4]"),
+    "ex14_paged_attention/takes_from_front": ([EX14_GROW], "left the table [3]; expected [4]"),
+    "ex14_paged_attention/takes_what_there_is": ([EX14_REFUSE], "expected them unchanged"),
+    "ex14_paged_attention/release_reversed": (["release gives every block back"], "expected [] and [1, 4, 2, 9]"),
+    "ex14_paged_attention/whole_last_block": ([EX14_SCATTERED, EX14_EDGES, EX14_CONTRACT], "elements differ"),
+    "ex14_paged_attention/block_ids_as_order": ([EX14_SCATTERED, EX14_EDGES], "elements differ"),
+    "ex14_paged_attention/query_scaled_in_place": ([EX14_CONTRACT], "contract 'inputs unchanged'"),
+    "ex14_paged_attention/float32_output": ([EX14_CONTRACT], "contract 'keeps the dtype'"),
 }
 
 

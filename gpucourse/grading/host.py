@@ -345,7 +345,7 @@ HIDDEN_MODULES = ("solutions", "tests", "gpucourse.grading.checks", "gpucourse.g
                   "gpucourse.grading.runner", "gpucourse.grading.core", "gpucourse.grading.results",
                   "gpucourse.grading.timing", "gpucourse.parallel", "gpucourse.train", "gpucourse.memory",
                   "gpucourse.plan", "gpucourse.profiling", "gpucourse.measure", "gpucourse.comm",
-                  "gpucourse.troubleshoot", "gpucourse.bench", "gpucourse.tour")
+                  "gpucourse.troubleshoot", "gpucourse.bench", "gpucourse.tour", "gpucourse.serving")
 
 
 def sandbox_user() -> int | None:
