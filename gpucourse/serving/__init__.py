@@ -8,7 +8,8 @@ Short lessons, each a file to read top to bottom:
 - ``scheduler``: continuous batching against static batching, on a measured or a modeled clock,
   read through ``metrics`` (time to first token, time per output token, throughput, goodput);
 - ``parallel_decode``: tensor-, pipeline-, data- and expert-parallel decode with the training strategies,
-  each making the single-device tokens and sending the bytes per token its formula says.
+  each making the single-device tokens and sending the bytes per token its formula says;
+- ``quantize``: weight-only INT8 and INT4 (group-wise) and FP8 weights, an FP8 KV cache, their bytes and errors.
 """
 
 from .kv_cache import Cache, KVCache, check_fits, generate, next_token
@@ -16,7 +17,11 @@ from .metrics import Iteration, Report
 from .paged import BlockAllocator, OutOfBlocks, PagedKVCache
 from .scheduler import LinearCost, ModelRunner, Scheduler, Sequence, Simulated, serve, simulate, wall_clock
 from .trace import Request, load_trace, poisson_trace, save_trace
+from .quantize import (FP8KVCache, QuantizedLinear, dequantize_weight, quantization_effect, quantize_model,
+                       quantize_weight, stored_bytes, weight_bytes)
 
 __all__ = ["BlockAllocator", "Cache", "Iteration", "KVCache", "LinearCost", "ModelRunner", "OutOfBlocks",
            "PagedKVCache", "Report", "Request", "Scheduler", "Sequence", "Simulated", "check_fits", "generate",
-           "load_trace", "next_token", "poisson_trace", "save_trace", "serve", "simulate", "wall_clock"]
+           "load_trace", "next_token", "poisson_trace", "save_trace", "serve", "simulate", "wall_clock",
+           "FP8KVCache", "QuantizedLinear", "dequantize_weight", "quantization_effect", "quantize_model",
+           "quantize_weight", "stored_bytes", "weight_bytes"]
