@@ -1,0 +1,449 @@
+"""Every figure notebook 14 (serving) and its questions state, recomputed with the course's own functions: the KV
+cache's bytes, the roofline's ridge and intensities, the modeled decode and prefill times, the schedulers on the
+bench's trace, paged slots, chunked prefill's chunks, parallel decode's all-reduces and GQA's replicated heads,
+quantized bytes, and the sizing of a deployment. The questions are also held to the bank's rules against guessing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections import Counter
+
+import pytest
+
+from gpucourse import quiz, serve_plan
+from gpucourse.comm import RING_FACTOR
+from gpucourse.gpus import RESERVED_BYTES, get_gpu
+from gpucourse.model import MODELS, build_model
+from gpucourse.serving import (BlockAllocator, LinearCost, Request, Scheduler, Sequence, generate, poisson_trace,
+                               simulate)
+from gpucourse.serving.metrics import Report
+from gpucourse.serving.parallel_decode import Layout, kv_heads_per_rank, step_bytes
+from gpucourse.serving.quantize import stored_bytes
+from gpucourse.shapes import get_shape
+from procs import REPO
+
+NOTEBOOK = "14_serving"
+QS = quiz.load_bank(notebook=NOTEBOOK)
+BY_ID = {q["id"]: q for q in QS}
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+H100 = get_gpu("h100")
+
+
+def right(qid: str) -> str:
+    q = BY_ID[qid]
+    return q["choices"][q["answer"]]
+
+
+def choices(qid: str) -> list[str]:
+    return BY_ID[qid]["choices"]
+
+
+def notebook(kind: str = "markdown") -> str:
+    nb = json.loads((REPO / "notebooks" / f"{NOTEBOOK}.ipynb").read_text(encoding="utf-8"))
+    return " ".join(" ".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == kind).split())
+
+
+def bench_trace(requests: int = 160):
+    from gpucourse.bench.serving_figures import BLOCK_SIZE, NUM_BLOCKS, TRACE
+
+    trace = poisson_trace(requests, **TRACE)
+    return {name: simulate(trace, NUM_BLOCKS, BLOCK_SIZE, static=name == "static") for name in ("continuous", "static")}
+
+
+# --- the KV cache --------------------------------------------------------------------------------------------------
+
+def test_kv_cache_bytes_per_token_and_sequence():
+    s = get_shape("llama3-70b")
+    assert (s.layers, s.heads, s.kv, s.head_dim) == (80, 64, 8, 128)
+    per_token = serve_plan.kv_bytes_per_token(s)
+    assert per_token == 2 * 80 * 8 * 128 * 2 == 327_680 == 320 * KiB
+    assert 4096 * per_token == 1.25 * GiB
+    # The distractors: keys only, all 64 heads, fp32.
+    assert (per_token / 2, 4096 * per_token / 2) == (160 * KiB, 0.625 * GiB)
+    assert (per_token * 8, 4096 * per_token * 8) == (2.5 * MiB, 10 * GiB)
+    assert (per_token * 2, 4096 * per_token * 2) == (640 * KiB, 2.5 * GiB)
+    assert right("srv-kv-bytes-70b") == "320 KiB a token, 1.25 GiB a sequence"
+    # "About a hundred such sequences hold as much as the weights" (140 GB; 138 GB for Llama 2 70B, the notebook's).
+    for name in ("llama3-70b", "llama2-70b"):
+        assert 95 <= serve_plan.weight_bytes(get_shape(name)) / (4096 * per_token) <= 110
+    assert round(serve_plan.weight_bytes(s) / 1e9) == 141
+    # The notebook's table: Llama 3 8B 128 KiB a token, 0.5 GiB a 4096-token sequence; 405B 504 KiB.
+    assert serve_plan.kv_bytes_per_token(get_shape("llama3-8b")) == 128 * KiB
+    assert serve_plan.kv_bytes_per_token(get_shape("llama3-405b")) == 504 * KiB
+    assert "about a hundred of them hold as much as the weights" in notebook()
+
+
+def test_the_largest_batch_of_llama3_8b_on_one_h100():
+    s = get_shape("llama3-8b")
+    usable = 80 * GiB - 2 * GiB
+    assert RESERVED_BYTES == 2 * GiB and H100.usable_bytes() == usable
+    weights = serve_plan.weight_bytes(s)
+    assert round(weights / 1e9, 1) == 16.1 and round(usable / 1e9, 2) == 83.75
+    seq = 4096 * 2 * 32 * 8 * 128 * 2
+    assert seq == 512 * MiB and round((usable - weights) / 1e9, 1) == 67.7
+    assert serve_plan.largest_batch(s, H100, 4096) == (usable - weights) // seq == 126
+    assert usable // seq == 156 and (usable - weights) // (2 * seq) == 63 and (usable - weights) // (4 * seq) == 31
+    assert right("srv-max-batch-8b") == "126 sequences"
+    assert set(choices("srv-max-batch-8b")) == {f"{n} sequences" for n in (126, 156, 63, 31)}
+
+
+def count_positions(model, prompt_len: int, new: int, use_cache: bool) -> int:
+    """Token positions the model is run on to generate ``new`` tokens after a prompt, counted by a forward hook."""
+    fed = []
+    hook = model.register_forward_pre_hook(lambda m, args: fed.append(args[0].numel()))
+    try:
+        generate(model, [list(range(prompt_len))], new, use_cache=use_cache)
+    finally:
+        hook.remove()
+    return sum(fed)
+
+
+def test_what_the_cache_saves_in_positions_fed():
+    model = build_model(MODELS["tiny"], 0)
+    for p, n in ((16, 8), (32, 20)):
+        assert count_positions(model, p, n, True) == p + n - 1
+        assert count_positions(model, p, n, False) == sum(p + k for k in range(n))
+    # srv-kv-cache-cost: 1,024 + 255 against 256 × 1,024 + 255 × 256 / 2.
+    assert 1024 + 256 - 1 == 1279 and sum(1024 + k for k in range(256)) == 294_784
+    assert 256 * 1280 == 327_680 and 256 * 1024 == 262_144
+    assert right("srv-kv-cache-cost") == "1,279 against 294,784"
+    # The notebook: P + N − 1 against about N·(P + N/2).
+    text = notebook()
+    assert "P + N − 1 token-forwards with the cache against about N·(P + N/2)" in text
+
+
+# --- the roofline and the batch ------------------------------------------------------------------------------------
+
+def test_decode_is_memory_bound_and_prefill_compute_bound():
+    s = get_shape("llama3-8b")
+    ridge = serve_plan.ridge_point(H100)
+    assert round(ridge) == 295 and H100.peak_flops("bf16") == 989e12 and H100.hbm_GBps == 3350
+    one = serve_plan.decode_step(s, H100, 1, 4096)
+    assert 0.9 < one["intensity"] < 1.2
+    # A GPU with twice the FLOP/s and the same bandwidth: the step hardly moves.
+    faster = dataclasses.replace(H100, peak_bf16_flops=2 * H100.peak_bf16_flops)
+    assert serve_plan.decode_step(s, faster, 1, 4096)["token_s"] > 0.9 * one["token_s"]
+    floor = serve_plan.weight_bytes(s) / (H100.hbm_GBps * 1e9)
+    assert round(floor * 1e3, 1) == 4.8
+    assert "barely change" in right("srv-decode-memory-bound") and "16 GB" in right("srv-decode-memory-bound")
+    # The notebook's points: decode under the ridge up to batch 256, prefill above it from 512 tokens.
+    assert all(serve_plan.decode_step(s, H100, b, 4096)["intensity"] < 35 for b in (1, 8, 64, 256))
+    assert serve_plan.prefill(s, H100, 1, 512)["intensity"] > ridge
+    two_k = serve_plan.prefill(s, H100, 1, 2048)
+    assert 1800 < two_k["intensity"] < 2100
+    # Each sequence at 4096 tokens reads 512 MiB of keys and values a step.
+    assert 4096 * serve_plan.kv_bytes_per_token(s) == 512 * MiB
+    assert "about 295 FLOPs a byte" in notebook() and "989 TFLOP/s of bf16 over 3.35 TB/s" in notebook()
+
+
+def test_doubling_prefill_and_decode():
+    s = get_shape("llama3-8b")
+    p2, p4 = (serve_plan.prefill(s, H100, 1, n)["first_token_s"] for n in (2048, 4096))
+    d8, d16 = (serve_plan.decode_step(s, H100, b, 4096)["token_s"] for b in (8, 16))
+    assert 1.9 < p4 / p2 < 2.1
+    assert 1.1 < d16 / d8 < 1.2  # "under a fifth"; the choice says "well under a third"
+    assert right("srv-prefill-vs-decode-batch").startswith("prefill roughly doubles")
+
+
+def test_what_a_batch_of_64_does():
+    s = get_shape("llama3-8b")
+    one, many = (serve_plan.decode_step(s, H100, b, 4096) for b in (1, 64))
+    assert many["tokens_per_s"] / one["tokens_per_s"] > 20 and many["token_s"] / one["token_s"] < 3
+    assert 0.55 < many["attention_s"] / many["token_s"] < 0.68 and 20 < many["intensity"] < 26  # about 60 %
+    assert many["intensity"] < serve_plan.ridge_point(H100)
+    q = BY_ID["srv-batch-effects"]
+    picked = {q["choices"][i] for i in q["answer"]}
+    assert any("over 20 times" in c and "under 3 times" in c for c in picked)
+    assert not any("crosses the ridge" in c or "falls" in c for c in picked)
+
+
+def test_the_single_stream_ceiling():
+    s = get_shape("llama3-8b")
+    floor = serve_plan.weight_bytes(s) / (H100.hbm_GBps * 1e9)
+    assert round(1 / floor) == 209  # "about 210 tokens/s"
+    assert 1 / (floor / 2) > 400    # FP8 weights: about 2.4 ms, over 400 tokens/s
+    assert round(floor / 2 * 1e3, 1) == 2.4
+    assert right("srv-tpot-floor").startswith("about 210 tokens/s; FP8 or INT4")
+
+
+# --- continuous batching, its metrics, paging, preemption, chunked prefill -----------------------------------------
+
+def test_continuous_against_static_on_the_bench_trace():
+    runs = bench_trace()
+    cont, stat = runs["continuous"].throughput(), runs["static"].throughput()
+    assert round(stat, -2) == 1200 and round(cont, -2) == 2800 and round(cont / stat, 1) == 2.3
+    assert "2.3 times" in BY_ID["srv-continuous-static"]["explanation"]
+    assert "refills a finished sequence's seat" in right("srv-continuous-static")
+    assert runs["static"].summary(2.0, 0.05)["preemptions"] == 0  # static reserves the maximum: never preempts
+
+
+@pytest.mark.parametrize("requests", [60, 160])  # the notebook's short and full runs
+def test_what_the_notebook_says_of_the_trace(requests):
+    from gpucourse.bench.serving_figures import BLOCK_SIZE, NUM_BLOCKS, TARGETS, TRACE
+
+    runs = bench_trace(requests)
+    c, s = (runs[k].summary(**TARGETS) for k in ("continuous", "static"))
+    assert s["tpot_median_s"] < c["tpot_median_s"]                      # static's streams are smoothest
+    assert s["ttft_median_s"] > 2 and s["goodput_req_s"] < c["goodput_req_s"] / 3
+    assert 0.4 < s["throughput_tok_s"] / c["throughput_tok_s"] < 0.5     # "throughput halves"
+    reserved = max(sum(it.longest) for it in runs["continuous"].iterations)
+    assert reserved > 2 * NUM_BLOCKS * BLOCK_SIZE                        # fewer than half would have fit
+    waste = runs["continuous"].kv_waste()
+    assert waste["paged_waste"] < 0.04 and 0.4 < waste["max_length_waste"] < 0.45
+    chunked = simulate(poisson_trace(requests, **TRACE), NUM_BLOCKS, BLOCK_SIZE, token_budget=256)
+    whole = runs["continuous"]
+    assert max(it.seconds for it in chunked.iterations) < max(it.seconds for it in whole.iterations) / 3
+    assert chunked.summary(**TARGETS)["ttft_median_s"] > c["ttft_median_s"]  # a little more time to first token
+    # The modeled clock's constants as the notebook gives them.
+    cost = LinearCost()
+    assert (cost.fixed_s, cost.prefill_token_s, cost.kv_token_s) == (4e-3, 2e-5, 1.6e-7)
+    text = notebook()
+    assert "4 ms to read the weights each iteration, 20 µs of compute a token fed, 0.16 µs a cached token" in text
+
+
+def report_of(times: list[tuple[float, float, float, int]]) -> Report:
+    """A report of finished requests, each (arrival, first token, last token, tokens generated)."""
+    seqs = []
+    for i, (arrival, first, last, n) in enumerate(times):
+        seq = Sequence(Request(i, arrival, (1,), n), [1] + [2] * n, first_token_s=first, finish_s=last)
+        seqs.append(seq)
+    return Report(seqs, [], 16)
+
+
+def test_ttft_and_tpot_of_one_request():
+    r = report_of([(0.0, 0.5, 2.5, 101)])
+    assert r.ttft_s() == [0.5] and r.tpot_s()[0] == pytest.approx(0.020)
+    assert 2.5 / 100 == 0.025 and (2.5 - 0.3) / 100 == pytest.approx(0.022) and 0.5 - 0.3 == pytest.approx(0.2)
+    assert right("srv-ttft-tpot") == "TTFT 0.5 s, TPOT 20 ms"
+
+
+def test_goodput_counts_requests_that_met_both_targets():
+    def config(good: int) -> Report:
+        # 200 requests over 10 s; ``good`` meet both targets, the rest miss TTFT.
+        return report_of([(0.0, 1.0 if i < good else 3.0, 10.0, 301) for i in range(200)])
+
+    a, b = config(170), config(120)
+    assert a.span_s() == b.span_s() == 10
+    assert a.goodput(2.0, 0.05) == 17 and b.goodput(2.0, 0.05) == 12
+    assert round(3400 / 3000 - 1, 2) == 0.13
+    assert right("srv-goodput").startswith("A, by goodput: 17 requests/s")
+
+
+def test_paged_slots_against_reservation():
+    blocks = BlockAllocator(num_blocks=200, block_size=16)
+    blocks.grow("seq", 1000)
+    assert blocks.used() == 63 and blocks.used() * 16 == 1008 and 1008 - 1000 == 8
+    assert 200 + 2048 == 2248 and 2248 - 1000 == 1248
+    assert right("srv-paged-slots") == "1,008 slots against 2,248"
+
+
+def test_preemption_frees_blocks_and_keeps_the_generated_tokens():
+    blocks = BlockAllocator(num_blocks=4, block_size=4)
+    sched = Scheduler(blocks)
+    for i in range(2):
+        sched.add(Request(i, 0.0, (1, 2, 3), max_new_tokens=8))
+    work = sched.schedule()
+    assert [n for _, n in work] == [3, 3]
+    for seq, n in work:
+        sched.advance(seq, n, 9, 0.1)                       # each made its first token
+    for _ in range(10):                                     # decode until the 4 blocks run out
+        if sched.waiting:
+            break
+        for seq, n in sched.schedule():
+            sched.advance(seq, n, 9, 0.2)
+    young = sched.waiting[0] if sched.waiting else None
+    assert young is not None and young.preemptions == 1 and young.cached == 0
+    assert young.generated >= 1 and young.tokens[:3] == [1, 2, 3]  # its generated tokens are kept
+    assert young.request.id not in blocks.tables                   # its blocks were freed
+    # Readmitted, it prefills its prompt and what it had generated, all at once.
+    while sched.running:
+        for seq, n in sched.schedule():
+            if seq is young:
+                assert n == len(young.tokens)
+            sched.advance(seq, n, 9 if seq.cached + n == len(seq.tokens) else None, 0.3)
+    q = BY_ID["srv-preemption"]
+    picked = {q["choices"][i] for i in q["answer"]}
+    assert any("freed" in c for c in picked) and any("prefills its prompt and the tokens" in c for c in picked)
+    assert not any("lost" in c or "CPU" in c for c in picked)
+
+
+def test_chunked_prefill_chunks():
+    sched = Scheduler(BlockAllocator(num_blocks=2000, block_size=16), token_budget=512)
+    for i in range(50):
+        sched.add(Request(i, 0.0, (1,), max_new_tokens=100))
+    for seq, n in sched.schedule():
+        sched.advance(seq, n, 2, 0.0)                       # 50 sequences now decode one token a step
+    sched.add(Request(50, 0.0, tuple([1] * 8000), max_new_tokens=1))
+    chunks = []
+    while not any(seq.request.id == 50 and seq.first_token_s is not None for seq in sched.finished + sched.running):
+        work = sched.schedule()
+        assert sum(n for _, n in work) <= 512
+        for seq, n in work:
+            if seq.request.id == 50:
+                chunks.append(n)
+            sched.advance(seq, n, 2 if seq.cached + n == len(seq.tokens) else None, 0.0)
+    assert chunks[:-1] == [462] * 17 and chunks[-1] == 146 and len(chunks) == math.ceil(8000 / 462) == 18
+    assert sum(chunks) == 8000 and 17 * 462 == 7854
+    assert right("srv-chunked-prefill") == "462 tokens an iteration, 18 iterations"
+
+
+# --- parallel serving -----------------------------------------------------------------------------------------------
+
+def test_tensor_parallel_all_reduces_per_token():
+    cfg = MODELS["tiny"]
+    for n in (2, 4):
+        per_reduce = RING_FACTOR["all_reduce"](n) * n * 16 * cfg.n_embd * 2  # what all ranks send, batch 16, bf16
+        assert step_bytes(Layout("tp", n), cfg, 16, elem=2) == 2 * cfg.n_layer * per_reduce  # 2 a block
+    assert 2 * 80 == 160 and 16 * 8192 * 2 == 256 * KiB and 80 * 256 * KiB == 20 * MiB and 256 // 8 == 32
+    assert right("srv-tp-allreduce") == "160 all-reduces of 256 KiB: after attention and its MLP"
+
+
+def test_tp_against_pp_latency_for_one_stream():
+    s = get_shape("llama2-70b")
+    tp8 = serve_plan.decode_step(s, H100, 1, 4096, tp=8)
+    pp8 = serve_plan.decode_step(s, H100, 1, 4096, pp=8)
+    one = serve_plan.decode_step(s, H100, 1, 4096)
+    assert 3.3 < pp8["token_s"] / tp8["token_s"] < 4.5  # "about 4 times A's"; not half, not the same, not 8 times
+    assert abs(pp8["token_s"] - one["token_s"]) < 0.01 * one["token_s"]  # as slowly as one GPU would
+    assert round(serve_plan.weight_bytes(s) / 1e9) == 138
+    assert all(round(serve_plan.weight_bytes(s, tp, pp) / 1e9) in (17, 18) for tp, pp in ((8, 1), (1, 8)))
+    assert s.layers // 8 == 10
+    assert right("srv-tp-pp-latency").startswith("about 4 times A's")
+    assert "pp = 8 makes a token as slowly as one GPU would" in notebook()
+
+
+def test_gqa_heads_stop_shrinking_at_tp_equal_kv_heads():
+    s = get_shape("llama3-70b")
+    assert [kv_heads_per_rank(8, tp) for tp in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
+    assert [s.kv_heads_per_rank(tp) for tp in (8, 16)] == [1, 1] and s.kv_replication(16) == 2
+    assert serve_plan.kv_bytes_per_token(s, 8) == serve_plan.kv_bytes_per_token(s, 16) == 40 * KiB
+    assert 64 // 16 == 4 and 64 // 8 == 8
+    assert right("srv-gqa-tp16").startswith("40 KiB")
+    assert "tp = 16 caches as much per GPU as tp = 8" in notebook()
+
+
+def test_what_crosses_the_network_for_405b():
+    s = get_shape("llama3-405b")
+    assert s.layers == 126 and 2 * 126 == 252 and round(serve_plan.weight_bytes(s) / 1e9) == 812
+    tp16 = serve_plan.decode_step(s, H100, 8, 4096, tp=16)
+    split = serve_plan.decode_step(s, H100, 8, 4096, tp=8, pp=2)
+    assert tp16["tp_comm_s"] > 100 * split["pp_send_s"] > 0  # 252 all-reduces across nodes against one send
+    assert right("srv-tp16-vs-pp2").startswith("tp=16: 252 all-reduces, 2 a block")
+
+
+def test_sizing_llama2_70b():
+    s = get_shape("llama2-70b")
+    fits = {tp: serve_plan.largest_batch(s, H100, 4096, tp=tp) for tp in (1, 2, 4, 8)}
+    assert fits == {1: 0, 2: 22, 4: 146, 8: 396}
+    usable = H100.usable_bytes()
+    assert round((usable - serve_plan.weight_bytes(s, 2)) / 1e9) == 15
+    assert round((usable - serve_plan.weight_bytes(s, 4)) / 1e9) == 49
+    assert 4096 * serve_plan.kv_bytes_per_token(s, 2) == 640 * MiB and 4096 * serve_plan.kv_bytes_per_token(s, 4) == 320 * MiB
+    assert [round(serve_plan.weight_bytes(s, tp) / 1e9) for tp in (2, 4)] == [69, 34] and 64 % 3
+    assert right("srv-sizing-70b") == "tp=4: 34 GB of weights a GPU leaves room for about 146 sequences"
+    # The notebook's reading of the planner: tp=2 about twenty sequences, tp=4 and tp=8 hundreds.
+    assert "tp = 2 holds them with room for about twenty sequences" in notebook()
+
+
+# --- quantization ---------------------------------------------------------------------------------------------------
+
+def test_quantized_bytes_and_what_they_speed():
+    s = get_shape("llama2-70b")
+    # Weight-only INT4, groups of 128, fp16 scales: 0.5 + 2/128 bytes a weight (stored_bytes counts fp32 scales).
+    out, n_in = 8192, 8192
+    fp16_scales = stored_bytes(out, n_in, "int4", group=128) - 2 * (out * n_in // 128)
+    assert fp16_scales / (out * n_in) == 0.5 + 2 / 128 and round(0.5 + 2 / 128, 2) == 0.52
+    assert round(serve_plan.weight_bytes(s) * (0.5 + 2 / 128) / 2 / 1e9) == 36
+    assert round(serve_plan.weight_bytes(s) / 2 / 1e9) == 69
+    assert "small-batch decode much faster" in right("srv-int4-weights")
+    # The course's own INT4 in the notebook: group 32, fp32 scales: 0.625 bytes a weight.
+    assert stored_bytes(64, 64, "int4", group=32) / (64 * 64) == 0.625
+    s8 = get_shape("llama3-8b")
+    int4 = serve_plan.weight_bytes(s8) * (0.5 + 2 / 128) / 2
+    assert round(int4 / 1e9, 1) == 4.1 and round(int4 / (H100.hbm_GBps * 1e9) * 1e3, 1) == 1.2
+
+
+def test_fp8_kv_cache_and_fp8_weights():
+    s = get_shape("llama3-8b")
+    step = {(w, kv): {b: serve_plan.decode_step(s, H100, b, 4096, weights=w, kv=kv)["token_s"] for b in (1, 64)}
+            for w in ("bf16", "fp8") for kv in ("bf16", "fp8")}
+    assert serve_plan.largest_batch(s, H100, 4096, kv="fp8") == 2 * 126 == 252
+    base, kv8 = step["bf16", "bf16"], step["bf16", "fp8"]
+    assert 1 - kv8[1] / base[1] < 0.02                  # batch 1: "about 1 % less"
+    assert 0.27 < 1 - kv8[64] / base[64] < 0.35         # batch 64: "about 30 % less"
+    assert right("srv-fp8-kv") == "252 sequences fit; a 64-sequence step takes about 30 % less"
+    # FP8 weights: the batch-1 step down by about a third; prefill on FP8 tensor cores a third shorter.
+    assert 0.28 < 1 - step["fp8", "bf16"][1] / base[1] < 0.42
+    prefill = {w: serve_plan.prefill(s, H100, 1, 2048, weights=w)["first_token_s"] for w in ("bf16", "fp8")}
+    assert 0.3 < 1 - prefill["fp8"] / prefill["bf16"] < 0.4
+    assert (H100.peak_flops("fp8"), H100.peak_flops("bf16")) == (1979e12, 989e12)  # twice, to rounding
+    assert right("srv-fp8-prefill") == "FP8: tensor cores multiply FP8 at twice bf16's peak: a third less"
+    assert "FP8 weights cut the batch-1 step by about a third" in notebook()
+
+
+# --- the Change cell's prediction -----------------------------------------------------------------------------------
+
+def test_what_to_predict_the_largest_batch_from():
+    """The prompt gives every piece of the formula, and not the default's answer."""
+    text = notebook()
+    shapes = {name: get_shape(name) for name in ("llama3-8b", "llama2-70b", "llama3-70b")}
+    assert [f"{s.params() / 1e9:.2f} B" for s in shapes.values()] == ["8.03 B", "68.98 B", "70.55 B"]
+    for words in ("Llama 3 8B: 8.03 B; Llama 2 70B: 68.98 B; Llama 3 70B: 70.55 B", "head_dim (128 in all three)",
+                  "all three have 8 K/V heads", "Llama 3 8B has 32 layers, the two 70 B models 80",
+                  "80 GiB for an H100 or an A100, 141 GiB for an H200", "less 2 GiB the runtime keeps"):
+        assert words in text, words
+    assert {s.head_dim for s in shapes.values()} == {128} and {s.kv for s in shapes.values()} == {8}
+    assert [s.layers for s in shapes.values()] == [32, 80, 80]
+    assert [get_gpu(g).memory_gb for g in ("h100", "a100", "h200")] == [80, 80, 141]
+    default = serve_plan.largest_batch("llama3-70b", "h100", 8192, tp=4)
+    assert default == 72 and "72" not in text
+    # The cell's formula (an even share of the weights) stays within the check's 5 % of the planner's count.
+    code = notebook("code")
+    assert 'value="llama3-70b"' in code and "value=8192" in code and "value=4," in code
+    for name, s in shapes.items():
+        for gpu in ("h100", "h200", "a100"):
+            for context in (1024, 4096, 8192, 32768):
+                for tp in (1, 2, 4, 8, 16):
+                    for kv in ("bf16", "fp8"):
+                        usable = get_gpu(gpu).usable_bytes()
+                        formula = max(0, int((usable - s.params() * 2 / tp) //
+                                             (context * 2 * s.layers * max(1, 8 // tp) * 128 * serve_plan.ELEM[kv])))
+                        planner = serve_plan.largest_batch(s, gpu, context, tp=tp, kv=kv)
+                        assert abs(formula - planner) <= max(1, 0.05 * planner), (name, gpu, context, tp, kv)
+
+
+def test_the_tool_statements_match_the_notebooks_table():
+    """srv-stack-docs: the statements checked in each tool's documentation, as the notebook's table gives them."""
+    q = BY_ID["srv-stack-docs"]
+    picked = [q["choices"][i] for i in q["answer"]]
+    assert sum("TensorRT-LLM" in c for c in picked) == 2 and sum("vLLM" in c for c in picked) == 1
+    assert not any("Triton" in c or "pipeline parallelism in a node" in c for c in picked)
+    text = notebook()
+    assert "`--tensor-parallel-size` in a node, `--pipeline-parallel-size` across nodes" in text
+    assert '`kv_cache_dtype="fp8"`, scales 1.0 unless calibrated' in text
+    assert "in-flight batching: context-phase and generation-phase requests in one batch" in text
+    assert "whole requests grouped into a batch, for stateless models" in text
+
+
+# --- the questions ----------------------------------------------------------------------------------------------------
+
+def test_serving_questions_are_many_scenarios_and_not_gameable():
+    from gpucourse.bench.quiz_figures import scenario_detail
+    from test_quiz import assert_not_gameable
+
+    assert len(QS) >= 20 and all(q["id"].startswith("srv-") for q in QS)
+    assert [q for q in quiz.load_bank() if q["id"].startswith("srv-")] == QS
+    kinds = Counter(q["kind"] for q in QS)
+    assert kinds["numeric"] == 0 and 2 <= kinds["multiple"] <= 4
+    assert sum(scenario_detail(q["question"]) is not None for q in QS) >= 0.8 * len(QS)
+    assert sum(len(q["question"]) > 150 for q in QS) >= 0.8 * len(QS)
+    assert {q["topic"] for q in QS} == {"memory-batch", "parallelism", "profiling-troubleshooting"}
+    assert_not_gameable(QS, letters=4)
+
+
+def test_every_serving_question_is_pinned_here():
+    """Each question's figures are recomputed by a test of this file, which names its id."""
+    source = (REPO / "tests" / "test_serving_facts.py").read_text(encoding="utf-8")
+    assert [q["id"] for q in QS if q["id"] not in source] == []
