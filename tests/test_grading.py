@@ -507,5 +507,32 @@ def test_notebook_check_shows_html_in_a_kernel(monkeypatch, marked):
     assert "ex05_one_f_one_b" in html and "0 / 10" in html and "hint:" in html and "✘" in html
 
 
+def test_grade_runs_grades_files_under_their_own_seeds_in_one_process(marked):
+    """What the mutant-stability script stands on: several (exercise, file, seed) runs, one grading process, each
+    result under its own seed and equal to grading it alone."""
+    from gpucourse.grading.runner import grade_runs
+
+    wrong = MUTANTS / "ex14_paged_attention" / "takes_from_front.py"
+    runs = [("ex14", REPO / "solutions" / "ex14_paged_attention.py", 3), ("ex14", wrong, 3), ("ex14", wrong, 4)]
+    results = grade_runs(runs)
+    assert [(r["exercise"], r["seed"], r["score"]) for r in results] == [("ex14", 3, 10), ("ex14", 3, 8), ("ex14", 4, 8)]
+    alone = grading.grade(REPO / "solutions", ["ex14"], files={"ex14": str(wrong)}, seed=4)["exercises"][0]
+    assert [c["status"] for c in alone["checks"]] == [c["status"] for c in results[2]["checks"]]
+
+
 def test_timing_helpers_for_the_benchmarks(marked):
     assert grading.time_grade_one_exercise("ex05") > 0
+
+
+def test_every_wrong_answer_of_exercise_14_fails_the_same_checks_under_twenty_seeds(marked):
+    """What scripts/mutant-stability does for every exercise (about 10 minutes here), for the newest one: no
+    verdict depends on the seed."""
+    from gpucourse.grading.runner import grade_runs
+
+    wrong = sorted((MUTANTS / "ex14_paged_attention").glob("*.py"))
+    runs = [("ex14", str(p), seed) for p in wrong for seed in range(1, 21)]
+    seen = defaultdict(set)
+    for (_, path, _), r in zip(runs, grade_runs(runs)):
+        seen[Path(path).stem].add(tuple(sorted(c["name"] for c in r["checks"] if c["status"] != "passed")))
+    assert len(seen) == len(wrong) >= 8
+    assert all(len(verdicts) == 1 and () not in verdicts for verdicts in seen.values()), dict(seen)

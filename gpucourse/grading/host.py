@@ -553,8 +553,8 @@ def main(argv: list[str]) -> int:
     spec["load"] = load_factor()
     results = []
     try:
-        for ex_id, path in spec["files"]:
-            results.append(grade_exercise(known[ex_id], path, spec, sandbox))
+        for ex_id, path, seed in spec["files"]:  # each file under its own seed (grade_runs: several of each)
+            results.append(grade_exercise(known[ex_id], path, {**spec, "seed": seed}, sandbox))
     finally:
         sandbox.close()
         kill_descendants()

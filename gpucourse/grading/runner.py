@@ -103,13 +103,35 @@ def grade(folder: str | os.PathLike | None = None, exercises: list[str] | None =
     chosen = [core.find_exercise(e) for e in exercises] if exercises else list(core.exercises().values())
     paths = [(ex.id, os.path.abspath((files or {}).get(ex.id) or folder / f"{ex.module}.py")) for ex in chosen]
     seed = secrets.randbelow(2**31) if seed is None else int(seed)
+    results = _grade_in_host([(ex_id, path, seed) for ex_id, path in paths], [str(folder)], timeout, memory_gb,
+                             hidden_paths)
+    return {"folder": str(folder), "seed": seed, "score": sum(r["score"] for r in results),
+            "max_score": sum(r["max_score"] for r in results), "time_s": round(time.monotonic() - start, 3),
+            "exercises": results}
+
+
+def grade_runs(runs: list[tuple[str, str, int]], *, timeout: float = DEFAULT_TIMEOUT_S,
+               memory_gb: float = DEFAULT_MEMORY_GB) -> list[dict]:
+    """Grade each ``(exercise id, file, seed)`` of ``runs`` in one grading process, in order; one result each.
+
+    The same walls as :func:`grade` (the same sandbox, started once): what it saves is the start of the grader and
+    its sandbox for every run, so that one file under twenty seeds, or every wrong answer of the course, costs
+    about what the checks themselves take."""
+    runs = [(core.find_exercise(ex_id).id, os.path.abspath(path), int(seed)) for ex_id, path, seed in runs]
+    return _grade_in_host(runs, [], timeout, memory_gb, ())
+
+
+def _grade_in_host(runs: list[tuple[str, str, int]], folders: list[str], timeout: float, memory_gb: float,
+                   hidden_paths) -> list[dict]:
+    """The grading process (``gpucourse.grading.host``) over ``runs``; its results, one per run (a run it did not
+    reach gets a result saying why)."""
     work = tempfile.mkdtemp(prefix="gpucourse-grade-")
-    results: list[dict] = []
     try:
         # Learner code may read none of these: the repository (solutions/, the checks, the reference
         # strategies), the grader's folder, and the folders being graded (the sandbox has its own copy).
-        hidden = [str(REPO), work, str(folder)] + sorted({os.path.dirname(p) for _, p in paths})
-        spec = {"files": paths, "seed": seed, "timeout_scale": float(timeout) / DEFAULT_TIMEOUT_S, "work": work,
+        hidden = [str(REPO), work, *folders] + sorted({os.path.dirname(p) for _, p, _ in runs})
+        spec = {"files": [list(run) for run in runs], "seed": runs[0][2] if runs else 0,
+                "timeout_scale": float(timeout) / DEFAULT_TIMEOUT_S, "work": work,
                 "memory_bytes": int(memory_gb * 2**30), "output_bytes": OUTPUT_LIMIT_BYTES,
                 "result": os.path.join(work, "result.json"), "hidden_paths": hidden + list(hidden_paths)}
         with open(os.path.join(work, "spec.json"), "w") as f:
@@ -123,7 +145,7 @@ def grade(folder: str | os.PathLike | None = None, exercises: list[str] | None =
             _live.add(proc)
         clean = False
         try:
-            checks = sum(len(core.exercises()[ex_id].checks) for ex_id, _ in paths)
+            checks = sum(len(core.exercises()[ex_id].checks) for ex_id, _, _ in runs)
             proc.wait(timeout=STARTUP_S + checks * (timeout * 4 + 30))
             clean = proc.returncode == 0
         except subprocess.TimeoutExpired:
@@ -137,15 +159,13 @@ def grade(folder: str | os.PathLike | None = None, exercises: list[str] | None =
                 results = json.load(f)
         except (OSError, ValueError):
             results = []
-        if len(results) < len(paths):
+        if len(results) < len(runs):
             why = _host_failure(work, proc.returncode)
             known = core.exercises()
-            results += [static_result(known[ex_id], why, seed, 0.0) for ex_id, _ in paths[len(results):]]
+            results += [static_result(known[ex_id], why, seed, 0.0) for ex_id, _, seed in runs[len(results):]]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {"folder": str(folder), "seed": seed, "score": sum(r["score"] for r in results),
-            "max_score": sum(r["max_score"] for r in results), "time_s": round(time.monotonic() - start, 3),
-            "exercises": results}
+    return results
 
 
 def _host_failure(work: str, returncode) -> str:
