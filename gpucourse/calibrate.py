@@ -32,9 +32,14 @@ def gpu_entry(device_name: str) -> str | None:
     return None
 
 
+def _sync_of(device: str):
+    """What waits for ``device``'s queued work: CUDA's synchronize, or nothing on the CPU."""
+    return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+
 def _timed(fn, device: str, repeats: int) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs after a warm-up, synchronising CUDA around each."""
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync = _sync_of(device)
     fn()
     sync()
     times = []
@@ -98,7 +103,7 @@ def serving_ratios(device: str, gpu: str, model: str = "gpt2-small", prompt_len:
     modeled = prefill(shape, gpu, prompts, prompt_len, weights=weights)["first_token_s"]
     rows.append({"kernel": "prefill", "shape": f"{prompts} prompts × {prompt_len} tokens", "measured_s": measured,
                  "modeled_s": modeled, "ratio": modeled / measured})
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync = _sync_of(device)
     for batch in batches:
         prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=g).to(device)
         steps = []

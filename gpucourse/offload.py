@@ -52,9 +52,7 @@ def offload_time(params: float, gpu, precision: str, window_s: float = 0.0) -> d
         raise ValueError(f"{gpu.name} has no host link in the table (pcie_GBps, host_GBps): nothing to offload to.")
     half = precision != "fp32"
     elem = 2 if half else 4
-    pcie = gpu.pcie_GBps * 1e9 * PCIE_EFFICIENCY
-    to_host = params * elem / pcie
+    copy = params * elem / (gpu.pcie_GBps * 1e9 * PCIE_EFFICIENCY)  # the gradients down, the weights up: as many bytes
     cpu = params * host_adam_bytes(elem, half) / (gpu.host_GBps * 1e9 * HOST_EFFICIENCY)
-    to_gpu = params * elem / pcie
-    return {"to_host_s": to_host, "cpu_adam_s": cpu, "to_gpu_s": to_gpu,
-            "exposed_s": max(0.0, to_host - window_s) + cpu + to_gpu}
+    return {"to_host_s": copy, "cpu_adam_s": cpu, "to_gpu_s": copy,
+            "exposed_s": max(0.0, copy - window_s) + cpu + copy}

@@ -128,8 +128,8 @@ class FlatShardedOptimizer(RankShare, torch.optim.Optimizer):
     def __init__(self, params, optimizer_class: type | None = None, group=None, stage: int = 1, make=None,
                  **defaults):
         self.group = group if group is not None else dist.group.WORLD
-        self.stage, self.dp = stage, dist.get_world_size(self.group)
-        self.rank, self.size = dist.get_rank(self.group), self.dp  # which share of the state this rank holds
+        self.stage = stage
+        self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)  # the share this rank holds
         self.parts: list[FlatShards] = []
         self.part_group: list[int] = []  # for each part, the index of its parameter group
         self.reduced = False
@@ -169,7 +169,7 @@ class FlatShardedOptimizer(RankShare, torch.optim.Optimizer):
                 shard_grad = torch.empty(part.shard_size, dtype=flat_grad.dtype, device=flat_grad.device)
                 comm.reduce_scatter_tensor(shard_grad, flat_grad, group=part.group, name="reduce_scatter gradients")
                 part.local.grad = shard_grad
-            part.local.grad /= self.dp  # the mean over every rank's tokens, experts' included
+            part.local.grad /= self.size  # the mean over every rank's tokens, experts' included
         self.reduced = True
 
     def shard_gradients(self) -> list[torch.Tensor]:
@@ -252,7 +252,6 @@ class ZeroScratch(Trainer):
     def __init__(self, model, group, stage: int = 1, **options):
         self.group, self.stage = group, stage
         self.dp, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.params = list(model.parameters())
         super().__init__(model, **options)
         parts = self.optimizer.parts
         self.extras["zero"] = {"stage": stage, "num_params": parts[0].numel, "shard_size": parts[0].shard_size}
@@ -261,7 +260,7 @@ class ZeroScratch(Trainer):
                                                     for part in parts[1:]]
 
     def make_optimizer(self, lr):
-        return FlatShardedOptimizer(self.params, group=self.group, stage=self.stage,
+        return FlatShardedOptimizer(self.model.parameters(), group=self.group, stage=self.stage,
                                     make=lambda groups: self.optimizer_for([g["params"][0] for g in groups], lr))
 
     def gradients(self):

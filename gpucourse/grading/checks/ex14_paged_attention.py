@@ -21,11 +21,15 @@ ATTENTION = contracts.Contract("paged_attention", ("q", "k_cache", "v_cache", "t
                                unchanged=("q", "k_cache", "v_cache"), dtype_of="q", strided=("k_cache", "v_cache"))
 
 
+def _lists_after(out) -> tuple:
+    """The table and the free list as the learner's call left them (its first two arguments)."""
+    return tuple(list(a) if isinstance(a, (list, tuple)) else a for a in out.args[:2])
+
+
 def _grow(ctx, table: list, free: list, tokens: int, block_size: int) -> tuple[object, list, list]:
     """What ``grow`` returned, and the table and free list as it left them."""
     out = ctx.call("grow", list(table), list(free), tokens, block_size)
-    after_table, after_free = (list(a) if isinstance(a, (list, tuple)) else a for a in out.args[:2])
-    return out.value, after_table, after_free
+    return (out.value, *_lists_after(out))
 
 
 def _expected_grow(table: list, free: list, tokens: int, block_size: int) -> tuple[bool, list, list]:
@@ -88,7 +92,7 @@ def refuses(ctx):
 def releases(ctx):
     for table, free in (([4, 2, 9], [1]), ([0], []), ([], [5, 6]), ([8, 3, 1, 7, 6], [2, 0])):
         out = ctx.call("release", list(table), list(free))
-        after_table, after_free = (list(a) if isinstance(a, (list, tuple)) else a for a in out.args[:2])
+        after_table, after_free = _lists_after(out)
         if after_free != free + table or after_table != []:
             raise Fail(f"release(table={table}, free={free}) left table {after_table} and free {after_free}; "
                        f"expected [] and {free + table}")
