@@ -10,6 +10,7 @@ import ast
 import csv
 import json
 import shutil
+import subprocess
 import sys
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -536,3 +537,20 @@ def test_every_wrong_answer_of_exercise_14_fails_the_same_checks_under_twenty_se
         seen[Path(path).stem].add(tuple(sorted(c["name"] for c in r["checks"] if c["status"] != "passed")))
     assert len(seen) == len(wrong) >= 8
     assert all(len(verdicts) == 1 and () not in verdicts for verdicts in seen.values()), dict(seen)
+
+
+def test_the_catalog_names_every_exercise_and_a_kernel_asks_for_a_grade_without_torch():
+    """check() resolves its exercise from the checks' file names: the kernel imports neither the checks nor torch
+    to ask for a grade (the grading process does, while its sandbox starts)."""
+    from gpucourse.grading import catalog
+
+    known = grading.exercises()
+    assert catalog.modules() == {ex_id: ex.module for ex_id, ex in known.items()}
+    assert max(len(ex.checks) for ex in known.values()) <= catalog.MAX_CHECKS
+    assert catalog.resolve("3") == catalog.resolve("ex03_gradient_buckets") == ("ex03", known["ex03"].module)
+    with pytest.raises(KeyError, match="no exercise called 'ex99'"):
+        catalog.resolve("ex99")
+    code = ("import sys; from gpucourse.grading.notebook import check; from gpucourse.grading import runner; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('gpucourse.grading.checks')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -176,3 +176,31 @@ def test_an_untouched_stub_is_not_an_attempt(tmp_path, monkeypatch, marked):
     grading.check("ex05")
     assert "ex05_one_f_one_b" not in progress.load()["exercises"]
     assert runner.untouched(grading.grade(folder, ["ex05"])["exercises"][0])
+
+
+def test_learner_code_runs_as_nobody_even_where_python_lives_in_roots_home(tmp_path, marked):
+    """As root, learner code runs as an unprivileged user; where the interpreter sits in a folder only root may
+    enter (here /root/.pyenv), that user runs a copy of it which only root may change, and still cannot read
+    what is root's."""
+    from gpucourse.grading import spawn
+
+    (tmp_path / "ex01_ring_allreduce.py").write_text(
+        "import os, sys\n"
+        "def ring_all_reduce(tensor):\n"
+        "    try:\n"
+        "        open('/root/.profile').close(); home = 'read'\n"
+        "    except OSError:\n"
+        "        home = 'closed'\n"
+        "    raise ValueError(f'UID {os.geteuid()} GID {os.getegid()} ROOT {home} PYTHON {sys.base_prefix}')\n")
+    result = grading.grade(tmp_path, ["ex01"], seed=1)
+    message = result["exercises"][0]["checks"][0]["message"]
+    if os.geteuid() != 0:
+        assert f"UID {os.geteuid()}" in message, message
+        return
+    assert spawn.sandbox_user() == spawn.NOBODY  # torch is readable by everyone here, so nobody can run it
+    assert "UID 65534 GID 65534" in message and "ROOT closed" in message, message
+    if not spawn._open_to_others(sys.executable):
+        prefix = message.split("PYTHON ")[1].split()[0]
+        assert prefix.startswith(spawn.COPIES), message
+        info = os.stat(prefix)
+        assert info.st_uid == 0 and not info.st_mode & 0o022, oct(info.st_mode)

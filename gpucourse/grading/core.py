@@ -26,8 +26,6 @@ Adding an exercise is dropping in those two modules (and the solved one in
 from __future__ import annotations
 
 import importlib
-import pkgutil
-import re
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable
@@ -190,23 +188,14 @@ def expect_close(what: str, got, want: torch.Tensor, atol: float = 1e-5, rtol: f
 
 def exercises() -> dict[str, Exercise]:
     """Every exercise the grader knows, by id ("ex01"), in order."""
-    from . import checks
+    from . import catalog, checks
 
-    found = {}
-    for info in sorted(pkgutil.iter_modules(checks.__path__), key=lambda m: m.name):
-        if re.fullmatch(r"ex\d\d_\w+", info.name):
-            ex = importlib.import_module(f"{checks.__name__}.{info.name}").EXERCISE
-            found[ex.id] = ex
-    return found
+    return {ex_id: importlib.import_module(f"{checks.__name__}.{module}").EXERCISE
+            for ex_id, module in catalog.modules().items()}
 
 
 def find_exercise(key: str) -> Exercise:
     """The exercise named by ``key``: "ex03", "3", "03" or "ex03_gradient_buckets"; KeyError if none."""
-    known = exercises()
-    k = key.strip().lower().removesuffix(".py")
-    if k.isdigit():
-        k = f"ex{int(k):02d}"
-    for ex in known.values():
-        if k in (ex.id, ex.module):
-            return ex
-    raise KeyError(f"no exercise called {key!r}; there are {', '.join(known)}")
+    from . import catalog, checks
+
+    return importlib.import_module(f"{checks.__name__}.{catalog.resolve(key)[1]}").EXERCISE

@@ -1,8 +1,10 @@
-"""The grading process: ``python -m gpucourse.grading.host SPEC.json``. It is trusted; learner code never runs in it.
+"""The grading process. It is trusted; learner code never runs in it.
 
-:func:`gpucourse.grading.runner.grade` starts it in a new session. It imports
-the checks and starts one sandbox process (:mod:`gpucourse.grading.sandbox`),
-as an unprivileged user when it is root, over a private folder that holds a
+:func:`gpucourse.grading.runner.grade` starts it in a new session
+(``python -m gpucourse.grading.start SPEC.json``, which starts the sandbox
+first, then runs :func:`run` here). It imports the checks and drives one
+sandbox process (:mod:`gpucourse.grading.sandbox`), as an unprivileged user
+when it is root (see :mod:`.spawn`), over a private folder that holds a
 copy of each learner file and nothing else. For each exercise it runs the
 checks here, one after another; a check sends inputs to the sandbox's ranks
 and judges what comes back (see :class:`~gpucourse.grading.core.CheckContext`).
@@ -21,7 +23,6 @@ it detached, ends up its child and is killed before the result file is written.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import select
@@ -29,19 +30,18 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
 
 from ..files import write_atomic
 from ..runtime import collective_status
 from . import core, source, wire
+from .spawn import spawn_sandbox
 from .results import describe_exception, static_result
 
 STARTUP_S = 90.0         # for a batch's ranks to start and connect (not counted against any check)
 PROGRESS_GRACE_S = 3.0   # after a check's budget, how long a rank may take to show it is still moving
 MAX_EXTENSION = 4.0      # a progressing check gets at most this many budgets
-NOBODY = 65534
 
 
 class Stuck(Exception):
@@ -168,9 +168,8 @@ class Batch:
 class Sandbox:
     """The sandbox process, seen from here: it starts batches of ranks on request."""
 
-    def __init__(self, spec: dict, private: str, output: str):
-        self.spec, self.private, self.output = spec, private, output
-        self.user = sandbox_user()
+    def __init__(self, spec: dict, private: str, output: str, user: int | None):
+        self.spec, self.private, self.output, self.user = spec, private, output, user
         self.batches = 0
         self.proc: subprocess.Popen | None = None
         self.control: socket.socket | None = None
@@ -178,23 +177,10 @@ class Sandbox:
         self._heard = b""
         self.gone = False  # the sandbox process has closed its end
 
-    def start(self) -> None:
-        ours, theirs = socket.socketpair()
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUCOURSE_GRADE", "TORCHELASTIC_"))}
-        # torch's caches go to the sandbox's own folder (importing torch here set this process's to ours).
-        env.update(TMPDIR=os.path.join(self.private, "tmp"), HOME=self.private,
-                   TORCHINDUCTOR_CACHE_DIR=os.path.join(self.private, "tmp", "torchinductor"))
-        with open(self.output, "ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gpucourse.grading.wall", str(theirs.fileno()),
-                 json.dumps({"hidden_paths": self.spec["hidden_paths"], "private": self.private})],
-                pass_fds=[theirs.fileno()], cwd=self.private, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT, start_new_session=True,
-                user=self.user, group=self.user, extra_groups=[] if self.user is not None else None)
-        theirs.close()
-        self.control, self._heard, self.gone = ours, b"", False
-        with open(os.path.join(self.spec["work"], "pgids"), "a") as f:
-            f.write(f"{self.proc.pid}\n")
+    def start(self, started=None) -> None:
+        """Start the sandbox process (or take ``started``, the one :mod:`.start` began: its process and channel)."""
+        self.proc, self.control = started or spawn_sandbox(self.spec, self.private, self.output, self.user)
+        self._heard, self.gone = b"", False
 
     def start_batch(self, ex: core.Exercise, world_size: int, file: str, limit_s: float) -> Batch:
         """Ranks for a batch of ``ex``'s checks, connected; RankDied if they could not start."""
@@ -328,17 +314,6 @@ class Sandbox:
             self.control.close()
             self.control = None
 
-    def close(self) -> None:
-        if self.control is not None:
-            self.control.close()  # the sandbox's loop ends
-            self.control = None
-        if self.proc is not None:
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-        kill_descendants()
-
 
 # Never importable by learner code, whatever the exercise.
 HIDDEN_MODULES = ("solutions", "tests", "gpucourse.grading.checks", "gpucourse.grading.host",
@@ -346,28 +321,6 @@ HIDDEN_MODULES = ("solutions", "tests", "gpucourse.grading.checks", "gpucourse.g
                   "gpucourse.grading.timing", "gpucourse.parallel", "gpucourse.train", "gpucourse.memory",
                   "gpucourse.plan", "gpucourse.profiling", "gpucourse.measure", "gpucourse.comm",
                   "gpucourse.troubleshoot", "gpucourse.bench", "gpucourse.tour", "gpucourse.serving")
-
-
-def sandbox_user() -> int | None:
-    """The unprivileged user the sandbox runs as when this process is root, or None (run as ourselves).
-
-    Only when that user can run this Python and read torch: an interpreter in
-    a private home folder (``/root/.pyenv``) cannot be run by anyone else, and
-    the sandbox then runs as this user, its audit hook the only wall.
-    """
-    if os.geteuid() != 0:
-        return None
-    import torch
-
-    for path in (os.path.realpath(sys.executable), os.path.realpath(torch.__file__), os.path.realpath(os.__file__)):
-        parts = path.split(os.sep)
-        for i in range(2, len(parts)):
-            folder = os.sep.join(parts[:i]) or os.sep
-            if not os.stat(folder).st_mode & 0o001:
-                return None
-        if not os.stat(path).st_mode & 0o004:
-            return None
-    return NOBODY
 
 
 def _probe_names() -> set[str]:
@@ -523,31 +476,12 @@ def _output_since(path: str, offset: int) -> str:
         return ""
 
 
-def _become_subreaper() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans below us are re-parented to us
-        libc.prctl(4, 0, 0, 0, 0)   # PR_SET_DUMPABLE 0: our /proc files are not readable by the learner's user
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the process that started us
-    except (OSError, AttributeError):
-        pass
-
-
-def main(argv: list[str]) -> int:
-    with open(argv[0]) as f:
-        spec = json.load(f)
-    _become_subreaper()
-    private = os.path.join(spec["work"], "sandbox")
-    os.makedirs(os.path.join(private, "tmp"), exist_ok=True)
-    user = sandbox_user()
-    if user is not None:
-        os.chmod(spec["work"], 0o711)  # the sandbox user may pass through to its own folder, nothing else
-        for folder in (private, os.path.join(private, "tmp")):
-            os.chown(folder, user, user)
-    sandbox = Sandbox(spec, private, os.path.join(spec["work"], "output.txt"))
-    sandbox.start()  # it imports torch while this process imports the checks
+def run(spec: dict, private: str, user: int | None, started) -> int:
+    """Grade ``spec["files"]`` with the sandbox :mod:`.start` began (``started``) and write the results."""
     import torch
 
+    sandbox = Sandbox(spec, private, os.path.join(spec["work"], "output.txt"), user)
+    sandbox.start(started)
     torch.set_num_threads(1)
     known = core.exercises()
     spec["load"] = load_factor()
@@ -556,14 +490,7 @@ def main(argv: list[str]) -> int:
         for ex_id, path, seed in spec["files"]:  # each file under its own seed (grade_runs: several of each)
             results.append(grade_exercise(known[ex_id], path, {**spec, "seed": seed}, sandbox))
     finally:
-        sandbox.close()
+        # Nothing in the sandbox is worth a graceful end (each batch has ended): kill it and all below at once.
         kill_descendants()
     write_atomic(spec["result"], json.dumps(results))
     return 0
-
-
-if __name__ == "__main__":
-    # Run the package's copy of this module, the one the checks import (so `except host.Stuck` matches).
-    from gpucourse.grading.host import main as _main
-
-    sys.exit(_main(sys.argv[1:]))

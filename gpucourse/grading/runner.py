@@ -1,7 +1,7 @@
 """Grade a folder of exercises, or a whole class of them; this is what the CLI and ``check`` call.
 
 Nothing here runs learner code: :func:`grade` starts the grading process
-(``gpucourse.grading.host``, which holds the checks and starts the sandbox
+(``gpucourse.grading.start``, then ``host``, which holds the checks and starts the sandbox
 that runs learner code) in a new session, with a clean environment (no
 torchrun variables, no GPU: checks run on gloo CPU ranks), a private temporary
 folder, and a deadline of its own on top of the per-check ones. However it
@@ -26,9 +26,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from ..files import write_atomic
-from . import core
+from . import catalog
 from .report import gradescope
-from .results import static_result
 
 DEFAULT_TIMEOUT_S = 20.0    # per check, for the learner's code on a quiet machine (scaled by the load)
 DEFAULT_MEMORY_GB = 4.0     # address space of an exercise process (torch alone maps about 1.5 GB)
@@ -100,8 +99,9 @@ def grade(folder: str | os.PathLike | None = None, exercises: list[str] | None =
     """
     start = time.monotonic()
     folder = find_folder(folder)
-    chosen = [core.find_exercise(e) for e in exercises] if exercises else list(core.exercises().values())
-    paths = [(ex.id, os.path.abspath((files or {}).get(ex.id) or folder / f"{ex.module}.py")) for ex in chosen]
+    # Resolved by name only: a notebook's kernel asking for a grade does not import the checks (or torch).
+    chosen = [catalog.resolve(e) for e in exercises] if exercises else list(catalog.modules().items())
+    paths = [(ex_id, os.path.abspath((files or {}).get(ex_id) or folder / f"{module}.py")) for ex_id, module in chosen]
     seed = secrets.randbelow(2**31) if seed is None else int(seed)
     results = _grade_in_host([(ex_id, path, seed) for ex_id, path in paths], [str(folder)], timeout, memory_gb,
                              hidden_paths)
@@ -117,7 +117,7 @@ def grade_runs(runs: list[tuple[str, str, int]], *, timeout: float = DEFAULT_TIM
     The same walls as :func:`grade` (the same sandbox, started once): what it saves is the start of the grader and
     its sandbox for every run, so that one file under twenty seeds, or every wrong answer of the course, costs
     about what the checks themselves take."""
-    runs = [(core.find_exercise(ex_id).id, os.path.abspath(path), int(seed)) for ex_id, path, seed in runs]
+    runs = [(catalog.resolve(ex_id)[0], os.path.abspath(path), int(seed)) for ex_id, path, seed in runs]
     return _grade_in_host(runs, [], timeout, memory_gb, ())
 
 
@@ -134,19 +134,19 @@ def _grade_in_host(runs: list[tuple[str, str, int]], folders: list[str], timeout
                 "timeout_scale": float(timeout) / DEFAULT_TIMEOUT_S, "work": work,
                 "memory_bytes": int(memory_gb * 2**30), "output_bytes": OUTPUT_LIMIT_BYTES,
                 "result": os.path.join(work, "result.json"), "hidden_paths": hidden + list(hidden_paths)}
-        with open(os.path.join(work, "spec.json"), "w") as f:
+        with open(os.open(os.path.join(work, "spec.json"), os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
             json.dump(spec, f)
         os.makedirs(os.path.join(work, "cwd"))
-        with open(os.path.join(work, "host.log"), "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "gpucourse.grading.host", os.path.join(work, "spec.json")],
+        with open(os.open(os.path.join(work, "host.log"), os.O_WRONLY | os.O_CREAT, 0o600), "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "gpucourse.grading.start", os.path.join(work, "spec.json")],
                                     cwd=os.path.join(work, "cwd"), env=_environment(work), stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         with _live_lock:
             _live.add(proc)
         clean = False
         try:
-            checks = sum(len(core.exercises()[ex_id].checks) for ex_id, _, _ in runs)
-            proc.wait(timeout=STARTUP_S + checks * (timeout * 4 + 30))
+            # A net under the per-check budgets the grading process keeps: every check of every run at its longest.
+            proc.wait(timeout=STARTUP_S + len(runs) * catalog.MAX_CHECKS * (timeout * 4 + 30))
             clean = proc.returncode == 0
         except subprocess.TimeoutExpired:
             pass
@@ -160,6 +160,9 @@ def _grade_in_host(runs: list[tuple[str, str, int]], folders: list[str], timeout
         except (OSError, ValueError):
             results = []
         if len(results) < len(runs):
+            from . import core
+            from .results import static_result
+
             why = _host_failure(work, proc.returncode)
             known = core.exercises()
             results += [static_result(known[ex_id], why, seed, 0.0) for ex_id, _, seed in runs[len(results):]]
@@ -251,7 +254,7 @@ def grade_class(root: str | os.PathLike, out_csv: str | os.PathLike, *, jobs: in
     start = time.monotonic()
     names = learners(root)
     seed = secrets.randbelow(2**31) if seed is None else int(seed)
-    ids = [core.find_exercise(e).id for e in exercises] if exercises else list(core.exercises())
+    ids = [catalog.resolve(e)[0] for e in exercises] if exercises else list(catalog.modules())
     out_dir = results_folder(out_csv)
     results: dict[str, dict] = {}
     pool = ThreadPoolExecutor(max_workers=max(1, jobs))

@@ -1,8 +1,9 @@
 """Where the learner's code runs (started as ``python -m gpucourse.grading.wall CONTROL_FD SPEC``).
 
 The grading host (trusted) starts this process with a clean interpreter, as an
-unprivileged user when the host is root and that user can run Python, behind
-the walls of :mod:`gpucourse.grading.wall`. It imports torch and the probes —
+unprivileged user when the host is root (a copy of the interpreter where the
+only one lives in root's private home: see :mod:`gpucourse.grading.spawn`),
+behind the walls of :mod:`gpucourse.grading.wall`. It imports torch and the probes —
 never the checks, the grader, the reference strategies or ``solutions/`` — and
 then, for each batch of checks the host asks for, starts ``world_size`` ranks
 with :func:`gpucourse.launch`. Each rank:
@@ -213,7 +214,8 @@ class FileRules:
     It writes only in ``private`` (its rank's own folder); inside ``shared`` (the sandbox's folder, which holds
     every rank's) it reads only its own folder and ``readable`` (the learner's file)."""
 
-    def __init__(self, private: str, hidden: list[str], shared: str | None = None, readable: tuple = ()):
+    def __init__(self, private: str, hidden: list[str], shared: str | None = None, readable: tuple = (),
+                 library: tuple = (), notes: tuple = ()):
         import sysconfig
 
         self.private = os.path.realpath(private)
@@ -222,8 +224,11 @@ class FileRules:
         self.hidden = [os.path.realpath(p) for p in hidden]
         # Python and its packages stay readable even when a virtual environment lives in the repository.
         self.library = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
-                                                               *sysconfig.get_paths().values())})
+                                                               *sysconfig.get_paths().values(), *library)})
         self.pid = str(os.getpid())
+        # The launcher's own notes of this rank (done, or the error it ended with): written and renamed into place
+        # after the learner's code returns, and read by the launcher only.
+        self.notes = {os.path.realpath(p) for p in notes}
 
     @staticmethod
     def _under(path: str, root: str) -> bool:
@@ -233,6 +238,8 @@ class FileRules:
         if isinstance(path, int):
             return None
         real = os.path.realpath(os.fsdecode(path))
+        if real in self.notes:
+            return None
         if writing and not (self._under(real, self.private) or real == os.devnull):
             return f"write {real}: learner code may write only in its own temporary folder"
         if self._under(real, self.private) or real in self.readable:
@@ -271,6 +278,9 @@ def install_audit_hook(rules: FileRules, hidden_modules: tuple[str, ...]) -> Non
                     any(name == m or name.startswith(m + ".") for m in hidden_modules):
                 raise ForbiddenCall(f"import {name}: the course's own answers are not available to an exercise; "
                                     f"write it yourself")
+        elif event == "os.rename" and len(args) >= 2 and all(
+                isinstance(p, (str, bytes)) and os.path.realpath(os.fsdecode(p)) in rules.notes for p in args[:2]):
+            return  # the launcher's note of this rank, renamed into place
         elif event == "os.kill" and args and args[0] not in (0, os.getpid()):
             raise PermissionError("the grader's sandbox refuses to signal other processes")
         elif event in _REFUSED_EVENTS:
@@ -393,7 +403,10 @@ def serve_rank(batch: dict) -> None:
         context.channel.close()
         context.channel = None
     server = Server(batch, sock, recorder)
-    rules = FileRules(own_folder(batch, rank), batch["hidden_paths"], batch["private"], (batch["file"],))
+    notes = [os.path.join(context.notes, f"{kind}-{rank}.json{tmp}") for kind in ("done", "error")
+             for tmp in ("", ".tmp")] if context.notes else []
+    rules = FileRules(own_folder(batch, rank), batch["hidden_paths"], batch["private"], (batch["file"],),
+                      batch["library"], tuple(notes))
     install_audit_hook(rules, tuple(batch["hidden_modules"]))
     server.serve()
 
@@ -471,13 +484,14 @@ def censored_virtual_schedules(source: str) -> types.ModuleType:
 CENSORED_ON_IMPORT = ("gpucourse.parallel.schedules_virtual",)
 
 
-def main(control_fd: int, sources: dict[str, str]) -> int:
+def main(control_fd: int, sources: dict[str, str], library: tuple = ()) -> int:
     """Serve the host's batches (started by :mod:`gpucourse.grading.wall`, which raised the walls first).
 
     ``sources``: the text of ``gpucourse/parallel/schedules.py`` and ``schedules_virtual.py`` by module name,
-    read before the walls went up; emptied here, so that only the censored modules outlive this call."""
+    read before the walls went up; emptied here, so that only the censored modules outlive this call. ``library``:
+    where the grader's packages live (readable by learner code even inside a hidden folder)."""
     from ..runtime import LaunchError, LaunchTimeout, WorkerError, launch
-    import torch._dynamo  # noqa: F401 -- building an optimizer imports it: once here, not in every rank
+    import torch._dynamo  # noqa: F401 -- ranks import it (building an optimizer, a dispatch mode): once, here
     from . import probes  # noqa: F401
 
     censored_schedules(sources.pop("schedules"))
@@ -492,6 +506,7 @@ def main(control_fd: int, sources: dict[str, str]) -> int:
     for line in reader:
         batch = json.loads(line)
         batch["control_fd"] = control_fd
+        batch["library"] = library
         try:
             launch(serve_rank, batch, world_size=batch["world_size"], device="cpu", quiet=True,
                    timeout=batch["limit_s"], pg_timeout=batch["limit_s"] + 30)

@@ -50,14 +50,19 @@ def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
-def covered(hidden: list[str], private: str) -> list[str]:
+def covered(hidden: list[str], private: str, library: tuple = ()) -> list[str]:
     """The folders and files to cover: the repository and package (but what the sandbox runs and the Python
-    environment), the hidden paths (but the private folder), and every ``__pycache__`` of the package."""
+    environment: this interpreter's and ``library``, the grader's packages), the hidden paths (but the private
+    folder), and every ``__pycache__`` of the package."""
     out: list[str] = []
-    keep_open = {os.path.realpath(p) for p in (sys.prefix, sys.exec_prefix, private)}
+    keep_open = {os.path.realpath(p) for p in (sys.prefix, sys.exec_prefix, private, *library)}
 
     def cover_children(folder: str, keep: set[str]) -> None:
-        for name in sorted(os.listdir(folder)):
+        try:
+            names = sorted(os.listdir(folder))
+        except PermissionError:
+            return  # a folder we may pass through but not list (the grader's): its files are closed to us anyway
+        for name in names:
             path = os.path.join(folder, name)
             if name in keep:
                 continue
@@ -88,7 +93,7 @@ def covered(hidden: list[str], private: str) -> list[str]:
     return sorted(set(out))
 
 
-def raise_walls(hidden: list[str], private: str) -> bool:
+def raise_walls(hidden: list[str], private: str, library: tuple = ()) -> bool:
     """Move this process into its own mount namespace with the repository hidden and the files read-only
     (but ``private``). False, and nothing changed, where the machine does not allow it."""
     if not sys.platform.startswith("linux"):
@@ -109,7 +114,7 @@ def raise_walls(hidden: list[str], private: str) -> bool:
             return False
     if not _mount(libc, None, "/", None, MS_REC | MS_PRIVATE):
         return False
-    targets = covered(hidden, private)
+    targets = covered(hidden, private, library)
     for path in targets:
         if os.path.isdir(path):
             _mount(libc, "tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=555")
@@ -144,10 +149,11 @@ def main(argv: list[str]) -> int:
     for name in ("schedules", "schedules_virtual"):
         with open(os.path.join(PACKAGE, "parallel", f"{name}.py"), encoding="utf-8") as f:
             sources[name] = f.read()
-    raise_walls(spec["hidden_paths"], spec["private"])
+    library = tuple(spec.get("library", ()))
+    raise_walls(spec["hidden_paths"], spec["private"], library)
     from .sandbox import main as sandbox_main
 
-    return sandbox_main(int(argv[0]), sources)
+    return sandbox_main(int(argv[0]), sources, library)
 
 
 if __name__ == "__main__":

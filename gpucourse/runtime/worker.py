@@ -39,6 +39,7 @@ class RankContext:
     device: torch.device
     backend: str
     channel: Any = None
+    notes: str | None = None  # the launcher's folder, where this rank says it is ready, done or failed
 
 
 _CONTEXT: RankContext | None = None
@@ -129,7 +130,7 @@ def rank_main(fn, args: tuple, kwargs: dict, spec: dict):
         dist.init_process_group(spec["backend"], timeout=datetime.timedelta(seconds=spec["pg_timeout"]))
         _note(run_dir, f"ready-{rank}.json", {"time": time.time()})
         _CONTEXT = RankContext(rank, dist.get_world_size(), int(os.environ["LOCAL_RANK"]), device,
-                               spec["backend"], spec.get("channel"))
+                               spec["backend"], spec.get("channel"), run_dir)
         # Each collective writes what it is into status-{rank}.json (a memory map,
         # no system call per call), so a hang can be reported as "waiting in #3 barrier()".
         collective_status.install(collective_status.status_path(run_dir, rank))
