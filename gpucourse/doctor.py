@@ -10,12 +10,13 @@ Looking must not change what it looks at. A notebook kernel that initialised
 CUDA can no longer fork ranks that use the GPU, so this module never creates
 a CUDA context:
 
-* the GPU count comes from `torch.cuda.device_count()`, which asks NVML (the
-  driver's management library) and honours CUDA_VISIBLE_DEVICES;
-  `torch.cuda.is_available()` is avoided because it initialises the CUDA driver;
-* GPU names and memory come from `nvidia-smi`, a separate process, and not from
-  `torch.cuda.get_device_properties()`, which initialises CUDA. Without
-  nvidia-smi the GPUs are still counted, with their name and memory unknown.
+* the GPUs are described by `gpucourse.runtime.devices.visible()`: NVML (the
+  driver's management library) or `nvidia-smi`, which honour
+  CUDA_VISIBLE_DEVICES, and torch only in a child process;
+  `torch.cuda.is_available()` is avoided because it initialises the CUDA driver.
+  Each GPU's name, compute capability, memory, native bf16 and fp8, MIG slice,
+  and the links and P2P between them are reported, with what follows for the
+  course (`gpucourse.platforms`): ranks, precision, NCCL settings, models that fit.
 
 Only torch is imported; the other packages are looked up by their installed
 version, so the doctor also works on a bare GPU node.
@@ -24,13 +25,14 @@ version, so the doctor also works on a bare GPU node.
 import multiprocessing
 import os
 import platform
-import shutil
-import subprocess
 import sys
 from importlib import metadata
 
 import torch
 import torch.distributed as dist
+
+from . import platforms
+from .runtime import devices
 
 PACKAGES = ("jupyterlab", "ipywidgets", "plotly", "accelerate", "nbclient")
 ENV_VARS = (
@@ -77,37 +79,41 @@ def collect() -> dict:
 
     Keys: python, platform, torch_version, cuda_available, cuda_version
     (the CUDA torch was built for, None on a CPU build), gpu_count, gpus
-    (one {index, name, memory_gb} per GPU this process can use; index is the
-    `cuda:N` number), driver_version, nccl_available, gloo_available,
-    mpi_available, default_device, cpu_count, start_method, versions (of the
-    course's packages, None when missing), env (the debug variables, None
-    when unset) and advice (plain sentences).
+    (one {index, name, memory_gb, capability, bf16, fp8, mig} per GPU this
+    process can use; index is the `cuda:N` number), devices (the whole
+    description: links, P2P, MIG, where it came from), driver_version,
+    nccl_available, gloo_available, mpi_available, default_device, cpu_count,
+    start_method, versions (of the course's packages, None when missing), env
+    (the debug variables, None when unset) and advice (plain sentences).
     """
-    cuda_version = torch.version.cuda
-    gpu_count = torch.cuda.device_count()
-    smi_rows = _nvidia_smi()
-    visible = _visible_rows(smi_rows, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    found = devices.visible(refresh=True)
+    smi_rows = devices.nvidia_smi_rows()
     gpus = [
         {
             "index": index,
-            "name": visible[index]["name"] if index < len(visible) else None,
-            "memory_gb": visible[index]["memory_gb"] if index < len(visible) else None,
+            "name": gpu.name,
+            "memory_gb": round(gpu.memory_bytes / 2**30, 1) if gpu.memory_bytes else None,
+            "capability": f"{gpu.capability[0]}.{gpu.capability[1]}" if gpu.capability else None,
+            "bf16": gpu.bf16,
+            "fp8": gpu.fp8,
+            "mig": gpu.mig,
         }
-        for index in range(gpu_count)
+        for index, gpu in enumerate(found.gpus)
     ]
     info = {
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch_version": torch.__version__,
-        "cuda_available": gpu_count > 0,
-        "cuda_version": cuda_version,
-        "gpu_count": gpu_count,
+        "cuda_available": bool(gpus),
+        "cuda_version": torch.version.cuda,
+        "gpu_count": len(gpus),
         "gpus": gpus,
+        "devices": found.to_dict(),
         "driver_version": smi_rows[0]["driver_version"] if smi_rows else None,
         "nccl_available": dist.is_available() and dist.is_nccl_available(),
         "gloo_available": dist.is_available() and dist.is_gloo_available(),
         "mpi_available": dist.is_available() and dist.is_mpi_available(),
-        "default_device": "cuda" if gpu_count >= 1 else "cpu",
+        "default_device": "cuda" if gpus else "cpu",
         "cpu_count": _cpu_count(),
         # The first listed method is the default; asking get_start_method()
         # without allow_none would fix it for the whole process.
@@ -117,7 +123,7 @@ def collect() -> dict:
         "env": {**{name: os.environ.get(name) for name in ENV_VARS},
                 **{name: os.environ[name] for name in ENV_VARS_WHEN_SET if name in os.environ}},
     }
-    info["advice"] = _advice(info, machine_gpus=len(smi_rows))
+    info["advice"] = _advice(info, found, machine_gpus=len(smi_rows))
     return info
 
 
@@ -136,9 +142,14 @@ def format_text(info: dict) -> str:
         ("default device", f"{info['default_device']} ({backend})"),
         ("GPUs", str(info["gpu_count"])),
     ]
-    for gpu in info["gpus"]:
-        memory = f"{gpu['memory_gb']} GiB" if gpu["memory_gb"] is not None else "memory unknown"
-        rows.append((f"  cuda:{gpu['index']}", f"{gpu['name'] or 'unknown model'}, {memory}"))
+    found = devices.from_dict(info["devices"])
+    rows += [(f"  cuda:{index}", gpu.describe()) for index, gpu in enumerate(found.gpus)]
+    if found.links():
+        rows.append(("links", found.links()))
+    if found.mig:
+        rows.append(("MIG", "on: a process sees one slice, so one CUDA rank"))
+    if found.gpus:
+        rows.append(("described by", found.source))
     if info["driver_version"]:
         rows.append(("NVIDIA driver", info["driver_version"]))
     rows += [
@@ -157,11 +168,11 @@ def format_text(info: dict) -> str:
     return "\n".join(lines)
 
 
-def _advice(info: dict, machine_gpus: int) -> list[str]:
+def _advice(info: dict, found: devices.DeviceSet, machine_gpus: int) -> list[str]:
     """Plain sentences on what the facts mean for a run."""
     advice = []
-    count, cores = info["gpu_count"], info["cpu_count"]
-    if count == 0:
+    cores = info["cpu_count"]
+    if not found.gpus:
         advice.append(
             "No GPU is visible: runs use gloo on CPU processes ('virtual GPUs'); "
             f"4 ranks on {cores} core{'s' if cores != 1 else ''} work, only slower."
@@ -172,16 +183,7 @@ def _advice(info: dict, machine_gpus: int) -> list[str]:
                 f"({info['torch_version']}) is a CPU-only build: install a CUDA "
                 "build of torch to use them."
             )
-    elif info["nccl_available"]:
-        advice.append(
-            f"{count} GPU(s) visible: layouts with dp×tp×pp up to {count} ranks "
-            "run on NCCL, one rank per GPU; larger ones run on gloo CPU processes."
-        )
-    else:
-        advice.append(
-            f"{count} GPU(s) visible but this torch has no NCCL: runs use gloo, "
-            "which works but is far slower between GPUs."
-        )
+    advice += platforms.course_advice(found, nccl=info["nccl_available"])
     visible_devices = info["env"]["CUDA_VISIBLE_DEVICES"]
     if visible_devices is not None:
         advice.append(
@@ -190,62 +192,6 @@ def _advice(info: dict, machine_gpus: int) -> list[str]:
         )
     advice.extend(TROUBLESHOOTING)
     return advice
-
-
-def _nvidia_smi() -> list[dict]:
-    """Every GPU nvidia-smi lists on this machine, in its own index order.
-
-    Empty when nvidia-smi is missing or fails. A separate process, so asking
-    leaves CUDA in this one untouched.
-    """
-    executable = shutil.which("nvidia-smi")
-    if executable is None:
-        return []
-    try:
-        result = subprocess.run(
-            [
-                executable,
-                "--query-gpu=index,uuid,name,memory.total,driver_version",
-                "--format=csv,noheader,nounits",
-            ],
-            capture_output=True, text=True, timeout=20, check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return []
-    rows = []
-    for line in result.stdout.splitlines():
-        fields = [field.strip() for field in line.split(",")]
-        if len(fields) != 5:
-            continue
-        index, uuid, name, memory_mib, driver = fields
-        try:
-            memory_gb = round(int(memory_mib) / 1024, 1)
-        except ValueError:  # "[N/A]" on some virtualised or MIG setups
-            memory_gb = None
-        rows.append({"index": index, "uuid": uuid, "name": name,
-                     "memory_gb": memory_gb, "driver_version": driver})
-    return rows
-
-
-def _visible_rows(rows: list[dict], visible_devices: str | None) -> list[dict]:
-    """The nvidia-smi rows in the order CUDA numbers them for this process.
-
-    CUDA_VISIBLE_DEVICES lists GPU indices or UUIDs (or their prefixes);
-    like CUDA, stop at the first entry that names no GPU.
-    """
-    if visible_devices is None:
-        return rows
-    chosen = []
-    for entry in visible_devices.split(","):
-        entry = entry.strip()
-        match = next(
-            (row for row in rows if entry and (row["index"] == entry or row["uuid"].startswith(entry))),
-            None,
-        )
-        if match is None:
-            break
-        chosen.append(match)
-    return chosen
 
 
 def _cpu_count() -> int:

@@ -22,7 +22,7 @@ from .files import write_atomic
 from .measure import Recorder, RunResult, merge
 from .model import MoE, blocks_of, build_model
 from .parallel import parallelize
-from .runtime import current, launch, report
+from .runtime import current, devices, launch, report
 from .runtime.launcher import in_place, plan_device
 
 
@@ -184,6 +184,9 @@ class _Progress:
                            "time_s": max(m["time_s"] for m in got)})
 
 
+_said: set = set()  # the notes on precision this process has printed
+
+
 def run(config: TrainConfig, *, timeout: float | None = None, export_weights: str | os.PathLike | None = None,
         on_step=None, on_message=None, quiet: bool = False) -> RunResult:
     """Train ``config`` on its ranks and return the merged :class:`RunResult`.
@@ -199,6 +202,10 @@ def run(config: TrainConfig, *, timeout: float | None = None, export_weights: st
     plan = plan_device(config.device, int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
                        if in_place() else config.world_size)
     config.validate_on(plan.device)
+    note = devices.precision_note(devices.visible(), config.precision) if plan.device == "cuda" else None
+    if note and not quiet and note not in _said:  # once a process: a notebook re-runs its cells
+        _said.add(note)
+        print(f"gpucourse: {note}", flush=True)
     checkpoint.find_resume(config)  # a resume that cannot work is refused before any rank starts
     holders = config.world_size // config.pp  # ranks that see a loss: those of the last pipeline stage
     progress = _Progress(holders, on_step) if on_step else None

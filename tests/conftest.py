@@ -1,12 +1,17 @@
 """Fixtures shared by the tests that start ranks."""
 
 import multiprocessing
-import os
 import uuid
 
 import pytest
 
-from procs import wait_for
+from procs import processes_with, wait_for
+
+
+@pytest.fixture(autouse=True)
+def real_gpus_only(monkeypatch):
+    """A GPU description faked in the shell that runs the tests (GPUCOURSE_FAKE_GPUS) must not change them."""
+    monkeypatch.delenv("GPUCOURSE_FAKE_GPUS", raising=False)
 
 
 @pytest.fixture(autouse=True)
@@ -25,29 +30,13 @@ def no_leftover_children():
     wait_for(lambda: not multiprocessing.active_children(), 5, "the test's child processes to end")
 
 
-def _processes_with(marker: str) -> list[int]:
-    """Pids of processes (other than this one) whose environment holds ``marker``."""
-    needle = marker.encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read():
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
-
-
 @pytest.fixture
 def marked(monkeypatch):
     """Tag every process the test starts (through its environment); after it, none may still run."""
     marker = f"GPUCOURSE_GRADING_TEST={uuid.uuid4().hex}"
     monkeypatch.setenv(*marker.split("="))
     yield marker
-    wait_for(lambda: not _processes_with(marker), 10, "the grader's processes to end")
+    wait_for(lambda: not processes_with(marker), 10, "the grader's processes to end")
 
 
 @pytest.fixture

@@ -70,6 +70,22 @@ def wait_for(condition, within: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def processes_with(marker: str) -> list[int]:
+    """Pids of processes (other than this one) whose environment holds ``marker`` ("NAME=value")."""
+    needle = marker.encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read():
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
 def read_identities(folder: Path) -> dict[int, list]:
     """The identities ranks wrote with :func:`rankfns.note_identity`, by rank."""
     import json

@@ -102,9 +102,17 @@ def fake_gpus(monkeypatch, tmp_path):
     smi = tmp_path / "nvidia-smi"
     smi.write_text(textwrap.dedent("""\
         #!/bin/sh
-        echo "0, GPU-aaaa, NVIDIA H100 80GB HBM3, 81559, 550.54"
-        echo "1, GPU-bbbb, NVIDIA H100 80GB HBM3, 81559, 550.54"
-        echo "2, GPU-cccc, NVIDIA A10, 23028, 550.54"
+        case "$*" in
+        --query-gpu=*)
+            echo "0, GPU-aaaa, NVIDIA H100 80GB HBM3, 81559, 550.54, 9.0, Disabled"
+            echo "1, GPU-bbbb, NVIDIA H100 80GB HBM3, 81559, 550.54, 9.0, Disabled"
+            echo "2, GPU-cccc, NVIDIA A10, 23028, 550.54, 8.6, [N/A]" ;;
+        "topo -p2p r")
+            printf " \\tGPU0\\tGPU1\\tGPU2\\n GPU0\\tX\\tOK\\tCNS\\n GPU1\\tOK\\tX\\tCNS\\n GPU2\\tCNS\\tCNS\\tX\\n" ;;
+        "topo -p2p n")
+            printf " \\tGPU0\\tGPU1\\tGPU2\\n GPU0\\tX\\tOK\\tNS\\n GPU1\\tOK\\tX\\tNS\\n GPU2\\tNS\\tNS\\tX\\n" ;;
+        *) exit 1 ;;
+        esac
         """))
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
@@ -120,15 +128,21 @@ def test_gpus_come_from_nvidia_smi(fake_gpus, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     info = doctor.collect()
     assert info["default_device"] == "cuda"
+    h100 = {"name": "NVIDIA H100 80GB HBM3", "memory_gb": 79.6, "capability": "9.0", "bf16": True, "fp8": True,
+            "mig": None}
     assert info["gpus"] == [
-        {"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_gb": 79.6},
-        {"index": 1, "name": "NVIDIA H100 80GB HBM3", "memory_gb": 79.6},
-        {"index": 2, "name": "NVIDIA A10", "memory_gb": 22.5},
+        {"index": 0, **h100},
+        {"index": 1, **h100},
+        {"index": 2, "name": "NVIDIA A10", "memory_gb": 22.5, "capability": "8.6", "bf16": True, "fp8": False,
+         "mig": None},
     ]
+    assert info["devices"]["link"] == "pcie" and info["devices"]["p2p"] is False  # the A10 reaches neither H100
     assert info["driver_version"] == "550.54"
     assert "up to 3 ranks run on NCCL" in info["advice"][0]
+    assert any(sentence.startswith("NCCL_P2P_DISABLE=1 is set") for sentence in info["advice"])
     text = doctor.format_text(info)
-    assert "cuda:2" in text and "NVIDIA A10" in text
+    assert "cuda:2" in text and "NVIDIA A10 (cc 8.6, 22.5 GiB, native bf16, no fp8)" in text
+    assert "over PCIe, P2P off" in text and "described by" in text
     assert not torch.cuda.is_initialized()
 
 

@@ -226,6 +226,13 @@ def test_cuda_without_gpus_is_refused_with_the_auto_fallback(capsys, monkeypatch
     assert "device='auto'" in message and "fall back" in message
 
 
+def test_cuda_with_more_ranks_than_gpus_is_refused_in_one_sentence(capsys, monkeypatch):
+    monkeypatch.setenv("GPUCOURSE_FAKE_GPUS", "colab-t4")  # one T4, described (gpucourse.runtime.devices)
+    assert refused(capsys, world_size=2, device="cuda") == (
+        "device='cuda' needs 2 GPUs for 2 ranks but only 1 GPU is visible, Tesla T4 (cc 7.5, 15.0 GiB, no native "
+        "bf16 or fp8); use device='auto' to fall back to gloo on CPU processes.")
+
+
 def test_unknown_device_is_refused(capsys):
     assert "'bogus'" in refused(capsys, world_size=2, device="bogus")
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ..readable import Readable
-from . import collective_status, worker
+from . import collective_status, devices, worker
 
 
 class LaunchError(Readable, RuntimeError):
@@ -74,20 +74,21 @@ class LaunchTimeout(Readable, TimeoutError):
 
 @dataclass(frozen=True)
 class DevicePlan:
-    """Where ranks run and over which backend, and why."""
+    """Where ranks run and over which backend, and why; ``nccl_env`` holds the NCCL settings these GPUs need, as
+    ``(name, value, why)`` (see :func:`gpucourse.runtime.devices.nccl_settings`)."""
 
     device: str   # "cuda" or "cpu"
     backend: str  # "nccl" or "gloo"
     reason: str
+    nccl_env: tuple = ()
 
 
 def visible_gpus() -> int:
-    """GPUs this process could use, counted without initialising CUDA.
+    """How many ranks can run on GPUs here, one each, counted without initialising CUDA.
 
-    ``torch.cuda.device_count()`` asks NVML first and so leaves the process safe
-    to fork; ``torch.cuda.is_available()`` would start the CUDA driver instead.
+    The visible GPUs (:func:`gpucourse.runtime.devices.visible`), or 1 on MIG slices, of which a process sees one.
     """
-    return torch.cuda.device_count()
+    return devices.visible().cuda_ranks
 
 
 def cpu_rank_limit() -> int:
@@ -95,30 +96,48 @@ def cpu_rank_limit() -> int:
     return max(8, 4 * (os.cpu_count() or 1))
 
 
-def plan_device(device: str, world_size: int) -> DevicePlan:
-    """Decide CUDA/NCCL or CPU/gloo for ``world_size`` ranks, or raise LaunchError."""
+def plan_device(device: str, world_size: int, gpus: devices.DeviceSet | None = None) -> DevicePlan:
+    """Decide CUDA/NCCL or CPU/gloo for ``world_size`` ranks on ``gpus`` (the visible GPUs unless given), or raise
+    LaunchError."""
     if device not in ("auto", "cpu", "cuda"):
         raise LaunchError(f"device={device!r} must be 'auto', 'cpu' or 'cuda'.")
-    gpus = visible_gpus()
-    if device == "cuda" and gpus < world_size:
+    found = devices.visible() if gpus is None else gpus
+    short = found.shortfall(world_size)
+    if device == "cuda" and short:
         raise LaunchError(f"device='cuda' needs {world_size} GPU{'s' * (world_size > 1)} for {world_size} "
-                          f"rank{'s' * (world_size > 1)} but {gpus} {'is' if gpus == 1 else 'are'} visible; "
-                          f"use device='auto' to fall back to gloo on CPU processes.")
-    if device == "cuda" or (device == "auto" and gpus >= world_size):
-        return DevicePlan("cuda", "nccl", f"{gpus} GPU{'s' * (gpus > 1)} visible, one per rank")
+                          f"rank{'s' * (world_size > 1)} but {short}; use device='auto' to fall back to gloo on "
+                          f"CPU processes.")
+    if device == "cuda" or (device == "auto" and not short):
+        return DevicePlan("cuda", "nccl", f"{found.describe()}, {'one rank' if found.mig else 'one per rank'}",
+                          devices.nccl_settings(found))
     limit = cpu_rank_limit()
     if world_size > limit:
-        fallback = (f" ({gpus} GPU{'s' * (gpus != 1)} visible, too few for {world_size} ranks, so the run "
-                    f"would fall back to CPU processes)") if device == "auto" else ""
+        fallback = f" ({short}, so the run would fall back to CPU processes)" if device == "auto" else ""
         raise LaunchError(f"{world_size} ranks are more than this machine can run as CPU processes "
                           f"(at most {limit}){fallback}; use fewer ranks.")
-    if device == "cpu":
-        why = "device='cpu' asked for"
-    elif gpus == 0:
-        why = "no GPU is visible"
-    else:
-        why = f"only {gpus} GPU{'s' * (gpus > 1)} visible for {world_size} ranks"
+    why = "device='cpu' asked for" if device == "cpu" else short
     return DevicePlan("cpu", "gloo", f"{why}: ranks are CPU processes ('virtual GPUs')")
+
+
+_told: set = set()  # the NCCL settings this process has printed
+
+
+@contextlib.contextmanager
+def _nccl_environment(plan: DevicePlan, quiet: bool):
+    # The ranks inherit this process's environment: set the plan's NCCL settings for the launch, each printed once
+    # per process, and never over a value the user set.
+    added = {name: value for name, value, _ in plan.nccl_env if name not in os.environ}
+    for name, value, why in plan.nccl_env:
+        if name in added and not quiet and (name, value) not in _told:
+            _told.add((name, value))
+            print(f"gpucourse: {name}={value} for these ranks: {why} (set {name} yourself to choose otherwise).",
+                  flush=True)
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 _RDZV_BACKEND = "gpucourse-local"
@@ -459,7 +478,8 @@ def launch(fn, *args, world_size: int, timeout: float | None = None, device: str
         check_in_place_world(world_size)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         plan = plan_device(device, local)
-        return worker.run_in_place(fn, args, kwargs, plan.device, plan.backend, pg_timeout)
+        with _nccl_environment(plan, quiet):
+            return worker.run_in_place(fn, args, kwargs, plan.device, plan.backend, pg_timeout)
 
     plan = plan_device(device, world_size)
     method = _start_method(fn, plan, start_method)
@@ -473,16 +493,19 @@ def launch(fn, *args, world_size: int, timeout: float | None = None, device: str
     if method == "fork":
         preimport()  # forked ranks inherit it instead of each paying
     started = time.monotonic()
-    for attempt in (1, 2):
-        left = None if timeout is None else max(0.1, timeout - (time.monotonic() - started))
-        try:
-            return _launch_once(fn, args, kwargs, world_size, left, timeout, plan, method, pg_timeout, on_message)
-        except _StartupStalled:
-            if attempt == 2:
-                raise LaunchError(f"the {world_size} ranks did not finish joining their process group within "
-                                  f"{_startup_s(method, world_size):g} s, twice; the machine may be overloaded.") from None
-            print(f"gpucourse: the ranks did not finish starting within {_startup_s(method, world_size):g} s; "
-                  f"starting them again.", flush=True)
+    with _nccl_environment(plan, quiet):
+        for attempt in (1, 2):
+            left = None if timeout is None else max(0.1, timeout - (time.monotonic() - started))
+            try:
+                return _launch_once(fn, args, kwargs, world_size, left, timeout, plan, method, pg_timeout,
+                                    on_message)
+            except _StartupStalled:
+                if attempt == 2:
+                    raise LaunchError(f"the {world_size} ranks did not finish joining their process group within "
+                                      f"{_startup_s(method, world_size):g} s, twice; the machine may be "
+                                      f"overloaded.") from None
+                print(f"gpucourse: the ranks did not finish starting within {_startup_s(method, world_size):g} s; "
+                      f"starting them again.", flush=True)
 
 
 def _startup_s(method: str, world_size: int) -> float:

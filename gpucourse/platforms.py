@@ -1,0 +1,129 @@
+"""What the course does on the GPUs you have: how many ranks, which precision, which NCCL settings, which models fit.
+
+Everything here is a function of a :class:`~gpucourse.runtime.devices.DeviceSet`, the description of a machine's GPUs
+(:func:`gpucourse.runtime.devices.visible` for this one, :data:`~gpucourse.runtime.devices.PLATFORMS` for the ones
+learners have). :func:`course_advice` says it in the plain sentences ``gpucourse doctor`` prints; :func:`model_fit`
+sizes every course model for the smallest GPU with the batch-size search of :mod:`gpucourse.memory` (what
+``gpucourse batch-size`` runs), on the memory estimate; :func:`readme_table` is the table of README's "Which GPU you
+have", and a test holds the README to it.
+"""
+
+from __future__ import annotations
+
+from .config import TrainConfig
+from .gpus import RESERVED_BYTES
+from .memory import largest_microbatch, num_params
+from .model import MODELS
+from .runtime import devices
+
+SEQ_LEN = 1024  # tokens per sequence a model is sized at (its block_size when shorter)
+BATCH = TrainConfig.batch_size  # the course's default global batch
+
+
+def model_fit(found: devices.DeviceSet, precision: str | None = None) -> list[dict]:
+    """Each course model, smallest first, with the most sequences a microbatch that fit the smallest GPU.
+
+    ``{"model", "seq_len", "microbatch"}`` (0: not even one), in ``precision`` (the GPUs' mixed precision unless
+    given), within the GPU's memory less what is not the run's (CUDA context, NCCL, the allocator). Empty without a
+    GPU whose memory is known.
+    """
+    gpu = found.smallest
+    if gpu is None:
+        return []
+    precision = precision or devices.mixed_precision(found)[0]
+    budget = gpu.memory_bytes - RESERVED_BYTES
+    rows = []
+    for name, mc in sorted(MODELS.items(), key=lambda item: num_params(item[1])):
+        seq_len = min(mc.block_size, SEQ_LEN)
+        cfg = TrainConfig(model=name, seq_len=seq_len, batch_size=1, precision=precision)
+        rows.append({"model": name, "seq_len": seq_len,
+                     "microbatch": largest_microbatch(cfg, budget, limit=1024)["microbatch"]})
+    return rows
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' * (n != 1)}"
+
+
+def _fit_sentence(found: devices.DeviceSet) -> str | None:
+    fit = model_fit(found)
+    if not fit:
+        return None
+    precision = devices.mixed_precision(found)[0]
+    whole = [r["model"] for r in fit if r["microbatch"] >= BATCH]
+    parts = [r for r in fit if 0 < r["microbatch"] < BATCH]
+    none = [r["model"] for r in fit if not r["microbatch"]]
+    said = []
+    if whole:
+        said.append(f"{', '.join(whole)} fit the default batch of {BATCH} sequences (of up to {SEQ_LEN} tokens)")
+    said += [f"{r['model']} fits {_plural(r['microbatch'], 'sequence')} of {r['seq_len']} tokens a microbatch "
+             f"(raise grad_accum for a larger batch)" for r in parts]
+    if none:
+        said.append(f"{', '.join(none)} {'does' if len(none) == 1 else 'do'} not fit one sequence")
+    largest = [r for r in fit if r["microbatch"]]
+    budget = (found.smallest.memory_bytes - RESERVED_BYTES) / devices.GiB
+    text = (f"Memory: the smallest GPU leaves about {budget:.1f} GiB for a run; in {precision}, by the estimate's "
+            f"batch-size search: {'; '.join(said)}")
+    if largest:
+        text += f"; the largest course model that fits is {largest[-1]['model']}"
+    return text + f" (gpucourse batch-size --model M --budget-gb {budget:.1f} searches any layout)."
+
+
+def course_advice(found: devices.DeviceSet, nccl: bool = True) -> list[str]:
+    """Plain sentences on what these GPUs mean for the course: ranks, NCCL settings, precision, memory.
+
+    ``nccl``: whether this torch has NCCL. Empty without a GPU (the CPU ranks need no advice on GPUs).
+    """
+    n = len(found.gpus)
+    if not n:
+        return []
+    if found.mig:
+        ranks = (f"{found.describe()}: a MIG slice holds one CUDA rank, so 1-rank runs use it and layouts of 2 or "
+                 f"more ranks run on gloo CPU processes (NCCL refuses two ranks on one GPU, 'Duplicate GPU detected', "
+                 f"and MIG slices have no P2P).")
+    elif nccl:
+        ranks = (f"{_plural(n, 'GPU')} visible, {found.describe()}: layouts with dp×tp×pp up to {_plural(n, 'rank')} "
+                 f"run on NCCL, one rank per GPU; larger ones run on gloo CPU processes.")
+    else:
+        ranks = (f"{_plural(n, 'GPU')} visible but this torch has no NCCL: runs use gloo, which works but is far "
+                 f"slower between GPUs.")
+    advice = [ranks]
+    advice += [f"{name}={value} is set for ranks on these GPUs unless you set {name} yourself: {why}."
+               for name, value, why in devices.nccl_settings(found)]
+    precision, why = devices.mixed_precision(found)
+    fp8 = " fp8 is native too (cc 8.9 and up)." if all(g.fp8 for g in found.gpus) else ""
+    advice.append(f"Mixed precision here: {precision}, {why}.{fp8}")
+    fit = _fit_sentence(found)
+    if fit:
+        advice.append(fit)
+    return advice
+
+
+def _short(name: str) -> str:
+    for prefix in ("NVIDIA ", "Tesla ", "GeForce "):
+        name = name.removeprefix(prefix)
+    return name
+
+
+def readme_table() -> str:
+    """README's table of :data:`~gpucourse.runtime.devices.PLATFORMS`, every cell computed from their descriptions."""
+    lines = ["| where | GPUs | cc | native bf16 / fp8 | CUDA ranks (more: CPU ranks) | mixed precision | "
+             "NCCL setting | largest course model that fits |",
+             "|---|---|---|---|---|---|---|---|"]
+    yes = {True: "yes", False: "no"}
+    for key, platform in devices.PLATFORMS.items():
+        found = platform.devices
+        gpu = found.gpus[0]
+        what = f"MIG {gpu.mig} of {_short(gpu.name)}" if gpu.mig else _short(gpu.name)
+        largest = [r for r in model_fit(found) if r["microbatch"]][-1]
+        precision = devices.mixed_precision(found)[0]
+        link = "" if len(found.gpus) < 2 else {"nvlink": ", NVLink", "pcie": ", PCIe"}[found.link] + \
+            f", P2P {'on' if found.p2p else 'off'}"
+        lines.append(" | ".join([
+            f"| {platform.title} (`{key}`)", f"{len(found.gpus)} × {what}, {platform.datasheet_gb} GB{link}",
+            f"{gpu.capability[0]}.{gpu.capability[1]}", f"{yes[gpu.bf16]} / {yes[gpu.fp8]}",
+            f"{found.cuda_ranks}{' (MIG)' if found.mig else ''}",
+            "bf16" if precision == "bf16" else "fp16 + loss scaler",
+            ", ".join(f"`{name}={value}`" for name, value, _ in devices.nccl_settings(found)) or "—",
+            f"{largest['model']} ({largest['microbatch']} × {largest['seq_len']} tokens) |"]))
+    return "\n".join(lines)
