@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 # `make install` with nothing changed does nothing.
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv install workshop-deps lab test clean
+.PHONY: venv install workshop-deps lab test slurm-up slurm-down clean
 
 venv: $(PY)
 
@@ -28,12 +28,22 @@ $(STAMP): pyproject.toml scripts/torch-requirement | $(PY)
 workshop-deps: install
 	@scripts/install-proxy $(VENV)
 
-# The browser and workshop tests need Chromium and the hub's proxy: installed here when
+# The browser, workshop and SLURM tests need Chromium, the hub's proxy and SLURM: installed here when
 # this is root on Debian, otherwise the scripts say how and those tests are skipped outside CI.
 test: install
 	-@scripts/install-chromium
 	-@scripts/install-proxy $(VENV)
+	-@scripts/install-slurm
 	$(PY) -m pytest
+
+# A SLURM cluster on this machine (a controller, nodes n1 and n2) to try `gpucourse submit` on; `slurm-up`
+# prints the `export SLURM_CONF=...` that points SLURM's commands at it. The tests start their own.
+slurm-up: install
+	@scripts/install-slurm
+	@$(PY) tests/slurm_cluster.py up
+
+slurm-down:
+	@$(PY) tests/slurm_cluster.py down
 
 # 127.0.0.1 only; Jupyter makes up a token and prints the URL that carries it.
 lab: install

@@ -70,20 +70,20 @@ def wait_for(condition, within: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def environment(pid: int) -> list[bytes]:
+    """The ``NAME=value`` entries of a process's environment ([] if it is gone or not ours to read)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return []
+
+
 def processes_with(marker: str) -> list[int]:
     """Pids of processes (other than this one) whose environment holds ``marker`` ("NAME=value")."""
     needle = marker.encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read():
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
+    return [int(e) for e in os.listdir("/proc")
+            if e.isdigit() and int(e) != os.getpid() and needle in environment(int(e))]
 
 
 def read_identities(folder: Path) -> dict[int, list]:

@@ -20,7 +20,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gpucourse"
 CORE = ("config", "model", "data", "optim", "comm", "measure", "files", "runtime", "parallel", "train",
         "checkpoint", "profiling", "readable", "clock", "serving")
 TOOLS = ("bench", "tour", "troubleshoot", "viz", "cli", "lab", "kernel_sockets", "grading", "quiz", "workshop",
-         "__main__")
+         "slurm", "__main__")
 
 
 def _modules() -> dict[str, pathlib.Path]:

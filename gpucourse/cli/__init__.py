@@ -11,7 +11,7 @@ import sys
 
 from ..config import ConfigError
 from ..runtime.launcher import LaunchError, LaunchTimeout, WorkerError
-from . import course, planning, serving, tools, train
+from . import course, jobs, planning, serving, tools, train
 from .common import UsageError, config_from
 
 __all__ = ["UsageError", "build_parser", "config_from", "main"]
@@ -27,7 +27,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gpucourse", description="Run, watch and check distributed training.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for group in (train, planning, serving, tools, course):  # each command group adds its own subcommands
+    for group in (train, jobs, planning, serving, tools, course):  # each command group adds its own subcommands
         group.add_commands(sub)
     return parser
 

@@ -86,6 +86,22 @@ def add_layout_args(p: argparse.ArgumentParser, train: bool = False) -> None:
                            help=help_, **spec)
 
 
+def layout_flags(cfg: TrainConfig, train: bool = False) -> list[str]:
+    """The flags of :func:`add_layout_args` that describe ``cfg``: one for each field that differs from its default,
+    in the fields' order (how ``gpucourse submit`` writes a run into its batch script)."""
+    flags = []
+    for f in dataclasses.fields(TrainConfig):
+        meta, value = f.metadata, getattr(cfg, f.name)
+        if "help" not in meta or (meta.get("train_only") and not train) or value == f.default:
+            continue
+        flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+        if isinstance(f.default, bool) and "nargs" not in meta:
+            flags.append(flag)  # a switch: given, it turns the field from its default
+        else:
+            flags += [flag, str(meta["const"] if value is True else value)]
+    return flags
+
+
 def config_from(args) -> TrainConfig:
     """The TrainConfig the flags describe (flags a subcommand lacks keep their defaults)."""
     names = {f.name for f in dataclasses.fields(TrainConfig)}

@@ -156,15 +156,20 @@ def _print_profile(result, cfg: TrainConfig, peak, name, baseline) -> None:
               f"(open in https://ui.perfetto.dev or chrome://tracing)")
 
 
+def add_output_args(p) -> None:
+    """What a run writes and how long it may take: flags of ``gpucourse train`` that ``gpucourse submit`` passes on."""
+    p.add_argument("--json", metavar="FILE", help="write the RunResult as JSON")
+    p.add_argument("--export-weights", metavar="FILE", help="save the trained model as one single-device state_dict")
+    p.add_argument("--timeout", type=float, default=None, help="seconds before the run is stopped (default: none)")
+    p.add_argument("--quiet", action="store_true", help="no progress or device line")
+
+
 def add_commands(sub) -> None:
     """This group's subcommands, on the ``gpucourse`` parser's ``sub``."""
     p = sub.add_parser("train", help="train a layout (dp × tp × pp) and print a summary",
                        description="Train one layout. --batch-size is the global batch per optimizer step.")
     add_layout_args(p, train=True)
-    p.add_argument("--json", metavar="FILE", help="write the RunResult as JSON")
-    p.add_argument("--export-weights", metavar="FILE", help="save the trained model as one single-device state_dict")
-    p.add_argument("--timeout", type=float, default=None, help="seconds before the run is stopped (default: none)")
-    p.add_argument("--quiet", action="store_true", help="no progress or device line")
+    add_output_args(p)
     p.add_argument("--list", action="store_true", help="list the layouts and impls this build supports")
     p.add_argument("--print-config", metavar="TOOL", default=None,
                    help="print this layout as megatron, nemo, deepspeed, torchtitan or accelerate settings (in "
