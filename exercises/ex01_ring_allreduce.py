@@ -19,6 +19,14 @@ one from rank - 1 and adds it (a reduce-scatter: each rank ends up with the
 finished sum of one chunk); in a second phase of world_size - 1 steps the
 finished chunks travel round the ring (an all-gather). Every rank sends
 2 (n - 1) / n times the tensor's size, whatever n is: that is why NCCL uses it.
+
+Besides the sum, the grader holds ``ring_all_reduce`` to the contract every
+caller relies on (a broken promise fails its own check, in one line naming it):
+
+- *a new tensor*: the result shares no memory with ``tensor`` (1 rank too);
+- *inputs unchanged*: ``tensor`` comes back bit for bit as it was;
+- *keeps the dtype*: bf16 in, bf16 out; float64 in, float64 out;
+- *any strides*: ``tensor`` may be a view (a transposed matrix).
 """
 
 import torch

@@ -20,6 +20,15 @@ batch. Write:
     backward, average the gradients, and take the optimizer step. Afterwards
     every rank's weights must equal those of the same step taken by one device
     on the whole batch. Do not change ``inputs`` or ``targets``.
+
+Besides the weights, the grader holds ``data_parallel_step`` to the contract
+every caller relies on (a broken promise fails its own check, in one line
+naming it):
+
+- *inputs unchanged*: ``inputs`` and ``targets`` come back bit for bit;
+- *any strides*: ``inputs`` and ``targets`` may be views (a transposed matrix);
+- *keeps the dtype*: a float64 model is averaged and stepped in float64 (a
+  buffer made without ``dtype=`` is float32, and rounds its gradients).
 """
 
 import torch

@@ -28,6 +28,11 @@ messages and leaves the network idle while backward computes. Buckets fix both.
     divide by the world size, and write the averages back into each ``p.grad``,
     leaving everything ready for the next backward. Every trainable parameter
     receives a gradient in every backward.
+
+Besides the averages, the grader holds ``BucketedGradientSync`` to the contract
+every caller relies on (a broken promise fails its own check, in one line
+naming it): *keeps the dtype*, a float64 model's gradients are averaged in
+float64 (a buffer made without ``dtype=`` is float32, and rounds them).
 """
 
 import torch

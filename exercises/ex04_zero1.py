@@ -24,6 +24,16 @@ parallelism keeps them on every rank. ZeRO stage 1 cuts them into shards:
     the flattened gradient, let Adam update the shard, then all-gather every
     rank's updated shard and copy the result into every parameter, so that
     every rank ends with the same weights one Adam step on one device would give.
+
+Besides the weights, the grader holds ``ZeroOneAdam.step`` to the contract every
+caller of an optimizer relies on (a broken promise fails its own check, in one
+line naming it):
+
+- *inputs unchanged*: the gradients it reads come back bit for bit (zeroing
+  them is the training loop's job);
+- *any strides*: a parameter may be a view (a transposed matrix);
+- *keeps the dtype*: a float64 model is stepped in float64 (a buffer made
+  without ``dtype=`` is float32, and rounds the weights that pass through it).
 """
 
 import torch

@@ -30,6 +30,15 @@ then the layer has no bias either (``self.bias = None``). The slices are copies
 The communication belongs in two small ``torch.autograd.Function``s (each a
 ``forward`` and a ``backward``) that you apply inside the layers' forwards.
 Do not change the input tensors.
+
+Besides the values, the grader holds both layers' forward to the contract every
+caller of a layer relies on (a broken promise fails its own check, in one line
+naming it):
+
+- *inputs unchanged*: x comes back bit for bit, after forward and after backward;
+- *keeps the dtype*: bf16 in, bf16 out; float64 in, float64 out, to float64's
+  precision;
+- *any strides*: x may be a view (a transposed batch of three dimensions).
 """
 
 import torch

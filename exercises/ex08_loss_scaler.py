@@ -45,6 +45,14 @@ and halves S; after ``growth_interval`` good steps in a row it doubles S.
     ``optimizer.step()`` only if none overflowed, then ``update``. Return
     whether the optimizer stepped. (Zeroing the gradients stays the training
     loop's job.)
+
+Besides the values, the grader holds the scaler to the contract every caller
+relies on (a broken promise fails its own check, in one line naming it):
+
+- *inputs unchanged*: ``scale`` leaves the loss it is given as it was (a loop
+  may log it after scaling);
+- *keeps the dtype*: ``scale`` returns the loss's dtype (fp16, bf16, float64);
+- *any strides*: ``unscale_`` takes gradients that are views (a transposed one).
 """
 
 import torch

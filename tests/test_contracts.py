@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpucourse.grading.contracts import Contract, as_strided_view, describe_case, hold, same_bits
+from gpucourse.grading.contracts import Contract, as_strided_view, describe_case, expect_precision, hold, same_bits
 from gpucourse.grading.core import Fail, Outcome
 
 ATTEND = Contract("attend", ("q", "k", "causal"), unchanged=("q", "k"), dtype_of="q", strided=("q", "k"))
@@ -50,3 +50,36 @@ def test_each_broken_promise_is_named_with_its_reproduction():
 def test_the_reproduction_says_which_inputs_were_views():
     case = describe_case(ATTEND, (as_strided_view(torch.randn(2, 3)), torch.randn(2, 3), False), 2)
     assert case == "2 ranks, float32, q 2×3 (a strided view), k 2×3"
+
+
+STEP = Contract("step", ("params", "grads"), unchanged=("grads",), strided=("params",))
+SUM = Contract("ring_all_reduce", ("tensor",), fresh=True)
+
+
+def test_a_list_of_tensors_is_held_element_by_element_and_described_by_its_shapes():
+    grads = [torch.randn(2, 3), torch.randn(4)]
+    sent = ([as_strided_view(torch.randn(2, 3))], grads)
+    hold(STEP, [sent], [_outcome(None, (None, [g.clone() for g in grads]))])  # kept
+    with pytest.raises(Fail, match=r"contract 'inputs unchanged': rank 0's step changed its input grads in backward "
+                                   r"\(1 rank, float32, params \[2×3\] \(strided views\), grads \[2×3, 4\]\)"):
+        hold(STEP, [sent], [_outcome(None, (None, [grads[0], torch.zeros(4)]))], " in backward")
+
+
+def test_a_result_that_shares_the_inputs_memory_breaks_a_new_tensor():
+    t = torch.randn(3)
+    hold(SUM, [(t,)], [_outcome(t.clone(), (t,))])
+    with pytest.raises(Fail, match=r"contract 'a new tensor': rank 0's ring_all_reduce returned a tensor that shares "
+                                   r"its memory with its input tensor"):
+        hold(SUM, [(t,)], [Outcome(0, t, (t,), 0, [], 0.0)])
+
+
+def test_precision_is_float64s_once_the_values_agree():
+    want = torch.randn(5, dtype=torch.float64)
+    expect_precision(STEP, "the weights", want + 1e-15, want, "1 rank")
+    with pytest.raises(Fail, match=r"contract 'keeps the dtype': step left the weights 1e-08 away from the float64 "
+                                   r"result, float32's rounding"):
+        expect_precision(STEP, "the weights", want + 1e-8, want, "1 rank")
+    with pytest.raises(Fail, match=r"contract 'keeps the dtype': step left the weights in torch.float32"):
+        expect_precision(STEP, "the weights", want.float(), want, "1 rank")
+    with pytest.raises(Fail, match=r"^the weights: 5 of 5 elements differ"):  # wrong values are said as such
+        expect_precision(STEP, "the weights", want + 1, want, "1 rank")

@@ -27,7 +27,14 @@ REPO = Path(__file__).resolve().parents[1]
 MUTANTS = REPO / "tests" / "mutants"
 EXERCISES = list(grading.exercises().values())
 
-# Checks with long names: ex11's contract checks, ex13's.
+# Checks with long names: the contract checks, ex13's.
+EX01_DTYPE = "the contract: bf16 stays bf16, float64 stays float64 (2 ranks)"
+EX01_FRESH = "the contract: a new tensor, the input unchanged, a view accepted (2 ranks)"
+EX02_CONTRACT = "the contract: the batch left as it was, views accepted, float64 kept (2 ranks)"
+EX03_CONTRACT = "the contract: a float64 model's gradients averaged in float64 (2 ranks)"
+EX04_CONTRACT = "the contract: gradients left as they were, parameters as views, float64 kept (2 ranks)"
+EX06_CONTRACT = "the contract: the input left as it was after forward and backward, its dtype kept, views (2 ranks)"
+EX08_CONTRACT = "the contract: the loss left as it was, its dtype kept; gradients as views (1 rank)"
 EX11_CONTRACT = "the contract: inputs as views, float64, scores in the hundreds (2 ranks)"
 EX11_ONE_RANK = "one rank: a ring with no hop, in bf16 too"
 EX12_CONTRACT = "the contract: inputs left as they were, x's and expert_out's dtype kept (2 ranks)"
@@ -49,28 +56,36 @@ EX14_SCATTERED = "paged attention equals attention over the contiguous keys (sca
 EX14_EDGES = "part-full last blocks, one token, blocks of one"
 EX14_CONTRACT = "the contract: inputs left as they were, q's dtype kept, caches as views"
 WRONG_ANSWERS = {
-    "ex01_ring_allreduce/no_allgather": (["sums over 2 ranks", "keeps bf16 as bf16",
-                                          "returns a new tensor, leaves its input unchanged",
+    "ex01_ring_allreduce/no_allgather": (["sums over 2 ranks", EX01_DTYPE, EX01_FRESH,
                                           "3 ranks, lengths not divisible by 3",
                                           "each rank sends 2(n-1)/n of the tensor, to rank+1 (3 ranks)"],
                                          "differ"),
     "ex01_ring_allreduce/floor_chunks": (["3 ranks, lengths not divisible by 3"], "only the last"),
-    "ex01_ring_allreduce/in_place": (["returns a new tensor, leaves its input unchanged", "one rank"], "was changed"),
     "ex01_ring_allreduce/uses_all_reduce": ([c.name for c in grading.find_exercise("ex01").checks], "switches off"),
-    "ex01_ring_allreduce/returns_input_alone": (["one rank"], "shares its memory"),
     "ex01_ring_allreduce/direct_exchange": (["each rank sends 2(n-1)/n of the tensor, to rank+1 (3 ranks)"],
                                             "only to the next one"),
+    # Each of the contracts (gpucourse.grading.contracts) broken alone.
+    "ex01_ring_allreduce/in_place": ([EX01_FRESH, EX01_DTYPE, "one rank"], "contract 'inputs unchanged'"),
+    "ex01_ring_allreduce/returns_input_alone": (["one rank"], "contract 'a new tensor'"),
+    "ex01_ring_allreduce/float32_buffer": ([EX01_DTYPE], "contract 'keeps the dtype'"),
+    "ex01_ring_allreduce/flat_view": ([EX01_FRESH], "contract 'any strides'"),
     "ex02_data_parallel/no_divide": (["average_gradients averages over 2 ranks",
                                       "one step on 2 ranks equals the single-device step",
                                       "average_gradients skips parameters without a gradient",
-                                      "one step on 3 ranks equals the single-device step"], "not divided"),
+                                      "one step on 3 ranks equals the single-device step", EX02_CONTRACT],
+                                     "not divided"),
     "ex02_data_parallel/averages_twice": (["one step on 2 ranks equals the single-device step",
-                                           "one step on 3 ranks equals the single-device step"], "twice"),
+                                           "one step on 3 ranks equals the single-device step", EX02_CONTRACT],
+                                          "twice"),
     "ex02_data_parallel/whole_batch": (["each rank trains on its own share of the batch"], "whole global batch"),
     "ex02_data_parallel/no_zero_grad": (["one step on 2 ranks equals the single-device step",
-                                         "one step on 3 ranks equals the single-device step"], "left over"),
+                                         "one step on 3 ranks equals the single-device step", EX02_CONTRACT],
+                                        "left over"),
     "ex02_data_parallel/averages_weights": (["one step on 2 ranks equals the single-device step",
                                              "one step on 3 ranks equals the single-device step"], "not averaged"),
+    "ex02_data_parallel/compacts_batch_in_place": ([EX02_CONTRACT], "contract 'inputs unchanged'"),
+    "ex02_data_parallel/shares_by_view": ([EX02_CONTRACT], "contract 'any strides'"),
+    "ex02_data_parallel/float32_buffer": ([EX02_CONTRACT], "contract 'keeps the dtype'"),
     "ex03_gradient_buckets/forward_order": (["buckets follow gradient-ready order"], "forward order"),
     "ex03_gradient_buckets/cap_off_by_one": (["buckets respect the size cap"], "as far as the cap allows"),
     "ex03_gradient_buckets/sync_in_finish": (["one async all-reduce per bucket, during backward"],
@@ -80,16 +95,20 @@ WRONG_ANSWERS = {
                                             "after the last gradient"),
     "ex03_gradient_buckets/wait_in_hook": (["one async all-reduce per bucket, during backward"],
                                            "waited for the all-reduce"),
+    "ex03_gradient_buckets/float32_buffers": ([EX03_CONTRACT], "contract 'keeps the dtype'"),
     "ex04_zero1/no_allgather": (["a ZeRO-1 step equals Adam on one device (2 ranks)",
-                                 "3 ranks, sizes not divisible by 3"], "never arrived"),
+                                 "3 ranks, sizes not divisible by 3", EX04_CONTRACT], "never arrived"),
     "ex04_zero1/floor_shard": (["shard_bounds cuts a buffer into padded shards",
                                 "a ZeRO-1 step equals Adam on one device (2 ranks)",
-                                "3 ranks, sizes not divisible by 3"], "they cover"),
+                                "3 ranks, sizes not divisible by 3", EX04_CONTRACT], "they cover"),
     "ex04_zero1/unsharded_state": (["Adam's state lives only on this rank's shard"], "numbers of state"),
     "ex04_zero1/steps_every_shard": (["Adam's state lives only on this rank's shard"], "state of every shard"),
     "ex04_zero1/sums_grads": (["a ZeRO-1 step equals Adam on one device (2 ranks)",
-                               "3 ranks, sizes not divisible by 3"], "summed over the ranks"),
+                               "3 ranks, sizes not divisible by 3", EX04_CONTRACT], "summed over the ranks"),
     "ex04_zero1/uses_zero_redundancy": ([c.name for c in grading.find_exercise("ex04").checks][1:], "switched off"),
+    "ex04_zero1/zeroes_grads": ([EX04_CONTRACT], "contract 'inputs unchanged'"),
+    "ex04_zero1/copies_through_view": ([EX04_CONTRACT], "contract 'any strides'"),
+    "ex04_zero1/float32_padding": ([EX04_CONTRACT], "contract 'keeps the dtype'"),
     "ex05_one_f_one_b/warmup_off_by_one": (["stage s warms up with min(pp - s - 1, m) forwards",
                                             "then one forward, one backward, in turn",
                                             "stage s holds at most pp - s microbatches"], "warm-up of"),
@@ -100,19 +119,23 @@ WRONG_ANSWERS = {
     "ex05_one_f_one_b/gpipe_order": (["stage s warms up with min(pp - s - 1, m) forwards",
                                       "then one forward, one backward, in turn",
                                       "stage s holds at most pp - s microbatches"], "that is GPipe"),
-    "ex06_tensor_parallel/row_no_allreduce": (["row-parallel forward", "column then row is the whole MLP (3 ranks)"],
-                                              "never summed"),
+    "ex06_tensor_parallel/row_no_allreduce": (["row-parallel forward", "column then row is the whole MLP (3 ranks)",
+                                               EX06_CONTRACT], "never summed"),
     "ex06_tensor_parallel/column_no_grad_sum": (["column-parallel backward",
-                                                 "column then row is the whole MLP (3 ranks)"], "own part"),
-    "ex06_tensor_parallel/bias_before_sum": (["row-parallel forward", "column then row is the whole MLP (3 ranks)"],
-                                             "before the sum"),
-    "ex06_tensor_parallel/grad_sum_twice": (["row-parallel backward", "column then row is the whole MLP (3 ranks)"],
-                                            "summed over ranks in backward"),
+                                                 "column then row is the whole MLP (3 ranks)", EX06_CONTRACT],
+                                                "own part"),
+    "ex06_tensor_parallel/bias_before_sum": (["row-parallel forward", "column then row is the whole MLP (3 ranks)",
+                                              EX06_CONTRACT], "before the sum"),
+    "ex06_tensor_parallel/grad_sum_twice": (["row-parallel backward", "column then row is the whole MLP (3 ranks)",
+                                             EX06_CONTRACT], "summed over ranks in backward"),
     "ex06_tensor_parallel/assumes_bias": (["column-parallel forward", "column-parallel backward",
                                           "row-parallel forward", "column then row is the whole MLP (3 ranks)",
                                           "one rank"], "'NoneType' object has no attribute"),
     "ex06_tensor_parallel/column_grad_hook": (["column-parallel backward"], "once per layer"),
     "ex06_tensor_parallel/weight_view": (["column-parallel forward"], "view into a storage"),
+    "ex06_tensor_parallel/frees_input_in_backward": ([EX06_CONTRACT], "contract 'inputs unchanged'"),
+    "ex06_tensor_parallel/float32_sum": ([EX06_CONTRACT], "contract 'keeps the dtype'"),
+    "ex06_tensor_parallel/flattens_with_view": ([EX06_CONTRACT], "contract 'any strides'"),
     "ex07_memory_estimate/adam_one_moment": (["fp32 with Adam: 16 bytes per parameter",
                                               "half precision: master weights, or autocast",
                                               "ZeRO stages 1 to 3 shard over dp",
@@ -133,7 +156,8 @@ WRONG_ANSWERS = {
     "ex08_loss_scaler/unscale_multiplies": (["scale multiplies the loss, unscale_ divides in place",
                                              "a skipped step changes no weight and no optimizer state",
                                              "training with overflows follows torch.amp.GradScaler",
-                                             "small fp16 gradients survive with scaling"], "multiplied by the scale"),
+                                             "small fp16 gradients survive with scaling", EX08_CONTRACT],
+                                            "multiplied by the scale"),
     "ex08_loss_scaler/misses_nan": (["scale multiplies the loss, unscale_ divides in place"], "NaN"),
     "ex08_loss_scaler/steps_on_overflow": (["a skipped step changes no weight and no optimizer state",
                                             "training with overflows follows torch.amp.GradScaler",
@@ -146,9 +170,12 @@ WRONG_ANSWERS = {
     "ex08_loss_scaler/fused_unscale": (["scale multiplies the loss, unscale_ divides in place",
                                         "a skipped step changes no weight and no optimizer state",
                                         "training with overflows follows torch.amp.GradScaler",
-                                        "small fp16 gradients survive with scaling",
+                                        "small fp16 gradients survive with scaling", EX08_CONTRACT,
                                         "ranks agree on skipping a step (2 ranks)",
                                         "collectives use the group passed in (3 ranks)"], "switches off"),
+    "ex08_loss_scaler/scales_loss_in_place": ([EX08_CONTRACT], "contract 'inputs unchanged'"),
+    "ex08_loss_scaler/scales_in_float32": ([EX08_CONTRACT], "contract 'keeps the dtype'"),
+    "ex08_loss_scaler/flattens_with_view": ([EX08_CONTRACT], "contract 'any strides'"),
     "ex09_profile_analysis/overlap_twice": (["overlapping spans count once, blocking ones as communication",
                                              "the shares of a recorded run"], "counted twice"),
     "ex09_profile_analysis/blocking_hidden": (["overlapping spans count once, blocking ones as communication"],
@@ -334,8 +361,8 @@ def test_hostile_code_becomes_failed_checks(marked):
 
     ring = {c["name"]: c for c in by_id["ex01"]["checks"]}
     assert "sys.exit(3)" in ring["sums over 2 ranks"]["message"]
-    assert ring["keeps bf16 as bf16"]["message"].startswith("rank 1: ValueError: only rank 1 fails")
-    assert "rank 1's process ended" in ring["returns a new tensor, leaves its input unchanged"]["message"]
+    assert ring[EX01_DTYPE]["message"].startswith("rank 1: ValueError: only rank 1 fails")
+    assert "rank 1's process ended" in ring[EX01_FRESH]["message"]
     hang = ring["3 ranks, lengths not divisible by 3"]["message"]
     assert "did not finish within" in hang and "rank 0 did not" in hang
     assert ring["one rank"]["status"] == "passed"  # it printed 5 MB first

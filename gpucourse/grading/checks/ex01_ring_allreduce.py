@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import contracts
 from ..core import Exercise, Fail, describe_mismatch
 
 EXERCISE = Exercise("ex01_ring_allreduce", "Ring all-reduce from send/recv", "notebooks/01_collectives.ipynb",
@@ -11,6 +12,11 @@ EXERCISE = Exercise("ex01_ring_allreduce", "Ring all-reduce from send/recv", "no
                                            "gather", "scatter", "all_to_all"),
                     refusal=("ring_all_reduce called {op}, which this exercise switches off: build the sum from "
                              "point-to-point messages (send/recv, isend/irecv) only"))
+
+# What every caller relies on besides the sum (gpucourse.grading.contracts): a new tensor comes back, the one passed
+# in is left bit for bit as it was, the result has its dtype, and it may be a view with any strides.
+RING = contracts.Contract("ring_all_reduce", ("tensor",), unchanged=("tensor",), dtype_of="tensor",
+                          strided=("tensor",), fresh=True)
 
 
 def _inputs(ctx, shape, dtype, key) -> list[torch.Tensor]:
@@ -49,21 +55,14 @@ def _diagnose(rank: int, n: int, got, want: torch.Tensor, own: torch.Tensor) -> 
     raise Fail(problem)
 
 
-def _check_sum(ctx, shape, dtype=torch.float32, key="", fresh: bool = False) -> list:
-    """Every rank's call on its own input; fails unless each returns the sum (and, with ``fresh``, returns a
-    tensor of its own and leaves its input as it was). Returns the Outcomes (with what each rank sent)."""
+def _check_sum(ctx, shape, dtype=torch.float32, key="", held: bool = False, strided: bool = False) -> list:
+    """Every rank's call on its own input; fails unless each returns the sum (``held``: and keeps its contract,
+    with ``strided`` inputs passed as views). Returns the Outcomes (with what each rank sent)."""
     xs = _inputs(ctx, shape, dtype, key)
-    outs = ctx.call_all("ring_all_reduce", [(x.clone(),) for x in xs])
+    args = [(x.clone(),) for x in xs]
+    outs = contracts.call_all(ctx, RING, args, strided) if held else ctx.call_all(RING.function, args)
     want = torch.stack([x.double() for x in xs]).sum(0).to(dtype)
     for out, x in zip(outs, xs):
-        if not fresh:
-            _diagnose(out.rank, ctx.world_size, out.value, want, x)
-            continue
-        if out.args and not torch.equal(out.args[0], x):
-            raise Fail(f"rank {out.rank}: the tensor passed in was changed by the call (shape {tuple(shape)})")
-        if out.aliases is not None:
-            raise Fail(f"rank {out.rank}: the result shares its memory with the tensor passed in; "
-                       f"return a new tensor")
         _diagnose(out.rank, ctx.world_size, out.value, want, x)
     return outs
 
@@ -80,18 +79,23 @@ def sums_two_ranks(ctx):
     _check_sum(ctx, (4, 6), key="2d")
 
 
-@EXERCISE.check("keeps bf16 as bf16", points=1, world_size=2, hint=(
+@EXERCISE.check("the contract: bf16 stays bf16, float64 stays float64 (2 ranks)", points=1, world_size=2, hint=(
     "The result must have the input's dtype: receive into buffers made like the chunk you expect "
-    "(torch.empty_like), and add in place, rather than building float32 tensors."))
-def keeps_bf16(ctx):
-    _check_sum(ctx, (10,), dtype=torch.bfloat16, key="bf16")
+    "(torch.empty_like), and add in place, rather than building tensors in the default dtype, float32."))
+def keeps_dtype(ctx):
+    _check_sum(ctx, (10,), dtype=torch.bfloat16, key="bf16", held=True)
+    _check_sum(ctx, (2, 5), dtype=torch.float64, key="float64", held=True)
 
 
-@EXERCISE.check("returns a new tensor, leaves its input unchanged", points=1, world_size=2, hint=(
-    "The caller still owns the tensor it passed in: reduce into a copy (tensor.clone()) and return that, "
-    "a tensor of its own, not a view of the input."))
+@EXERCISE.check("the contract: a new tensor, the input unchanged, a view accepted (2 ranks)", points=1, world_size=2,
+                hint=(
+    "The caller still owns the tensor it passed in: reduce into a copy (tensor.clone()) and return that, a "
+    "tensor of its own, not the input nor a view of it. The caller may pass a view (a transposed matrix): "
+    "flatten a copy with .reshape(-1), which copies when it must, where .view(-1) refuses, and send and "
+    "receive contiguous chunks of that flat copy."))
 def input_unchanged(ctx):
-    _check_sum(ctx, (12,), key="fresh", fresh=True)
+    _check_sum(ctx, (12,), key="fresh", held=True)
+    _check_sum(ctx, (4, 6), key="view", held=True, strided=True)
 
 
 @EXERCISE.check("3 ranks, lengths not divisible by 3", points=3, world_size=3, hint=(
@@ -127,4 +131,4 @@ def bytes_sent(ctx):
     "With one rank there is nobody to talk to: both phases have zero steps, and the sum is a copy of "
     "the tensor. Check that your loops and your rank+1 / rank-1 arithmetic (modulo n) allow that."))
 def one_rank(ctx):
-    _check_sum(ctx, (5,), key="one", fresh=True)
+    _check_sum(ctx, (5,), key="one", held=True)

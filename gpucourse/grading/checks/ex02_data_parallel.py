@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import contracts
 from ..core import Exercise, Fail, describe_mismatch
 from ..probes.ex02_data_parallel import Net, build_net
 
@@ -24,6 +25,12 @@ EXERCISE = Exercise("ex02_data_parallel", "Data-parallel gradient averaging", "n
 BATCH, LR = 6, 0.5  # 6 rows: 2 and 3 ranks both divide it
 TRAINABLE = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")  # the parameters a forward gives a gradient
 NO_GRAD = ("scale", "unused")                                       # frozen, and never used
+
+# What every caller of the step relies on besides the weights (gpucourse.grading.contracts): the batch it is handed
+# comes back bit for bit, and may be a view with any strides (the probe "step" hands the learner its first two
+# arguments as they came, and reports them after the call).
+STEP = contracts.Contract("data_parallel_step", ("inputs", "targets"), unchanged=("inputs", "targets"),
+                          strided=("inputs", "targets"))
 
 
 def _weights(ctx) -> dict:
@@ -118,7 +125,7 @@ def _judge_average(ctx, outs: list, grads: list, weights: dict) -> None:
                 raise Fail(f"rank {r}: average_gradients changed the weights of {name}; only .grad may change")
 
 
-@EXERCISE.check("average_gradients averages over 2 ranks", points=3, world_size=2, hint=(
+@EXERCISE.check("average_gradients averages over 2 ranks", points=2, world_size=2, hint=(
     "dist.all_reduce sums a tensor over the ranks, in place. The average is that sum divided by the world "
     "size, once. Each rank must end with the same gradients, and only .grad may change."))
 def averages(ctx):
@@ -130,7 +137,8 @@ def averages(ctx):
 
 
 def _step_alone(weights: dict, x: torch.Tensor, y: torch.Tensor):
-    """The step one device takes on rows ``x``: the model after it (its .grad the gradient of the mean loss)."""
+    """The step one device takes on rows ``x``: the model after it (its .grad the gradient of the mean loss), in the
+    weights' dtype."""
     model = build_net(weights)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     opt.zero_grad()
@@ -146,14 +154,14 @@ def _stale(ctx, weights: dict) -> dict:
     return {n: torch.rand(weights[n].shape, generator=g) + 1.0 for n in (*TRAINABLE, "unused")}
 
 
-def _run_step(ctx):
-    x, y = _batch(ctx)
-    weights = _weights(ctx)
-    stale = _stale(ctx, weights)
-    outs = ctx.probe_all("step", [(weights, stale, x, y, LR)] * ctx.world_size)
-    for out in outs:
-        if not (torch.equal(out.value["inputs"], x) and torch.equal(out.value["targets"], y)):
-            raise Fail(f"rank {out.rank}: data_parallel_step changed the inputs or targets it was given")
+def _run_step(ctx, held: bool = False, strided: bool = False, dtype=torch.float32):
+    """Every rank's data_parallel_step on the same global batch (``held``: held to its contract too, with a
+    ``strided`` batch), in ``dtype``. The Outcomes, the weights, the gradients left over, the batch."""
+    x, y = (t.to(dtype) for t in _batch(ctx))
+    weights = {k: w.to(dtype) for k, w in _weights(ctx).items()}
+    stale = {k: g.to(dtype) for k, g in _stale(ctx, weights).items()}
+    args = [(x, y, weights, stale, LR)] * ctx.world_size
+    outs = contracts.probe_all(ctx, STEP, "step", args, strided) if held else ctx.probe_all("step", args)
     return outs, weights, stale, x, y
 
 
@@ -260,6 +268,24 @@ def _equals_single_device(ctx):
     "weights, before optimizer.step(): with momentum or Adam only that is the single device's step."))
 def equals_single_2(ctx):
     _equals_single_device(ctx)
+
+
+@EXERCISE.check("the contract: the batch left as it was, views accepted, float64 kept (2 ranks)", points=1,
+                world_size=2, hint=(
+    "The caller keeps using the batch it handed you: take this rank's rows by slicing, inputs[lo:hi], which works "
+    "on a view with any strides (a transposed matrix) where .view(...) refuses, and never write into inputs or "
+    "targets. A float64 model must be averaged in float64: a buffer made with torch.zeros(n), without dtype=, is "
+    "float32 and rounds every gradient that passes through it."))
+def contract(ctx):
+    for strided in (False, True):  # contiguous first, so that an error there is not blamed on the views
+        outs, weights, _, x, y = _run_step(ctx, held=True, strided=strided, dtype=torch.float64)
+        alone = dict(_step_alone(weights, x, y).named_parameters())
+        sent = tuple(map(contracts.as_strided_view, (x, y))) if strided else (x, y)
+        case = contracts.describe_case(STEP, sent, ctx.world_size)
+        for out in outs:
+            for k in TRAINABLE:
+                contracts.expect_precision(STEP, f"rank {out.rank}'s {k} after the step", out.value["weights"].get(k),
+                                           alone[k].detach(), case)
 
 
 @EXERCISE.check("average_gradients skips parameters without a gradient", points=1, world_size=3, hint=(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ...parallel.data_parallel_buckets import assign_buckets as reference_buckets
+from .. import contracts
 from ..core import Exercise, Fail, describe_mismatch
 from ..probes.ex03_gradient_buckets import build_model, loss_of
 
@@ -27,16 +28,20 @@ EXERCISE = Exercise("ex03_gradient_buckets", "Gradient buckets overlapped with b
 FROZEN = ("2.weight",)  # the middle layer's weight
 HOLD_S = 0.5            # how late the last rank comes to its first all-reduce, in the overlap check
 
+# What every caller relies on besides the averages (gpucourse.grading.contracts): a float64 model's gradients are
+# averaged in float64. The sync takes a model, not tensors: its only other promises are the values themselves.
+SYNC = contracts.Contract("BucketedGradientSync", ("model", "cap_bytes"))
 
-def _spec(ctx) -> dict:
-    """Three linear layers of random widths (tanh between them); the middle one's weight is frozen."""
+
+def _spec(ctx, dtype=torch.float32) -> dict:
+    """Three linear layers of random widths (tanh between them), in ``dtype``; the middle one's weight is frozen."""
     g = ctx.generator("model")
     widths = torch.randint(3, 10, (4,), generator=g).tolist()
     shapes = {}
     for i in range(3):
         shapes[f"{2 * i}.weight"] = (widths[i + 1], widths[i])
         shapes[f"{2 * i}.bias"] = (widths[i + 1],)
-    weights = {n: torch.randn(s, generator=g) * 0.5 for n, s in shapes.items()}
+    weights = {n: (torch.randn(s, generator=g) * 0.5).to(dtype) for n, s in shapes.items()}
     return {"widths": widths, "weights": weights, "frozen": list(FROZEN)}
 
 
@@ -131,7 +136,8 @@ def _name_buckets(params: dict, order: list[str], cap: int) -> list[list[str]]:
 
 
 def _inputs(ctx, spec: dict, rank: int, step: int) -> torch.Tensor:
-    return torch.randn(4, spec["widths"][0], generator=ctx.generator("x", rank, step))
+    x = torch.randn(4, spec["widths"][0], generator=ctx.generator("x", rank, step))
+    return x.to(spec["weights"]["0.weight"].dtype)
 
 
 def _gradients(ctx, spec: dict, step: int) -> tuple[dict, list[dict]]:
@@ -149,11 +155,11 @@ def _close(got, want) -> bool:
     return torch.is_tensor(got) and got.shape == want.shape and bool(torch.allclose(got, want, atol=1e-6))
 
 
-def _train(ctx, steps: int, hold_s: float = 0.0) -> tuple[list, dict, int]:
+def _train(ctx, steps: int, hold_s: float = 0.0, dtype=torch.float32) -> tuple[list, dict, int]:
     """``steps`` steps through the learner's sync on every rank (the last rank pausing ``hold_s`` at its first
-    gradient); fails unless the gradients after each finish() are the averages. Returns the Outcomes,
-    the model's spec and the cap."""
-    spec = _spec(ctx)
+    gradient), the model in ``dtype``; fails unless the gradients after each finish() are the averages. Returns
+    the Outcomes, the model's spec and the cap."""
+    spec = _spec(ctx, dtype)
     cap = _caps(spec)[2]  # at least two buckets
     n = ctx.world_size
     expected = [_gradients(ctx, spec, s) for s in range(steps)]
@@ -193,7 +199,7 @@ def _step_comm(out, step: int) -> list[dict]:
     return [c for c in out.comm if start <= c["t"] < end]
 
 
-@EXERCISE.check("finish() leaves the averaged gradients", points=2, world_size=2, hint=(
+@EXERCISE.check("finish() leaves the averaged gradients", points=1, world_size=2, hint=(
     "Each hook copies p.grad into its place in the bucket's flat buffer; the all-reduce sums the buffers of "
     "all ranks in place. After waiting for it, divide by the world size and copy each parameter's slice back "
     "into p.grad, shaped like the parameter."))
@@ -256,6 +262,21 @@ def async_during_backward(ctx):
     "have arrived, and forget the finished handles. Training calls backward and finish() once per step."))
 def second_step(ctx):
     _train(ctx, 2)
+
+
+@EXERCISE.check("the contract: a float64 model's gradients averaged in float64 (2 ranks)", points=1, world_size=2,
+                hint=(
+    "Make each bucket's buffer in its gradients' dtype, torch.zeros(n, dtype=p.dtype): one made without dtype= is "
+    "float32, so a float64 model's gradients come back rounded to float32 (and a bf16 model's all-reduce moves "
+    "twice the bytes it should)."))
+def contract(ctx):
+    outs, spec, _ = _train(ctx, 1, dtype=torch.float64)
+    want, _ = _gradients(ctx, spec, 0)
+    for out in outs:
+        for name, g in out.value["steps"][0]["grads"].items():
+            if name in want:
+                contracts.expect_precision(SYNC, f"rank {out.rank}'s {name}.grad after finish()", g, want[name],
+                                           f"{ctx.world_size} ranks, a float64 model")
 
 
 @EXERCISE.check("3 ranks", points=1, world_size=3, hint=(

@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn as nn
 
+from .. import contracts
 from ..core import Exercise, Fail, describe_mismatch
 
 EXERCISE = Exercise(
@@ -27,6 +28,11 @@ EXERCISE = Exercise(
 
 LR, STEPS = 1e-2, 3
 TINY = 1e-8  # a gradient this small is comparable to Adam's eps: its update depends on its scale
+
+# What every caller of an optimizer relies on besides the update (gpucourse.grading.contracts): the gradients it
+# reads come back as they were, its parameters may be views with any strides (the probe "steps" makes them from
+# the weights as they came), and a float64 model is stepped in float64.
+STEP = contracts.Contract("ZeroOneAdam.step", ("params", "grads"), unchanged=("grads",), strided=("params",))
 
 
 def _bounds(numel: int, world: int, rank: int) -> tuple[int, int]:
@@ -127,10 +133,13 @@ def _misplaced(got: torch.Tensor, expected: torch.Tensor, numel: int, n: int) ->
     return ""
 
 
-def _run(ctx, sizes, key) -> tuple[list, tuple]:
-    """Every rank's probe of ZeroOneAdam over ``STEPS`` steps; the outcomes, and the weights and gradients sent."""
-    weights, grads = _weights(ctx, sizes, key), _grads(ctx, sizes, key)
-    outs = ctx.probe_all("steps", [(weights, grads, LR)] * ctx.world_size)
+def _run(ctx, sizes, key, held: bool = False, strided: bool = False, dtype=torch.float32) -> tuple[list, tuple]:
+    """Every rank's probe of ZeroOneAdam over ``STEPS`` steps (``held``: held to its contract too, with
+    ``strided`` parameters), in ``dtype``; the outcomes, and the weights and gradients sent."""
+    weights = [w.to(dtype) for w in _weights(ctx, sizes, key)]
+    grads = [[g.to(dtype) for g in step] for step in _grads(ctx, sizes, key)]
+    args = [(weights, grads, LR)] * ctx.world_size
+    outs = contracts.probe_all(ctx, STEP, "steps", args, strided) if held else ctx.probe_all("steps", args)
     return outs, (weights, grads)
 
 
@@ -178,7 +187,7 @@ def _compare(ctx, sizes, key=""):
     return outs, numel
 
 
-@EXERCISE.check("a ZeRO-1 step equals Adam on one device (2 ranks)", points=3, world_size=2, hint=(
+@EXERCISE.check("a ZeRO-1 step equals Adam on one device (2 ranks)", points=2, world_size=2, hint=(
     "Three moves: slice this rank's part of the flattened gradient, let Adam update this rank's copy of its "
     "shard, then all-gather every rank's shard (padded to equal size) and copy the gathered values back "
     "into the parameters. Adam is element-wise, so updating the shards separately gives the same numbers, "
@@ -231,6 +240,25 @@ def state_sharded(ctx):
         numel = sum(math.prod(s) for s in sizes)
         for out in outs:
             _judge_census(out.rank, out.value["census"], numel, ctx.world_size)
+
+
+@EXERCISE.check("the contract: gradients left as they were, parameters as views, float64 kept (2 ranks)", points=1,
+                world_size=2, hint=(
+    "A step reads the gradients and leaves them as they were: zeroing them is the training loop's job "
+    "(optimizer.zero_grad()). A parameter may be a view with any strides (a transposed matrix): flatten with "
+    ".reshape(-1), and copy the gathered values back with p.copy_(piece.view_as(p)), where p.view(-1) refuses. "
+    "Make every buffer in the parameters' dtype (torch.zeros(n, dtype=...)): a float32 buffer rounds a float64 "
+    "model's weights."))
+def contract(ctx):
+    sizes = [(3, 4), (5,), (2, 3)]
+    for strided in (False, True):  # contiguous first, so that an error there is not blamed on the views
+        outs, (weights, grads) = _run(ctx, sizes, "contract", held=True, strided=strided, dtype=torch.float64)
+        sent = [contracts.as_strided_view(w) for w in weights] if strided else weights
+        case = contracts.describe_case(STEP, (sent, grads[0]), ctx.world_size)
+        for out in outs:
+            for step, (got, want) in enumerate(zip(out.value["weights"], _adam(weights, grads))):
+                contracts.expect_precision(STEP, f"rank {out.rank}'s weights after step {step + 1} of {STEPS}", got,
+                                           want, case, 1e-6, 1e-5)
 
 
 @EXERCISE.check("3 ranks, sizes not divisible by 3", points=2, world_size=3, hint=(

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..core import Exercise, Fail, describe_mismatch
+from .. import contracts
+from ..core import Exercise, Fail, describe_mismatch, expect_close
 
 EXERCISE = Exercise(
     "ex06_tensor_parallel", "Tensor-parallel linear layers", "notebooks/05_tensor_parallelism.ipynb",
@@ -27,6 +28,12 @@ EXERCISE = Exercise(
 
 BATCH = 3
 COLUMN, ROW = "ColumnParallelLinear", "RowParallelLinear"
+
+# What every caller of a layer relies on besides its values (gpucourse.grading.contracts): the input comes back bit
+# for bit after forward and after backward, the output has the input's dtype, and the input may be a view with any
+# strides (the probe "layers" hands the layer its first argument as it came).
+FORWARD = {kind: contracts.Contract(f"{kind}.forward", ("x",), unchanged=("x",), dtype_of="x", strided=("x",))
+           for kind in (COLUMN, ROW)}
 
 
 def _whole(ctx, fan_in: int, fan_out: int, key, bias: bool = True) -> tuple:
@@ -95,11 +102,8 @@ def _check_parameters(rank: int, n: int, kind: str, params: dict, weight: torch.
                        f"every rank; .clone() the slice")
 
 
-def _check_untouched(rank: int, report: dict, x: torch.Tensor, whole: list, backward: bool) -> None:
-    if not torch.equal(report["x_after_forward"], x):
-        raise Fail(f"rank {rank}: the layer's forward changed its input")
-    if backward and not torch.equal(report["x_after_backward"], x):
-        raise Fail(f"rank {rank}: the backward changed the layer's input")
+def _check_untouched(rank: int, report: dict, whole: list) -> None:
+    """The whole layers the layer was made from are as they were, and got no gradient."""
     for (w, b), after in zip(whole, report["whole_after"]):
         if not torch.equal(after["weight"], w) or (b is not None and not torch.equal(after["bias"], b)):
             raise Fail(f"rank {rank}: making or running the layer changed the whole layer it was made from; "
@@ -121,7 +125,7 @@ def _run_column(ctx, cases: list, key, x_requires_grad: bool = True, backward: b
     x = _data(ctx, BATCH, cases[0][0].shape[1], key=(key, "x"))
     probes = [_data(ctx, BATCH, w.shape[0], key=(key, "probe", i)) for i, (w, _) in enumerate(cases)]
     ref = _reference(cases, x, probes)
-    args = [(COLUMN, cases, x, [p.chunk(n, dim=-1)[r] for p in probes], x_requires_grad, backward)
+    args = [(x, COLUMN, cases, [p.chunk(n, dim=-1)[r] for p in probes], x_requires_grad, backward)
             for r in range(n)]
     return ctx.probe_all("layers", args), x, probes, ref
 
@@ -139,7 +143,7 @@ def column_forward(ctx):
         (w, b), = cases
         for out in outs:
             r, report = out.rank, out.value
-            _check_untouched(r, report, x, cases, backward=False)
+            _check_untouched(r, report, cases)
             _check_parameters(r, n, "column-parallel layer", report["layers"][0], w.chunk(n, dim=0)[r],
                               None if b is None else b.chunk(n, dim=0)[r])
             _expect(f"rank {r}: the output{'' if bias else ' (no bias)'}", report["ys"][0],
@@ -192,7 +196,7 @@ def column_backward(ctx):
     for key, cases, needs_grad in scenarios:
         outs, x, probes, ref = _run_column(ctx, cases, key, x_requires_grad=needs_grad)
         for out in outs:
-            _check_untouched(out.rank, out.value, x, cases, backward=True)
+            _check_untouched(out.rank, out.value, cases)
             _column_grads(out.rank, n, out.value, cases, ref, probes, needs_grad, out, shared=len(cases) > 1)
 
 
@@ -204,7 +208,8 @@ def _run_row(ctx, bias: bool, key, backward: bool = True, fan_in: int = 6, fan_o
     probe = _data(ctx, BATCH, fan_out, key=(key, bias, "probe"))
     ref = _reference(cases, x, [probe])
     pieces = x.chunk(n, dim=-1)
-    outs = ctx.probe_all("layers", [(ROW, cases, pieces[r], [probe], True, backward) for r in range(n)])
+    outs = ctx.probe_all("layers", [(pieces[r].contiguous(), ROW, cases, [probe], True, backward)
+                                    for r in range(n)])
     return outs, cases, pieces, probe, ref
 
 
@@ -220,7 +225,7 @@ def row_forward(ctx):
         (w, b), = cases
         for out in outs:
             r, report = out.rank, out.value
-            _check_untouched(r, report, pieces[r], cases, backward=False)
+            _check_untouched(r, report, cases)
             _check_parameters(r, n, "row-parallel layer", report["layers"][0], w.chunk(n, dim=1)[r], b)
             partial = pieces[r] @ w.chunk(n, dim=1)[r].T
             known = [(partial if b is None else partial + b,
@@ -240,7 +245,7 @@ def row_backward(ctx):
     outs, cases, pieces, probe, ref = _run_row(ctx, True, "row back")
     for out in outs:
         r, report = out.rank, out.value
-        _check_untouched(r, report, pieces[r], cases, backward=True)
+        _check_untouched(r, report, cases)
         params = report["layers"][0]
         for name in ("weight", "bias"):
             if name not in params:
@@ -263,6 +268,46 @@ def row_backward(ctx):
                 [(n * ref["dx"].chunk(n, dim=-1)[r], twice)])
 
 
+def _held(ctx, kind: str, dtype, strided: bool = False) -> None:
+    """One layer of ``kind`` (with a bias) in ``dtype`` on an input of three dimensions, forward and backward on
+    every rank, held to its contract (with a ``strided`` input); its output and its input's gradient against the
+    whole layer's, in float64."""
+    n = ctx.world_size
+    fan_in, fan_out = (4, 6) if kind == COLUMN else (6, 4)
+    w, b = _whole(ctx, fan_in, fan_out, ("contract", kind))
+    x, probe = _data(ctx, 2, BATCH, fan_in, key=("contract", kind)), _data(ctx, 2, BATCH, fan_out, key=kind)
+    ref = _reference([(w.double(), b.double())], x.double(), [probe.double()])
+    mine = [(x, probe.chunk(n, dim=-1)[r], ref["ys"][0].chunk(n, dim=-1)[r], ref["dx"]) if kind == COLUMN else
+            (x.chunk(n, dim=-1)[r], probe, ref["ys"][0], ref["dx"].chunk(n, dim=-1)[r]) for r in range(n)]
+    cases = [(w.to(dtype), b.to(dtype))]
+    args = [(xr.to(dtype).contiguous(), kind, cases, [g.to(dtype)]) for xr, g, _, _ in mine]
+    outs = contracts.probe_all(ctx, FORWARD[kind], "layers", args, strided)
+    tol = 5e-2 if dtype == torch.bfloat16 else 1e-5
+    case = contracts.describe_case(FORWARD[kind], (contracts.as_strided_view(x) if strided else x,), n)
+    for out, (_, _, y, dx) in zip(outs, mine):
+        for what, got, want in (("output", out.value["ys"][0], y), ("input's gradient", out.value["dx"], dx)):
+            what = f"rank {out.rank}'s {what}"
+            if dtype == torch.float64:
+                contracts.expect_precision(FORWARD[kind], what, got, want, case)
+            else:
+                expect_close(f"{what} ({case})", got.double() if torch.is_tensor(got) else got, want, tol, tol)
+
+
+@EXERCISE.check("the contract: the input left as it was after forward and backward, its dtype kept, views (2 ranks)",
+                points=1, world_size=2, hint=(
+    "A caller keeps using the input it passed in: never write into x, in forward or in backward (not even through a "
+    "tensor an autograd Function saved); compute new tensors. Return x's dtype: bf16 in, bf16 out — a sum done in "
+    "float32 must be brought back to x's dtype. And x may be a view with any strides (a transposed batch, a slice "
+    "of the features): flatten with .reshape, which copies when it must, not .view, and all-reduce a contiguous "
+    "tensor of your own."))
+def contract(ctx):
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        for kind in (COLUMN, ROW):
+            _held(ctx, kind, dtype)
+    for kind in (COLUMN, ROW):  # after the contiguous inputs, so that an error there is not blamed on the views
+        _held(ctx, kind, torch.float32, strided=True)
+
+
 def _mlp(ctx, bias: bool):
     """Column-parallel fc, GELU on the local slice, row-parallel proj: the same as the whole MLP."""
     n = ctx.world_size
@@ -275,8 +320,6 @@ def _mlp(ctx, bias: bool):
     label = "" if bias else " (no biases)"
     for out in ctx.probe_all("mlp", [(fc, proj, x, probe)] * n):
         r, report = out.rank, out.value
-        if not torch.equal(report["x_after"], x):
-            raise Fail(f"rank {r}: the MLP's input was changed")
         _expect(f"rank {r}: the MLP's output{label}", report["y"], yf.detach())
         _expect(f"rank {r}: the MLP's input gradient{label}", report["dx"], xf.grad,
                 [(n * xf.grad, f"it is {n} times too large: summed over ranks twice")])
@@ -295,7 +338,7 @@ def _mlp(ctx, bias: bool):
             _expect(f"rank {r}: {layer}'s {name} gradient{label}", params[name]["grad"], want)
 
 
-@EXERCISE.check("column then row is the whole MLP (3 ranks)", points=2, world_size=3, hint=(
+@EXERCISE.check("column then row is the whole MLP (3 ranks)", points=1, world_size=3, hint=(
     "A column-parallel layer's sliced output is exactly the sliced input a row-parallel layer wants, and "
     "an element-wise GELU in between works on the slice: one all-reduce forward, one backward, for the "
     "whole MLP. Slice with chunk(n) along the right dimension for n = 3 too, and handle layers with and "

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...parallel.precision import DynamicLossScaler
+from .. import contracts
 from ..core import Exercise, Fail, describe_mismatch
 from ..probes.ex08_loss_scaler import model_with
 
@@ -29,6 +30,12 @@ EXERCISE = Exercise("ex08_loss_scaler", "Dynamic loss scaler", "notebooks/07_mem
 S = 1024.0  # a power of two: dividing by it is exact, so the checks can compare bit for bit
 LR, MOMENTUM = 0.1, 0.9
 SHAPES = {"0.weight": (5, 4), "0.bias": (5,), "2.weight": (3, 5), "2.bias": (3,)}  # the probes' model
+
+# What every caller relies on besides the values (gpucourse.grading.contracts): scale leaves the loss it is given as
+# it was (the loop may log it) and returns the loss's dtype; unscale_ takes gradients that are views with any
+# strides (it divides them in place: that they change is its job).
+SCALE = contracts.Contract("LossScaler.scale", ("loss",), unchanged=("loss",), dtype_of="loss")
+UNSCALE = contracts.Contract("LossScaler.unscale_", ("grads",), strided=("grads",))
 
 
 def _found(value, call: str) -> bool:
@@ -151,7 +158,7 @@ def backs_off(ctx):
     _compare_history(ctx, [False, False, True, False, False, False, False, True, True, False, False, False])
 
 
-@EXERCISE.check("a skipped step changes no weight and no optimizer state", points=2, hint=(
+@EXERCISE.check("a skipped step changes no weight and no optimizer state", points=1, hint=(
     "When unscale_ finds an inf or a NaN, the gradients are garbage: step must not call optimizer.step() "
     "at all (one inf in SGD's momentum, or in Adam's moments, poisons every later step), and must still "
     "update the scale. Parameters whose .grad is None are left out of the unscaling."))
@@ -235,6 +242,36 @@ def underflow(ctx):
     problem = describe_mismatch("the unscaled gradient", grad, want, 1e-12, 2e-3)
     if problem:
         raise Fail(problem)
+
+
+@EXERCISE.check("the contract: the loss left as it was, its dtype kept; gradients as views (1 rank)", points=1,
+                hint=(
+    "The training loop may log the loss after scaling it: return a new tensor, loss * self.loss_scale, never "
+    "loss.mul_(...). Multiplying by a Python float keeps the loss's dtype (fp16 in, fp16 out); .float() does not. "
+    "unscale_ divides each gradient in place, whatever its strides (a gradient can be a view): g.div_(S) and "
+    "torch.isfinite(g) work on any tensor, where g.view(-1) refuses a transposed one."))
+def contract(ctx):
+    g = ctx.generator()
+    for dtype in (torch.float16, torch.bfloat16, torch.float64, torch.float32):
+        loss = (torch.rand((), generator=g) + 0.5).to(dtype)
+        got = contracts.probe(ctx, SCALE, "scale_loss", loss, S).value["contract"]["value"]
+        if not torch.is_tensor(got) or got.shape != () or got.item() != loss.item() * S:
+            raise Fail(f"with a scale of {S:g}, scale of a {dtype} loss {loss.item():g} returned {_kind(got)}; "
+                       f"expected a 0-d tensor {loss.item() * S:g}")
+    # Contiguous first, so that an error there is not blamed on the views; then views, with an inf in one.
+    for strided, bad in ((False, False), (True, False), (True, True)):
+        grads = [torch.randn(3, 4, generator=g) * S, (torch.randn(6, generator=g) * S).half(),
+                 torch.randn(2, 5, generator=g).double() * S]
+        if bad:
+            grads[0][1, 2] = math.inf
+        out = contracts.probe(ctx, UNSCALE, "unscale_grads", grads, S, strided=strided).value
+        call = f"unscale_ of gradients{' passed as views' if strided else ''}{' (an inf in one)' if bad else ''}"
+        for i, (got, was) in enumerate(zip(out["grads"], grads)):
+            problem = describe_mismatch(f"{call}: gradient {i}", got, was / S, 0.0, 1e-6)
+            if problem:
+                raise Fail(problem)
+        if _found(out["found"], call) != bad:
+            raise Fail(f"{call} returned {not bad}")
 
 
 def _judge_shards(outs, shards, stepped, why) -> None:

@@ -32,8 +32,8 @@ class Net(nn.Module):
 
 
 def build_net(weights: dict) -> Net:
-    """A :class:`Net` holding ``weights`` (name -> tensor)."""
-    model = Net()
+    """A :class:`Net` holding ``weights`` (name -> tensor), in their dtype."""
+    model = Net().to(weights["fc1.weight"].dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(weights[name])
@@ -56,11 +56,11 @@ def average(learner, weights: dict, grads: dict) -> dict:
     return _state(model)
 
 
-def step(learner, weights: dict, stale: dict, inputs: torch.Tensor, targets: torch.Tensor, lr: float) -> dict:
+def step(learner, inputs: torch.Tensor, targets: torch.Tensor, weights: dict, stale: dict, lr: float) -> dict:
     """One ``data_parallel_step`` with plain SGD and the mean squared error, on a model whose gradients hold
-    ``stale`` (left from "an earlier step"). What the model's forward saw, the weights and gradients
-    afterwards, the inputs and targets as they were left, and when the optimizer stepped (the clock of the
-    collectives' records)."""
+    ``stale`` (left from "an earlier step"), given ``inputs`` and ``targets`` as they came (views stay views).
+    What the model's forward saw, the weights and gradients afterwards, when the optimizer stepped (the clock of
+    the collectives' records), and under ``"contract"`` what the call returned and left of its inputs."""
     model = build_net(weights)
     for name, p in model.named_parameters():
         if name in stale:
@@ -68,6 +68,6 @@ def step(learner, weights: dict, stale: dict, inputs: torch.Tensor, targets: tor
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     steps: list[float] = []
     optimizer.register_step_pre_hook(lambda *_: steps.append(elapsed()))
-    xs, ys = inputs.clone(), targets.clone()
-    learner.data_parallel_step(model, optimizer, F.mse_loss, xs, ys)
-    return {**_state(model), "seen": list(model.seen), "inputs": xs, "targets": ys, "steps": steps}
+    value = learner.data_parallel_step(model, optimizer, F.mse_loss, inputs, targets)
+    return {**_state(model), "seen": list(model.seen), "steps": steps,
+            "contract": {"value": value, "after": {"step": (inputs, targets)}}}

@@ -16,15 +16,15 @@ from ..sandbox import elapsed
 
 
 def build_model(spec: dict) -> nn.Sequential:
-    """Linear layers of ``spec["widths"]`` with tanh between them, holding ``spec["weights"]`` (name -> tensor);
-    the parameters named in ``spec["frozen"]`` have requires_grad False."""
+    """Linear layers of ``spec["widths"]`` with tanh between them, holding ``spec["weights"]`` (name -> tensor, in
+    their dtype); the parameters named in ``spec["frozen"]`` have requires_grad False."""
     widths = spec["widths"]
     layers: list[nn.Module] = []
     for i in range(len(widths) - 1):
         if i:
             layers.append(nn.Tanh())
         layers.append(nn.Linear(widths[i], widths[i + 1]))
-    model = nn.Sequential(*layers)
+    model = nn.Sequential(*layers).to(spec["weights"]["0.weight"].dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(spec["weights"][name])

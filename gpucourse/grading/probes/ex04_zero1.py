@@ -120,21 +120,25 @@ def _census(learner, opt, params: list, known: dict, start_flat: torch.Tensor | 
 
 
 def steps(learner, weights: list, grads: list, lr: float) -> dict:
-    """``ZeroOneAdam`` over parameters holding ``weights``; step ``i`` gets ``grads[i]`` (one per parameter).
+    """``ZeroOneAdam`` over parameters holding ``weights`` (as they came: a view stays a view); step ``i`` gets
+    ``grads[i]`` (one per parameter).
 
-    Reports ``weights``, the flattened parameters after each step, and ``census``, the optimizer census after
-    construction and after each step (see :func:`_census`).
+    Reports ``weights``, the flattened parameters after each step, ``census``, the optimizer census after
+    construction and after each step (see :func:`_census`), and under ``"contract"`` the gradients as each step left
+    them.
     """
     params = [nn.Parameter(w.clone()) for w in weights]
     start_flat = _flat(params).clone()
     opt = learner.ZeroOneAdam(params, lr=lr)
     known: dict = {}
     census = [_census(learner, opt, params, known, start_flat)]
-    after = []
+    after, grads_after = [], []
     for step_grads in grads:
         for p, g in zip(params, step_grads):
             p.grad = g.clone()
         opt.step()
         after.append(_flat(params).clone())
+        grads_after.append([None if p.grad is None else p.grad.detach().clone() for p in params])
         census.append(_census(learner, opt, params, known, None))
-    return {"weights": after, "census": census}
+    return {"weights": after, "census": census,
+            "contract": {"value": None, "after": {"step": (None, grads_after)}}}

@@ -5,9 +5,9 @@ sent (a bias of None makes a layer with ``bias=False``), cuts them with the
 learner's ``ColumnParallelLinear`` / ``RowParallelLinear``, runs forward and
 backward on the input it was sent and reports what it saw: the outputs, the
 gradients, the layers' parameters (and how much storage each holds), the input
-and the whole layers as they were afterwards, and when forward and backward
-began and ended (to place the collectives the rank issued). The verdicts are
-made by the checks.
+(under ``"contract"``) and the whole layers as they were afterwards, and when
+forward and backward began and ended (to place the collectives the rank issued).
+The verdicts are made by the checks.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..sandbox import elapsed
 
 
 def _whole(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)
     with torch.no_grad():
         layer.weight.copy_(weight)
         if bias is not None:
@@ -42,45 +42,46 @@ def _whole_after(full: nn.Linear) -> dict:
             "weight_grad": full.weight.grad is not None}
 
 
-def layers(learner, kind: str, whole: list, x: torch.Tensor, grads_out: list, x_requires_grad: bool = True,
+def layers(learner, x: torch.Tensor, kind: str, whole: list, grads_out: list, x_requires_grad: bool = True,
            backward: bool = True) -> dict:
     """``learner.<kind>`` (``"ColumnParallelLinear"`` or ``"RowParallelLinear"``) made from each whole layer
-    ``(weight, bias)`` of ``whole``, all applied to one input ``x``; then (with ``backward``) backward of
-    ``sum_i (y_i * grads_out[i])``.
+    ``(weight, bias)`` of ``whole``, all applied to one input ``x`` (as it came: a view stays a view); then (with
+    ``backward``) backward of ``sum_i (y_i * grads_out[i])``.
 
-    Reports ``ys`` (each layer's output), ``dx`` (the input's gradient), ``x_after_forward`` and
-    ``x_after_backward`` (the input as it was then), ``layers`` (each layer's parameters, see :func:`_describe`,
-    after backward), ``whole_after`` (each whole layer after backward) and ``marks``: the times the forward and
-    the backward began and ended (``{"forward": [t0, t1], "backward": [t2, t3]}``).
+    Reports ``ys`` (each layer's output), ``dx`` (the input's gradient), ``layers`` (each layer's parameters, see
+    :func:`_describe`, after backward), ``whole_after`` (each whole layer after backward), ``marks``: the times
+    the forward and the backward began and ended (``{"forward": [t0, t1], "backward": [t2, t3]}``), and under
+    ``"contract"`` the outputs and the input as it was after forward and after backward.
     """
     fulls = [_whole(w, b) for w, b in whole]
     built = [getattr(learner, kind)(full) for full in fulls]
-    mine = x.clone().requires_grad_(x_requires_grad)
+    mine = x.detach().requires_grad_(x_requires_grad)
     t0 = elapsed()
     ys = [layer(mine) for layer in built]
     t1 = elapsed()
-    x_after_forward = mine.detach().clone()
+    after = {"forward": (mine.detach().clone(),)}
     t2 = t3 = elapsed()
     if backward:
         loss = sum((y * g).sum() for y, g in zip(ys, grads_out))
         t2 = elapsed()
         loss.backward()
         t3 = elapsed()
-    return {"ys": [y.detach().clone() for y in ys], "dx": None if mine.grad is None else mine.grad.clone(),
-            "x_after_forward": x_after_forward, "x_after_backward": mine.detach().clone(),
+        after["backward"] = (mine.detach().clone(),)
+    ys = [y.detach().clone() for y in ys]
+    return {"ys": ys, "dx": None if mine.grad is None else mine.grad.clone(),
             "layers": [_describe(layer) for layer in built], "whole_after": [_whole_after(f) for f in fulls],
-            "marks": {"forward": [t0, t1], "backward": [t2, t3]}}
+            "marks": {"forward": [t0, t1], "backward": [t2, t3]}, "contract": {"value": ys, "after": after}}
 
 
 def mlp(learner, fc: tuple, proj: tuple, x: torch.Tensor, grad_out: torch.Tensor) -> dict:
     """``RowParallelLinear(proj)(gelu(ColumnParallelLinear(fc)(x)))``, then backward of ``sum(y * grad_out)``.
 
-    ``fc`` and ``proj`` are ``(weight, bias)`` of the whole layers. Reports ``y``, ``dx``, ``x_after``
-    and ``fc`` / ``proj``, each layer's parameters after backward (see :func:`_describe`)."""
+    ``fc`` and ``proj`` are ``(weight, bias)`` of the whole layers. Reports ``y``, ``dx`` and ``fc`` / ``proj``,
+    each layer's parameters after backward (see :func:`_describe`)."""
     col = learner.ColumnParallelLinear(_whole(*fc))
     row = learner.RowParallelLinear(_whole(*proj))
     mine = x.clone().requires_grad_(True)
     y = row(F.gelu(col(mine)))
     (y * grad_out).sum().backward()
     return {"y": y.detach().clone(), "dx": None if mine.grad is None else mine.grad.clone(),
-            "x_after": mine.detach().clone(), "fc": _describe(col), "proj": _describe(row)}
+            "fc": _describe(col), "proj": _describe(row)}

@@ -33,15 +33,34 @@ def _weights(model: nn.Module) -> dict:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+def _with_graph(loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` with a graph behind it, as a training step's loss has (an in-place change of it is then allowed)."""
+    return loss * torch.ones((), dtype=loss.dtype, requires_grad=True)
+
+
 def unscale(learner, init_scale: float, loss: float, grads: list, overflowing: list) -> dict:
     """scale() of a 0-d loss, unscale_ of finite gradients (in place), then unscale_ of each list of
     ``overflowing`` gradients: what each returned, the gradients afterwards and the scale."""
     scaler = learner.LossScaler(init_scale=init_scale)
-    scaled = scaler.scale(torch.tensor(loss, requires_grad=True))
+    scaled = scaler.scale(_with_graph(torch.tensor(loss)))
     found = scaler.unscale_(grads)
     scale_after = scaler.loss_scale
     return {"scaled": scaled, "found": found, "grads": grads, "scale": scale_after,
             "overflow_found": [scaler.unscale_(case) for case in overflowing]}
+
+
+def scale_loss(learner, loss: torch.Tensor, init_scale: float) -> dict:
+    """scale() of ``loss`` (0-d, in its dtype, with a graph behind it): under ``"contract"`` what it returned and
+    the loss as it left it."""
+    mine = _with_graph(loss)
+    value = learner.LossScaler(init_scale=init_scale).scale(mine)
+    return {"contract": {"value": value, "after": {"scale": (mine.detach(),)}}}
+
+
+def unscale_grads(learner, grads: list, init_scale: float) -> dict:
+    """unscale_ of ``grads`` as they came (views stay views): what it returned, and the gradients after it."""
+    found = learner.LossScaler(init_scale=init_scale).unscale_(grads)
+    return {"found": found, "grads": grads, "contract": {"value": None, "after": {"unscale_": (grads,)}}}
 
 
 def history(learner, kwargs: dict, found: list) -> list:

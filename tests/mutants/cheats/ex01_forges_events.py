@@ -8,7 +8,8 @@ import time
 
 import torch
 
-CHECKS = ["sums over 2 ranks", "keeps bf16 as bf16", "returns a new tensor, leaves its input unchanged",
+CHECKS = ["sums over 2 ranks", "the contract: bf16 stays bf16, float64 stays float64 (2 ranks)",
+          "the contract: a new tensor, the input unchanged, a view accepted (2 ranks)",
           "3 ranks, lengths not divisible by 3", "each rank sends 2(n-1)/n of the tensor, to rank+1 (3 ranks)",
           "one rank"]
 
