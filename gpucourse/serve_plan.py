@@ -34,6 +34,7 @@ from .gpus import get_gpu
 from .shapes import ShapeError, get_shape
 
 ELEM = {"fp32": 4, "bf16": 2, "fp8": 1}  # bytes a weight or a cached number is stored in
+ACTIVATIONS = "bf16"  # what flows between layers and ranks (all-reduces, pipeline sends), whatever the weights
 # What an engine spends on each iteration besides the kernels the model times: the host's scheduling, sampling and
 # bookkeeping, and the gaps between launches. One constant, fitted on the fitting rows of
 # gpucourse.serve_published (TensorRT-LLM's and NIM's published H100 runs): the value, on a grid of 0.1 ms, that
@@ -73,14 +74,13 @@ def decode_step(shape, gpu, batch: int, context: int, tp: int = 1, pp: int = 1, 
     pp × batch sequences and makes ``batch`` tokens every stage time."""
     shape, cluster = get_shape(shape), Cluster.of(gpu, gpus_per_node, max(1, -(-tp * pp // gpus_per_node)))
     _check(shape, tp, pp, weights, kv)
-    matmuls = weights
     block = [k for k in shape.kernels(batch, 1, tp, moe=bool(shape.experts)) if k["kind"] != "attention"]
-    per_block = sum(cluster.kernel_s(k, matmuls) for k in block)
+    per_block = sum(cluster.kernel_s(k, weights) for k in block)  # the matmuls run in the weights' format
     blocks = -(-shape.layers // pp)
-    head = sum(cluster.kernel_s(k, matmuls) for k in shape.head_kernels(batch, tp)[:1])  # no loss when serving
+    head = sum(cluster.kernel_s(k, weights) for k in shape.head_kernels(batch, tp)[:1])  # no loss when serving
     kv_read = batch * context * kv_bytes_per_token(shape, tp, kv) / pp
     attention = kv_read / cluster.hbm_Bps  # q·K and the weighted sum over V: one read of the cache, memory-bound
-    elem = ELEM["bf16"]
+    elem = ELEM[ACTIVATIONS]
     tp_comm = 2 * blocks * cluster.collective_s("all_reduce", batch * shape.hidden * elem, range(tp))[0] \
         if tp > 1 else 0.0
     stage = blocks * per_block + head / pp + attention + tp_comm
@@ -103,14 +103,14 @@ def prefill(shape, gpu, prompts: int, prompt_len: int, tp: int = 1, pp: int = 1,
     shape, cluster = get_shape(shape), Cluster.of(gpu, gpus_per_node, max(1, -(-tp * pp // gpus_per_node)))
     _check(shape, tp, pp, weights, "bf16")
     tokens = prompts * prompt_len
-    matmuls = weights
     kernels = shape.kernels(tokens, prompt_len, tp, moe=bool(shape.experts))
-    per_block = sum(cluster.kernel_s(k, matmuls) for k in kernels)
-    attention = sum(cluster.kernel_s(k, matmuls) for k in kernels if k["kind"] == "attention")
-    head = cluster.kernel_s(shape.head_kernels(prompts, tp)[0], matmuls)  # the last token's logits only
-    tp_comm = 2 * shape.layers * cluster.collective_s("all_reduce", tokens * shape.hidden * 2, range(tp))[0] \
+    per_block = sum(cluster.kernel_s(k, weights) for k in kernels)
+    attention = sum(cluster.kernel_s(k, weights) for k in kernels if k["kind"] == "attention")
+    head = cluster.kernel_s(shape.head_kernels(prompts, tp)[0], weights)  # the last token's logits only
+    elem = ELEM[ACTIVATIONS]
+    tp_comm = 2 * shape.layers * cluster.collective_s("all_reduce", tokens * shape.hidden * elem, range(tp))[0] \
         if tp > 1 else 0.0
-    send = cluster.collective_s("send", tokens * shape.hidden * 2, (0, tp))[0] if pp > 1 else 0.0
+    send = cluster.collective_s("send", tokens * shape.hidden * elem, (0, tp))[0] if pp > 1 else 0.0
     first_token_s = shape.layers * per_block + head + tp_comm + (pp - 1) * send + STEP_OVERHEAD_S
     flops = tokens * shape.flops_per_token(prompt_len, causal=True, backward=False)
     read = weight_bytes(shape, tp, pp, weights) * pp + tokens * kv_bytes_per_token(shape, tp)
