@@ -46,6 +46,7 @@ ATTACKS = {
     "ex01_files_between_ranks": ("ex01", MULTI_RANK, None),
     "ex01_thread_module_afresh": ("ex01", EX01, "afresh"),
     "ex01_fork_exec": ("ex01", EX01, "refuses to start a process"),
+    "ex01_store_between_ranks": ("ex01", EX01, "refuses to use the rendezvous store"),
 }
 
 

@@ -190,6 +190,53 @@ def refuse_programs(why: str) -> None:
     _posixsubprocess.fork_exec = _refuse_name("_posixsubprocess", "fork_exec", why)
 
 
+# What a store (``torch.distributed.Store``) offers: a key-value service every rank reaches.
+STORE_METHODS = ("add", "append", "barrier", "check", "clone", "compare_set", "delete_key", "get", "list_keys",
+                 "multi_get", "multi_set", "num_keys", "queue_len", "queue_pop", "queue_push", "set", "wait")
+
+
+def _code_objects(modules) -> set:
+    """Every code object of the functions (and methods, and functions nested in them) the modules define."""
+    found, todo = set(), []
+    for module in modules:
+        for value in vars(module).values():
+            todo += [v for v in (vars(value).values() if isinstance(value, type) else (value,))]
+    for value in todo:
+        code = getattr(getattr(value, "__func__", value), "__code__", None)
+        stack = [code] if isinstance(code, types.CodeType) else []
+        while stack:
+            code = stack.pop()
+            if code not in found:
+                found.add(code)
+                stack += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return found
+
+
+def guard_store(why: str) -> None:
+    """Make the rendezvous store answer only torch's own group creation and the launcher.
+
+    The store that brought the ranks together is a key-value service every rank reaches: data set by one rank
+    and read by another would pass between them with no collective the checks see. Its methods now refuse unless
+    called straight from ``torch.distributed.distributed_c10d`` or ``device_mesh`` (creating a group counts its
+    members there: counters, never a caller's data) or from the launcher's own wait at the end of the call."""
+    from torch.distributed import device_mesh, distributed_c10d
+
+    from ..runtime import worker
+
+    allowed = _code_objects((distributed_c10d, device_mesh, worker))
+    for name in STORE_METHODS:
+        original = getattr(dist.Store, name, None)
+        if original is None:
+            continue
+
+        def guarded(self, *args, _original=original, _name=name, **kwargs):
+            if sys._getframe(1).f_code not in allowed:
+                raise ForbiddenCall(why.format(name=f"Store.{_name}"))
+            return _original(self, *args, **kwargs)
+
+        setattr(dist.Store, name, guarded)
+
+
 # The modules whose functions the walls replace: loading one afresh (after taking it out of sys.modules) would
 # bring the originals back, so the audit hook refuses to.
 REPLACED_MODULES = ("_thread", "_posixsubprocess")
@@ -398,6 +445,8 @@ def serve_rank(batch: dict) -> None:
     refuse_threads("the grader's sandbox refuses to start a thread ({name}): a collective issued from another "
                    "thread would go unseen by the checks, and no exercise needs one")
     refuse_programs("the grader's sandbox refuses to start a process ({name})")
+    guard_store("the grader's sandbox refuses to use the rendezvous store ({name}): ranks exchange data by "
+                "collectives alone, which the checks see")
     context = current()
     if context.channel is not None:  # the launcher's queue: every rank holds its ends, so it could carry data
         context.channel.close()
