@@ -18,6 +18,7 @@ __all__ = ["ConfigError", "TrainConfig"]
 
 IMPLS = ("scratch", "torch", "accelerate")
 PRECISIONS = ("fp32", "bf16", "fp16")
+AUTO_PRECISION = "auto"  # the half precision this machine computes natively: chosen when the config is made
 
 
 def setting(default, help: str, **flag):
@@ -66,7 +67,8 @@ class TrainConfig:
     virtual_stages: int = layout(2, "interleaved-1f1b: model chunks per pipeline rank")
     microbatches: int = layout(1, "pipeline microbatches per step")
     grad_accum: int = layout(1, "gradient-accumulation microbatches")
-    precision: str = setting("fp32", "fp32, bf16 or fp16 (autocast unless --master-weights)")
+    precision: str = setting("fp32", "fp32, bf16, fp16 (autocast unless --master-weights) or auto: bf16 where the GPUs "
+                                     "compute it natively (and on CPU ranks), else fp16 with the loss scaler")
     master_weights: bool = setting(False, "half-precision weights and gradients, fp32 master copy in the optimizer")
     # Activation recomputation: False / "none", "selective" (attention's scores, softmax, dropout and weighted sum
     # recomputed in backward, as Megatron-LM's selective recomputation), True / "full" (every block's forward).
@@ -127,6 +129,17 @@ class TrainConfig:
         # One spelling each for "no recomputation" and "every block": False and True, as before there were three.
         self.checkpoint_activations = {"none": False, "full": True}.get(self.checkpoint_activations,
                                                                          self.checkpoint_activations)
+        if self.precision == AUTO_PRECISION:
+            self.precision = self.native_precision()
+
+    def native_precision(self) -> str:
+        """The half precision the ranks of this run compute natively: bf16 on GPUs from compute capability 8.0
+        and on CPU ranks, fp16 (with the dynamic loss scaler) on older GPUs, where bf16 would be emulated."""
+        from .runtime import devices
+
+        found = devices.visible()
+        on_gpus = self.device == "cuda" or (self.device == "auto" and found.shortfall(self.world_size) is None)
+        return devices.mixed_precision(found if on_gpus else devices.DeviceSet())[0]
 
     @property
     def recompute(self) -> str:

@@ -370,3 +370,19 @@ def test_no_notebook_initialises_cuda_in_its_kernel():
             if cell["cell_type"] == "code" and not source.startswith("%%writefile"):
                 found += [f"{path.name} cell {index}: {hit}" for hit in CUDA_CALL.findall(source)]
     assert found == [], "\n".join(found)
+
+
+@pytest.mark.parametrize("platform, layout, want", [
+    ("colab-t4", {}, "fp16"),                       # no native bf16: fp16 with the loss scaler
+    ("colab-t4", {"dp": 2}, "bf16"),                # two ranks on one T4 fall back to CPU ranks: bf16 autocast
+    ("cloud-l4", {}, "bf16"),
+    ("kaggle-2xt4", {"dp": 2}, "fp16"),
+    ("mig-a100-1g.10gb", {}, "bf16"),
+    ("cloud-8xh100", {"device": "cpu"}, "bf16"),    # CPU ranks asked for
+])
+def test_precision_auto_is_the_native_half_precision_of_the_ranks(monkeypatch, platform, layout, want):
+    from gpucourse.config import TrainConfig
+
+    monkeypatch.setenv(devices.FAKE_ENV, platform)
+    cfg = TrainConfig(precision="auto", **layout)
+    assert cfg.precision == want and cfg.validate() is not None
