@@ -34,10 +34,10 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .checkpoint import complete_checkpoints
-from .config import TrainConfig
-from .memory import active_params
+if TYPE_CHECKING:  # torch is imported only where a run is described: a workshop's hub asks SLURM without it
+    from .config import TrainConfig
 
 QUERY_S = 30      # how long one of SLURM's commands may take to answer
 POLL_S = 0.5      # how often a waiting `gpucourse submit --wait` asks for the job's state
@@ -106,6 +106,8 @@ def parse_time(text: str) -> int | None:
 
 def time_needed_s(cfg: TrainConfig, gpus_per_node: int) -> float:
     """How long ``cfg`` needs by :data:`TIME_RULE`: generous, so a time limit below it is too short."""
+    from .memory import active_params
+
     flops = 6 * active_params(cfg.model_config()) * cfg.batch_size * cfg.seq_len  # forward and backward, per step
     rate = cfg.world_size * (GPU_FLOPS if gpus_per_node else CPU_FLOPS)
     return START_S + cfg.steps * (STEP_S + flops / rate)
@@ -230,27 +232,87 @@ def reachable() -> None:
         raise SlurmError(f"no SLURM reachable: {e}") from None
 
 
+def _gres(text: str) -> list[tuple[str, str | None, int]]:
+    """``(name, type or None, count)`` of each resource in a ``Gres=`` list ("gpu:a100:4(S:0-1),nic:1"; "(null)":
+    none)."""
+    found = []
+    for part in re.findall(r"(?:^|,)([^,(]+)(?:\([^)]*\))?", text.strip()):
+        words = part.split(":")
+        if words[0] in ("", "(null)"):
+            continue
+        count = int(words.pop()) if len(words) > 1 and words[-1].isdigit() else 1
+        found.append((words[0], words[1] if len(words) > 1 else None, count))
+    return found
+
+
 def _gpus(gres: str) -> int:
     """GPUs in a node's ``Gres=`` ("gpu:8", "gpu:a100:4(S:0-1),nic:1"; "(null)": none)."""
-    return sum(int(m) for m in re.findall(r"(?:^|,)gpu(?::[^:,(]+)?:(\d+)", gres))
+    return sum(count for name, _, count in _gres(gres) if name == "gpu")
+
+
+def _offers(node_gres: str, wanted: tuple[str, str | None, int]) -> int:
+    """How many of ``wanted``'s kind (its name, and its type when it names one) a node's ``Gres=`` offers."""
+    name, kind, _ = wanted
+    return sum(count for n, k, count in _gres(node_gres) if n == name and (kind is None or k == kind))
+
+
+def partition(name: str | None) -> tuple[str, dict[str, str]]:
+    """The partition ``name`` (None: the cluster's default) and its ``scontrol`` record; SlurmError in one sentence
+    when SLURM does not answer or has no such partition."""
+    reachable()
+    partitions = {p["PartitionName"]: p for p in _records(_slurm("scontrol", "show", "partition", "-o"))}
+    chosen = name or next((n for n, p in partitions.items() if p.get("Default") == "YES"), None)
+    if chosen is None:
+        raise SlurmError(f"this cluster has no default partition: give --partition ({', '.join(partitions)}).")
+    if chosen not in partitions:
+        raise SlurmError(f"partition {chosen!r} does not exist on this cluster; it has {', '.join(partitions)}.")
+    return chosen, partitions[chosen]
+
+
+def _nodes(name: str) -> list[dict[str, str]]:
+    """The ``scontrol`` records of partition ``name``'s nodes."""
+    return [n for n in _records(_slurm("scontrol", "show", "node", "-o")) if name in n.get("Partitions", "").split(",")]
+
+
+def node_addresses(name: str) -> dict[str, str]:
+    """Where each node of partition ``name`` is reached (``NodeName`` -> ``NodeAddr``): a node's name need not be a
+    host name (several slurmd on one host, ``slurmd -N``)."""
+    return {n["NodeName"]: n.get("NodeAddr") or n["NodeName"] for n in _nodes(name)}
+
+
+def check_gres(gres: str, name: str) -> None:
+    """Refuse ``--gres`` (``gpu:1``, ``gpu:a100:2``, a MIG profile ``gpu:1g.10gb:1``; several joined by commas) in one
+    sentence when it is malformed or no node of partition ``name`` offers all of it."""
+    wanted = []
+    for part in gres.split(","):
+        if not re.fullmatch(r"[A-Za-z][\w.-]*(:[\w.-]+)?(:\d+)?", part) or part.endswith(":0"):
+            raise SlurmError(f"--gres {gres!r} is not a generic resource: give name[:type]:count, such as gpu:1, "
+                             f"gpu:a100:2 or gpu:1g.10gb:1.")
+        wanted += _gres(part)
+    nodes = _nodes(name)
+    if not any(all(_offers(n.get("Gres", ""), w) >= w[2] for w in wanted) for n in nodes):
+        offered = sorted({":".join(str(x) for x in g if x is not None)
+                          for n in nodes for g in _gres(n.get("Gres", ""))})
+        raise SlurmError(f"--gres {gres}: no node of partition {name} offers that"
+                         + (f" (they offer {', '.join(offered)})." if offered else " (its nodes offer no gres)."))
+
+
+def check_time(time_s: int | None, name: str, part: dict[str, str]) -> None:
+    """Refuse a time limit longer than partition ``name`` (record ``part``) allows, in one sentence."""
+    limit = parse_time(part.get("MaxTime", "UNLIMITED"))
+    if limit is not None and (time_s is None or time_s > limit):
+        asked = "UNLIMITED" if time_s is None else format_time(time_s)
+        raise SlurmError(f"--time {asked} is longer than partition {name} allows ({format_time(limit)}).")
 
 
 def check(req: Request, cfg: TrainConfig) -> None:
     """Refuse, in one sentence, a job this cluster cannot run: asked before anything is submitted."""
-    reachable()
-    partitions = {p["PartitionName"]: p for p in _records(_slurm("scontrol", "show", "partition", "-o"))}
-    name = req.partition or next((n for n, p in partitions.items() if p.get("Default") == "YES"), None)
-    if name is None:
-        raise SlurmError(f"this cluster has no default partition: give --partition ({', '.join(partitions)}).")
-    if name not in partitions:
-        raise SlurmError(f"partition {name!r} does not exist on this cluster; it has {', '.join(partitions)}.")
-    part = partitions[name]
+    name, part = partition(req.partition)
     total = int(part.get("TotalNodes", 0))
     if req.nodes > total:
         raise SlurmError(f"--nodes {req.nodes} is more than partition {name} has ({total} nodes).")
     if req.gpus_per_node:
-        nodes = [n for n in _records(_slurm("scontrol", "show", "node", "-o"))
-                 if name in n.get("Partitions", "").split(",")]
+        nodes = _nodes(name)
         enough = sum(_gpus(n.get("Gres", "")) >= req.gpus_per_node for n in nodes)
         if enough < req.nodes:
             most = max((_gpus(n.get("Gres", "")) for n in nodes), default=0)
@@ -259,10 +321,7 @@ def check(req: Request, cfg: TrainConfig) -> None:
                                  f"gres gpu); on CPU nodes leave it out, for CPU ranks over gloo.")
             raise SlurmError(f"--gpus-per-node {req.gpus_per_node} on {req.nodes} nodes: {enough} of partition "
                              f"{name}'s nodes offer that many GPUs (gres gpu, at most {most} a node).")
-    limit = parse_time(part.get("MaxTime", "UNLIMITED"))
-    if limit is not None and req.time_s > limit:
-        raise SlurmError(f"--time {format_time(req.time_s)} is longer than partition {name} allows "
-                         f"({format_time(limit)}).")
+    check_time(req.time_s, name, part)
     needed = time_needed_s(cfg, req.gpus_per_node)
     if req.time_s < needed:
         raise SlurmError(f"--time {format_time(req.time_s)} is shorter than this run of {cfg.steps} steps needs: "
@@ -281,6 +340,21 @@ def submit(script: str) -> str:
         said = done.stderr.strip().splitlines()
         raise SlurmError(f"sbatch refused the job: {said[-1] if said else f'exit status {done.returncode}'}.")
     return done.stdout.strip().split(";")[0]  # "id" or "id;cluster"
+
+
+def queued(names: list[str]) -> list[dict[str, str]]:
+    """The jobs in the queue (``squeue``) named one of ``names``: JobId, JobName, State, NodeList, Reason each."""
+    if not names:
+        return []
+    out = _slurm("squeue", "-h", "--name", ",".join(names), "-o", "%i|%j|%T|%N|%r")
+    keys = ("JobId", "JobName", "State", "NodeList", "Reason")
+    return [dict(zip(keys, line.split("|", 4))) for line in out.splitlines() if line.strip()]
+
+
+def cancel_all(job_ids: list[str]) -> None:
+    """Ask SLURM to end these jobs (``scancel``); ones already gone are no error."""
+    if job_ids:
+        _slurm("scancel", *job_ids)
 
 
 # -- a job ----------------------------------------------------------------------------------------------------------
@@ -375,6 +449,8 @@ def _cause(job_id: str, info: dict[str, str], log: str) -> str:
 def diagnosis(job_id: str, info: dict[str, str], log: str, flags: list[str]) -> str:
     """Why the job ended without completing, and what to do, in one sentence (``log``: its output; ``flags``: its
     ``gpucourse train`` flags, whose ``--save`` says where its checkpoints are)."""
+    from .checkpoint import complete_checkpoints
+
     sentence = f"job {job_id} {_cause(job_id, info, log)}"
     save = next((flags[i + 1] for i, f in enumerate(flags[:-1]) if f == "--save"), None)
     if state(info) == "CANCELLED":

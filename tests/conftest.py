@@ -53,3 +53,16 @@ def short_tmp(monkeypatch):
     monkeypatch.setattr(kernel_sockets, "_base", lambda: base)
     yield base
     shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """A SLURM cluster on this machine (tests/slurm_cluster.py), started once for every test that needs one."""
+    import slurm_cluster
+    from browsers import needed
+
+    needed(True if slurm_cluster.installed() else None,
+           "no SLURM for the SLURM tests: run scripts/install-slurm (Debian: apt-get install slurm-wlm munge)")
+    started = slurm_cluster.start()
+    yield started
+    started.stop()  # fails if any process of the cluster or its jobs is left

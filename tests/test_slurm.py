@@ -16,8 +16,6 @@ import signal
 import pytest
 import torch
 
-import slurm_cluster
-from browsers import needed
 from gpucourse import TrainConfig, run, slurm
 from gpucourse.cli import build_parser, config_from, main
 from gpucourse.cli.common import layout_flags
@@ -30,15 +28,6 @@ pytestmark = pytest.mark.timeout(120)
 STEPS = 12
 # Tiny runs: the model `tiny` on sequences of 32 tokens.
 JOB = ["submit", "--nodes", "2", "--dp", "2", "--steps", str(STEPS), "--seq-len", "32", "--quiet"]
-
-
-@pytest.fixture(scope="session")
-def cluster():
-    needed(True if slurm_cluster.installed() else None,
-           "no SLURM for the SLURM tests: run scripts/install-slurm (Debian: apt-get install slurm-wlm munge)")
-    started = slurm_cluster.start()
-    yield started
-    started.stop()  # fails if any process of the cluster or its jobs is left
 
 
 @pytest.fixture

@@ -159,7 +159,9 @@ def cmd_workshop(args) -> int:
             users = [u.strip() for u in args.users.split(",") if u.strip()] if args.users else None
             started = hub.start(args.dir, seats=args.seats, gpus_per_seat=args.gpus_per_seat, port=args.port,
                                 public=args.public, password=args.password, users=users, admin=args.admin,
-                                new_codes=args.new_codes, say=lambda line: print(line, file=sys.stderr, flush=True))
+                                new_codes=args.new_codes, spawner=args.spawner, partition=args.partition,
+                                gres=args.gres, time_limit=args.time,
+                                say=lambda line: print(line, file=sys.stderr, flush=True))
             print(hub.format_started(started))
         elif args.action == "status":
             found = report.status(args.dir)
@@ -244,7 +246,8 @@ def add_commands(sub) -> None:
 
     p = sub.add_parser("workshop", help="run the course for a class: JupyterHub seats, a dashboard, grading",
                        description="A JupyterHub on this machine with one seat per learner: its own copy of the "
-                                   "course, progress file and GPUs. The workshop lives in --dir (default "
+                                   "course, progress file and GPUs (or, with --spawner slurm, its own SLURM job). "
+                                   "The workshop lives in --dir (default "
                                    "~/.gpucourse/workshop, or $GPUCOURSE_WORKSHOP).")
     actions = p.add_subparsers(dest="action", required=True)
     w = actions.add_parser("start", help="start (or resume) the hub and every seat's JupyterLab")
@@ -259,6 +262,15 @@ def add_commands(sub) -> None:
                    help="real accounts of this machine as the seats (PAM login, servers run as them; needs root)")
     w.add_argument("--admin", metavar="NAME", help="with --users: the instructor's account (default: yours)")
     w.add_argument("--new-codes", action="store_true", help="new codes (or password) instead of the same ones")
+    w.add_argument("--spawner", choices=("local", "slurm"), default=None,
+                   help="where each seat's JupyterLab runs: local, a process on this machine (the default), or "
+                        "slurm, a batch job on the SLURM cluster this machine submits to (resuming keeps the last)")
+    w.add_argument("--partition", metavar="NAME", help="with --spawner slurm: the seats' partition (default: the "
+                                                       "cluster's default)")
+    w.add_argument("--gres", metavar="SPEC", help="with --spawner slurm: each seat's generic resources, e.g. gpu:1 "
+                                                  "or a MIG profile gpu:1g.10gb:1 (default: none, CPU nodes)")
+    w.add_argument("--time", metavar="LIMIT", help="with --spawner slurm: each seat's time limit, minutes, HH:MM:SS or "
+                                                   "D-HH:MM:SS (default: the partition's)")
     w = actions.add_parser("status", help="each seat's progress, what to explain next, GPU use")
     w.add_argument("--json", action="store_true", help="print JSON")
     w = actions.add_parser("check", help="open a notebook in every seat at once and run a cell: do the kernels work?",

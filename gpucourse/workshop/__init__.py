@@ -1,6 +1,8 @@
-"""Running the course for a class on one shared server: JupyterHub seats, GPUs per seat, a live dashboard.
+"""Running the course for a class on one shared server (or a SLURM cluster): JupyterHub seats, GPUs per seat, a
+live dashboard.
 
     gpucourse workshop start --seats 4 --gpus-per-seat 2   # a hub, 4 seats, their codes printed once
+    gpucourse workshop start --seats 4 --spawner slurm --gres gpu:1    # or: each seat a SLURM job, 1 GPU
     gpucourse workshop status                              # who passed what, who is stuck where, GPU use
     gpucourse workshop collect --out grades.csv            # every seat graded into one CSV
     gpucourse workshop stop                                # everything stopped, every seat's work kept
@@ -13,6 +15,8 @@ How it fits together, one module each:
 - :mod:`.folder` — the workshop folder: settings, secrets, and each seat's copy of the course;
 - :mod:`.auth` — the seats' login codes, and the authenticator the hub uses to check them;
 - :mod:`.spawner` — how the hub starts a seat's JupyterLab (a local process, no containers);
+- :mod:`.slurm_seats` and :mod:`.slurm_spawner` — or each seat's JupyterLab as a SLURM batch job (batchspawner):
+  what the jobs ask for, checked first, and what the queue says of each seat;
 - :mod:`.hub` — the generated JupyterHub config, and starting and stopping it all;
 - :mod:`.processes` — finding every process a workshop started, so that stopping leaves none behind;
 - :mod:`.report` and :mod:`.dashboard` — the class at a glance, in a terminal and as a hub service page;

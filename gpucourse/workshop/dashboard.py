@@ -71,11 +71,13 @@ def _kernels(kernels: dict) -> str:
 
 def render(report: dict, modules: list[str]) -> str:
     """The dashboard page for a class report (plain HTML that reloads itself)."""
+    on_slurm = any(s.get("job") for s in report["seats"])
     parts = [f'<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{REFRESH_S}">'
              f'<title>gpucourse workshop</title><style>{STYLE}</style></head><body>',
              f'<h2>gpucourse workshop — {len(report["seats"])} seats</h2>',
              '<p class="note">' + "<br>".join(_e(n) for n in report["notes"]) + "</p>",
-             "<h3>Seats</h3><table><tr><th>seat</th><th>resources</th><th>server</th><th>kernels</th>"
+             "<h3>Seats</h3><table><tr><th>seat</th><th>resources</th>" + ("<th>SLURM job</th>" if on_slurm else "")
+             + "<th>server</th><th>kernels</th>"
              "<th>last activity</th>"
              "<th>exercises</th><th>score</th><th>quiz by topic</th><th>stuck on</th></tr>"]
     for s in report["seats"]:
@@ -90,7 +92,8 @@ def render(report: dict, modules: list[str]) -> str:
                                                        if st["hint"] else ""))
         else:
             stuck = "—"
-        parts.append(f'<tr id="seat-{_e(s["name"])}"><td><b>{_e(s["name"])}</b></td><td>{_e(s["resources"])}</td>'
+        job = f'<td class="job">{_e(s["job"])}</td>' if on_slurm else ""
+        parts.append(f'<tr id="seat-{_e(s["name"])}"><td><b>{_e(s["name"])}</b></td><td>{_e(s["resources"])}</td>{job}'
                      f'<td>{_e(s["server"])}</td><td>{_kernels(s["kernels"])}</td>'
                      f'<td>{_e(ago(s["last_activity"]))}</td>'
                      f'<td>{s["passed"]}/{s["exercises_total"]} passed<br>{_exercise_chips(s, modules)}</td>'

@@ -10,7 +10,7 @@
         cookie_secret             kept, so that logins survive a restart
       hub/
         jupyterhub_config.py      generated at every start (see hub.py)
-        seats.json                the plan the hub's spawner reads: folder, GPUs, threads per seat
+        seats.json                the plan the hub's spawner reads: folder, GPUs, threads (or SLURM job) per seat
         jupyterhub.sqlite, hub.log, running.json (while it runs)
         logs/seat01.log           what each seat's server and its kernels say (the report reads it)
       seats/seat01/               one learner's copy of the course: notebooks/, exercises/,
@@ -131,13 +131,18 @@ class Workshop:
     def saved_plan(self) -> Plan:
         """The plan the last start handed to the hub."""
         data = json.loads(self.plan_file.read_text(encoding="utf-8"))
-        return Plan([Seat(s["name"], Path(s["folder"]), tuple(s["gpus"]), s["threads"]) for s in data["seats"]],
-                    data["notes"])
+        return Plan([seat_from(s) for s in data["seats"]], data["notes"])
 
     def save_plan(self, plan: Plan, marker: dict[str, str]) -> None:
-        seats = [{"name": s.name, "folder": str(s.folder), "gpus": list(s.gpus), "threads": s.threads}
-                 for s in plan.seats]
+        seats = [{"name": s.name, "folder": str(s.folder), "gpus": list(s.gpus), "threads": s.threads, "job": s.job,
+                  "gres": s.gres} for s in plan.seats]
         write_atomic(self.plan_file, json.dumps({"seats": seats, "notes": plan.notes, "marker": marker}, indent=1))
+
+
+def seat_from(saved: dict) -> Seat:
+    """A seat as ``hub/seats.json`` holds it (written before SLURM seats: no job)."""
+    return Seat(saved["name"], Path(saved["folder"]), tuple(saved["gpus"]), saved["threads"], saved.get("job", ""),
+                saved.get("gres", ""))
 
 
 def copy_course(folder: Path, owner: tuple[int, int] | None = None) -> bool:

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import kernel_sockets
-from . import processes
+from . import processes, slurm_seats
 from .errors import WorkshopError
 from .folder import Workshop, copy_course, write_private
 from .plan import INSTRUCTOR, Plan, kernel_folder, seat_account, seat_names, visible_gpu_ids
@@ -100,8 +100,11 @@ class Expression(str):
 
 
 def config_values(ws: Workshop, settings: dict, *, port: int, public: bool, proxy: str, hub_port: int,
-                  proxy_api_port: int, dashboard_port: int, as_root: bool) -> dict:
-    """Every JupyterHub setting of this workshop, ``"Class.trait": value`` (what :func:`render_config` writes)."""
+                  proxy_api_port: int, dashboard_port: int, as_root: bool, nodes: dict | None = None) -> dict:
+    """Every JupyterHub setting of this workshop, ``"Class.trait": value`` (what :func:`render_config` writes).
+
+    With SLURM seats (``settings["slurm"]``), ``nodes`` maps the partition's node names to their addresses.
+    """
     system = settings["login"] == "system"
     python = sys.executable
     values = {
@@ -118,24 +121,19 @@ def config_values(ws: Workshop, settings: dict, *, port: int, public: bool, prox
         "JupyterHub.authenticator_class": "pam" if system else "gpucourse.workshop.auth.SeatAuthenticator",
         "Authenticator.allowed_users": set(settings["seats"]),
         "Authenticator.admin_users": {settings["admin"]},
-        "JupyterHub.spawner_class": "gpucourse.workshop.spawner.SeatSpawner",
-        "SeatSpawner.plan_file": str(ws.plan_file),
-        "SeatSpawner.system_users": system,
         "Spawner.cmd": [python, "-m", "jupyterhub.singleuser"],
         # Kernels over Unix sockets: seats' servers never race for the same TCP port (gpucourse.kernel_sockets).
         "Spawner.args": (["--allow-root"] if as_root and not system else []) + kernel_sockets.SERVER_ARGS,
         "Spawner.default_url": "/lab",
         "Spawner.start_timeout": int(START_TIMEOUT_S),
         "Spawner.http_timeout": int(START_TIMEOUT_S),
-        "Spawner.interrupt_timeout": 3,
-        "Spawner.term_timeout": 5,
         "ConfigurableHTTPProxy.command": [proxy],
         "ConfigurableHTTPProxy.api_url": f"http://127.0.0.1:{proxy_api_port}",
         "ConfigurableHTTPProxy.pid_file": str(ws.hub_dir / "proxy.pid"),
         "JupyterHub.services": [
             {"name": DASHBOARD, "url": f"http://127.0.0.1:{dashboard_port}", "display": True,
              "oauth_no_confirm": True, "command": [python, "-m", "gpucourse.workshop.dashboard", str(ws.root)],
-             "environment": processes.marker_env(settings["id"])},
+             "environment": {**processes.marker_env(settings["id"]), **slurm_seats.slurm_environment()}},
             {"name": CONTROL, "api_token": Expression("api_token")},
         ],
         "JupyterHub.load_roles": [
@@ -150,7 +148,38 @@ def config_values(ws: Workshop, settings: dict, *, port: int, public: bool, prox
     }
     if not system:
         values["SeatAuthenticator.codes_file"] = str(ws.secrets / "codes.json")
+    if settings.get("slurm"):
+        values.update(slurm_config(ws, settings, nodes or {}))
+    else:
+        values.update({"JupyterHub.spawner_class": "gpucourse.workshop.spawner.SeatSpawner",
+                       "SeatSpawner.plan_file": str(ws.plan_file), "SeatSpawner.system_users": system,
+                       "SeatSpawner.interrupt_timeout": 3, "SeatSpawner.term_timeout": 5})
     return values
+
+
+def slurm_config(ws: Workshop, settings: dict, nodes: dict) -> dict:
+    """What changes when every seat's server is a SLURM job (:mod:`.slurm_spawner`): the spawner and its request,
+    and a hub that the compute nodes can reach (it listens on every interface; the jobs call it by this machine's
+    name)."""
+    job = settings["slurm"]
+    bin_folder = Path(sys.executable).parent
+    return {
+        "JupyterHub.hub_ip": "0.0.0.0",
+        "JupyterHub.hub_connect_ip": socket.gethostname(),
+        "JupyterHub.spawner_class": slurm_seats.SPAWNER,
+        "SlurmSeatSpawner.plan_file": str(ws.plan_file),
+        "SlurmSeatSpawner.system_users": settings["login"] == "system",
+        "SlurmSeatSpawner.req_partition": job["partition"],
+        "SlurmSeatSpawner.req_gres": job["gres"],
+        "SlurmSeatSpawner.req_runtime": job["time"],
+        # Generated seats: each job is the hub's account's (as their servers are on one machine). Real accounts:
+        # batchspawner's own default, each job submitted as its learner.
+        "SlurmSeatSpawner.exec_prefix": "sudo -E -u {username}" if settings["login"] == "system" else "",
+        "SlurmSeatSpawner.daemon_resolver": nodes,
+        "SlurmSeatSpawner.batchspawner_singleuser_cmd": str(bin_folder / "batchspawner-singleuser"),
+        # batchspawner-singleuser runs a script by its path: the server's own, not 'python -m'.
+        "Spawner.cmd": [str(bin_folder / "jupyterhub-singleuser")],
+    }
 
 
 def render_config(values: dict, token_file: Path) -> str:
@@ -159,6 +188,8 @@ def render_config(values: dict, token_file: Path) -> str:
              "from pathlib import Path",
              "",
              "from gpucourse.workshop.spawner import landing_page",
+             *(["import batchspawner  # noqa: F401 (adds /hub/api/batchspawner, where a seat's job reports its port)"]
+               if values.get("JupyterHub.spawner_class") == slurm_seats.SPAWNER else []),
              "",
              f"api_token = Path({str(token_file)!r}).read_text().strip()",
              "c = get_config()  # noqa: F821 (JupyterHub provides it)"]
@@ -252,6 +283,30 @@ def _settings_for(ws: Workshop, *, seats: int | None, gpus_per_seat: int | None,
     return settings, new_codes or not (ws.secrets / "codes.json").exists()
 
 
+def _with_spawner(settings: dict, *, spawner: str | None, partition: str | None, gres: str | None,
+                  time_limit: str | None, gpus_per_seat: int | None) -> dict:
+    """The settings with where the seats' servers run: on this machine (``"slurm": None``), or as SLURM jobs, with
+    what each job asks for checked against the cluster. A workshop being resumed keeps its own unless told."""
+    if spawner not in (None, "local", "slurm"):
+        raise WorkshopError(f"--spawner {spawner!r} must be local (this machine) or slurm (a job per seat).")
+    saved = settings.get("slurm")
+    on_slurm = spawner == "slurm" or (spawner is None and saved is not None)
+    asked = [flag for flag, value in (("--partition", partition), ("--gres", gres), ("--time", time_limit))
+             if value is not None]
+    if not on_slurm:
+        if asked:
+            raise WorkshopError(f"{asked[0]} is for seats that are SLURM jobs; add --spawner slurm.")
+        return {**settings, "slurm": None}
+    if gpus_per_seat is not None:
+        raise WorkshopError("--gpus-per-seat shares this machine's GPUs; a seat that is a SLURM job asks for its own "
+                            "with --gres (e.g. --gres gpu:1).")
+    saved = saved or {"partition": None, "gres": "", "time": ""}
+    request = slurm_seats.checked_request(saved["partition"] if partition is None else partition,
+                                          saved["gres"] if gres is None else gres,
+                                          saved["time"] if time_limit is None else time_limit)
+    return {**settings, "slurm": request}
+
+
 def _check_accounts(settings: dict) -> None:
     """With real accounts: this must be root (to start servers as them), and each account must exist."""
     import pwd
@@ -286,13 +341,17 @@ def _hashes(settings: dict, codes: dict[str, str]) -> dict[str, str]:
 
 def prepare(root=None, *, seats: int | None = None, gpus_per_seat: int | None = None, port: int = DEFAULT_PORT,
             public: bool = False, password: bool = False, users: list[str] | None = None, admin: str | None = None,
-            new_codes: bool = False, gpus: list[str] | None = None, say=None) -> dict:
+            new_codes: bool = False, gpus: list[str] | None = None, spawner: str | None = None,
+            partition: str | None = None, gres: str | None = None, time_limit: str | None = None, say=None) -> dict:
     """The first half of :func:`start`: check everything asked, then write the workshop folder. Starts nothing.
 
     Nothing is written unless everything checks out. A workshop that exists
     keeps its seats' folders and its codes (unless ``new_codes``). Returns
     ``{"workshop", "settings", "plan", "codes" (the new ones, else empty),
     "resumed", "port", "public"}``. ``gpus`` overrides the GPUs found here.
+    ``spawner="slurm"`` makes each seat's server a SLURM job on ``partition``
+    (default: the cluster's), with ``gres`` and ``time_limit``
+    (:mod:`.slurm_seats`).
     """
     say = say or (lambda line: None)
     ws = Workshop(root)
@@ -306,9 +365,16 @@ def prepare(root=None, *, seats: int | None = None, gpus_per_seat: int | None = 
     resumed = ws.exists()
     settings, make_codes = _settings_for(ws, seats=seats, gpus_per_seat=gpus_per_seat, password=password,
                                          users=users, admin=admin, new_codes=new_codes)
+    settings = _with_spawner(settings, spawner=spawner, partition=partition, gres=gres, time_limit=time_limit,
+                             gpus_per_seat=gpus_per_seat)
     if settings["login"] == "system":
         _check_accounts(settings)
-    plan = ws.plan(settings, visible_gpu_ids() if gpus is None else gpus)
+    job = settings["slurm"]
+    if job:
+        plan = slurm_seats.make_seats(ws.seat_folders(settings), settings["id"], job)
+        nodes = slurm_seats.node_addresses(job["partition"])
+    else:
+        plan, nodes = ws.plan(settings, visible_gpu_ids() if gpus is None else gpus), None
     system = settings["login"] == "system"
     for seat in plan.seats:
         account = seat_account(seat.name, system)
@@ -334,9 +400,14 @@ def prepare(root=None, *, seats: int | None = None, gpus_per_seat: int | None = 
             owner = (account.pw_uid, account.pw_gid)
         if copy_course(seat.folder, owner):
             say(f"{seat.name}: a copy of the course in {seat.folder}")
+    hub_port = free_port()
+    if job:
+        plan.notes.append(f"the seats' jobs reach the hub at {socket.gethostname()}:{hub_port}, and the hub their "
+                          f"servers on the nodes: both ways must be open")
     ws.save_plan(plan, processes.marker_env(settings["id"]))
-    values = config_values(ws, settings, port=port, public=public, proxy=proxy, hub_port=free_port(),
-                           proxy_api_port=free_port(), dashboard_port=free_port(), as_root=os.geteuid() == 0)
+    values = config_values(ws, settings, port=port, public=public, proxy=proxy, hub_port=hub_port,
+                           proxy_api_port=free_port(), dashboard_port=free_port(), as_root=os.geteuid() == 0,
+                           nodes=nodes)
     write_private(ws.hub_dir / "jupyterhub_config.py", render_config(values, ws.secrets / "api_token"))
     ws.save_settings(settings)
     return {"workshop": ws, "settings": settings, "plan": plan, "codes": codes, "resumed": resumed, "port": port,
@@ -347,7 +418,8 @@ def start(root=None, *, timeout: float = START_TIMEOUT_S, say=None, **asked) -> 
     """Start (or resume) the workshop in ``root``; return once every seat's server answers.
 
     ``asked`` are :func:`prepare`'s options (seats, gpus_per_seat, port,
-    public, password, users, admin, new_codes, gpus). Returns what
+    public, password, users, admin, new_codes, gpus, spawner, partition,
+    gres, time_limit). Returns what
     :func:`prepare` does plus ``"url"``, ``"dashboard"``, ``"admin"``,
     ``"login"`` and ``"seconds"``; ``say(line)`` is told what is happening.
     If the hub or a seat does not come up, everything started is stopped.
@@ -356,7 +428,7 @@ def start(root=None, *, timeout: float = START_TIMEOUT_S, say=None, **asked) -> 
     say = say or (lambda line: None)
     prepared = prepare(root, say=say, **asked)
     ws, settings, port, public = prepared["workshop"], prepared["settings"], prepared["port"], prepared["public"]
-    _end_leftovers(settings["id"], say)
+    _end_leftovers(ws, settings, say)
     url = f"http://{socket.gethostname() if public else '127.0.0.1'}:{port}"
     state = _launch(ws, processes.marker_env(settings["id"]), port, url, public)
     try:
@@ -394,7 +466,7 @@ def _wait_until_serving(ws: Workshop, state: dict, plan: Plan, deadline: float, 
             if time.monotonic() > deadline:
                 log, tail = ((ws.log_file, log_tail(ws)) if seat is None
                              else (ws.seat_log(seat), ws.seat_log_tail(seat)))
-                raise WorkshopError(f"gave up {what}: the deadline passed; see {log}:\n{tail}")
+                raise WorkshopError(f"gave up {what}: the deadline passed{_job_now(plan, seat)}; see {log}:\n{tail}")
             time.sleep(0.2)
 
     check("starting", lambda: request(f"{base}/hub/api", timeout=2)[0] == 200)
@@ -413,6 +485,16 @@ def _wait_until_serving(ws: Workshop, state: dict, plan: Plan, deadline: float, 
         say(f"{seat.name} answers ({seat.describe()})")
 
 
+def _job_now(plan: Plan, seat: str | None) -> str:
+    """``" (its SLURM job: pending: Resources (job 12))"`` for a SLURM seat, else nothing."""
+    if seat is None or not any(s.job for s in plan.seats):
+        return ""
+    try:
+        return f" (its SLURM job: {slurm_seats.describe_job(slurm_seats.seat_jobs(plan).get(seat))})"
+    except WorkshopError as e:
+        return f" ({e})"
+
+
 def log_tail(ws: Workshop, lines: int = 15) -> str:
     """The last lines of the hub's log (where the hub and its proxy write; each seat's server has its own)."""
     try:
@@ -424,9 +506,16 @@ def log_tail(ws: Workshop, lines: int = 15) -> str:
 # --- stop ----------------------------------------------------------------------------------------------------
 
 
-def _end_leftovers(workshop_id: str, say) -> None:
-    """End processes of this workshop that outlived an earlier hub (one killed, or a machine's crash)."""
-    left = processes.marked(workshop_id)
+def _end_leftovers(ws: Workshop, settings: dict, say) -> None:
+    """End processes (and SLURM jobs) of this workshop that outlived an earlier hub (one killed, or a machine's
+    crash)."""
+    if settings["slurm"]:
+        plan = ws.saved_plan()
+        jobs = slurm_seats.queued_jobs(plan)
+        if jobs:
+            say(f"cancelling {len(jobs)} SLURM job(s) an earlier run of this workshop left behind")
+            slurm_seats.cancel_jobs(plan)
+    left = processes.marked(settings["id"])
     if left:
         say(f"ending {len(left)} process(es) an earlier run of this workshop left behind")
         processes.end(left)
@@ -437,7 +526,8 @@ def stop(root=None) -> dict:
 
     Returns ``{"was_running", "ended": [pids found still running after the
     hub stopped], "seats": [...]}``. Raises if any process of the workshop
-    could not be ended.
+    could not be ended, or, with SLURM seats, if a seat's job is still in
+    SLURM's queue (or SLURM did not answer).
     """
     ws = Workshop(root)
     settings = ws.settings()
@@ -446,10 +536,21 @@ def stop(root=None) -> dict:
         processes.end([state["pid"]], grace=STOP_TIMEOUT_S)  # SIGTERM: the hub stops its servers and proxy
         if state["pid"] in _started:
             _started.pop(state["pid"]).wait(STOP_TIMEOUT_S)
+    problem = None
+    if settings.get("slurm"):  # the hub cancels its seats' jobs; any it could not are cancelled here
+        try:
+            queued = slurm_seats.cancel_jobs(ws.saved_plan())
+        except WorkshopError as e:
+            queued, problem = [], f"the seats' SLURM jobs could not be checked: {e}"
+        if queued:
+            problem = (f"SLURM job(s) {', '.join(queued)} of the workshop are still in the queue after "
+                       f"{slurm_seats.CANCEL_S:g} s; end them with scancel.")
     left = processes.marked(settings["id"])
     still = processes.end(left) if left else []
     if still:
         raise WorkshopError(f"processes {', '.join(map(str, still))} of the workshop could not be ended.")
+    if problem:
+        raise WorkshopError(problem)
     for seat in settings["seats"]:  # what a killed kernel left there: nothing of a learner's work
         shutil.rmtree(kernel_folder(settings["id"], seat, settings["login"] == "system"), ignore_errors=True)
     ws.running_file.unlink(missing_ok=True)

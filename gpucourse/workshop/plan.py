@@ -27,12 +27,18 @@ INSTRUCTOR = "instructor"  # the hub's admin user when seats are generated
 
 @dataclass(frozen=True)
 class Seat:
-    """One learner's place: hub user ``name``, course copy in ``folder``, ``gpus`` (empty: a CPU seat)."""
+    """One learner's place: hub user ``name``, course copy in ``folder``, ``gpus`` (empty: a CPU seat).
+
+    A seat on a SLURM cluster has a ``job`` name: its server is that batch job, whose GPUs (``gres``, empty for
+    none) and threads SLURM gives it, on whichever node it runs.
+    """
 
     name: str
     folder: Path
     gpus: tuple[str, ...] = ()
     threads: int = 1
+    job: str = ""
+    gres: str = ""
 
     @property
     def progress_file(self) -> Path:
@@ -40,7 +46,9 @@ class Seat:
         return self.folder / ".gpucourse" / "progress.json"
 
     def describe(self) -> str:
-        """``GPUs 0,1`` or ``CPU, 2 threads``."""
+        """``GPUs 0,1``, ``CPU, 2 threads``, or ``SLURM job, gres gpu:1``."""
+        if self.job:
+            return f"SLURM job, {f'gres {self.gres}' if self.gres else 'CPU'}"
         if self.gpus:
             return f"GPU{'s' * (len(self.gpus) > 1)} {','.join(self.gpus)}"
         return f"CPU, {self.threads} thread{'s' * (self.threads > 1)}"
@@ -139,12 +147,15 @@ def seat_environment(seat: Seat, marker: dict[str, str] | None = None) -> dict[s
 
     ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes the numbers in ``CUDA_VISIBLE_DEVICES``
     the ones ``nvidia-smi`` and the dashboard show. ``marker`` tags every
-    process of the workshop so that stopping it can find them all.
+    process of the workshop so that stopping it can find them all. A SLURM
+    seat's GPUs and threads are its job's: SLURM sets ``CUDA_VISIBLE_DEVICES``
+    for the gres it allocated, and the job's script the threads.
     """
-    threads = str(seat.threads)
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(seat.gpus), "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-           "GPUCOURSE_PROGRESS": str(seat.progress_file), "GPUCOURSE_SEAT": seat.name,
-           "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "GPUCOURSE_PROGRESS": str(seat.progress_file),
+           "GPUCOURSE_SEAT": seat.name}
+    if not seat.job:
+        threads = str(seat.threads)
+        env.update(CUDA_VISIBLE_DEVICES=",".join(seat.gpus), OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     env.update(marker or {})
     return env
 

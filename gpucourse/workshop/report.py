@@ -3,7 +3,8 @@
 Everything comes from files and services that are already there: each seat's
 progress file (``check("ex03")`` in a notebook records the score and the checks
 that failed, with their hints), the hub's REST API (is the seat's server
-running, when was it last used) and NVML (how busy each seat's GPUs are).
+running, when was it last used), NVML (how busy each seat's GPUs are) and,
+for seats that are SLURM jobs, SLURM's queue (pending, or running on which node).
 :func:`class_report` gathers it as plain data; ``gpucourse workshop status``
 prints it with :func:`format_report` and the dashboard draws it as a page.
 """
@@ -15,9 +16,11 @@ from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .errors import WorkshopError
 from .folder import REPO, Workshop
 from .kernels import seat_kernels
 from .plan import Plan
+from .slurm_seats import describe_job, seat_jobs
 
 NVDASHBOARD = ("for each learner's own view of their GPUs, install jupyterlab-nvdashboard "
                "(pip install jupyterlab-nvdashboard): a GPU panel in JupyterLab's left bar")
@@ -148,6 +151,12 @@ def class_report(ws: Workshop, hub_users: dict | None = None, running: bool = Fa
     """
     plan = ws.saved_plan()
     total = len(course_exercises())
+    jobs, unknown = {}, None
+    if any(s.job for s in plan.seats):
+        try:
+            jobs = seat_jobs(plan)
+        except WorkshopError as e:
+            unknown = f"unknown ({e})"
     seats = []
     for seat in plan.seats:
         row = {"name": seat.name, "resources": seat.describe(), "gpus": list(seat.gpus),
@@ -156,6 +165,7 @@ def class_report(ws: Workshop, hub_users: dict | None = None, running: bool = Fa
         server = (user or {}).get("servers", {}).get("")
         row["server"] = ("running" if server and server.get("ready") else "starting" if server else "stopped") \
             if hub_users is not None else ("unknown" if running else "stopped")
+        row["job"] = (unknown or describe_job(jobs.get(seat.name))) if seat.job else None
         row["kernels"] = seat_kernels(ws, seat.name)
         hub_seen = (user or {}).get("last_activity")
         row["last_activity"] = max((t for t in (row["last"], hub_seen) if _when(t)), key=_when, default=None)
@@ -181,8 +191,9 @@ def format_report(report: dict) -> str:
     lines = [f"workshop {report['workshop']}: " + (f"running at {report.get('url')}" if report["running"]
                                                    else "stopped")]
     lines += [f"  {n}" for n in report["notes"]]
-    head = ("seat", "resources", "server", "kernels", "last activity", "passed", "score", "quiz (right/asked)",
-            "stuck on")
+    on_slurm = any(s.get("job") for s in report["seats"])
+    head = ("seat", "resources", *(("SLURM job",) if on_slurm else ()), "server", "kernels", "last activity",
+            "passed", "score", "quiz (right/asked)", "stuck on")
     rows = [head]
     for s in report["seats"]:
         quiz = ", ".join(f"{t} {c}/{n}" for t, (c, n) in sorted(s["quiz"].items())) or "-"
@@ -192,7 +203,8 @@ def format_report(report: dict) -> str:
         elif s["stuck"]:
             stuck = f"{s['stuck']['exercise']}" + (f": {s['stuck']['check']}" if s["stuck"]["check"] else "") + \
                 f" ({tries(s['stuck']['attempts'])})"
-        rows.append((s["name"], s["resources"], s["server"], s["kernels"]["state"], ago(s["last_activity"]),
+        rows.append((s["name"], s["resources"], *((s["job"],) if on_slurm else ()), s["server"],
+                     s["kernels"]["state"], ago(s["last_activity"]),
                      f"{s['passed']}/{s['exercises_total']}", f"{s['score']:g}/{s['max_score']:g}" if s["max_score"] else "-",
                      quiz, stuck))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(head) - 1)]

@@ -27,9 +27,25 @@ from jupyterhub.spawner import LocalProcessSpawner
 from jupyterhub.utils import url_path_join
 from traitlets import Bool, Unicode
 
-from .folder import Workshop
+from .folder import Workshop, seat_from
 from .plan import Seat, kernel_folder, seat_environment
 from .processes import MARKER
+
+
+def seat_in_plan(plan_file: str, name: str) -> tuple[Seat, dict]:
+    """The seat of hub user ``name`` in the workshop's plan, and the marker every workshop process carries."""
+    with open(plan_file, encoding="utf-8") as f:
+        plan = json.load(f)
+    for s in plan["seats"]:
+        if s["name"] == name:
+            return seat_from(s), plan["marker"]
+    raise RuntimeError(f"{name} has no seat in this workshop; the class dashboard is at /services/dashboard/")
+
+
+def course_path(env: dict) -> str:
+    """``PATH`` with the course's Python first, so that 'gpucourse' and 'python' in a seat's terminal are the hub's
+    own."""
+    return os.pathsep.join(p for p in (str(Path(sys.executable).parent), env.get("PATH", "")) if p)
 
 
 class SeatSpawner(LocalProcessSpawner):
@@ -40,13 +56,7 @@ class SeatSpawner(LocalProcessSpawner):
 
     def seat(self) -> tuple[Seat, dict]:
         """This user's seat in the plan, and the marker every workshop process carries."""
-        with open(self.plan_file, encoding="utf-8") as f:
-            plan = json.load(f)
-        for s in plan["seats"]:
-            if s["name"] == self.user.name:
-                return Seat(s["name"], Path(s["folder"]), tuple(s["gpus"]), s["threads"]), plan["marker"]
-        raise RuntimeError(f"{self.user.name} has no seat in this workshop; the class dashboard is at "
-                           f"/services/dashboard/")
+        return seat_in_plan(self.plan_file, self.user.name)
 
     def make_preexec_fn(self, name):
         if self.system_users:
@@ -69,8 +79,7 @@ class SeatSpawner(LocalProcessSpawner):
         seat, marker = self.seat()
         env.update(seat_environment(seat, marker))
         env["JUPYTER_RUNTIME_DIR"] = str(kernel_folder(marker[MARKER], seat.name, self.system_users))
-        # The course's Python first, so that 'gpucourse' and 'python' in a seat's terminal are the hub's own.
-        env["PATH"] = os.pathsep.join(p for p in (str(Path(sys.executable).parent), env.get("PATH", "")) if p)
+        env["PATH"] = course_path(env)
         return env
 
     async def start(self):
