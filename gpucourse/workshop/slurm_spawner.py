@@ -29,13 +29,13 @@ from batchspawner import MultiSlurmSpawner  # importing batchspawner adds /hub/a
 from traitlets import Bool, Unicode, default
 
 from .folder import Workshop
-from .plan import Seat, kernel_folder, seat_environment
+from .plan import kernel_folder, seat_environment
 from .processes import MARKER
 from .slurm_seats import BATCH_SCRIPT, slurm_environment
-from .spawner import course_path, seat_in_plan
+from .spawner import SeatOf, course_path
 
 
-class SlurmSeatSpawner(MultiSlurmSpawner):
+class SlurmSeatSpawner(SeatOf, MultiSlurmSpawner):
     """A seat's JupyterLab as a SLURM job: in the seat's folder, with its progress file, logging to its seat log."""
 
     plan_file = Unicode(help="the workshop's hub/seats.json").tag(config=True)
@@ -44,10 +44,6 @@ class SlurmSeatSpawner(MultiSlurmSpawner):
     # Template variables of the batch script, beside batchspawner's own req_* (partition, runtime, gres ...).
     req_job_name = Unicode(help="the seat's job's name in the queue")
     req_log = Unicode(help="where the seat's job writes (its seat log, on the shared folder)")
-
-    def seat(self) -> tuple[Seat, dict]:
-        """This user's seat in the plan, and the marker every workshop process carries."""
-        return seat_in_plan(self.plan_file, self.user.name)
 
     def _kernels(self) -> Path:
         seat, marker = self.seat()
@@ -75,13 +71,6 @@ class SlurmSeatSpawner(MultiSlurmSpawner):
     @default("req_epilogue")
     def _remove_kernel_folder(self):
         return shlex.join(["rm", "-rf", str(self._kernels())])
-
-    def user_env(self, env):
-        if self.system_users:
-            return super().user_env(env)
-        seat = self.seat()[0]
-        env.update(USER=seat.name, HOME=str(seat.folder), SHELL="/bin/bash")
-        return env
 
     def get_env(self):
         env = super().get_env()

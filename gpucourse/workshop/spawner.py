@@ -48,15 +48,27 @@ def course_path(env: dict) -> str:
     return os.pathsep.join(p for p in (str(Path(sys.executable).parent), env.get("PATH", "")) if p)
 
 
-class SeatSpawner(LocalProcessSpawner):
-    """A seat's JupyterLab: its folder, its GPUs (``CUDA_VISIBLE_DEVICES``), its progress file."""
-
-    plan_file = Unicode(help="the workshop's hub/seats.json").tag(config=True)
-    system_users = Bool(False, help="seats are real accounts: run each server as its user").tag(config=True)
+class SeatOf:
+    """What every kind of seat spawner shares (it has ``plan_file`` and ``system_users`` traits): which seat a hub
+    user has, and the environment a seat's server sees when seats are not real accounts."""
 
     def seat(self) -> tuple[Seat, dict]:
         """This user's seat in the plan, and the marker every workshop process carries."""
         return seat_in_plan(self.plan_file, self.user.name)
+
+    def user_env(self, env):
+        if self.system_users:
+            return super().user_env(env)
+        seat = self.seat()[0]
+        env.update(USER=seat.name, HOME=str(seat.folder), SHELL="/bin/bash")
+        return env
+
+
+class SeatSpawner(SeatOf, LocalProcessSpawner):
+    """A seat's JupyterLab: its folder, its GPUs (``CUDA_VISIBLE_DEVICES``), its progress file."""
+
+    plan_file = Unicode(help="the workshop's hub/seats.json").tag(config=True)
+    system_users = Bool(False, help="seats are real accounts: run each server as its user").tag(config=True)
 
     def make_preexec_fn(self, name):
         if self.system_users:
@@ -66,13 +78,6 @@ class SeatSpawner(LocalProcessSpawner):
         def enter_seat():  # runs in the child, before exec: no setuid, the seat's folder as working directory
             os.chdir(folder)
         return enter_seat
-
-    def user_env(self, env):
-        if self.system_users:
-            return super().user_env(env)
-        seat = self.seat()[0]
-        env.update(USER=seat.name, HOME=str(seat.folder), SHELL="/bin/bash")
-        return env
 
     def get_env(self):
         env = super().get_env()
