@@ -136,8 +136,11 @@ def _batch(g, lengths: list[int], block_size: int, heads: int = 2, d: int = 8, s
     for n in need:
         tables.append(ids[at:at + n])
         at += n
-    longer = next((t for t in tables if len(t) > 1), None)
-    if longer is not None:  # one table at least not in the blocks' order: the table, not the ids, orders tokens
+    # One table at least against the blocks' order: the table, not the ids, orders the tokens. A table whose last
+    # block is part-full, where the order shows: over whole blocks attention is the same in any order of the keys.
+    longer = next((t for t, n in zip(tables, lengths) if len(t) > 1 and n % block_size), None) or \
+        next((t for t in tables if len(t) > 1), None)
+    if longer is not None:
         longer.sort(reverse=True)
     k, v = _pool(g, sum(need) + spare, heads, block_size, d, dtype)
     q = torch.randn(len(lengths), heads, d, generator=g, dtype=torch.float64).to(dtype)
