@@ -196,19 +196,22 @@ STORE_METHODS = ("add", "append", "barrier", "check", "clone", "compare_set", "d
 
 
 def _code_objects(modules) -> set:
-    """Every code object of the functions (and methods, and functions nested in them) the modules define."""
-    found, todo = set(), []
+    """Every code object of the functions the modules define themselves (their classes' methods, and the functions
+    nested in either, included; what they import from elsewhere left out)."""
+    found, stack = set(), []
     for module in modules:
         for value in vars(module).values():
-            todo += [v for v in (vars(value).values() if isinstance(value, type) else (value,))]
-    for value in todo:
-        code = getattr(getattr(value, "__func__", value), "__code__", None)
-        stack = [code] if isinstance(code, types.CodeType) else []
-        while stack:
-            code = stack.pop()
-            if code not in found:
-                found.add(code)
-                stack += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+            # type(), not isinstance(): asking a deprecated module attribute (torch's reduce_op) for its class warns
+            for member in (vars(value).values() if issubclass(type(value), type) else (value,)):
+                if type(member) in (staticmethod, classmethod):
+                    member = member.__func__
+                if type(member) is types.FunctionType and member.__module__ == module.__name__:
+                    stack.append(member.__code__)
+    while stack:
+        code = stack.pop()
+        if code not in found:
+            found.add(code)
+            stack += [c for c in code.co_consts if isinstance(c, types.CodeType)]
     return found
 
 
