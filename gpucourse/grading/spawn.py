@@ -28,6 +28,7 @@ NOBODY = 65534
 COPIES = "/var/cache/gpucourse"
 # What the copy leaves out of the standard library: none of it is imported by a sandbox.
 _NOT_COPIED = ("site-packages", "test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "config-*")
+VERSION = f"python{sys.version_info.major}.{sys.version_info.minor}"  # the program's name, and its library's
 
 
 def _open_to_others(path: str) -> bool:
@@ -38,6 +39,11 @@ def _open_to_others(path: str) -> bool:
         if not os.stat(os.sep.join(parts[:i])).st_mode & 0o001:
             return False
     return bool(os.stat(path).st_mode & 0o004)
+
+
+def _interpreter_open() -> bool:
+    """Whether anyone may run this interpreter and read its standard library where they are."""
+    return _open_to_others(sys.executable) and _open_to_others(os.__file__)
 
 
 def _torch_file() -> str:
@@ -56,9 +62,7 @@ def sandbox_user() -> int | None:
     torch_file = _torch_file()
     if not torch_file or not _open_to_others(torch_file):
         return None
-    if _open_to_others(sys.executable) and _open_to_others(os.__file__):
-        return NOBODY
-    return NOBODY if interpreter_copy() is not None else None
+    return NOBODY if _interpreter_open() or interpreter_copy() is not None else None
 
 
 def interpreter_copy() -> str | None:
@@ -67,25 +71,24 @@ def interpreter_copy() -> str | None:
     The copy is root's, in a folder only root may write, built beside its final name and renamed into place, so a
     half-made copy is never used and nobody can change what a later grading runs."""
     base = os.path.realpath(sys.base_prefix)
-    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     key = hashlib.sha256(f"{base}|{sys.version}|{os.stat(sys.executable).st_mtime_ns}".encode()).hexdigest()[:12]
-    final = os.path.join(COPIES, f"{version}-{key}")
+    final = os.path.join(COPIES, f"{VERSION}-{key}")
     if os.path.isfile(os.path.join(final, "complete")):
         return final if _trusted(final) else None
     try:
         os.makedirs(COPIES, mode=0o755, exist_ok=True)
         if not _trusted(COPIES):
             return None
-        work = tempfile.mkdtemp(prefix=f".{version}-", dir=COPIES)
+        work = tempfile.mkdtemp(prefix=f".{VERSION}-", dir=COPIES)
         os.chmod(work, 0o755)
         os.makedirs(os.path.join(work, "bin"), mode=0o755)
-        shutil.copy2(os.path.realpath(sys.executable), os.path.join(work, "bin", version))
+        shutil.copy2(os.path.realpath(sys.executable), os.path.join(work, "bin", VERSION))
         lib = os.path.join(base, "lib")
         os.makedirs(os.path.join(work, "lib"), mode=0o755)
         for name in os.listdir(lib):
             if name.startswith("libpython"):
                 shutil.copy2(os.path.join(lib, name), os.path.join(work, "lib", name), follow_symlinks=False)
-        shutil.copytree(sysconfig.get_paths()["stdlib"], os.path.join(work, "lib", version), symlinks=True,
+        shutil.copytree(sysconfig.get_paths()["stdlib"], os.path.join(work, "lib", VERSION), symlinks=True,
                         ignore=shutil.ignore_patterns(*_NOT_COPIED))
         with open(os.path.join(work, "complete"), "w") as f:
             f.write(base + "\n")
@@ -111,16 +114,16 @@ def _trusted(folder: str) -> bool:
 
 def interpreter(user: int | None) -> tuple[str, dict]:
     """The program that runs the sandbox as ``user``, and what its environment needs on top of ours."""
-    if user is None or (_open_to_others(sys.executable) and _open_to_others(os.__file__)):
+    if user is None or _interpreter_open():
         return sys.executable, {}
     prefix = interpreter_copy()
-    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    # The copy's program finds its standard library beside it; the packages are ours, on the path.
+    # The copy's program finds its standard library beside it (its libpython before the one its RUNPATH names);
+    # the packages are ours, on the path.
     packages = [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages") and os.path.isdir(p)]
-    return os.path.join(prefix, "bin", version), {
-        "LD_LIBRARY_PATH": os.pathsep.join([os.path.join(prefix, "lib"), os.environ.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep),
-        "PYTHONPATH": os.pathsep.join([os.environ.get("PYTHONPATH", ""), *packages]).strip(os.pathsep),
-        "PYTHONNOUSERSITE": "1"}
+    paths = {"LD_LIBRARY_PATH": [os.path.join(prefix, "lib"), os.environ.get("LD_LIBRARY_PATH", "")],
+             "PYTHONPATH": [os.environ.get("PYTHONPATH", ""), *packages]}
+    return os.path.join(prefix, "bin", VERSION), {
+        **{name: os.pathsep.join(p for p in parts if p) for name, parts in paths.items()}, "PYTHONNOUSERSITE": "1"}
 
 
 def library_paths() -> list[str]:
