@@ -64,6 +64,9 @@ class Exercise:
     forbidden_names: tuple[str, ...] = ()
     hidden_modules: tuple[str, ...] = ()
     refusal: str = "this exercise switches off {op}: write it yourself"
+    # Modules its ranks import anyway (an optimizer's step imports torch._dynamo, a second and more of CPU): the
+    # sandbox imports them once, before it forks a batch's ranks, instead of each rank paying (see sandbox.main).
+    rank_imports: tuple[str, ...] = ()
 
     @property
     def id(self) -> str:

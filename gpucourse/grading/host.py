@@ -174,6 +174,7 @@ class Sandbox:
         self.proc: subprocess.Popen | None = None
         self.control: socket.socket | None = None
         self.outcomes: dict[int, str] = {}  # batch -> how it ended, as the sandbox said
+        self.late_imports: set[str] = set()  # slow modules a rank imported that its exercise does not name
         self._heard = b""
         self.gone = False  # the sandbox process has closed its end
 
@@ -200,7 +201,7 @@ class Sandbox:
                    "memory_bytes": self.spec["memory_bytes"], "output_bytes": self.spec["output_bytes"],
                    "forbidden_collectives": sorted(ex.forbidden_collectives), "forbidden_names": list(ex.forbidden_names),
                    "refusal": ex.refusal, "hidden_paths": self.spec["hidden_paths"],
-                   "hidden_modules": list(HIDDEN_MODULES + ex.hidden_modules)}
+                   "hidden_modules": list(HIDDEN_MODULES + ex.hidden_modules), "imports": list(ex.rank_imports)}
         self.control.sendall((json.dumps(request) + "\n").encode())
         socks, pids, status = {}, {}, {}
         deadline = time.monotonic() + STARTUP_S * self.spec["load"]
@@ -256,6 +257,7 @@ class Sandbox:
             try:
                 said = json.loads(line)
                 self.outcomes[int(said["batch"])] = str(said.get("outcome") or "")
+                self.late_imports.update(said.get("late_imports") or ())
             except (ValueError, KeyError, TypeError):
                 continue
 
@@ -402,6 +404,7 @@ def grade_exercise(ex: core.Exercise, path: str, spec: dict, sandbox: Sandbox) -
         os.chmod(private_file, 0o640)
         os.chown(private_file, 0, sandbox.user)
     output_start = _size(sandbox.output)
+    sandbox.late_imports.clear()
     factor = load_factor()
     verdicts: dict[str, tuple[str, str]] = {}
     spent: dict[str, float] = {}  # seconds each check took, starting its ranks included
@@ -442,6 +445,9 @@ def grade_exercise(ex: core.Exercise, path: str, spec: dict, sandbox: Sandbox) -
                  time_s=spent.get(c["name"], 0.0))
     result["score"] = sum(c["points"] for c in result["checks"])
     result["output"] = _output_since(sandbox.output, output_start)
+    if sandbox.late_imports:
+        result["late_imports"] = sorted(sandbox.late_imports)
+        sandbox.late_imports.clear()
     return result
 
 

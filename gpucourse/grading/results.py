@@ -7,6 +7,9 @@ An exercise's result is a plain dict (it travels as JSON)::
      "seed": 1234, "time_s": 4.2, "output": "what its code printed (head and tail)",
      "checks": [{"name", "points", "max_points", "status": "passed" | "failed",
                  "message": "what was seen", "hint": "what to think about", "world_size"}]}
+
+and, when a rank had to import a slow module its exercise does not name (``Exercise.rank_imports``),
+``"late_imports": ["torch._dynamo"]``.
 """
 
 from __future__ import annotations

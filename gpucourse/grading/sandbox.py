@@ -108,6 +108,12 @@ class Recorder(TorchDispatchMode):
         super().__init__()
         self.forbidden, self.refusal, self.records = forbidden, refusal, []
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch's hook: True (its default) wraps __torch_dispatch__ to keep torch.compile out of it, which imports
+        # torch._dynamo on the first collective, over a second of a rank's CPU. No exercise compiles.
+        return False
+
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         namespace, _, name = func._schema.name.partition("::")
         if namespace in _NAMESPACES and name in COLLECTIVES:
@@ -424,8 +430,14 @@ def _aliases(value, args) -> int | None:
     return None
 
 
-def serve_rank(batch: dict) -> None:
-    """One rank of a batch (started by :func:`gpucourse.launch` in the sandbox process)."""
+# Modules slow to import that ranks may need (an optimizer's step imports torch._dynamo): a rank that imported one
+# itself says so, since its exercise should have named it (Exercise.rank_imports) for the sandbox to import once.
+SLOW_IMPORTS = ("torch._dynamo",)
+
+
+def serve_rank(batch: dict) -> list[str]:
+    """One rank of a batch (started by :func:`gpucourse.launch` in the sandbox process); returns which of
+    SLOW_IMPORTS this process holds when the host is done with it."""
     from ..runtime import collective_status, current
 
     os.close(batch["control_fd"])  # the sandbox's own channel to the host is not the learner's
@@ -461,6 +473,7 @@ def serve_rank(batch: dict) -> None:
                       batch["library"], tuple(notes))
     install_audit_hook(rules, tuple(batch["hidden_modules"]))
     server.serve()
+    return [name for name in SLOW_IMPORTS if name in sys.modules]
 
 
 # --- the sandbox process ----------------------------------------------------------------------------------
@@ -543,7 +556,11 @@ def main(control_fd: int, sources: dict[str, str], library: tuple = ()) -> int:
     read before the walls went up; emptied here, so that only the censored modules outlive this call. ``library``:
     where the grader's packages live (readable by learner code even inside a hidden folder)."""
     from ..runtime import LaunchError, LaunchTimeout, WorkerError, launch
-    import torch._dynamo  # noqa: F401 -- ranks import it (building an optimizer, a dispatch mode): once, here
+    from ..runtime import launcher
+
+    # The launcher would import torch._dynamo before every fork (optimizers need it): most exercises do not, and it
+    # is half of this process's start. Each batch names what its ranks need (Exercise.rank_imports); see below.
+    launcher.PREIMPORTS = ()
     from . import probes  # noqa: F401
 
     censored_schedules(sources.pop("schedules"))
@@ -559,9 +576,18 @@ def main(control_fd: int, sources: dict[str, str], library: tuple = ()) -> int:
         batch = json.loads(line)
         batch["control_fd"] = control_fd
         batch["library"] = library
+        late = []
         try:
-            launch(serve_rank, batch, world_size=batch["world_size"], device="cpu", quiet=True,
-                   timeout=batch["limit_s"], pg_timeout=batch["limit_s"] + 30)
+            for name in batch["imports"]:  # before forking: the ranks inherit them (a rank's walls are up already)
+                importlib.import_module(name)
+            before = set(sys.modules)
+            imported = launch(serve_rank, batch, world_size=batch["world_size"], device="cpu", quiet=True,
+                              timeout=batch["limit_s"], pg_timeout=batch["limit_s"] + 30)
+            # A slow module a rank had to import itself, that its exercise did not name: imported here for the
+            # next batches, and told to the host (the suite holds every exercise's rank_imports to it).
+            late = sorted({name for names in imported for name in names} - before)
+            for name in late:
+                importlib.import_module(name)
             outcome = ""
         except WorkerError as e:
             outcome = json.dumps({"rank": e.rank, "type": e.exc_type, "message": e.message,
@@ -570,6 +596,7 @@ def main(control_fd: int, sources: dict[str, str], library: tuple = ()) -> int:
             outcome = json.dumps({"rank": None, "type": type(e).__name__, "message": str(e)[:2000], "traceback": ""})
         except Exception as e:  # noqa: BLE001 -- a rank that ended in a way the launcher has no word for
             outcome = json.dumps({"rank": None, "type": type(e).__name__, "message": str(e)[:2000], "traceback": ""})
-        control.sendall((json.dumps({"batch": batch["batch"], "outcome": outcome}) + "\n").encode())
+        control.sendall((json.dumps({"batch": batch["batch"], "outcome": outcome, "late_imports": late})
+                         + "\n").encode())
     return 0
 

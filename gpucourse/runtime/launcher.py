@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import glob
+import importlib
 import json
 import logging
 import multiprocessing
@@ -170,6 +171,31 @@ def _register_local_rendezvous() -> None:
 
     if _RDZV_BACKEND not in registry.handler_registry._registry:
         registry.handler_registry.register(_RDZV_BACKEND, create)
+
+
+TAIL_INTERVAL_S = 0.02
+
+
+def _prompt_tail_logs() -> None:
+    """Copy the ranks' output to this process every 20 ms instead of torch's 100 ms.
+
+    The agent tees each rank's output through threads (``TailLog``) that look for new lines every 0.1 s and notice
+    that their rank has finished only on their next look: every launch returned about 80 ms after its ranks had,
+    the grader's batches and a notebook's re-runs included. A look is one ``readline`` at the end of a file.
+    """
+    from torch.distributed.elastic.multiprocessing import api
+
+    if getattr(api.TailLog, "interval_s", None) == TAIL_INTERVAL_S:
+        return
+
+    class PromptTailLog(api.TailLog):
+        interval_s = TAIL_INTERVAL_S
+
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("interval_sec", TAIL_INTERVAL_S)
+            super().__init__(*args, **kwargs)
+
+    api.TailLog = PromptTailLog
 
 
 def in_place() -> bool:
@@ -404,7 +430,7 @@ def _saved_signal_handlers():
 
 
 def _drain(channel, on_message, stop: threading.Event) -> None:
-    # Wake twenty times a second (a blocked get costs no CPU; the wait only bounds
+    # Wake fifty times a second (a blocked get costs no CPU; the wait only bounds
     # how long the launch takes to return once its ranks are done, as the
     # launcher joins this thread). Nothing is ever put into the channel from
     # this side: a queue this process wrote to would make the interpreter wait
@@ -412,7 +438,7 @@ def _drain(channel, on_message, stop: threading.Event) -> None:
     # through writing a message.
     while not stop.is_set():
         try:
-            msg = channel.get(timeout=0.05)
+            msg = channel.get(timeout=0.02)
         except queue.Empty:
             continue
         except (EOFError, OSError, ValueError):
@@ -426,6 +452,10 @@ def _drain(channel, on_message, stop: threading.Event) -> None:
             return
         if on_message is not None:
             on_message(msg)
+
+
+# The modules preimport() imports (a process that knows its ranks' needs better, the grader's sandbox, sets its own).
+PREIMPORTS = ("torch._dynamo",)
 
 
 def preimport() -> None:
@@ -442,7 +472,8 @@ def preimport() -> None:
     A kernel that has built an optimizer or read a batch has them already; doing it here makes every launch
     start like that (the figures then measure launchers and training steps, and the suite runs faster).
     """
-    import torch._dynamo  # noqa: F401
+    for name in PREIMPORTS:
+        importlib.import_module(name)
 
     data = sys.modules.get(__name__.split(".")[0] + ".data")
     if data is not None:
@@ -490,6 +521,7 @@ def launch(fn, *args, world_size: int, timeout: float | None = None, device: str
               f"{plan.reason}.", flush=True)
 
     _register_local_rendezvous()
+    _prompt_tail_logs()
     if method == "fork":
         preimport()  # forked ranks inherit it instead of each paying
     started = time.monotonic()
@@ -532,7 +564,7 @@ def _launch_once(fn, args, kwargs, world_size, left, timeout, plan, method, pg_t
             min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex,
             # The agent's store binds a free port, so launches never collide.
             rdzv_backend=_RDZV_BACKEND, rdzv_endpoint="127.0.0.1:0", rdzv_configs={"timeout": 120},
-            max_restarts=0, monitor_interval=0.05, start_method=method,
+            max_restarts=0, monitor_interval=0.02, start_method=method,
             logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "logs"), redirects=Std.ALL, tee=Std.ALL),
             log_line_prefix_template="[rank ${rank}] ", shutdown_timeout=5,
         )

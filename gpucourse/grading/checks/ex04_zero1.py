@@ -24,7 +24,8 @@ EXERCISE = Exercise(
                      "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel",
                      "torch.distributed.fsdp.fully_shard", "torch.distributed._composable.fsdp.fully_shard"),
     refusal=("{op} is switched off in this exercise: build the sharded step yourself, from a "
-             "torch.optim.Adam over this rank's shard and dist.all_gather"))
+             "torch.optim.Adam over this rank's shard and dist.all_gather"),
+    rank_imports=("torch._dynamo",))  # every Adam step imports it
 
 LR, STEPS = 1e-2, 3
 TINY = 1e-8  # a gradient this small is comparable to Adam's eps: its update depends on its scale
