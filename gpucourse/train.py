@@ -202,7 +202,8 @@ def run(config: TrainConfig, *, timeout: float | None = None, export_weights: st
     plan = plan_device(config.device, int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
                        if in_place() else config.world_size)
     config.validate_on(plan.device)
-    note = devices.precision_note(devices.visible(), config.precision) if plan.device == "cuda" else None
+    on_gpus = plan.device == "cuda" or plan.stand_in  # described GPUs get their notes too
+    note = devices.precision_note(devices.visible(), config.precision) if on_gpus else None
     if note and not quiet and note not in _said:  # once a process: a notebook re-runs its cells
         _said.add(note)
         print(f"gpucourse: {note}", flush=True)

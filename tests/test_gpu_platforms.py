@@ -17,7 +17,7 @@ import torch
 
 import rankfns
 from gpucourse import TrainConfig, doctor, launch, platforms, train
-from gpucourse.runtime import LaunchError, devices, launcher, plan_device, visible_gpus
+from gpucourse.runtime import LaunchError, devices, launcher, notebook_device, plan_device, visible_gpus
 from gpucourse.runtime.devices import FAKE_ENV, GPU, PLATFORMS, DescriptionError, DeviceSet
 from procs import REPO
 
@@ -348,12 +348,36 @@ def test_with_one_faked_gpu_a_two_rank_layout_runs_on_cpu_ranks_and_says_so(tmp_
     monkeypatch.setenv(FAKE_ENV, str(path))
     # torch's LaunchConfig asks this, through NVML (the launcher sets PYTORCH_NVML_BASED_CUDA_CHECK for it).
     monkeypatch.setattr(torch.cuda, "is_available", IS_AVAILABLE)
-    assert plan_device("auto", 1).device == "cuda"
+    one = plan_device("auto", 1)  # the T4's rank, on a CPU process that stands in for it
+    assert (one.device, one.stand_in) == ("cpu", True)
+    assert one.reason == f"{T4}, one per rank, as {FAKE_ENV}={path} describes; CPU processes stand in for it"
     for world_size in (2, 4, 8):
-        assert plan_device("auto", world_size).device == "cpu"
+        assert not plan_device("auto", world_size).stand_in and plan_device("auto", world_size).device == "cpu"
     values = launch(rankfns.whoami, world_size=2, timeout=60)
     assert [v[:2] for v in values] == [(0, 2), (1, 2)]
     assert f"gpucourse: 2 ranks on cpu (gloo): only 1 GPU is visible, {T4}{CPU_RANKS}." in capfd.readouterr().out
+    assert launch(rankfns.whoami, world_size=1, timeout=60)[0][:2] == (0, 1)
+    assert "CPU processes stand in for it." in capfd.readouterr().out
+
+
+@pytest.mark.parametrize("platform, largest, says", [
+    ("colab-t4", 4, "1 GPU for runs of up to 4 ranks"),
+    ("colab-t4", 2, "1 GPU for runs of up to 2 ranks"),
+    ("kaggle-2xt4", 2, None),                        # a GPU for each rank: the runs use them
+    ("kaggle-2xt4", 4, "2 GPUs for runs of up to 4 ranks"),
+    ("mig-h100-1g.10gb", 2, "one MIG slice for runs of up to 2 ranks"),
+    ("cloud-8xh100", 4, None),
+    (None, 4, None),                                 # no GPU: every run on CPU processes anyway
+])
+def test_a_notebook_runs_everything_on_cpu_ranks_where_its_largest_run_lacks_gpus_and_says_so(
+        monkeypatch, capsys, platform, largest, says):
+    if platform:
+        monkeypatch.setenv(FAKE_ENV, platform)
+    else:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert notebook_device(largest) == ("cpu" if says else "auto")
+    assert capsys.readouterr().out == (f"gpucourse: {says}: all run on CPU processes, to compare like with like.\n"
+                                       if says else "")
 
 
 CUDA_CALL = re.compile(r"torch\.cuda\.(?!nvtx\b)\w+|\.cuda\(\)")

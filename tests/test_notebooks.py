@@ -23,9 +23,10 @@ CELL_TIMEOUT = 240  # seconds for one cell; a hung rank must fail the cell, not 
 # JupyterLab wraps an output line wider than its output area, mid-number ("4.9⏎95"). Measured in Chromium at
 # 1400 px with the file browser open at its default 250 px: 13 px DejaVu Sans Mono is 7.83 px a character and the
 # output area 960 px, so 122 characters. Printed lines keep to 110, room for a wider file browser; a line of the
-# package's own source, printed by inspect.getsource, keeps the code's 120. The command line's diagnostics on stderr
-# ("gpucourse: error: ...", "gpucourse: warning: ...") are exempt: each is one sentence on one line by design
-# (tests/test_cli.py), so that a script or grep gets it whole; wrapped at the edge, it reads as in a terminal.
+# package's own source, printed by inspect.getsource, keeps the code's 120. The package's own notes ("gpucourse: 2
+# ranks on cpu (gloo): ...", and on stderr the command line's "gpucourse: error: ...") are exempt: each is one
+# sentence on one line by design (tests/test_cli.py), so that a script or grep gets it whole, and the launcher's
+# names the GPUs in full; wrapped at the edge, it reads as in a terminal.
 OUTPUT_WIDTH = 110
 SOURCE_WIDTH = 120
 CLI_DIAGNOSTIC = "gpucourse: "
@@ -34,17 +35,31 @@ STARTS_RANKS = re.compile(r"(?<![\w.])(launch|run)\(")
 RANKS_STARTED = re.compile(r"gpucourse: \d+ ranks? on (cpu|cuda) \((gloo|nccl)\)|\[rank \d+\]")
 
 
+# Some notebooks run on a machine described by GPUCOURSE_FAKE_GPUS (gpucourse.runtime.devices): Colab's one T4,
+# Kaggle's two, a MIG seat. Every decision is then that machine's (which runs fall back to CPU processes, and the
+# line that says so; which run on its GPUs, CPU processes standing in for them); each notebook still runs once.
+FAKED = {"01_collectives": "colab-t4", "04b_pipeline_schedules": "kaggle-2xt4", "09_troubleshooting": "colab-t4",
+         "10_accelerate_scaling": "kaggle-2xt4", "12_sequence_context_parallel": "mig-a100-1g.10gb"}
+# What a launcher's line may give as the reason for CPU ranks on a described machine: the notebook asked for CPU
+# ranks (notebook_device said why), described GPUs stood in for, or too few described GPUs for the ranks.
+FAKED_REASONS = re.compile(r"device='cpu' asked for: |.*, as GPUCOURSE_FAKE_GPUS=[\w.-]+ describes; CPU processes "
+                           r"stand in for (it|them)$|only \d GPUs? (is|are) visible, .*Tesla T4|.*MIG gives one CUDA rank")
+LAUNCH_LINE = re.compile(r"gpucourse: \d+ ranks? on cpu \(gloo\): (.*)\.$", re.M)
+
+
 @pytest.fixture
 def kernel(tmp_path):
     """Runs a notebook in a fresh kernel of this interpreter, in smoke mode, in the notebook's folder.
 
-    Grades and quiz scores go to a progress file of the test's own, not the learner's.
+    Grades and quiz scores go to a progress file of the test's own, not the learner's. ``platform`` names a machine
+    of gpucourse.runtime.devices.PLATFORMS for the kernel to describe its GPUs as.
     """
     kernels = lab.kernelspec_dir(tmp_path)
     env = {"GPUCOURSE_PROGRESS": str(tmp_path / "progress.json")}
 
-    def execute(nb, path: Path) -> None:
-        lab.execute(nb, path, kernels, cell_timeout=CELL_TIMEOUT, env=env)
+    def execute(nb, path: Path, platform: str | None = None) -> None:
+        lab.execute(nb, path, kernels, cell_timeout=CELL_TIMEOUT,
+                    env={**env, "GPUCOURSE_FAKE_GPUS": platform} if platform else env)
 
     return execute
 
@@ -76,7 +91,7 @@ def too_wide(nb) -> list[str]:
     wide = []
     for i, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
         for line in (line for o in cell.outputs for line in _shown_text(o).splitlines()
-                     if not (o.get("name") == "stderr" and line.startswith(CLI_DIAGNOSTIC))):
+                     if not line.startswith(CLI_DIAGNOSTIC)):
             limit = SOURCE_WIDTH if line in _source_lines() else OUTPUT_WIDTH
             if len(line) > limit:
                 wide.append(f"code cell {i}: {len(line)} > {limit} characters: {line}")
@@ -87,7 +102,8 @@ def too_wide(nb) -> list[str]:
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path, kernel):
     nb = nbformat.read(path, as_version=4)
-    kernel(nb, path)
+    platform = FAKED.get(path.stem)
+    kernel(nb, path, platform)
 
     code = [c for c in nb.cells if c.cell_type == "code"]
     errors = [(i, o.get("ename"), o.get("evalue")) for i, c in enumerate(code) for o in c.outputs
@@ -101,6 +117,25 @@ def test_notebook_runs_top_to_bottom(path, kernel):
                 f"{cell.source}\n--- output ---\n{out[:2000]}")
     wide = too_wide(nb)
     assert not wide, f"{path.name}: printed lines JupyterLab would wrap:\n" + "\n".join(wide)
+    if platform:
+        assert_fallbacks(path, platform, "".join(_text(o) for c in code for o in c.outputs))
+
+
+def assert_fallbacks(path: Path, platform: str, out: str) -> None:
+    """A notebook run on a described machine took that machine's decisions, and said so."""
+    from gpucourse.runtime.devices import PLATFORMS
+
+    found, name = PLATFORMS[platform].devices, path.name
+    largest = int(re.search(r"notebook_device\(largest=(\d)\)", path.read_text())[1])
+    said = f"gpucourse: {'one MIG slice' if found.mig else f'{len(found.gpus)} GPU'}"
+    if found.cuda_ranks < largest:  # too few GPUs for its largest run: every run on CPU ranks, said once
+        assert re.search(rf"^{said}s? for runs of up to {largest} ranks: all run on CPU processes", out, re.M), out[:3000]
+    else:
+        assert "CPU processes stand in" in out, f"{name} on {platform}: no run used the described GPUs"
+    reasons = LAUNCH_LINE.findall(out)
+    assert reasons, f"{name} on {platform}: no launcher line"
+    wrong = [r for r in reasons if not FAKED_REASONS.match(r)]
+    assert not wrong, f"{name} on {platform}: CPU ranks for a reason that is not the described machine's: {wrong}"
 
 
 def test_setup_notebook_really_runs_two_ranks(kernel):

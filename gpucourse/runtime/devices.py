@@ -95,6 +95,11 @@ class DeviceSet:
     source: str = "description"
 
     @property
+    def described(self) -> bool:
+        """Whether these GPUs are only described, by ``$GPUCOURSE_FAKE_GPUS``, not found on this machine."""
+        return self.source.startswith(FAKE_ENV)
+
+    @property
     def mig(self) -> bool:
         """Whether these are MIG slices (MIG mode is on)."""
         return any(g.mig for g in self.gpus)

@@ -76,12 +76,14 @@ class LaunchTimeout(Readable, TimeoutError):
 @dataclass(frozen=True)
 class DevicePlan:
     """Where ranks run and over which backend, and why; ``nccl_env`` holds the NCCL settings these GPUs need, as
-    ``(name, value, why)`` (see :func:`gpucourse.runtime.devices.nccl_settings`)."""
+    ``(name, value, why)`` (see :func:`gpucourse.runtime.devices.nccl_settings`). ``stand_in``: the ranks would
+    use GPUs that are only described (``GPUCOURSE_FAKE_GPUS``), so CPU processes run in their place."""
 
     device: str   # "cuda" or "cpu"
     backend: str  # "nccl" or "gloo"
     reason: str
     nccl_env: tuple = ()
+    stand_in: bool = False
 
 
 def visible_gpus() -> int:
@@ -90,6 +92,23 @@ def visible_gpus() -> int:
     The visible GPUs (:func:`gpucourse.runtime.devices.visible`), or 1 on MIG slices, of which a process sees one.
     """
     return devices.visible().cuda_ranks
+
+
+def notebook_device(largest: int) -> str:
+    """The ``device`` every run of a notebook uses, so that its runs compare like with like; said when it falls back.
+
+    ``"auto"`` where each rank of the notebook's largest run (``largest`` ranks) can have a GPU, and where there is
+    no GPU at all (every run on CPU processes); ``"cpu"`` on a machine with fewer GPUs than that (Colab's one T4, a
+    MIG seat), with one line saying so, instead of some runs on the GPU and the others on CPU processes.
+    """
+    found = devices.visible()
+    if not found.cuda_ranks or found.shortfall(largest) is None:
+        return "auto"
+    n = len(found.gpus)
+    have = "one MIG slice" if found.mig else f"{n} GPU{'s' * (n > 1)}"
+    print(f"gpucourse: {have} for runs of up to {largest} ranks: all run on CPU processes, to compare like with like.",
+          flush=True)
+    return "cpu"
 
 
 def cpu_rank_limit() -> int:
@@ -109,8 +128,14 @@ def plan_device(device: str, world_size: int, gpus: devices.DeviceSet | None = N
                           f"rank{'s' * (world_size > 1)} but {short}; use device='auto' to fall back to gloo on "
                           f"CPU processes.")
     if device == "cuda" or (device == "auto" and not short):
-        return DevicePlan("cuda", "nccl", f"{found.describe()}, {'one rank' if found.mig else 'one per rank'}",
-                          devices.nccl_settings(found))
+        reason = f"{found.describe()}, {'one rank' if found.mig else 'one per rank'}"
+        if found.described:
+            # Every decision is the described machine's (this line, the NCCL settings, the precision); the ranks
+            # are this machine's: so a notebook runs top to bottom as it would there, with CPU processes.
+            them = "it" if world_size == 1 else "them"
+            return DevicePlan("cpu", "gloo", f"{reason}, as {found.source} describes; CPU processes stand in for "
+                              f"{them}", devices.nccl_settings(found), stand_in=True)
+        return DevicePlan("cuda", "nccl", reason, devices.nccl_settings(found))
     limit = cpu_rank_limit()
     if world_size > limit:
         fallback = f" ({short}, so the run would fall back to CPU processes)" if device == "auto" else ""
