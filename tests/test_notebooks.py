@@ -7,6 +7,7 @@ Jupyter on the machine has. GPUCOURSE_SMOKE=1 asks each notebook for its short
 version.
 """
 
+import json
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -154,9 +155,13 @@ def test_setup_notebook_really_runs_two_ranks(kernel):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_is_committed_clean(path):
-    """No outputs or execution counts in git, and a kernelspec so JupyterLab opens without asking."""
+    """No outputs or execution counts in git, every cell with its own id (nbformat 4.5; a missing one will be an
+    error in later nbformat), and a kernelspec so JupyterLab opens without asking."""
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
+    # Read as committed: nbformat.read makes up the missing ids.
+    ids = [cell.get("id") for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]]
+    assert None not in ids and len(set(ids)) == len(ids), f"{path.name}: cells without an id, or ids used twice"
     spec = nb.metadata.get("kernelspec", {})
     assert spec.get("name") == "python3" and spec.get("language") == "python", spec
     for i, cell in enumerate(nb.cells):
