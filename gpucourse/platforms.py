@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from .config import TrainConfig
 from .gpus import RESERVED_BYTES
-from .memory import largest_microbatch, num_params
+from .memory import estimate, largest_microbatch, num_params, with_microbatch
 from .model import MODELS
+from .readable import human_bytes
 from .runtime import devices
 
 SEQ_LEN = 1024  # tokens per sequence a model is sized at (its block_size when shorter)
@@ -39,6 +40,43 @@ def model_fit(found: devices.DeviceSet, precision: str | None = None) -> list[di
         rows.append({"model": name, "seq_len": seq_len,
                      "microbatch": largest_microbatch(cfg, budget, limit=1024)["microbatch"]})
     return rows
+
+
+def run_budget(found: devices.DeviceSet) -> tuple[float, str] | None:
+    """The bytes a run may use on each of ``found``'s GPUs (the smallest's memory less ``RESERVED_BYTES``) and which
+    GPU that is, in words; None without a GPU whose memory is known."""
+    gpu = found.smallest
+    if gpu is None:
+        return None
+    return gpu.memory_bytes - RESERVED_BYTES, f"MIG {gpu.mig} slice of {gpu.name}" if gpu.mig else gpu.name
+
+
+def memory_note(cfg: TrainConfig, found: devices.DeviceSet) -> str | None:
+    """One sentence when, by the memory estimate, ``cfg``'s busiest rank outgrows the smallest of ``found``'s GPUs,
+    with the microbatch that fits (the batch-size search); None when it fits, or no GPU memory is known.
+
+    Said before a run on GPUs starts; the run still starts (the estimate is an estimate; CUDA then has the last
+    word), so that a learner who runs out of memory already holds the number that fits.
+    """
+    known = run_budget(found)
+    if known is None:
+        return None
+    budget, gpu = known
+    need = estimate(cfg, every_rank=False)["max_total"]
+    if need <= budget:
+        return None
+    fit = largest_microbatch(cfg, budget)["microbatch"]
+    if fit:
+        advice = f"{_plural(fit, 'sequence')} a microbatch fit: batch_size={with_microbatch(cfg, fit).batch_size}"
+        name, parts = ("microbatches", cfg.microbatches) if cfg.pp > 1 else ("grad_accum", cfg.grad_accum)
+        per_rank = cfg.batch_size // cfg.dp
+        more = next((k for k in range(parts + 1, per_rank + 1) if per_rank % k == 0 and per_rank // k <= fit), None)
+        if more:
+            advice += f", or {name}={more} to keep the batch of {cfg.batch_size}"
+    else:
+        advice = "not even one sequence a microbatch fits: a smaller model or seq_len, or more ranks (zero, tp, pp)"
+    return (f"by the memory estimate this run's busiest rank needs {human_bytes(need, binary=True)}, more than the "
+            f"{human_bytes(budget, binary=True)} a run can use on each {gpu}; {advice}.")
 
 
 def _plural(n: int, word: str) -> str:

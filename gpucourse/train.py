@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from . import checkpoint, comm, data, profiling
+from . import checkpoint, comm, data, platforms, profiling
 from .config import TrainConfig
 from .files import write_atomic
 from .measure import Recorder, RunResult, merge
@@ -184,7 +184,7 @@ class _Progress:
                            "time_s": max(m["time_s"] for m in got)})
 
 
-_said: set = set()  # the notes on precision this process has printed
+_said: set = set()  # the notes on precision and memory this process has printed
 
 
 def run(config: TrainConfig, *, timeout: float | None = None, export_weights: str | os.PathLike | None = None,
@@ -202,11 +202,12 @@ def run(config: TrainConfig, *, timeout: float | None = None, export_weights: st
     plan = plan_device(config.device, int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
                        if in_place() else config.world_size)
     config.validate_on(plan.device)
-    on_gpus = plan.device == "cuda" or plan.stand_in  # described GPUs get their notes too
-    note = devices.precision_note(devices.visible(), config.precision) if on_gpus else None
-    if note and not quiet and note not in _said:  # once a process: a notebook re-runs its cells
-        _said.add(note)
-        print(f"gpucourse: {note}", flush=True)
+    if (plan.device == "cuda" or plan.stand_in) and not quiet:  # described GPUs get their notes too
+        found = devices.visible()
+        for note in (devices.precision_note(found, config.precision), platforms.memory_note(config, found)):
+            if note and note not in _said:  # once a process: a notebook re-runs its cells
+                _said.add(note)
+                print(f"gpucourse: {note}", flush=True)
     checkpoint.find_resume(config)  # a resume that cannot work is refused before any rank starts
     holders = config.world_size // config.pp  # ranks that see a loss: those of the last pipeline stage
     progress = _Progress(holders, on_step) if on_step else None

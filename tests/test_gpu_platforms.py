@@ -137,6 +137,58 @@ def test_a_bf16_run_on_a_t4_is_told_once_that_fp16_is_native_there(monkeypatch, 
     assert out == f"gpucourse: {devices.precision_note(PLATFORMS['colab-t4'].devices, 'bf16')}\n"
 
 
+MEDIUM = dict(model="gpt2-medium", seq_len=1024, batch_size=16)
+
+
+def test_a_run_too_big_for_the_smallest_gpu_is_told_the_microbatch_that_fits(monkeypatch, capsys):
+    t4, mig = PLATFORMS["colab-t4"].devices, PLATFORMS["mig-a100-1g.10gb"].devices
+    assert platforms.memory_note(TrainConfig(), t4) is None                    # the tiny model fits anywhere
+    assert platforms.memory_note(TrainConfig(**MEDIUM), PLATFORMS["cloud-8xh100"].devices) is None
+    assert platforms.memory_note(TrainConfig(**MEDIUM), t4) == (
+        "by the memory estimate this run's busiest rank needs 33.28 GiB, more than the 13 GiB a run can use on each "
+        "Tesla T4; 4 sequences a microbatch fit: batch_size=4, or grad_accum=4 to keep the batch of 16.")
+    assert platforms.memory_note(TrainConfig(**MEDIUM, pp=2, microbatches=4), mig).endswith(
+        "on each MIG 1g.10gb slice of NVIDIA A100-SXM4-80GB; 2 sequences a microbatch fit: batch_size=8, or "
+        "microbatches=8 to keep the batch of 16.")
+    assert platforms.memory_note(TrainConfig(**MEDIUM), mig).endswith(
+        "not even one sequence a microbatch fits: a smaller model or seq_len, or more ranks (zero, tp, pp).")
+    # The advice holds: the microbatch it names is the largest the estimate fits.
+    from gpucourse import memory
+
+    budget = platforms.run_budget(t4)[0]
+    assert memory.estimate(TrainConfig(**{**MEDIUM, "batch_size": 4}))["max_total"] <= budget
+    assert memory.estimate(TrainConfig(**{**MEDIUM, "batch_size": 5}))["max_total"] > budget
+
+    class Launched(Exception):
+        pass
+
+    def launched(*args, **kwargs):
+        raise Launched
+
+    monkeypatch.setenv(FAKE_ENV, "colab-t4")  # said before the run starts on the T4 (here: its stand-in), once
+    monkeypatch.setattr(train, "launch", launched)
+    monkeypatch.setattr(train, "_said", set())
+    for _ in range(2):
+        with pytest.raises(Launched):
+            train.run(TrainConfig(**MEDIUM))
+    assert capsys.readouterr().out == f"gpucourse: {platforms.memory_note(TrainConfig(**MEDIUM), t4)}\n"
+
+
+def test_the_batch_size_search_takes_the_smallest_gpus_memory_unless_told(monkeypatch, capsys):
+    from gpucourse import cli
+
+    monkeypatch.setenv(FAKE_ENV, "colab-t4")
+    assert cli.main(["batch-size", "--model", "gpt2-medium", "--seq-len", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("budget: 13 GiB, what a run can use on each Tesla T4 (--budget-gb to choose)\n"
+                          "largest microbatch: 4 sequences of 1024 tokens per forward on each rank (estimated"), out
+    monkeypatch.delenv(FAKE_ENV)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert cli.main(["batch-size", "--model", "gpt2-medium"]) == 2
+    assert capsys.readouterr().err == ("gpucourse: error: no GPU with a known memory is visible here: give the memory "
+                                       "per rank, --budget-gb N.\n")
+
+
 def test_nccl_p2p_is_disabled_only_where_p2p_does_not_work():
     rtx = PLATFORMS["desktop-2xrtx4090"].devices
     assert devices.nccl_settings(replace(rtx, p2p=None))[0][:2] == ("NCCL_P2P_DISABLE", "1")  # GeForce, not asked

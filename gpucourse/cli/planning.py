@@ -174,15 +174,23 @@ def _serve_plan(args, shape) -> int:
 
 
 def cmd_batch_size(args) -> int:
-    from .. import memory
+    from .. import memory, platforms
+    from ..runtime import devices
     from ..runtime.launcher import visible_gpus
 
+    if args.budget_gb is None:  # what a run can use on the smallest GPU here
+        known = platforms.run_budget(devices.visible())
+        if known is None:
+            raise UsageError("no GPU with a known memory is visible here: give the memory per rank, --budget-gb N.")
+        args.budget_gb = round(known[0] / 2**30, 2)
+        print(f"budget: {args.budget_gb:g} GiB, what a run can use on each {known[1]} (--budget-gb to choose)")
     if not args.budget_gb > 0:
         raise UsageError(f"--budget-gb {args.budget_gb:g} must be positive.")
     cfg = config_from(args)
     cfg.validate(runnable=False)
     budget = args.budget_gb * 2**30
-    measured = visible_gpus() >= cfg.world_size and cfg.device != "cpu"
+    # Measured where the GPUs are real; described ones (GPUCOURSE_FAKE_GPUS) have CPU processes stand in for them.
+    measured = visible_gpus() >= cfg.world_size and cfg.device != "cpu" and not devices.visible().described
     fits = None
     if measured:
         from ..train import run
@@ -329,7 +337,8 @@ def add_commands(sub) -> None:
     p = sub.add_parser("batch-size", help="the largest microbatch that fits a memory budget",
                        description="Bisection: measured on CUDA, estimated on CPU against the budget.")
     add_layout_args(p)
-    p.add_argument("--budget-gb", type=float, required=True, help="memory per rank, GiB")
+    p.add_argument("--budget-gb", type=float, default=None,
+                   help="memory per rank, GiB (default: what a run can use on the smallest GPU here)")
     p.set_defaults(func=cmd_batch_size)
 
     p = sub.add_parser("replay", help="replay a saved run on a modeled GPU cluster: its step time, shares and MFU there",
