@@ -192,6 +192,12 @@ def test_rank_output_reaches_the_caller_prefixed(capfd):
         assert f"[rank {rank}] out line of rank {rank}\n" in out
         assert f"[rank {rank}] err line of rank {rank}\n" in err
     assert "err line" not in out and "out line" not in err
+    # The agent's tee, as it builds it, looks for the ranks' new lines (and their end) every 20 ms, not torch's
+    # 100 ms, which every launch used to wait out before returning.
+    from torch.distributed.elastic.multiprocessing import api
+
+    tail = api.TailLog("trainer", {0: os.devnull}, sys.stdout, {0: "[rank 0] "})
+    assert tail._interval_sec == launcher.TAIL_INTERVAL_S == 0.02
 
 
 def test_report_reaches_on_message():

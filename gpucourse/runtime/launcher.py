@@ -217,7 +217,8 @@ def _prompt_tail_logs() -> None:
         interval_s = TAIL_INTERVAL_S
 
         def __init__(self, *args, **kwargs):
-            kwargs.setdefault("interval_sec", TAIL_INTERVAL_S)
+            if len(args) < 5:  # (name, log_files, dst, log_line_prefixes, interval_sec, ...): not given
+                kwargs.setdefault("interval_sec", TAIL_INTERVAL_S)
             super().__init__(*args, **kwargs)
 
     api.TailLog = PromptTailLog
