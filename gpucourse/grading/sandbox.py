@@ -430,14 +430,9 @@ def _aliases(value, args) -> int | None:
     return None
 
 
-# Modules slow to import that ranks may need (an optimizer's step imports torch._dynamo): a rank that imported one
-# itself says so, since its exercise should have named it (Exercise.rank_imports) for the sandbox to import once.
-SLOW_IMPORTS = ("torch._dynamo",)
-
-
 def serve_rank(batch: dict) -> list[str]:
     """One rank of a batch (started by :func:`gpucourse.launch` in the sandbox process); returns which of
-    SLOW_IMPORTS this process holds when the host is done with it."""
+    ``wire.SLOW_IMPORTS`` this process holds when the host is done with it."""
     from ..runtime import collective_status, current
 
     os.close(batch["control_fd"])  # the sandbox's own channel to the host is not the learner's
@@ -473,7 +468,7 @@ def serve_rank(batch: dict) -> list[str]:
                       batch["library"], tuple(notes))
     install_audit_hook(rules, tuple(batch["hidden_modules"]))
     server.serve()
-    return [name for name in SLOW_IMPORTS if name in sys.modules]
+    return [name for name in wire.SLOW_IMPORTS if name in sys.modules]
 
 
 # --- the sandbox process ----------------------------------------------------------------------------------
@@ -585,7 +580,7 @@ def main(control_fd: int, sources: dict[str, str], library: tuple = ()) -> int:
                               timeout=batch["limit_s"], pg_timeout=batch["limit_s"] + 30)
             # A slow module a rank had to import itself, that its exercise did not name: imported here for the
             # next batches, and told to the host (the suite holds every exercise's rank_imports to it).
-            late = sorted({name for names in imported for name in names} - before)
+            late = sorted({name for names in imported for name in names or ()} & set(wire.SLOW_IMPORTS) - before)
             for name in late:
                 importlib.import_module(name)
             outcome = ""
