@@ -17,8 +17,10 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gpucourse"
 
 # The core trains and measures; it imports only torch and itself. The tools sit on top: nothing but a tool imports one.
+# The memory estimate, the GPUs' figures and the platform decisions are core too: a run on GPUs asks them whether it
+# fits before it starts (train.run).
 CORE = ("config", "model", "data", "optim", "comm", "measure", "files", "runtime", "parallel", "train",
-        "checkpoint", "profiling", "readable", "clock", "serving")
+        "checkpoint", "profiling", "readable", "clock", "serving", "memory", "gpus", "platforms")
 TOOLS = ("bench", "tour", "troubleshoot", "viz", "cli", "lab", "kernel_sockets", "grading", "quiz", "workshop",
          "slurm", "__main__")
 
