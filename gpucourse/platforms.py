@@ -21,6 +21,15 @@ SEQ_LEN = 1024  # tokens per sequence a model is sized at (its block_size when s
 BATCH = TrainConfig.batch_size  # the course's default global batch
 
 
+def run_budget(found: devices.DeviceSet) -> tuple[float, str] | None:
+    """The bytes a run may use on each of ``found``'s GPUs (the smallest's memory less ``RESERVED_BYTES``) and which
+    GPU that is, in words; None without a GPU whose memory is known."""
+    gpu = found.smallest
+    if gpu is None:
+        return None
+    return gpu.memory_bytes - RESERVED_BYTES, gpu.label
+
+
 def model_fit(found: devices.DeviceSet, precision: str | None = None) -> list[dict]:
     """Each course model, smallest first, with the most sequences a microbatch that fit the smallest GPU.
 
@@ -28,11 +37,11 @@ def model_fit(found: devices.DeviceSet, precision: str | None = None) -> list[di
     given), within the GPU's memory less what is not the run's (CUDA context, NCCL, the allocator). Empty without a
     GPU whose memory is known.
     """
-    gpu = found.smallest
-    if gpu is None:
+    known = run_budget(found)
+    if known is None:
         return []
     precision = precision or devices.mixed_precision(found)[0]
-    budget = gpu.memory_bytes - RESERVED_BYTES
+    budget = known[0]
     rows = []
     for name, mc in sorted(MODELS.items(), key=lambda item: num_params(item[1])):
         seq_len = min(mc.block_size, SEQ_LEN)
@@ -40,15 +49,6 @@ def model_fit(found: devices.DeviceSet, precision: str | None = None) -> list[di
         rows.append({"model": name, "seq_len": seq_len,
                      "microbatch": largest_microbatch(cfg, budget, limit=1024)["microbatch"]})
     return rows
-
-
-def run_budget(found: devices.DeviceSet) -> tuple[float, str] | None:
-    """The bytes a run may use on each of ``found``'s GPUs (the smallest's memory less ``RESERVED_BYTES``) and which
-    GPU that is, in words; None without a GPU whose memory is known."""
-    gpu = found.smallest
-    if gpu is None:
-        return None
-    return gpu.memory_bytes - RESERVED_BYTES, f"MIG {gpu.mig} slice of {gpu.name}" if gpu.mig else gpu.name
 
 
 def memory_note(cfg: TrainConfig, found: devices.DeviceSet) -> str | None:
@@ -99,7 +99,7 @@ def _fit_sentence(found: devices.DeviceSet) -> str | None:
     if none:
         said.append(f"{', '.join(none)} {'does' if len(none) == 1 else 'do'} not fit one sequence")
     largest = [r for r in fit if r["microbatch"]]
-    budget = (found.smallest.memory_bytes - RESERVED_BYTES) / devices.GiB
+    budget = run_budget(found)[0] / devices.GiB
     text = (f"Memory: the smallest GPU leaves about {budget:.1f} GiB for a run; in {precision}, by the estimate's "
             f"batch-size search: {'; '.join(said)}")
     if largest:

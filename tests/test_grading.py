@@ -469,9 +469,10 @@ def test_a_rank_that_imports_a_slow_module_still_passes_and_the_result_says_whic
     otherwise add to every grade); learner code that imports it anyway still passes, slower, and the result says
     so (the suite holds the checks' own needs to rank_imports, above)."""
     source = (REPO / "solutions" / "ex01_ring_allreduce.py").read_text()
-    head, body = source.split('    """The sum of ``tensor`` over all ranks', 1)
-    (tmp_path / "ex01_ring_allreduce.py").write_text(head + "    import torch._dynamo  # noqa\n" + '    """The sum'
-                                                      " of ``tensor`` over all ranks" + body)
+    first_line = '    """The sum of ``tensor`` over all ranks'  # of ring_all_reduce's body
+    assert source.count(first_line) == 1
+    (tmp_path / "ex01_ring_allreduce.py").write_text(
+        source.replace(first_line, "    import torch._dynamo  # noqa: F401\n" + first_line))
     result = grading.grade(tmp_path, ["ex01"], seed=3)["exercises"][0]
     assert result["score"] == 10 and result["late_imports"] == ["torch._dynamo"], _failed(result)
 

@@ -70,9 +70,14 @@ class GPU:
         if self.fp8 is None:
             object.__setattr__(self, "fp8", cc is not None and cc >= FP8_CC)
 
+    @property
+    def label(self) -> str:
+        """``Tesla T4``, or ``MIG 1g.10gb slice of NVIDIA A100-SXM4-80GB``: what it is, in a few words."""
+        return f"MIG {self.mig} slice of {self.name}" if self.mig else self.name
+
     def describe(self) -> str:
         """``Tesla T4 (cc 7.5, 15.0 GiB, no native bf16 or fp8)``: what it is and what it computes natively."""
-        what = f"MIG {self.mig} slice of {self.name}" if self.mig else self.name
+        what = self.label
         cc = f"cc {self.capability[0]}.{self.capability[1]}" if self.capability else "cc unknown"
         memory = f"{self.memory_bytes / GiB:.1f} GiB" if self.memory_bytes else "memory unknown"
         native = ("native bf16 and fp8" if self.fp8 else "native bf16, no fp8" if self.bf16
