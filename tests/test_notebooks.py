@@ -43,8 +43,10 @@ FAKED = {"01_collectives": "colab-t4", "04b_pipeline_schedules": "kaggle-2xt4", 
          "10_accelerate_scaling": "kaggle-2xt4", "12_sequence_context_parallel": "mig-a100-1g.10gb"}
 # What a launcher's line may give as the reason for CPU ranks on a described machine: the notebook asked for CPU
 # ranks (notebook_device said why), described GPUs stood in for, or too few described GPUs for the ranks.
-FAKED_REASONS = re.compile(r"device='cpu' asked for: |.*, as GPUCOURSE_FAKE_GPUS=[\w.-]+ describes; CPU processes "
-                           r"stand in for (it|them)$|only \d GPUs? (is|are) visible, .*Tesla T4|.*MIG gives one CUDA rank")
+FAKED_REASONS = re.compile(r"device='cpu' asked for: "
+                           r"|.*, as GPUCOURSE_FAKE_GPUS=[\w.-]+ describes; CPU processes stand in for (it|them)$"
+                           r"|only \d GPUs? (is|are) visible, .*Tesla T4"
+                           r"|.*MIG gives one CUDA rank")
 LAUNCH_LINE = re.compile(r"gpucourse: \d+ ranks? on cpu \(gloo\): (.*)\.$", re.M)
 
 
@@ -130,7 +132,8 @@ def assert_fallbacks(path: Path, platform: str, out: str) -> None:
     largest = int(re.search(r"notebook_device\(largest=(\d)\)", path.read_text())[1])
     said = f"gpucourse: {'one MIG slice' if found.mig else f'{len(found.gpus)} GPU'}"
     if found.cuda_ranks < largest:  # too few GPUs for its largest run: every run on CPU ranks, said once
-        assert re.search(rf"^{said}s? for runs of up to {largest} ranks: all run on CPU processes", out, re.M), out[:3000]
+        line = rf"^{said}s? for runs of up to {largest} ranks: all run on CPU processes"
+        assert re.search(line, out, re.M), f"{name} on {platform}: no line saying so\n{out[:3000]}"
     else:
         assert "CPU processes stand in" in out, f"{name} on {platform}: no run used the described GPUs"
     reasons = LAUNCH_LINE.findall(out)
