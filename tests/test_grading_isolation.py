@@ -181,29 +181,97 @@ def test_an_untouched_stub_is_not_an_attempt(tmp_path, monkeypatch, marked):
     assert runner.untouched(grading.grade(folder, ["ex05"])["exercises"][0])
 
 
+# A learner's file that says who runs it, whether root's home is open, where Python and torch came from.
+WHOAMI = (
+    "import os, sys, torch\n"
+    "def ring_all_reduce(tensor):\n"
+    "    try:\n"
+    "        open('/root/.profile').close(); home = 'read'\n"
+    "    except OSError:\n"
+    "        home = 'closed'\n"
+    "    raise ValueError(f'UID {os.geteuid()} GID {os.getegid()} ROOT {home} PYTHON {sys.base_prefix} '\n"
+    "                     f'TORCH {torch.__file__}')\n")
+
+
 def test_learner_code_runs_as_nobody_even_where_python_lives_in_roots_home(tmp_path, marked):
-    """As root, learner code runs as an unprivileged user; where the interpreter sits in a folder only root may
-    enter (here /root/.pyenv), that user runs a copy of it which only root may change, and still cannot read
-    what is root's."""
+    """As root, learner code runs as an unprivileged user, with the interpreter where it is installed, even when
+    that is a folder only root may enter (here /root/.pyenv), and still cannot read what is root's."""
     from gpucourse.grading import spawn
 
-    (tmp_path / "ex01_ring_allreduce.py").write_text(
-        "import os, sys\n"
-        "def ring_all_reduce(tensor):\n"
-        "    try:\n"
-        "        open('/root/.profile').close(); home = 'read'\n"
-        "    except OSError:\n"
-        "        home = 'closed'\n"
-        "    raise ValueError(f'UID {os.geteuid()} GID {os.getegid()} ROOT {home} PYTHON {sys.base_prefix}')\n")
+    (tmp_path / "ex01_ring_allreduce.py").write_text(WHOAMI)
     result = grading.grade(tmp_path, ["ex01"], seed=1)
     message = result["exercises"][0]["checks"][0]["message"]
     if os.geteuid() != 0:
         assert f"UID {os.geteuid()}" in message, message
         return
-    assert spawn.sandbox_user() == spawn.NOBODY  # torch is readable by everyone here, so nobody can run it
+    assert spawn.sandbox_user() == spawn.NOBODY
     assert "UID 65534 GID 65534" in message and "ROOT closed" in message, message
-    if not spawn._open_to_others(sys.executable):
-        prefix = message.split("PYTHON ")[1].split()[0]
-        assert prefix.startswith(spawn.COPIES), message
-        info = os.stat(prefix)
-        assert info.st_uid == 0 and not info.st_mode & 0o022, oct(info.st_mode)
+    assert f"PYTHON {sys.base_prefix} " in message, message
+    assert "warning" not in result["exercises"][0]
+
+
+def test_a_clone_in_a_folder_only_its_owner_may_enter_still_grades_as_nobody(tmp_path, marked):
+    """A clone in a 0700 folder (what ``mktemp -d`` makes, or root's home): ``nobody`` cannot pass the folder to
+    reach the clone's torch, yet learner code runs as ``nobody`` with that torch, and the solution gets full marks.
+    As root the checkout is bound into such a folder in a mount namespace of the test's own, its package first on
+    the path, so that everything the sandbox runs lies behind the closed folder."""
+    closed = tmp_path / "closed"
+    clone = closed / "clone"
+    clone.mkdir(parents=True)
+    closed.chmod(0o700)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "ex01_ring_allreduce.py").write_text(WHOAMI)
+    program = (
+        "import json\n"
+        "import gpucourse\n"
+        "from gpucourse.grading import runner\n"
+        f"result = runner.grade_runs([('ex01', {str(tmp_path / 'mine' / 'ex01_ring_allreduce.py')!r}, 1),\n"
+        f"                            ('ex01', {str(clone / 'solutions' / 'ex01_ring_allreduce.py')!r}, 1)])\n"
+        "print(json.dumps({'package': gpucourse.__file__, 'result': result}))\n")
+    if os.geteuid() == 0:
+        script = (f"mount --make-rprivate / && mount --bind {REPO} {clone} && cd {clone} && "
+                  f"exec {clone}/.venv/bin/python -c \"$0\"")
+        command = ["unshare", "-m", "sh", "-c", script, program]
+    else:  # an ordinary user's own 0700 folder is open to that user: a copy of the checkout runs there
+        shutil.copytree(REPO, clone, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".venv", ".git"))
+        command = [sys.executable, "-c", program]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(clone)}, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert said["package"].startswith(str(clone)), said["package"]
+    whoami, solution = said["result"]
+    message = whoami["checks"][0]["message"]
+    uid = 65534 if os.geteuid() == 0 else os.geteuid()
+    assert f"UID {uid} " in message and (os.geteuid() != 0 or f"TORCH {clone}" in message), message
+    assert solution["score"] == solution["max_score"], [c["message"] for c in solution["checks"] if c["points"] == 0]
+    assert not whoami.get("warning") and not solution.get("warning"), whoami.get("warning")
+
+
+def test_a_sandbox_that_cannot_become_nobody_says_why_and_the_grade_says_so_first(tmp_path):
+    """Where the sandbox's user cannot reach what it runs (and no mount namespace opens a way), the sandbox stays
+    root and says why; a grade that ran so says it in its first line."""
+    from gpucourse.grading import report
+
+    if os.geteuid() != 0:
+        pytest.skip("only root changes user")
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    (tmp_path / "open").mkdir()
+    os.chmod(tmp_path / "open", 0o777)
+    # Without walls nobody reaches neither this interpreter (under /root here) nor a 0700 folder; with them, the
+    # interpreter, and an open private folder: then it becomes nobody for good.
+    program = ("import os, sys\nfrom gpucourse.grading import wall\n"
+               "if sys.argv[2] == 'walls': assert wall.raise_walls([], sys.argv[1])\n"
+               "print(repr(wall.drop_to(65534, sys.argv[1], sys.argv[2] == 'walls')), os.geteuid())\n")
+    for folder, walls, said_uid in ((closed, "none", "0"), (closed, "walls", "0"), (tmp_path / "open", "walls", None)):
+        said = subprocess.run([sys.executable, "-c", program, str(folder), walls], capture_output=True, text=True,
+                              timeout=60)
+        if said_uid == "0":
+            assert "cannot reach" in said.stdout and said.stdout.split()[-1] == "0", said.stdout + said.stderr
+        else:
+            assert said.stdout.split() == ["''", "65534"], said.stdout + said.stderr
+    ex = {"exercise": "ex01", "module": "ex01_ring_allreduce", "title": "t", "notebook": "01", "score": 10,
+          "max_score": 10, "error": None, "checks": [], "seed": 1, "warning": "learner code ran as root, ...: why"}
+    text = report.text_report({"folder": "f", "seed": 1, "score": 10, "max_score": 10, "exercises": [ex, ex]})
+    assert text.splitlines()[0] == "warning: learner code ran as root, ...: why" and text.count("warning") == 1

@@ -175,6 +175,7 @@ class Sandbox:
         self.control: socket.socket | None = None
         self.outcomes: dict[int, str] = {}  # batch -> how it ended, as the sandbox said
         self.late_imports: set[str] = set()  # slow modules a rank imported that its exercise does not name
+        self.as_root = ""  # why learner code ran as root where it was to run as ``user`` (the sandbox says)
         self._heard = b""
         self.gone = False  # the sandbox process has closed its end
 
@@ -258,6 +259,7 @@ class Sandbox:
                 said = json.loads(line)
                 self.outcomes[int(said["batch"])] = str(said.get("outcome") or "")
                 self.late_imports.update(n for n in said.get("late_imports") or () if n in wire.SLOW_IMPORTS)
+                self.as_root = str(said.get("as_root") or "")[:500]
             except (ValueError, KeyError, TypeError):
                 continue
 
@@ -448,6 +450,8 @@ def grade_exercise(ex: core.Exercise, path: str, spec: dict, sandbox: Sandbox) -
     if sandbox.late_imports:
         result["late_imports"] = sorted(sandbox.late_imports)
         sandbox.late_imports.clear()
+    if sandbox.as_root:
+        result["warning"] = f"learner code ran as root, not as an unprivileged user: {sandbox.as_root}"
     return result
 
 

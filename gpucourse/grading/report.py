@@ -18,9 +18,14 @@ def _indent(text: str, prefix: str, width: int = 100) -> str:
     return "\n".join(prefix + line for line in lines)
 
 
+def warnings(result: dict) -> list[str]:
+    """What the grader says of how it graded (learner code run as root), each once, whatever the exercise."""
+    return list(dict.fromkeys(ex["warning"] for ex in result["exercises"] if ex.get("warning")))
+
+
 def text_report(result: dict, show_passed: bool = False) -> str:
     """The terminal table: one line per exercise, and under it each failing check, what was seen, and a hint."""
-    rows = [f"graded {result['folder']}  (seed {result['seed']})", ""]
+    rows = [f"warning: {w}" for w in warnings(result)] + [f"graded {result['folder']}  (seed {result['seed']})", ""]
     width = max([len(e["module"]) for e in result["exercises"]] + [8])
     for ex in result["exercises"]:
         rows.append(f"{ex['module']:<{width}}  {ex['score']:>3}/{ex['max_score']:<3} {ex['title']}")
@@ -49,6 +54,7 @@ def html_report(result: dict) -> str:
     """The notebook summary: per exercise, each check passed or failed, what was seen, the hint, the score."""
     esc = html.escape
     parts = ['<div class="gpucourse-grade" style="font-family: sans-serif; line-height: 1.4">']
+    parts += [f'<div style="color: #b31d28"><b>warning:</b> {esc(w)}</div>' for w in warnings(result)]
     for ex in result["exercises"]:
         full = ex["score"] == ex["max_score"]
         parts.append(f'<h4 style="margin: 0.6em 0 0.3em">{esc(ex["module"])}: {esc(ex["title"])} — '

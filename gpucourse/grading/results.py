@@ -9,7 +9,8 @@ An exercise's result is a plain dict (it travels as JSON)::
                  "message": "what was seen", "hint": "what to think about", "world_size"}]}
 
 and, when a rank had to import a slow module its exercise does not name (``Exercise.rank_imports``),
-``"late_imports": ["torch._dynamo"]``.
+``"late_imports": ["torch._dynamo"]``; and where the grader is root but learner code could not run as an
+unprivileged user, ``"warning": "learner code ran as root, ...: why"`` (the report's first line).
 """
 
 from __future__ import annotations

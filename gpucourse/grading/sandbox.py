@@ -544,12 +544,14 @@ def censored_virtual_schedules(source: str) -> types.ModuleType:
 CENSORED_ON_IMPORT = ("gpucourse.parallel.schedules_virtual",)
 
 
-def main(control_fd: int, sources: dict[str, str], library: tuple = ()) -> int:
+def main(control_fd: int, sources: dict[str, str], library: tuple = (), as_root: str = "") -> int:
     """Serve the host's batches (started by :mod:`gpucourse.grading.wall`, which raised the walls first).
 
     ``sources``: the text of ``gpucourse/parallel/schedules.py`` and ``schedules_virtual.py`` by module name,
     read before the walls went up; emptied here, so that only the censored modules outlive this call. ``library``:
-    where the grader's packages live (readable by learner code even inside a hidden folder)."""
+    where the grader's packages live (readable by learner code even inside a hidden folder). ``as_root``: why
+    this process is still root where it was to run as an unprivileged user ("" where it is not), told to the host
+    with every batch."""
     from ..runtime import LaunchError, LaunchTimeout, WorkerError, launch
     from ..runtime import launcher
 
@@ -591,7 +593,8 @@ def main(control_fd: int, sources: dict[str, str], library: tuple = ()) -> int:
             outcome = json.dumps({"rank": None, "type": type(e).__name__, "message": str(e)[:2000], "traceback": ""})
         except Exception as e:  # noqa: BLE001 -- a rank that ended in a way the launcher has no word for
             outcome = json.dumps({"rank": None, "type": type(e).__name__, "message": str(e)[:2000], "traceback": ""})
-        control.sendall((json.dumps({"batch": batch["batch"], "outcome": outcome, "late_imports": late})
+        control.sendall((json.dumps({"batch": batch["batch"], "outcome": outcome, "late_imports": late,
+                                  "as_root": as_root})
                          + "\n").encode())
     return 0
 

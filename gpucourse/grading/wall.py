@@ -3,6 +3,11 @@
 On Linux the sandbox process moves into a mount namespace of its own (with a
 user namespace when it is not root) in which:
 
+- what it runs (the interpreter, the packages, the course's package, its own
+  folder) can be reached by the user it becomes even where a folder above them
+  is closed to that user (``/root``, a clone in a 0700 folder): that folder is
+  covered by an empty one holding only those paths, bound back in place;
+
 - the repository is hidden except for the Python environment that may live
   in it, and of the package only what the sandbox itself runs is left
   (``__init__``, ``readable``, ``clock``, ``runtime``, and of ``grading`` the sandbox,
@@ -14,13 +19,17 @@ user namespace when it is not root) in which:
   ``/proc``, ``/sys``).
 
 Every process the learner's code could start, even one that escaped the audit
-hook (see :mod:`gpucourse.grading.sandbox`), is in that namespace too. Where
-namespaces are not allowed, nothing is changed and the audit hook stands alone.
+hook (see :mod:`gpucourse.grading.sandbox`), is in that namespace too. Started
+as root, the process becomes the unprivileged user once the walls are up. Where
+namespaces are not allowed, nothing is changed and the audit hook stands alone;
+as root it still becomes that user if the user can reach what it runs, and
+otherwise stays root and says why in every result (:func:`drop_to`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import os
 import sys
@@ -93,6 +102,83 @@ def covered(hidden: list[str], private: str, library: tuple = ()) -> list[str]:
     return sorted(set(out))
 
 
+def needed(private: str, library: tuple = ()) -> list[str]:
+    """The folders the sandbox runs from: the interpreter's prefixes, the packages, the course's package, the
+    folders on ``sys.path`` and its own private folder."""
+    paths = (sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix, PACKAGE, private, *library, *sys.path)
+    return sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)})
+
+
+def _closed_above(path: str) -> str | None:
+    """The topmost folder above ``path`` that others may not pass through, or None."""
+    parts = path.split(os.sep)
+    for i in range(2, len(parts)):
+        folder = os.sep.join(parts[:i])
+        if not os.stat(folder).st_mode & 0o001:
+            return folder
+    return None
+
+
+def _make_open_folders(path: str) -> None:
+    """``path`` and the folders above it, made where missing, each 0755 whatever the umask."""
+    parent = os.path.dirname(path)
+    if parent != path and not os.path.isdir(parent):
+        _make_open_folders(parent)
+    if not os.path.isdir(path):
+        os.mkdir(path)
+        os.chmod(path, 0o755)
+
+
+def reveal(libc, paths: list[str]) -> None:
+    """Open a way to ``paths`` through the folders above them that others may not pass: the topmost such folder
+    is covered by an empty one that anyone may pass through, holding only those paths, each bound back in place
+    (so every path, and every path written into the environment, stays what it was)."""
+    closed: dict[str, list[str]] = {}
+    for path in paths:
+        top = _closed_above(path)
+        if top is not None:
+            closed.setdefault(top, []).append(path)
+    for top, inside in sorted(closed.items()):
+        handles = {path: os.open(path, os.O_PATH) for path in inside}  # the real folders, before the cover hides them
+        _mount(libc, "tmpfs", top, "tmpfs", MS_NOSUID | MS_NODEV, "size=16k,mode=755")
+        bound: list[str] = []
+        for path in sorted(inside):
+            if not any(_under(path, b) for b in bound):  # a path inside one bound already came back with it
+                _make_open_folders(path)
+                _mount(libc, f"/proc/self/fd/{handles[path]}", path, None, MS_BIND | MS_REC)
+                bound.append(path)
+            os.close(handles[path])
+
+
+def _unreachable(user: int, private: str) -> list[str]:
+    """What ``user`` could not read (or, for its own folder, write) of what the sandbox runs, asked of the kernel
+    with that user's identity for a moment."""
+    spec = importlib.util.find_spec("torch")
+    wanted = [(sys.executable, os.X_OK), (os.__file__, os.R_OK), (os.path.join(PACKAGE, "__init__.py"), os.R_OK),
+              (private, os.W_OK | os.X_OK)] + ([(spec.origin, os.R_OK)] if spec and spec.origin else [])
+    os.setegid(user)
+    os.seteuid(user)
+    try:
+        return [path for path, mode in wanted if not os.access(path, mode, effective_ids=True)]
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
+def drop_to(user: int, private: str, walled: bool = False) -> str:
+    """Become ``user`` for good (no way back to root), or say why this process stays root ("" once it is
+    ``user``): it is better to grade as root and say so than not to grade at all."""
+    missing = _unreachable(user, private)
+    if missing:
+        return f"the sandbox's user (uid {user}) cannot reach {missing[0]}" + (
+            "" if walled else " and this machine allows no mount namespace to open a way to it")
+    os.setgroups([])
+    os.setresgid(user, user, user)
+    os.setresuid(user, user, user)
+    _libc().prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE, which changing user cleared: as if it had started as the user
+    return ""
+
+
 def raise_walls(hidden: list[str], private: str, library: tuple = ()) -> bool:
     """Move this process into its own mount namespace with the repository hidden and the files read-only
     (but ``private``). False, and nothing changed, where the machine does not allow it."""
@@ -114,6 +200,8 @@ def raise_walls(hidden: list[str], private: str, library: tuple = ()) -> bool:
             return False
     if not _mount(libc, None, "/", None, MS_REC | MS_PRIVATE):
         return False
+    if uid == 0:
+        reveal(libc, needed(private, library))
     targets = covered(hidden, private, library)
     for path in targets:
         if os.path.isdir(path):
@@ -150,10 +238,11 @@ def main(argv: list[str]) -> int:
         with open(os.path.join(PACKAGE, "parallel", f"{name}.py"), encoding="utf-8") as f:
             sources[name] = f.read()
     library = tuple(spec.get("library", ()))
-    raise_walls(spec["hidden_paths"], spec["private"], library)
+    walled = raise_walls(spec["hidden_paths"], spec["private"], library)
+    as_root = drop_to(spec["user"], spec["private"], walled) if spec.get("user") is not None else ""
     from .sandbox import main as sandbox_main
 
-    return sandbox_main(int(argv[0]), sources, library)
+    return sandbox_main(int(argv[0]), sources, library, as_root)
 
 
 if __name__ == "__main__":
