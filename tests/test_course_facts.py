@@ -546,6 +546,31 @@ def test_notebook_10_chooses_a_save_interval_from_a_failure_rate_and_reads_a_han
     assert "Watchdog caught collective operation timeout" in text and "10 minutes by default for NCCL" in text
 
 
+def test_notebook_10_says_the_flight_recorder_and_the_heartbeat_monitor_are_on_by_default():
+    """PyTorch 2.13 records each rank's last 2000 collectives unless told otherwise (FlightRecorder.hpp, installed
+    with torch) and dumps them at a timeout, to $HOME/.cache/torch/comm_lib_trace_rank_<rank> (FlightRecorder.cpp);
+    ProcessGroupNCCL's heartbeat monitor then ends the process 480 s later even with
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (ProcessGroupNCCL.cpp, HeartbeatMonitor::runLoop; pytorch/pytorch#133237,
+    #143446). Nothing needs turning on."""
+    import pathlib
+
+    import torch
+
+    header = pathlib.Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/FlightRecorder.hpp"
+    assert re.search(r'\{"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"\},\s*2000\)', header.read_text())
+    text = prose("10_accelerate_scaling")
+    for said in ("read the **flight recorder**, on by default in PyTorch 2.13: each rank keeps its last 2,000 "
+                 "collectives in a ring buffer (`TORCH_FR_BUFFER_SIZE`, formerly `TORCH_NCCL_TRACE_BUFFER_SIZE`; 0 "
+                 "turns it off)", "(`TORCH_NCCL_DUMP_ON_TIMEOUT`, also on by default), writes it to "
+                 "`~/.cache/torch/comm_lib_trace_rank_<rank>` (`TORCH_FR_DUMP_TEMP_FILE`, formerly "
+                 "`TORCH_NCCL_DEBUG_INFO_TEMP_FILE`, sets another prefix", "`torchfrtrace`",
+                 "Even at 0, which tears nothing down, the rank does not wait for ever: a heartbeat monitor thread "
+                 "(`TORCH_NCCL_ENABLE_MONITORING`, on by default) writes the flight recorder's dump, waits "
+                 "`TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC` (480 s) and ends the process"):
+        assert said in text, said
+    assert "turn on the **flight recorder**" not in text and "(N > 0)" not in text
+
+
 def test_notebook_08_times_each_overlap_knob_on_the_cluster_model():
     """08: on Llama 3 70B over 64 H100s, --tp-comm-overlap hides 11 s of tp all-reduces, a sixth of a tp 8 × pp 2
     step; --overlap-grad-reduce hides all of a tp 2 × dp 32 step's gradient reduction."""

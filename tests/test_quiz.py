@@ -1849,6 +1849,54 @@ def test_fault_tolerance_figures(tmp_path):
     assert "RNG generators" in Accelerator.save_state.__doc__
 
 
+def c10d_header(name: str) -> str:
+    """One of the c10d headers the installed torch ships (torch/include/torch/csrc/distributed/c10d)."""
+    folder = os.path.join(os.path.dirname(torch.__file__), "include", "torch", "csrc", "distributed", "c10d")
+    with open(os.path.join(folder, name), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_timeout_questions_say_what_pytorch_2_13_does():
+    """ft-flight-recorder and ft-async-error-zero, against the installed torch: the flight recorder keeps 2000
+    entries unless told otherwise (FlightRecorder.hpp), and ProcessGroupNCCL has a heartbeat monitor with the
+    switches the questions name (ProcessGroupNCCL.hpp). What the monitor does is in ProcessGroupNCCL.cpp, not
+    installed (HeartbeatMonitor::runLoop; pytorch/pytorch#133237 and #143446 made the dump the default): at a
+    timeout it writes the dump, sleeps TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (480 s) and ends the process, whatever
+    TORCH_NCCL_ASYNC_ERROR_HANDLING says; the dump goes to $HOME/.cache/torch/comm_lib_trace_rank_<rank>
+    (FlightRecorder.cpp, DebugInfoWriter::getWriter)."""
+    from importlib.metadata import entry_points
+
+    recorder, pg = c10d_header("FlightRecorder.hpp"), c10d_header("ProcessGroupNCCL.hpp")
+    assert re.search(r'getCvarInt\(\s*\{"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"\},\s*2000\)', recorder)
+    for name in ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"):
+        assert f'"{name}"' in pg, name
+    assert all(word in pg for word in ("class HeartbeatMonitor", "dumpOnTimeoutOrEx_", "heartbeatTimeoutInSec_"))
+    [script] = [e for e in entry_points(group="console_scripts") if e.name == "torchfrtrace"]
+    assert script.value == "torch.distributed.flight_recorder.fr_trace:main"
+    # ft-flight-recorder: nothing to set, the dumps are already there.
+    q = BY_ID["ft-flight-recorder"]
+    assert "PyTorch 2.13" in q["question"] and "No TORCH_ or NCCL_ variable is set" in q["question"]
+    assert q["answer"] == choice_with("ft-flight-recorder", "flight-recorder dump in ~/.cache/torch")
+    assert "torchfrtrace" in q["choices"][q["answer"]]
+    assert choice_with("ft-flight-recorder", "nowhere yet") != q["answer"]
+    for said in ("on by default", "its last 2000 collectives", "TORCH_FR_BUFFER_SIZE, formerly "
+                 "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT also on by default",
+                 "$HOME/.cache/torch/comm_lib_trace_rank_<rank>", "TORCH_FR_DUMP_TEMP_FILE, formerly "
+                 "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "torch.distributed.flight_recorder.fr_trace"):
+        assert said in q["explanation"], said
+    assert "0, the default" not in q["explanation"] and "/tmp" not in q["explanation"]
+    # ft-async-error-zero: the timeout at 10 minutes, the monitor's 480 s after the dump: about 18 minutes.
+    q = BY_ID["ft-async-error-zero"]
+    assert 10 + 480 / 60 == 18 and "PyTorch 2.13" in q["question"]
+    assert q["answer"] == choice_with("ft-async-error-zero", "about 18 minutes after the failure")
+    assert choice_with("ft-async-error-zero", "stuck since the night") != q["answer"]
+    for said in ("TORCH_NCCL_DUMP_ON_TIMEOUT, on by default", "TORCH_NCCL_ENABLE_MONITORING, on by default",
+                 "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (480 s", "whatever TORCH_NCCL_ASYNC_ERROR_HANDLING says",
+                 "TORCH_NCCL_ENABLE_MONITORING=0 or TORCH_NCCL_DUMP_ON_TIMEOUT=0"):
+        assert said in q["explanation"], said
+    assert "so the ranks wait forever" not in q["explanation"]
+
+
 def test_offload_figures():
     from torch.distributed.fsdp import CPUOffloadPolicy
 
