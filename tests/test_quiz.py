@@ -1967,8 +1967,21 @@ def test_compile_figures():
 
 
 def test_mig_and_hsdp_figures():
-    # mig-ddp-slow and mig-profile-size: 8 A100s × 7 instances = 56 ranks; a 1g.10gb has 10 GB, a 3g.40gb 40 GB.
+    # mig-ddp-start and mig-profile-size: 8 A100s × 7 instances = 56 ranks; a 1g.10gb has 10 GB, a 3g.40gb 40 GB.
     assert 8 * 7 == 56 and 10 < 30 <= 40
+    # mig-ddp-start: the job does not start at all. NCCL knows a GPU by its PCI bus ID, which a GPU's MIG instances
+    # share, and from 2.5 refuses two ranks on one (NVIDIA/nccl#418: "Duplicate GPU detected"), as the course's own
+    # device check says; the stem names an NCCL of that range (the newest add experimental MIG support).
+    from gpucourse.runtime.devices import PLATFORMS
+
+    seat = PLATFORMS["mig-a100-1g.10gb"].devices
+    assert seat.mig and seat.cuda_ranks == 1 and "Duplicate GPU detected" in seat.shortfall(2)
+    q = BY_ID["mig-ddp-start"]
+    assert "(NCCL 2.21)" in q["question"] and "never reaches its first step" in q["question"]
+    assert "far slower" not in q["question"] and "mig-ddp-slow" not in BY_ID
+    assert q["answer"] == choice_with("mig-ddp-start", "share that GPU's PCI bus ID")
+    assert "'Duplicate GPU detected" in q["explanation"] and "since 2.5" in q["explanation"]
+    assert "no peer-to-peer path" in q["explanation"] and "experimental" in q["explanation"]
     # hsdp-cross-node-bytes: a 3.25 GB shard; a ring among 4 replicas sends 1.5 times it.
     assert 13e9 * BF16_BYTES / 8 / 1e9 == 3.25 and RING_FACTOR["all_reduce"](4) == 1.5
     assert NUMERIC["hsdp-cross-node-bytes"]() == pytest.approx(4.875)
