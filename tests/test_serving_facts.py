@@ -383,6 +383,29 @@ def test_fp8_kv_cache_and_fp8_weights():
     assert "FP8 weights cut the batch-1 step by about a third" in notebook()
 
 
+def test_fp8_tensor_cores_from_ada_on_and_weight_only_fp8_on_ampere():
+    """FP8 weights speed prefill only where tensor cores multiply in FP8 — compute capability 8.9 on (the L4, as
+    notebook 07 says, then the H100) — and only with FP8 activations too (W8A8); on an A100 they are weight-only
+    (W8A16): half the bytes, the bf16 peak, a prefill no shorter."""
+    from gpucourse.runtime.devices import PLATFORMS
+
+    gpus = [PLATFORMS[name].devices.gpus[0] for name in ("cloud-l4", "cloud-8xh100", "cloud-8xa100")]
+    assert [(g.capability, g.fp8) for g in gpus] == [((8, 9), True), ((9, 0), True), ((8, 0), False)]
+    l4, a100 = get_gpu("l4"), get_gpu("a100")
+    assert l4.peak_flops("fp8") == pytest.approx(2 * l4.peak_flops("bf16"), rel=0.01)
+    assert a100.peak_flops("fp8") == a100.peak_flops("bf16")
+    s = get_shape("llama3-8b")
+    first = {(g.name, w): serve_plan.prefill(s, g, 1, 2048, weights=w)["first_token_s"]
+             for g in (l4, a100) for w in ("bf16", "fp8")}
+    assert 1 - first["l4", "fp8"] / first["l4", "bf16"] > 0.3
+    assert abs(1 - first["a100", "fp8"] / first["a100", "bf16"]) < 0.01
+    text = notebook()
+    assert ("From Ada on (compute capability 8.9: the L4 and L40S; then Hopper's H100) tensor cores multiply in FP8 "
+            "at twice the bf16 peak, and prefill speeds up too when the activations are FP8 as well (W8A8)") in text
+    assert "on Ampere (the A100), which has no FP8 tensor cores, FP8 weights run weight-only (W8A16" in text
+    assert "on Hopper and later the tensor cores" not in text
+
+
 # --- the Change cell's prediction -----------------------------------------------------------------------------------
 
 def test_what_to_predict_the_largest_batch_from():
