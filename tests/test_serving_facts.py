@@ -166,6 +166,16 @@ def test_the_single_stream_ceiling():
     assert 1 / (floor / 2) > 400    # FP8 weights: about 2.4 ms, over 400 tokens/s
     assert round(floor / 2 * 1e3, 1) == 2.4
     assert right("srv-tpot-floor").startswith("about 210 tokens/s; FP8 or INT4")
+    # FP8 halves the read, but the modeled step (its kernels and what the engine spends besides them) falls by
+    # about a third, to about 190 tokens/s: what notebook 14 prints, and short of the 300 the question asks for.
+    step = {w: serve_plan.decode_step(s, H100, 1, 4096, weights=w) for w in ("bf16", "fp8")}
+    assert step["fp8"]["bytes_read"] < 0.52 * step["bf16"]["bytes_read"]
+    assert 0.28 < 1 - step["fp8"]["token_s"] / step["bf16"]["token_s"] < 0.42
+    assert round(step["fp8"]["tokens_per_s"], -1) == 190 < 300
+    q = BY_ID["srv-tpot-floor"]
+    assert "what raises that ceiling?" in q["question"] and "what could reach the target" not in q["question"]
+    assert "FP8 weights halve the read (about 2.4 ms, a ceiling over 400 tokens/s)" in q["explanation"]
+    assert "FP8 weights cut the batch-1 step by about a third, to about 190 tokens/s" in q["explanation"]
 
 
 # --- continuous batching, its metrics, paging, preemption, chunked prefill -----------------------------------------
@@ -380,7 +390,7 @@ def test_fp8_kv_cache_and_fp8_weights():
     assert 0.3 < 1 - prefill["fp8"] / prefill["bf16"] < 0.4
     assert (H100.peak_flops("fp8"), H100.peak_flops("bf16")) == (1979e12, 989e12)  # twice, to rounding
     assert right("srv-fp8-prefill") == "FP8: tensor cores multiply FP8 at twice bf16's peak: a third less"
-    assert "FP8 weights cut the batch-1 step by about a third" in notebook()
+    assert "FP8 weights halve the weights' read and so cut the batch-1 step by about a third" in notebook()
 
 
 def test_fp8_tensor_cores_from_ada_on_and_weight_only_fp8_on_ampere():
