@@ -527,6 +527,29 @@ def test_notebook_07_compares_none_selective_and_full_recomputation_on_gpt3():
     assert "for a step a third longer" in text
 
 
+def test_notebook_07_says_selective_recomputation_now_chooses_modules():
+    """Recipes do not choose between none and full: Megatron-Core's selective granularity recomputes the modules
+    ``--recompute-modules`` names (TransformerConfig.recompute_modules: core_attn by default; moe_act, layernorm,
+    mla_up_proj, mlp, moe, shared_experts), and NeMo's guidance (Megatron Bridge, "Activation Recomputation")
+    starts with selective, comparing core_attn against no module under fused attention, and turns to full only when
+    that does not fit. The course's own selective recomputation is Megatron's default, attention's core."""
+    import inspect
+
+    from gpucourse.parallel import activation_checkpointing
+
+    assert "attention core" in " ".join(activation_checkpointing.checkpoint_attention.__doc__.split())
+    assert "return checkpoint_attention(model)" in inspect.getsource(activation_checkpointing.recompute)
+    text = prose("07_memory_batch")
+    assert "choose between no recomputation and full recomputation" not in text
+    for said in ("so selective recomputation today chooses which modules of every block to recompute: "
+                 "Megatron-Core's `--recompute-granularity selective` takes them from `--recompute-modules` — "
+                 "`core_attn` by default, and also `mlp`, `layernorm`, `moe_act`, `mla_up_proj` and others",
+                 "with `--recompute-method block` the first `--recompute-num-layers` of each pipeline stage",
+                 "NVIDIA's NeMo guidance starts with selective recomputation (with a fused attention, comparing "
+                 "`core_attn` against no module at all), turns to full only when that does not fit"):
+        assert said in text, said
+
+
 def test_notebook_10_chooses_a_save_interval_from_a_failure_rate_and_reads_a_hang():
     """10: Young's interval at Llama 3 405B's published failure rate (419 unexpected interruptions in 54 days),
     the NCCL watchdog's message and settings named as PyTorch's docs name them."""
