@@ -640,6 +640,24 @@ def test_notebook_06_compares_hsdp_with_full_sharding_and_names_mig_and_mps():
     assert "up to 7 isolated instances" in text and "`1g.10gb`, `3g.40gb` and `7g.80gb` on an 80 GB A100" in text
 
 
+def test_notebook_06_says_what_mps_isolates_and_what_it_does_not():
+    """NVIDIA's MPS documentation: since Volta each client has its own GPU address space, and a client's memory
+    (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT) and share of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) can be capped; the
+    clients still share the memory bandwidth and the L2 cache, and a fatal fault in one reaches every client on
+    that GPU (error containment). Notebook 06 and the tenant question say so."""
+    text = prose("06_hybrid_planning")
+    assert "but no memory or fault isolation" not in text
+    for said in ("Since Volta each client has its own GPU address space, and its memory and its share of the SMs "
+                 "can be capped (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`, `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`)",
+                 "what MPS does not partition is the memory bandwidth and the L2 cache, and it does not contain "
+                 "faults: a fatal GPU fault in one client can take down every client on that GPU"):
+        assert said in text, said
+    explanation = BY_ID["mig-tenant-isolation"]["explanation"]
+    assert "the clients share the GPU's memory" not in explanation
+    assert "each in its own address space" in explanation and "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" in explanation
+    assert "partitions neither the memory bandwidth nor the L2 cache" in explanation
+
+
 def test_what_notebook_07_says_offload_moves_and_costs():
     """Llama 3 8B's Adam state (fp32 masters and two moments) is 96 GB; the CPU step moves 28 bytes a parameter;
     ZeRO-2 over eight GPUs gives each an eighth of the CPU's work."""
