@@ -11,6 +11,7 @@ import functools
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from gpucourse import current, launch, report
-from procs import identity, wait_for
+from procs import alive, identity, read_identities, wait_for
 
 
 def note_identity(folder) -> None:
@@ -63,6 +64,25 @@ def os_exit_on(bad: int, code: int, folder):
     if current().rank == bad:
         os._exit(code)
     dist.barrier()
+
+
+def os_exit_then_late_error(folder):
+    """Rank 2 ends with ``os._exit``; rank 1 raises only after the agent, having seen rank 2 go, has stopped rank 0.
+
+    What a peer busy in C++ when the agent's SIGTERM comes can do (about once in 300 launches of
+    ``os_exit_on``): its error then finds ranks 0 and 2 both gone without a note, though only rank 2 died first.
+    """
+    rank = current().rank
+    if rank == 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # outlives the agent's teardown
+    note_identity(folder)
+    dist.barrier()
+    if rank == 2:
+        os._exit(7)
+    if rank == 1:
+        wait_for(lambda: not alive(read_identities(Path(folder))[0]), 30, "the agent to stop rank 0")
+        raise RuntimeError("Connection closed by peer")
+    time.sleep(120)  # rank 0: until the agent stops it
 
 
 def skip_barrier(skipper: int, folder):

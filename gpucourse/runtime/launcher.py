@@ -398,18 +398,22 @@ def _notes(run_dir: str, kind: str) -> dict[int, dict]:
 
 
 def _worker_error(run_dir: str, failures: dict) -> WorkerError:
+    # The agent reports one failure, the first exit it saw; only then does it stop the other ranks (SIGTERM).
+    rank = agent_first = min(failures)
     errors = _notes(run_dir, "error")
     if errors:
         first = min(errors.values(), key=lambda e: e.get("time", 0))
         # A rank that ends without raising (os._exit, a crash, the OOM killer)
         # leaves no note, and makes its peers raise "connection closed" in their
         # next collective: the first of those names it, and it is the cause.
-        if not first.get("silent_exits"):
+        gone = first.get("silent_exits")
+        if not gone:
             return WorkerError(first["rank"], first["type"], first["message"], first["traceback"])
-        rank = first["silent_exits"][0]
-    else:
-        rank = min(failures)
-    # The agent reports only the first exit it saw, which may be a peer's.
+        # The ranks the agent stopped leave no note either, and a peer that raised late finds them gone too: the
+        # exit the agent saw first came before those. When that rank is not listed, it ended after this note was
+        # taken, so nothing had been stopped yet and every rank listed ended on its own.
+        rank = agent_first if agent_first in gone else gone[0]
+    # The agent's exit code is known for its first exit only, which may be a peer's.
     code = failures[rank].exitcode if rank in failures else None
     if code is not None and code < 0:
         what = f"was killed by {signal.Signals(-code).name}"

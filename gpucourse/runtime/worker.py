@@ -138,9 +138,12 @@ def rank_main(fn, args: tuple, kwargs: dict, spec: dict):
         _note(run_dir, f"done-{rank}.json", {"time": time.time()})
         _wait_for_all_ranks()
     except BaseException as e:  # SystemExit and KeyboardInterrupt are failures of the rank too
+        # Looked at before the time is taken: every rank listed was gone before this note's time (which the
+        # launcher's choice of culprit relies on).
+        gone = _silent_exits(run_dir)
         _note(run_dir, f"error-{rank}.json", {
             "rank": rank, "type": type(e).__name__, "message": str(e),
-            "traceback": traceback.format_exc(), "time": time.time(), "silent_exits": _silent_exits(run_dir)})
+            "traceback": traceback.format_exc(), "time": time.time(), "silent_exits": gone})
         raise
     finally:
         collective_status.uninstall()
