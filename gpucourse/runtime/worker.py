@@ -154,6 +154,9 @@ def rank_main(fn, args: tuple, kwargs: dict, spec: dict):
     return value
 
 
+_PF_EXITING = 0x4  # in the flags of /proc/<pid>/stat: the process has begun to exit
+
+
 def _silent_exits(run_dir: str) -> list[int]:
     """Ranks whose process has already ended without leaving an error or a done note.
 
@@ -174,8 +177,11 @@ def _silent_exits(run_dir: str) -> list[int]:
             pid = json.load(f)["pid"]
         try:
             with open(f"/proc/{pid}/stat") as f:
-                # A zombie has ended already; only the agent has not reaped it yet.
-                running = f.read().rsplit(")", 1)[1].split()[0] != "Z"
+                fields = f.read().rsplit(")", 1)[1].split()
+            # A zombie has ended already; only the agent has not reaped it yet. A rank whose exit has begun
+            # counts as ended too: the kernel closes its connections (which this rank may be failing on) after
+            # it sets PF_EXITING and before the rank is a zombie.
+            running = fields[0] != "Z" and not int(fields[6]) & _PF_EXITING
         except OSError:
             running = False
         if not running:
