@@ -658,6 +658,24 @@ def test_notebook_06_says_what_mps_isolates_and_what_it_does_not():
     assert "partitions neither the memory bandwidth nor the L2 cache" in explanation
 
 
+def test_notebook_06_says_which_gpus_have_mig_and_what_must_be_idle_to_change_it():
+    """MIG is on data-center GPUs (A100, A30, H100, H200, B200), not on the Ada L4 or L40S, whatever their compute
+    capability; changing a profile needs only the instances it replaces idle (the others keep running), turning
+    MIG mode on or off the whole GPU (NVIDIA's MIG user guide)."""
+    from gpucourse.runtime.devices import PLATFORMS
+
+    l4 = PLATFORMS["cloud-l4"].devices.gpus[0]
+    assert l4.capability > PLATFORMS["cloud-8xa100"].devices.gpus[0].capability and l4.mig is None
+    text = prose("06_hybrid_planning")
+    assert "MIG** (Multi-Instance GPU, A100 and later)" not in text
+    assert ("**MIG** (Multi-Instance GPU: data-center GPUs from the A100 and A30 on, the H100, H200 and B200 too, but "
+            "not the L4 or L40S)") in text
+    explanation = BY_ID["mig-profile-size"]["explanation"]
+    assert "while the GPU is idle" not in explanation
+    assert ("only the instances being changed must be idle, the GPU's other instances keep running (turning MIG "
+            "mode itself on or off is what needs the whole GPU idle)") in explanation
+
+
 def test_what_notebook_07_says_offload_moves_and_costs():
     """Llama 3 8B's Adam state (fp32 masters and two moments) is 96 GB; the CPU step moves 28 bytes a parameter;
     ZeRO-2 over eight GPUs gives each an eighth of the CPU's work."""
