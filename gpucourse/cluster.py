@@ -56,16 +56,17 @@ has the ring's n − 1 steps and more bytes, so there the ring always wins; acro
 many servers its few network hops win small and medium messages; NCCL gives a
 tree 0.92 of a ring's bandwidth (``TREE_BANDWIDTH``). Each runs in one of
 NCCL's protocols (:data:`PROTOCOLS`): Simple, as written above; LL, whose steps
-cost a fraction of Simple's latency at a quarter of the bandwidth; LL128, in
-between (about half Simple's latency at 0.92 of its bandwidth). On a server of
-GPUs with NVLink SHARP (H100 and later), an all-reduce may also run as **NVLS**:
-the switches reduce the data in flight, so each GPU sends its buffer once and
-receives the sum once, S ÷ (link × ``nvls_efficiency``) after NCCL's 25 µs
-(:meth:`Cluster.nvls_s`). An all-reduce takes whichever algorithm and protocol
-is fastest, as NCCL's tuner does (:meth:`Cluster.choice` names them). β is the
-link's bandwidth × ``bus_efficiency`` (the share of it nccl-tests' bus
-bandwidth reaches). NVLS across servers (NVLS-tree) and InfiniBand SHARP are
-not modeled.
+cost a fraction of Simple's latency at a quarter of the bandwidth (NCCL's
+tuning figure for a ring's LL up to 2.20; from 2.21 NCCL gives it half);
+LL128, in between (about half Simple's latency at 0.92 of its bandwidth). On a
+server of GPUs with NVLink SHARP (H100 and later), an all-reduce may also run
+as **NVLS**: the switches reduce the data in flight, so each GPU sends its
+buffer once and receives the sum once, S ÷ (link × ``nvls_efficiency``) after
+NCCL's 25 µs (:meth:`Cluster.nvls_s`). An all-reduce takes whichever algorithm
+and protocol is fastest, as NCCL's tuner does (:meth:`Cluster.choice` names
+them). β is the link's bandwidth × ``bus_efficiency`` (the share of it
+nccl-tests' bus bandwidth reaches). NVLS across servers (NVLS-tree) and
+InfiniBand SHARP are not modeled.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ ADAM_BYTES_PER_PARAM = 28     # read weight, gradient and two moments (fp32), wr
 # refinements). Simple moves data at the link's whole bandwidth and pays the link's latency at every step. LL
 # ("low latency") sends a flag with every 8 bytes, so the receiver needs no separate signal: a step costs a fraction
 # of Simple's latency (the ring's table: 0.47 against 3.4 µs over NVLink, 1.0 against 5.7 over PCIe, 2.7 against 9.6
-# over the network) at a quarter of the bandwidth. LL128, in between, is left out.
+# over the network) at a quarter of the bandwidth: tuning.cc's factor for a ring all-reduce's LL up to NCCL 2.20.
+# From 2.21 NCCL gives it half (busBw × 0.5); the model keeps the quarter, which its figures were made with.
 PROTOCOLS = ("Simple", "LL", "LL128")
 LL_LATENCY = {"NVLink": 0.47 / 3.4, "PCIe": 1.0 / 5.7, "network": 2.7 / 9.6}
 LL_BANDWIDTH = 1 / 4
