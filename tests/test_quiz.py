@@ -1926,7 +1926,14 @@ def test_overlap_figures():
     ddp = inspect.signature(DistributedDataParallel.__init__).parameters
     assert ddp["gradient_as_bucket_view"].default is False and ddp["find_unused_parameters"].default is False
     assert "default size of 25 MiB" in " ".join(DistributedDataParallel.__doc__.split())
-    assert 1.3e9 * 4 / 1e9 == pytest.approx(5.2) and 400 / 4 == 100 and 4 * 25 == 100
+    assert 1.3e9 * 4 / 1e9 == pytest.approx(5.2) and 400 / 4 == 100
+    # dp-bucket-cap-latency: buckets of 4 MiB (the run's own cap, below DDP's 25 MiB default, which is why they are
+    # small enough for latency to rule); four times the cap is 16 MiB and about 100 buckets; 25 MiB about 64.
+    q = BY_ID["dp-bucket-cap-latency"]
+    assert "a few MB" not in q["question"] and "each about 4 MiB, as its bucket_cap_mb=4 makes them" in q["question"]
+    assert 4 * 4 == 16 and 400 * 4 / 16 == 100 and 400 * 4 / 25 == 64
+    assert ("bucket_cap_mb=16, four times the 4 MiB set here, turns about 400 buckets into about 100 (DDP's "
+            "default, 25 MiB, would leave about 64)") in q["explanation"]
     # ovl-fsdp-prefetch: FSDP's default backward prefetch.
     assert inspect.signature(FullyShardedDataParallel.__init__).parameters["backward_prefetch"].default \
         == BackwardPrefetch.BACKWARD_PRE
