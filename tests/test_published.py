@@ -137,3 +137,16 @@ def test_the_docs_quote_the_errors_and_the_table_size_the_model_has():
             f"and the held-out median {e['heldout_median']:.1%}") in text
     assert f"holds {len(published.RUNS)} published runs" in text
     assert f"fitting set ({e['fit_runs']} runs) and a held-out set ({e['heldout_runs']})" in text
+
+
+def test_the_docs_say_the_nvls_figure_was_measured_on_h200_and_held_against_h100():
+    """nvls_efficiency comes from nccl-tests on 8 × H200 (gpucourse/gpus.py); the H100, with the same NVLink and
+    NVSwitch, takes it, and the docs' table holds it against the published 8 × H100 bus bandwidth."""
+    h100, h200 = gpus.get_gpu("h100"), gpus.get_gpu("h200")
+    assert h100.nvls_efficiency == h200.nvls_efficiency == 0.61 and h100.intra_node_GBps == h200.intra_node_GBps
+    row = next(r for r in ROWS if r["name"] == "all-reduce bus bandwidth, 8 H100 (NVLink 4)")
+    assert round(row["reported"] / 1e9) == 470 and round(row["predicted"] / 1e9) == 480
+    text = " ".join(DOC.read_text().split())
+    assert ("(`nvls_efficiency`, 0.61: nccl-tests' 480 GB/s bus bandwidth on 8 × H200, whose NVLink and NVSwitch are "
+            "the H100's, so the H100 takes the same figure; the table below holds it against 8 × H100's published "
+            "470 GB/s)") in text
