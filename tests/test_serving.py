@@ -111,6 +111,34 @@ def test_the_allocator_hands_out_frees_and_says_when_it_is_out():
     assert sorted(blocks.tables["b"]) == [0, 1, 2, 3] and not blocks.free
 
 
+def test_release_gives_the_blocks_back_in_table_order_as_exercise_14_asks():
+    """The package's allocator is exercise 14's reference (notebook 14 says so): its release appends a sequence's
+    blocks to the free list in table order, as the exercise's check and its solution do — reversed is the wrong
+    answer tests/mutants/ex14_paged_attention/release_reversed.py loses points for."""
+    import inspect
+    import runpy
+
+    from gpucourse.grading.checks import ex14_paged_attention as check
+    from procs import REPO
+
+    solution = runpy.run_path(str(REPO / "solutions" / "ex14_paged_attention.py"))["release"]
+    assert "after_free != free + table" in inspect.getsource(check.releases)
+    for table, free in (([4, 2, 9], [1]), ([0], []), ([], [5, 6]), ([8, 3, 1, 7, 6], [2, 0])):
+        blocks = BlockAllocator(num_blocks=10, block_size=4)
+        blocks.free, blocks.tables["s"] = list(free), list(table)
+        blocks.release("s")
+        theirs_table, theirs_free = list(table), list(free)
+        solution(theirs_table, theirs_free)
+        assert blocks.free == free + table == theirs_free and "s" not in blocks.tables and theirs_table == []
+    # So the next sequence takes the released table's last block first, as the exercise's grow would.
+    blocks = BlockAllocator(num_blocks=4, block_size=8)
+    blocks.grow("a", 24)
+    assert blocks.tables["a"] == [0, 1, 2] and blocks.free == [3]
+    blocks.release("a")
+    blocks.grow("b", 8)
+    assert blocks.tables["b"] == [2] and blocks.free == [3, 0, 1]
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_paged_attention_equals_contiguous_attention(seed):
     """Sequences of random lengths fed in random chunks, in random order, through blocks of a shuffled free

@@ -65,8 +65,9 @@ class BlockAllocator:
         self.tables.setdefault(seq, []).extend(self.free.pop() for _ in range(need))
 
     def release(self, seq) -> None:
-        """Give all of ``seq``'s blocks back to the free list."""
-        self.free.extend(reversed(self.tables.pop(seq, [])))
+        """Give all of ``seq``'s blocks back to the end of the free list, in table order (exercise 14's
+        ``release``)."""
+        self.free.extend(self.tables.pop(seq, []))
 
     def used(self) -> int:
         """Blocks held by sequences."""
