@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import csv
 import json
+import secrets
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from gpucourse import cli, grading
-from gpucourse.grading import report, source
+from gpucourse.grading import report, runner, source
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -307,18 +308,15 @@ def test_untouched_exercises_score_zero_and_solutions_full_marks(marked):
 
 @pytest.fixture(scope="module")
 def mutant_results() -> dict[str, dict]:
-    """Every mutant graded, one per exercise in each grading run (so a run covers several at once)."""
-    by_ex = defaultdict(list)
-    for name in WRONG_ANSWERS:
-        by_ex[name[:4]].append(name)
-    rounds = [{ex: str(MUTANTS / f"{names[k]}.py") for ex, names in by_ex.items() if k < len(names)}
-              for k in range(max(map(len, by_ex.values())))]
-    # Three grading runs at a time: each spends most of its time starting ranks, which the others fill.
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        graded = list(pool.map(lambda files: _by_id(grading.grade(REPO / "solutions", list(files), files=files)),
-                               rounds))
-    return {f"{Path(path).parent.name}/{Path(path).stem}": by_id[ex]
-            for files, by_id in zip(rounds, graded) for ex, path in files.items()}
+    """Every mutant graded under one seed, in two grading processes at once (each starts its grader and sandbox
+    once for half the mutants; while one starts ranks, the other's checks run)."""
+    seed = secrets.randbelow(2**31)
+    runs = [(name[:4], str(MUTANTS / f"{name}.py"), seed) for name in sorted(WRONG_ANSWERS)]
+    halves = [runs[k::4] for k in range(4)]
+    with ThreadPoolExecutor(max_workers=len(halves)) as pool:
+        graded = list(pool.map(runner.grade_runs, halves))
+    return {f"{Path(path).parent.name}/{Path(path).stem}": {**result, "seed": seed}
+            for half, results in zip(halves, graded) for (_, path, _), result in zip(half, results)}
 
 
 def test_each_exercise_has_at_least_two_wrong_answers():
