@@ -158,6 +158,19 @@ def test_a_rank_stopped_by_the_agent_is_not_named(tmp_path):
     assert wait_gone(read_identities(tmp_path).values()) == []
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_rank_that_exits_with_status_0_and_no_result_is_named_long_before_the_timeout(tmp_path, world_size):
+    # To torch's agent such a rank is neither finished nor failed: it waited for its result for ever, past any
+    # timeout (the other rank, done, waits for it at the end of the call).
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        launch(rankfns.exit_zero_on, world_size - 1, str(tmp_path), world_size=world_size, timeout=60, quiet=True)
+    assert time.monotonic() - start < 15
+    assert (info.value.rank, info.value.exc_type) == (world_size - 1, "ProcessExit"), str(info.value)
+    assert "without returning and without an error (os._exit(0)?)" in str(info.value)
+    assert wait_gone(read_identities(tmp_path).values()) == [], "a rank outlived the launch"
+
+
 def test_a_hang_ends_in_launch_timeout_naming_the_pending_ranks(tmp_path):
     start = time.monotonic()
     with pytest.raises(LaunchTimeout) as info:

@@ -303,6 +303,22 @@ def _check_spawnable(fn, args, kwargs) -> None:
                           f"pass plain data such as numbers, strings, lists, dicts or tensors.") from None
 
 
+SILENT_EXIT_S = 1.0  # how long a rank's end may stay unexplained before it is taken for an exit with status 0
+
+
+def _live(pids: set[int]) -> set[int]:
+    """Those of ``pids`` that still run (not ended, nor zombies waiting to be reaped)."""
+    alive = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] != b"Z":
+                    alive.add(pid)
+        except (OSError, IndexError):
+            continue
+    return alive
+
+
 class _StartupStalled(Exception):
     """The ranks did not all join their process group in time."""
 
@@ -342,14 +358,42 @@ class _Watchdog:
 
     def __init__(self, timeout: float | None, before: set, run_dir: str, world_size: int, startup_s: float):
         self.fired = self.stalled = False
+        self.silent: int | None = None  # a rank that ended its process with status 0 and no result
         self._before, self._run_dir, self._world_size = before, run_dir, world_size
         self._done = threading.Event()
+        self._lock = threading.Lock()
+        # Only a launch in the main thread has the agent's SIGTERM handler to wake it with.
+        self._main = threading.current_thread() is threading.main_thread()
         self._timers = [threading.Timer(startup_s, self._check_started)]
         if timeout:
             self._timers.append(threading.Timer(timeout, self._fire))
+        self._timers.append(threading.Thread(target=self._watch_exits))
         for t in self._timers:
             t.daemon = True
             t.start()
+
+    def _watch_exits(self) -> None:
+        # A rank that ends its process with status 0 but no result (os._exit(0)) is, to the agent, neither finished
+        # nor failed: it would wait for that result for ever, whatever the timeout. An exit with any other status
+        # reaches the agent at once; one still unexplained after SILENT_EXIT_S is this one. The other ranks are
+        # stopped (the agent then reports their ends), or, with none left, the agent is woken by the signal it
+        # listens for.
+        seen: dict[int, float] = {}
+        while not self._done.wait(0.1):
+            now = time.monotonic()
+            for rank in worker._silent_exits(self._run_dir):
+                seen.setdefault(rank, now)
+            late = [r for r, t in seen.items() if now - t > SILENT_EXIT_S]
+            if not late:
+                continue
+            self.silent = min(late, key=seen.get)
+            with self._lock:
+                if self._done.is_set():
+                    return
+                if not _live(_children() - self._before) and self._main:
+                    os.kill(os.getpid(), signal.SIGTERM)
+            self._keep_killing()
+            return
 
     def _check_started(self) -> None:
         if not self._done.is_set() and len(_notes(self._run_dir, "ready")) < self._world_size:
@@ -376,9 +420,11 @@ class _Watchdog:
                 os.kill(pid, signal.SIGKILL)
 
     def cancel(self) -> None:
-        self._done.set()
+        with self._lock:
+            self._done.set()
         for t in self._timers:
-            t.cancel()
+            if isinstance(t, threading.Timer):
+                t.cancel()
 
 
 def _read_json(path: str) -> dict:
@@ -430,8 +476,9 @@ def _worker_error(run_dir: str, failures: dict) -> WorkerError:
 def _quiet_elastic():
     # The agent logs every failure as a table of its own; the caller gets one
     # WorkerError instead, so keep the agent's logger for real emergencies only.
-    logs = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing",
-                                           "torchelastic-events-null")]
+    # (The agent's own module logger has a level of its own, so its parent's does not reach it.)
+    logs = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.distributed.elastic.agent.server.api",
+                                           "torch.multiprocessing", "torchelastic-events-null")]
     old = [log.level for log in logs]
     for log in logs:
         log.setLevel(logging.CRITICAL)
@@ -610,18 +657,26 @@ def _launch_once(fn, args, kwargs, world_size, left, timeout, plan, method, pg_t
             try:
                 values = elastic_launch(config, worker.rank_main)(fn, args, kwargs, spec)
             except ChildFailedError as e:
+                watchdog.cancel()  # no signal from it once the agent has given up
+                if watchdog.silent is not None:
+                    raise _silent_error(run_dir, watchdog.silent) from None
                 if watchdog.stalled:
                     raise _StartupStalled() from None
                 if watchdog.fired:
                     raise _timeout_error(timeout, run_dir, world_size) from None
                 raise _worker_error(run_dir, e.failures) from None
             except SignalException as e:
+                watchdog.cancel()
+                if watchdog.silent is not None and e.sigval == signal.SIGTERM:
+                    raise _silent_error(run_dir, watchdog.silent) from None
                 if e.sigval == signal.SIGINT:
                     raise KeyboardInterrupt("launch interrupted; every rank was stopped") from None
                 raise
             except KeyboardInterrupt:
                 watchdog.kill()
                 raise
+            finally:
+                watchdog.cancel()  # before the caller's signal handlers come back
         # Every rank returned (even if the watchdog fired as they did): that is a result.
         return [values[r] for r in range(world_size)]
     finally:
@@ -632,6 +687,12 @@ def _launch_once(fn, args, kwargs, world_size, left, timeout, plan, method, pg_t
         drainer.join(timeout=5)
         channel.close()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _silent_error(run_dir: str, rank: int) -> WorkerError:
+    where = collective_status.read(collective_status.status_path(run_dir, rank)).get("waiting")
+    return WorkerError(rank, "ProcessExit", "the process ended without returning and without an error (os._exit(0)?)"
+                       + (f" while in collective {where}" if where else ""))
 
 
 def _timeout_error(timeout, run_dir: str, world_size: int) -> LaunchTimeout:
