@@ -41,14 +41,16 @@ from .results import describe_exception, static_result
 
 STARTUP_S = 90.0         # for a batch's ranks to start and connect (not counted against any check)
 PROGRESS_GRACE_S = 3.0   # after a check's budget, how long a rank may take to show it is still moving
+DEADLOCK_S = 1.5         # how long ranks must sit still in a collective that a finished rank would have to join
 MAX_EXTENSION = 4.0      # a progressing check gets at most this many budgets
 
 
 class Stuck(Exception):
     """Some ranks did not answer within the check's budget and showed no progress."""
 
-    def __init__(self, budget: float, done: list[int], pending: list[int], waiting: dict[int, str]):
-        self.budget, self.done, self.pending, self.waiting = budget, done, pending, waiting
+    def __init__(self, budget: float, done: list[int], pending: list[int], waiting: dict[int, str],
+                 never: bool = False):
+        self.budget, self.done, self.pending, self.waiting, self.never = budget, done, pending, waiting, never
         super().__init__(self.describe())
 
     def describe(self) -> str:
@@ -59,9 +61,20 @@ class Stuck(Exception):
                f"rank{'s' * (len(self.pending) > 1)} {', '.join(map(str, self.pending))} did not"
                if self.done else f"none of the {n} ranks finished it")
         status = "; ".join(f"rank {r}: {self.waiting[r]}" for r in self.pending if self.waiting.get(r))
-        return (f"this check did not finish within {self.budget:.0f} s ({who}) — a hang: a blocking send or receive "
+        within = f"within {self.budget:.0f} s" + (" and never would, waiting for a rank that had finished"
+                                                   if self.never else "")
+        return (f"this check did not finish {within} ({who}) — a hang: a blocking send or receive "
                 f"whose partner never comes, a collective that not every rank reached, or an endless loop"
                 + (f" [{status}]" if status else ""))
+
+
+def _deadlocked(notes: dict[int, dict]) -> bool:
+    """Whether ranks that are still working on a request, while others have answered it, can never finish: each
+    waits in a collective, and either it is the only one left or every one of them waits in a collective of all
+    the ranks (which the ranks that answered, waiting for the next request, will not join)."""
+    waiting = [note.get("waiting", "") for note in notes.values()]
+    return all(waiting) and (len(waiting) == 1 or not any(" on group " in w or " on a subgroup" in w
+                                                          for w in waiting))
 
 
 class RankDied(Exception):
@@ -118,11 +131,20 @@ class Batch:
         deadline, hard = start + budget, start + budget * MAX_EXTENSION
         seen = {r: self._progress(r) for r in range(self.world_size)}
         first_error = None
+        still, still_since = None, start  # the pending ranks' progress, and since when it has not changed
         while len(replies) < self.world_size:
             pending = {self.socks[r].fileno(): r for r in range(self.world_size) if r not in replies}
             now = time.monotonic()
             if first_error is not None and now > first_error + 1.0:
                 break  # a rank raised; the others are most likely waiting for it
+            if replies:
+                notes = {r: collective_status.read(self.status[r]) for r in pending.values()}
+                if notes != still:
+                    still, still_since = notes, now
+                elif _deadlocked(notes) and now > still_since + DEADLOCK_S * self.sandbox.spec["load"]:
+                    self.alive = False
+                    raise Stuck(round(now - start), sorted(replies), sorted(pending.values()),
+                                {r: collective_status.explain(notes[r]) for r in notes}, never=True)
             if now > deadline:
                 moved = {r: self._progress(r) for r in pending.values()}
                 if now < hard and any(moved[r] != seen[r] for r in moved):
