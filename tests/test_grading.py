@@ -346,7 +346,7 @@ def test_hostile_code_becomes_failed_checks(marked):
     """sys.exit, an exception on one rank, os._exit (on a rank of two and on a rank alone), a hang in a
     receive, an endless loop, megabytes of output and too much memory: each a failed check with its
     reason, the other checks and exercises still graded, a hang costing its own check's budget only."""
-    timeout = 10.0
+    timeout = 5.0
     files = {"ex01": MUTANTS / "hostile" / "ex01_misbehaves.py", "ex04": MUTANTS / "hostile" / "ex04_memory_hog.py",
              "ex05": MUTANTS / "hostile" / "ex05_exits_and_loops.py"}
     # Two grading runs at a time, each with an honest exercise after a hostile one: the hangs of one wait while

@@ -89,7 +89,8 @@ def test_a_lost_node_ends_the_job_and_the_same_command_resumes(on_cluster, capsy
     assert main([*command, "--wait"]) == 0, capsys.readouterr().err
     resumed = RunResult.load(str(tmp_path / "out.json"))
     assert resumed.start_step in (4, 8)
-    assert_continues(resumed, torch.load(tmp_path / "w.pt"), full, full_weights, start=resumed.start_step)
+    # Two ranks against one device: the equality tests' tolerance (their gradient sums add in another order).
+    assert_continues(resumed, torch.load(tmp_path / "w.pt"), full, full_weights, start=resumed.start_step, tol=1e-5)
 
 
 def test_a_cancelled_job_says_so(on_cluster, capsys):
