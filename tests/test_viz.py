@@ -243,7 +243,7 @@ def test_memory_stacks_each_rank_by_category_beside_the_estimate(runs):
     r = runs["dp"]
     estimate = {"weights": 1_000_000, "gradients": 1_000_000, "optimizer": 2_000_000}
     fig = viz.memory(r, predicted=estimate)
-    assert "(MB)" in fig.layout.yaxis.title.text
+    assert fig.layout.yaxis.title.text == "memory (MiB)"
     measured = {c for m in r.memory.values() for c in m if "peak" not in c}
     assert {t.name for t in _bars(fig)} == measured | set(estimate)
     totals = _stacks(fig)
@@ -252,7 +252,7 @@ def test_memory_stacks_each_rank_by_category_beside_the_estimate(runs):
         rank_id = next(k for k in r.memory if f"rank {k}<" in rank)
         expected = (sum(v for c, v in r.memory[rank_id].items() if "peak" not in c) if source == "measured"
                     else sum(estimate.values()))
-        assert mb == pytest.approx(expected / 1e6)
+        assert mb == pytest.approx(expected / 2**20)
     for t in _bars(fig):
         assert t.marker.color == PALETTE["memory"].get(t.name, PALETTE["memory"]["other"])
 
@@ -262,10 +262,27 @@ def test_memory_of_an_estimate_alone_in_both_shapes(tmp_path):
     path.write_text(json.dumps({"weights": 4e9, "optimizer": 8e9}))
     assert _stacks(viz.memory(str(path))) == _stacks(viz.memory({"weights": 4e9, "optimizer": 8e9}))
     one = viz.memory({"weights": 4e9, "optimizer": 8e9})
-    assert "(GB)" in one.layout.yaxis.title.text and len(_stacks(one)) == 1
+    assert one.layout.yaxis.title.text == "memory (GiB)" and len(_stacks(one)) == 1
     per_rank = viz.memory({0: {"weights": 10, "peak_allocated": 40}, 1: {"weights": 20}})
     assert sorted(_stacks(per_rank).values()) == [10, 20]
     assert any(t.type == "scatter" and list(t.y) == [40] for t in per_rank.data)
+
+
+def test_memory_charts_draw_mib_as_every_printed_number_is():
+    """Notebooks 03 and 07 print memory in MiB (2**20 bytes): the bars beside them are MiB too, not 10**6 bytes."""
+    MiB = 2**20
+    result = {"config": TrainConfig(dp=2).to_dict(), "world_size": 2, "device": "cpu", "backend": "gloo",
+              "losses": [], "step_times_s": [], "tokens_per_s": 0.0,
+              "memory": {"0": {"weights": 864_768, "gradients": 864_768, "optimizer": 1_729_536},
+                         "1": {"weights": 864_768, "gradients": 432_384, "optimizer": 864_768}}}
+    estimate = {"weights": 864_768, "gradients": 432_384, "optimizer": 864_768}
+    fig = viz.memory(result, predicted=estimate)
+    assert fig.layout.yaxis.title.text == "memory (MiB)"
+    weights = next(t for t in _bars(fig) if t.name == "weights")
+    assert list(weights.y) == [864_768 / MiB] * 4 and weights.y[0] == pytest.approx(0.8247, abs=1e-4)
+    assert weights.hovertext[0].endswith("weights: 844.50 KiB")  # 864,768 / 2**10, not 864.77 KB
+    stacks = sorted(_stacks(fig).values())
+    assert stacks == pytest.approx(sorted(b / MiB for b in (3_459_072, 2_161_920, 2_161_920, 2_161_920)))
 
 
 def test_scaling_draws_ideal_and_efficiency(runs):

@@ -113,7 +113,11 @@ def memory(measured=None, predicted=None, title: str | None = None):
     largest = max(sum(v for c, v in rank.items() if "peak" not in c) for col in columns.values()
                   for rank in col.values())
     peaks = [v for col in columns.values() for rank in col.values() for c, v in rank.items() if "peak" in c]
-    scale, unit = byte_unit(max([largest] + peaks))
+    # Memory in binary units, as every number the course prints: a bar of 2**20 bytes stands 1 MiB tall.
+    scale, unit = byte_unit(max([largest] + peaks), binary=True)
+
+    def size(n):
+        return human_bytes(n, binary=True)
 
     def where(rank, source):
         return [rank_label(int(rank)) if rank.isdigit() else f"{rank} rank", source]
@@ -124,7 +128,7 @@ def memory(measured=None, predicted=None, title: str | None = None):
                  if rank in col and cat in col[rank]]
         fig.add_trace(go.Bar(
             x=[[c[0][0] for c in cells], [c[0][1] for c in cells]], y=[c[2] / scale for c in cells], name=cat,
-            hovertext=[f"{c[0][0]}, {c[1]}<br>{cat}: {human_bytes(c[2])}" for c in cells], hoverinfo="text",
+            hovertext=[f"{c[0][0]}, {c[1]}<br>{cat}: {size(c[2])}" for c in cells], hoverinfo="text",
             marker=dict(color=PALETTE["memory"].get(cat, PALETTE["memory"]["other"]),
                         pattern=dict(shape=["/" if c[1] == "predicted" else "" for c in cells]))))
     for source, col in columns.items():
@@ -133,7 +137,7 @@ def memory(measured=None, predicted=None, title: str | None = None):
             fig.add_trace(go.Scatter(x=[[p[0][0] for p in pts], [p[0][1] for p in pts]], y=[p[2] / scale for p in pts],
                                      mode="markers", name=f"{source} device peak",
                                      marker=dict(symbol="line-ew-open", size=30, line=dict(width=3, color="black")),
-                                     hovertext=[f"{p[0][0]}, {source}<br>{p[1]}: {human_bytes(p[2])}" for p in pts],
+                                     hovertext=[f"{p[0][0]}, {source}<br>{p[1]}: {size(p[2])}" for p in pts],
                                      hoverinfo="text"))
     fig.update_layout(barmode="stack", template="plotly_white", height=460,
                       title=fit_title(title or f"Memory per rank by category: {name}"
