@@ -249,6 +249,45 @@ def test_zero_traffic_against_data_parallel(n):
     assert "1.5×" in markdown("01_collectives")
 
 
+def test_what_each_zero_1_and_2_sends_against_data_parallel():
+    """03 §5: the ZeRO paper's "no more traffic than DP" holds for a reduce-scatter plus an all-gather, the scratch
+    ZeRO-2. The scratch ZeRO-1 all-reduces and then all-gathers (1.5×); ZeroRedundancyOptimizer keeps DDP's
+    all-reduce and broadcasts each parameter from its owner (2× on 2 ranks). The bytes the notebook's runs send a
+    step, both ranks together, counted the ring way (comm.RING_FACTOR) on its model's fp32 gradients."""
+    import inspect
+
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from gpucourse.parallel import zero
+
+    reduce = inspect.getsource(zero.FlatShardedOptimizer.reduce_gradients)
+    assert "comm.all_reduce(flat_grad" in reduce and "comm.reduce_scatter_tensor(" in reduce
+    assert "comm.all_gather_into_tensor(" in inspect.getsource(zero.FlatShardedOptimizer.gather_weights)
+    assert "_broadcast_params_from_rank" in inspect.getsource(ZeroRedundancyOptimizer._sync_params)
+    n, params = 2, memory.num_params(TrainConfig().model_config())
+    grads = 4 * params
+    assert zero.memory_formula(params, n, 1)["weights"] == grads, "no padding at dp = 2"
+    sent = {"DP": n * grads * RING_FACTOR["all_reduce"](n)}
+    sent["ZeRO-2"] = n * grads * (RING_FACTOR["reduce_scatter"](n) + RING_FACTOR["all_gather"](n))
+    sent["ZeRO-1"] = sent["DP"] + n * grads * RING_FACTOR["all_gather"](n)
+    sent["ZeroRedundancyOptimizer"] = sent["DP"] + n * grads * RING_FACTOR["broadcast"](n)
+    shown = {k: f"{v / MiB:.2f} MiB" for k, v in sent.items()}
+    assert shown == {"DP": "1.65 MiB", "ZeRO-2": "1.65 MiB", "ZeRO-1": "2.47 MiB",
+                     "ZeroRedundancyOptimizer": "3.30 MiB"}
+    assert (sent["ZeRO-1"] / sent["DP"], sent["ZeroRedundancyOptimizer"] / sent["DP"]) == (1.5, 2.0)
+    text = prose("03_zero_fsdp")
+    assert "no extra traffic over DP" not in text
+    for said in ("ZeRO-1/2 add no traffic over DP only when written as the ZeRO paper writes them: a reduce-scatter "
+                 "of the gradients, then an all-gather of the updated weights, together one all-reduce's bytes — the "
+                 f"scratch ZeRO-2 here, whose ring sends DP's {shown['DP']} a step on 2 ranks",
+                 "The scratch ZeRO-1 all-reduces the whole gradient and then all-gathers the weights: "
+                 f"1.5× ({shown['ZeRO-1']})",
+                 "`ZeroRedundancyOptimizer` (stage 1, `impl=\"torch\"`, the default of the cell above) keeps DDP's "
+                 "all-reduce, then broadcasts each updated parameter from the rank that owns it",
+                 f"(n − 1)/n of it: 2× on 2 ranks ({shown['ZeroRedundancyOptimizer']})"):
+        assert said in text, said
+
+
 def test_korthikanti_numbers_printed_in_the_review():
     layer = memory.korthikanti_layer_bytes
     b, s, h, a, tp = 1, 4096, 4096, 32, 8
