@@ -486,6 +486,27 @@ def test_what_context_parallel_attention_puts_on_the_wire():
             "put") in text and "while every ring hop leaves whole" in text
 
 
+def test_how_many_kv_blocks_the_ring_holds_at_once():
+    """12 §7: RingAttention.forward, printed in the notebook, receives the next K/V block while it attends to the
+    current one and drops the current one only after: two blocks at once besides its own (kept for backward)."""
+    import inspect
+
+    from gpucourse.parallel.context_parallel_ring import RingAttention
+
+    src = inspect.getsource(RingAttention.forward)
+    receive = src.index("(k_next, v_next), handles = _pass([k_cur, v_cur]")
+    attend = src.index("block_attention(")
+    swap = src.index("k_cur, v_cur = k_next, v_next")
+    assert receive < attend < swap, "the next block arrives while the current one is attended to"
+    assert "ctx.save_for_backward(q, k, v," in src, "its own block stays too"
+    assert "print(inspect.getsource(context_parallel_ring.RingAttention.forward))" in markdown(
+        "12_sequence_context_parallel", "code")
+    text = prose("12_sequence_context_parallel")
+    assert "keeps only one extra block" not in text
+    assert ("the ring overlaps its transfers with compute and, besides its own K/V, holds only two blocks at a time "
+            "— the one it attends to and the next, on its way") in text
+
+
 def test_a_prediction_is_printed_beside_the_formula_and_the_run(capsys):
     """The Change cells' check: within 5 % of the measured value or not; empty or not a number, no verdict."""
     from gpucourse.predict import check_prediction
