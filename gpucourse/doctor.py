@@ -56,6 +56,24 @@ ENV_VARS_WHEN_SET = (
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
 )
 
+# NCCL's default timeout, kProcessGroupNCCLDefaultTimeout in c10d's ProcessGroupNCCL.hpp: what a torch built
+# without NCCL (a CPU build, constants.default_pg_nccl_timeout None) cannot report itself.
+NCCL_DEFAULT_TIMEOUT_MIN = 10
+
+
+def default_timeout_minutes() -> dict[str, int]:
+    """init_process_group's timeout when none is given, in minutes, by backend: NCCL's
+    (``torch.distributed.constants.default_pg_nccl_timeout``) and gloo's, every other backend's too
+    (``default_pg_timeout``)."""
+    from torch.distributed import constants
+
+    nccl = constants.default_pg_nccl_timeout
+    return {"nccl": round(nccl.total_seconds() / 60) if nccl is not None else NCCL_DEFAULT_TIMEOUT_MIN,
+            "gloo": round(constants.default_pg_timeout.total_seconds() / 60)}
+
+
+_TIMEOUT_MIN = default_timeout_minutes()
+
 # Always worth knowing when a run hangs or fails; one sentence each.
 TROUBLESHOOTING = (
     "NCCL_DEBUG=INFO makes NCCL print its version, the transport it picked "
@@ -68,7 +86,8 @@ TROUBLESHOOTING = (
     "when it is unset) makes a rank whose NCCL collective fails or times out tear "
     "its process down (1 also aborts the communicator first), so the launcher sees "
     "the failure and stops the whole group instead of leaving it stuck; 0 turns it off.",
-    "The timeout= of init_process_group (10 minutes unless set) bounds how long "
+    f"The timeout= of init_process_group (unless set, {_TIMEOUT_MIN['nccl']} minutes on NCCL and "
+    f"{_TIMEOUT_MIN['gloo']} on gloo) bounds how long "
     "a collective waits for the other ranks, turning a dead or diverging rank "
     "into an error instead of a silent hang.",
 )

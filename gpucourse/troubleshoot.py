@@ -217,14 +217,25 @@ def _symptom(error: BaseException | None) -> str:
     return text
 
 
+def _without_a_timeout() -> str:
+    from .doctor import default_timeout_minutes
+
+    minutes = default_timeout_minutes()
+    return ("The launcher killed both ranks when its timeout passed; without one they would wait for the process "
+            f"group's timeout ({minutes['gloo']} minutes by default on gloo, as here; {minutes['nccl']} on NCCL) and "
+            "then fail with an unhelpful 'timed out' from gloo or NCCL.")
+
+
+WITHOUT_A_TIMEOUT = _without_a_timeout()
+
+
 def _desync() -> dict:
     _, error, pids = _launch("desync", _config(), timeout=HANG_TIMEOUT_S, device="cpu")
     lines = []
     if isinstance(error, LaunchTimeout):
         lines.append(diagnose_hang(error.waiting))
     return {"error": error, "pids": pids, "diagnosis": lines + [
-        "The launcher killed both ranks when its timeout passed; without one they would wait for the process "
-        "group's timeout (10 minutes by default) and then fail with an unhelpful 'timed out' from gloo or NCCL.",
+        WITHOUT_A_TIMEOUT,
         f"Here rank 0 entered a barrier at step {FAULT_STEP} that rank 1 never calls: rank 1 went on to the "
         "next step's gradient all-reduce. Every rank must make the same collectives, in the same order.",
         "(This scenario runs on gloo CPU ranks everywhere, where it always hangs. On NCCL a barrier is itself an "

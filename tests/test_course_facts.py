@@ -393,6 +393,34 @@ def test_torchrun_sets_nccl_async_error_handling_unless_already_set(tmp_path):
     assert "defaults to 3" in text and "torchrun sets it to 1" in text
 
 
+def test_the_default_timeout_of_a_process_group_by_backend():
+    """Without timeout=, init_process_group waits 10 minutes on NCCL (default_pg_nccl_timeout) and 30 on gloo and
+    the other backends (default_pg_timeout): the doctor, the desync scenario and notebook 09, which run on gloo,
+    say both. A torch built without NCCL has no NCCL constant: the value then comes from its C++ header."""
+    import math
+    import pathlib
+
+    import torch
+    from torch.distributed import constants
+
+    from gpucourse import doctor, troubleshoot
+
+    gloo = constants.default_pg_timeout.total_seconds() / 60
+    if constants.default_pg_nccl_timeout is not None:
+        nccl = constants.default_pg_nccl_timeout.total_seconds() / 60
+    else:
+        header = pathlib.Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp"
+        ms = re.search(r"kProcessGroupNCCLDefaultTimeout =\s*std::chrono::milliseconds\(([\d *]+)\)",
+                       header.read_text())
+        nccl = math.prod(int(f) for f in ms.group(1).split("*")) / 60_000  # "10 * 60 * 1000" ms
+    assert (nccl, gloo) == (10, 30) and doctor.default_timeout_minutes() == {"nccl": nccl, "gloo": gloo}
+    sentence = next(s for s in doctor.TROUBLESHOOTING if s.startswith("The timeout="))
+    assert f"(unless set, {nccl:g} minutes on NCCL and {gloo:g} on gloo)" in sentence
+    assert f"({gloo:g} minutes by default on gloo, as here; {nccl:g} on NCCL)" in troubleshoot.WITHOUT_A_TIMEOUT
+    assert f"{nccl:g} minutes by default for NCCL, {gloo:g} for gloo as here" in prose("09_troubleshooting")
+    assert "10 minutes unless set" not in " ".join(doctor.TROUBLESHOOTING)
+
+
 # --- the numbers the Change cells give a learner to predict from ---------------------------------------------
 
 def prose(name: str) -> str:
