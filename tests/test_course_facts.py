@@ -421,6 +421,43 @@ def test_the_default_timeout_of_a_process_group_by_backend():
     assert "10 minutes unless set" not in " ".join(doctor.TROUBLESHOOTING)
 
 
+def test_info_is_enough_for_ddp_to_name_the_parameters_without_a_gradient(tmp_path):
+    """09 §3: DDP's error for a parameter that got no gradient asks for TORCH_DISTRIBUTED_DEBUG "to either INFO or
+    DETAIL", and at INFO it names the parameter; DETAIL is not needed for that."""
+    script = tmp_path / "unused.py"
+    script.write_text(
+        "import sys, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1, init_method='tcp://127.0.0.1:' + sys.argv[1])\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.used, self.unused = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        return self.used(x)\n"
+        "ddp = torch.nn.parallel.DistributedDataParallel(M())\n"
+        "for _ in range(2):\n"
+        "    try:\n"
+        "        ddp(torch.randn(2, 4)).sum().backward()\n"
+        "    except RuntimeError as e:\n"
+        "        print(e)\n"
+        "dist.destroy_process_group()\n")
+
+    def error_at(level: str) -> str:
+        out = subprocess.run([str(BIN / "python"), str(script), str(free_port())], capture_output=True, text=True,
+                             env=clean_env(TORCH_DISTRIBUTED_DEBUG=level), cwd=tmp_path, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return " ".join(out.stdout.split())
+
+    off, info = error_at("OFF"), error_at("INFO")
+    assert "set the environment variable TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL" in off
+    assert "did not receive grad for rank 0: unused.bias, unused.weight" in info
+    text = prose("09_troubleshooting")
+    assert "DETAIL also makes DDP name the parameters" not in text
+    assert ("DDP's complaint about unused parameters needs no DETAIL: its own message asks for "
+            "`TORCH_DISTRIBUTED_DEBUG` set \"to either INFO or DETAIL\", and at either level it names the parameters "
+            "that received no gradient.") in text
+
+
 # --- the numbers the Change cells give a learner to predict from ---------------------------------------------
 
 def prose(name: str) -> str:
