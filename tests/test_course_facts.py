@@ -626,6 +626,29 @@ def test_notebook_13_quotes_mixtrals_own_counts():
     assert (round(shape.params() / 1e9, 1), round(shape.active_params() / 1e9, 1)) == (46.7, 12.9)
     assert "46.7 B parameters, 12.9 B of them active" in prose("13_mixture_of_experts")
 
+def test_where_fp16_overflows_and_where_it_rounds_to_zero():
+    """07 §2: fp16's smallest positive value is the subnormal 2⁻²⁴ ≈ 5.96e-8; a value rounds to 0 only below half of
+    it, 2⁻²⁵ ≈ 2.98e-8 (round to nearest): 3.1e-8 is kept as 2⁻²⁴, 2.9e-8 is 0."""
+    import torch
+
+    half = torch.float16
+    assert torch.finfo(half).max == 65504 and torch.tensor(65504.0, dtype=half).isfinite()
+    smallest = torch.nextafter(torch.zeros((), dtype=half), torch.ones((), dtype=half)).item()
+    assert smallest == 2**-24 and f"{smallest:.0e}" == "6e-08"
+    assert torch.tensor(3.1e-8, dtype=half).item() == smallest and torch.tensor(2.9e-8, dtype=half).item() == 0
+    assert torch.tensor(smallest / 2 * 1.001, dtype=half) != 0 and torch.tensor(smallest / 2 * 0.999, dtype=half) == 0
+    assert torch.tensor(5e-8, dtype=half) != 0, "between the two, not 0"
+    text = prose("07_memory_batch")
+    assert "below about 6 × 10⁻⁸ it is 0" not in text
+    def sci(x: float) -> str:  # 6e-08 -> 6 × 10⁻⁸
+        mantissa, exponent = f"{x:.0e}".split("e")
+        return f"{mantissa} × 10" + str(int(exponent)).translate(str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹"))
+
+    assert (sci(smallest), sci(smallest / 2)) == ("6 × 10⁻⁸", "3 × 10⁻⁸")
+    assert (f"its smallest positive value is 2⁻²⁴ ≈ {sci(smallest)} (a subnormal), and a value below half of that, "
+            f"about {sci(smallest / 2)}, rounds to 0") in text
+
+
 def test_notebook_07_compares_none_selective_and_full_recomputation_on_gpt3():
     """07: the scores keep 2 of Korthikanti et al.'s 5 bytes without dropout; on GPT-3 175B (tp 8 with SP, pp 8,
     unfused attention, A100) selective recomputation frees about a third of the activations for under a tenth of
