@@ -680,6 +680,26 @@ def test_notebook_07_compares_none_selective_and_full_recomputation_on_gpt3():
     assert "for a step a third longer" in text
 
 
+def test_notebook_07_says_whether_each_gpt3_row_fits_an_a100(capsys):
+    """07 §3: the table's memory/GPU is in GB of 10⁹ bytes; even the no-recomputation row's 82.0 GB fits the 80 GiB
+    of an "80 GB" A100, 83.8 GB of it a run's (usable_bytes), with 1.8 GB to spare. The rows are the table's own,
+    from the notebook's cell run here."""
+    a100 = get_gpu("a100")
+    cell = next(c for c in json.loads((REPO / "notebooks" / "07_memory_batch.ipynb").read_text(encoding="utf-8"))
+                ["cells"] if c.get("id") == "0a793d09")
+    exec("".join(cell["source"]), {"TrainConfig": TrainConfig, "get_gpu": get_gpu})
+    rows = {line.split()[0]: float(line.split()[3]) for line in capsys.readouterr().out.splitlines()[1:]}
+    assert set(rows) == {"none", "selective", "full"}
+    usable, room = a100.usable_bytes() / 1e9, 80 * 2**30 / 1e9
+    assert max(rows.values()) == rows["none"] > 80 and rows["none"] < usable, "the none row fits, barely"
+    text = prose("07_memory_batch")
+    assert (f"All three fit an A100, the none row barely: the memory/GPU column counts GB of 10⁹ bytes, and an "
+            f"\"80 GB\" A100 holds 80 GiB, {room:.1f} GB, of which a run has {usable:.1f} GB (`usable_bytes()`, as in "
+            f"the offload table below), {usable - rows['none']:.1f} GB more than the none row's "
+            f"{rows['none']:.1f} GB.") in text
+    assert "held['max_total'] <= a100.usable_bytes()" in markdown("07_memory_batch", "code")
+
+
 def test_notebook_07_says_selective_recomputation_now_chooses_modules():
     """Recipes do not choose between none and full: Megatron-Core's selective granularity recomputes the modules
     ``--recompute-modules`` names (TransformerConfig.recompute_modules: core_attn by default; moe_act, layernorm,
