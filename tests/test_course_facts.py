@@ -640,6 +640,7 @@ def test_where_fp16_overflows_and_where_it_rounds_to_zero():
     assert torch.tensor(5e-8, dtype=half) != 0, "between the two, not 0"
     text = prose("07_memory_batch")
     assert "below about 6 × 10⁻⁸ it is 0" not in text
+
     def sci(x: float) -> str:  # 6e-08 -> 6 × 10⁻⁸
         mantissa, exponent = f"{x:.0e}".split("e")
         return f"{mantissa} × 10" + str(int(exponent)).translate(str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹"))
