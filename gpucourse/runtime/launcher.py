@@ -381,7 +381,7 @@ class _Watchdog:
         seen: dict[int, float] = {}
         while not self._done.wait(0.1):
             now = time.monotonic()
-            for rank in worker._silent_exits(self._run_dir):
+            for rank in worker.silent_exits(self._run_dir):
                 seen.setdefault(rank, now)
             late = [r for r, t in seen.items() if now - t > SILENT_EXIT_S]
             if not late:

@@ -140,7 +140,7 @@ def rank_main(fn, args: tuple, kwargs: dict, spec: dict):
     except BaseException as e:  # SystemExit and KeyboardInterrupt are failures of the rank too
         # Looked at before the time is taken: every rank listed was gone before this note's time (which the
         # launcher's choice of culprit relies on).
-        gone = _silent_exits(run_dir)
+        gone = silent_exits(run_dir)
         _note(run_dir, f"error-{rank}.json", {
             "rank": rank, "type": type(e).__name__, "message": str(e),
             "traceback": traceback.format_exc(), "time": time.time(), "silent_exits": gone})
@@ -157,12 +157,14 @@ def rank_main(fn, args: tuple, kwargs: dict, spec: dict):
 _PF_EXITING = 0x4  # in the flags of /proc/<pid>/stat: the process has begun to exit
 
 
-def _silent_exits(run_dir: str) -> list[int]:
+def silent_exits(run_dir: str) -> list[int]:
     """Ranks whose process has already ended without leaving an error or a done note.
 
     A rank that dies silently (os._exit, a crash) makes its peers fail in their
     next collective; a peer that sees it gone records so, and the launcher then
-    blames the silent rank instead of the peer's "connection closed".
+    blames the silent rank instead of the peer's "connection closed". The
+    launcher's watchdog asks too: a rank that ended with status 0 and no result
+    would otherwise keep the launch waiting for it for ever.
     """
     if not sys.platform.startswith("linux"):
         return []
