@@ -255,8 +255,11 @@ def test_what_each_zero_1_and_2_sends_against_data_parallel():
     all-reduce and broadcasts each parameter from its owner (2× on 2 ranks). The bytes the notebook's runs send a
     step, both ranks together, counted the ring way (comm.RING_FACTOR) on its model's fp32 gradients."""
     import inspect
+    import warnings
 
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+    with warnings.catch_warnings():  # torch.distributed.optim scripts its functional optimizers: a deprecated API
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from gpucourse.parallel import zero
 
