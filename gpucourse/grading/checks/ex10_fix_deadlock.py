@@ -4,9 +4,9 @@ The learner's ``train`` runs on the sandbox's ranks through the probe
 ``run_training`` (``gpucourse/grading/probes/ex10_fix_deadlock.py``), each rank
 given only its own rows of each batch; the one-device run it is compared with
 runs here. A hang is the bug this exercise is about: the host stops the ranks
-when the check's budget is spent and they have stopped moving (a hang costs
-about 7 s on a quiet machine), and the check turns what each rank was waiting
-in into a diagnosis. One run per world size serves every check that reads it,
+once those left sit still in a collective that a finished rank would have to
+join (about 2 s), or when the check's budget is spent and they have stopped
+moving, and the check turns what each rank was waiting in into a diagnosis. One run per world size serves every check that reads it,
 so the untouched file costs two hangs, not four.
 """
 
@@ -29,7 +29,8 @@ EXERCISE = Exercise("ex10_fix_deadlock", "Fix a hanging trainer", "notebooks/09_
 ROWS, FEATURES, STEPS, LR, NOISE = 24, 3, 8, 0.1, 2.0  # 24 rows: 2 and 3 ranks both divide them
 MARGIN = 0.02   # how far every loss of the one-device run stays from target_loss (relative)
 # A fixed run takes milliseconds once its ranks are up (their start is not counted). The host calls the ranks
-# hung PROGRESS_GRACE_S (3 s) after this budget, if none of them moved meanwhile: about 7 s in all.
+# hung PROGRESS_GRACE_S (3 s) after this budget, if none of them moved meanwhile: about 7 s in all (a hang in
+# which the ranks left wait for one that has finished is called sooner: host.DEADLOCK_S).
 BUDGET_S = 4.0
 
 
