@@ -50,9 +50,9 @@ DRIVEN_SETTINGS = {
 }
 
 
-# What `make lab` sets as the defaults of the course's own JupyterLab (plugin id -> setting -> value): no news
-# pop-up over the first notebook, no update check. Written as the application's overrides, so that a learner
-# who wants them back changes them in Settings as usual.
+# What `make lab` and `gpucourse workshop start` set as the defaults of the course's own JupyterLab (plugin id ->
+# setting -> value): no news pop-up over the first notebook, no update check. Written as the application's
+# overrides, so that a learner who wants them back changes them in Settings as usual.
 COURSE_DEFAULTS = {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False}}
 
 

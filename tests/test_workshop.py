@@ -1,7 +1,8 @@
 """`gpucourse workshop`: seats and their GPUs planned on paper, the hub's config generated, bad input refused before
-anything starts — and one real workshop: a JupyterHub with 3 CPU seats on this machine, two learners logged in
-with headless Chromium, each running a cell in their own seat and unable to open the other's, the instructor's
-dashboard showing a check passed, the class collected into a CSV, and nothing left running after `stop`.
+anything starts — and one real workshop: a JupyterHub with 3 CPU seats on this machine, its printed address leading
+to the login page and a learner from there into notebook 00, two learners logged in with headless Chromium, each
+running a cell in their own seat and unable to open the other's, the instructor's dashboard showing a check passed,
+the class collected into a CSV, and nothing left running after `stop`.
 
 The end-to-end test needs Chromium (scripts/install-chromium) and the hub's proxy (scripts/install-proxy, run by
 `make test` and `make workshop-deps`); in CI (CI=true) a missing one fails the test, elsewhere it is skipped.
@@ -19,15 +20,17 @@ import socket
 import sys
 import time
 import types
+import urllib.error
+import urllib.request
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, urlencode, urlparse
 
 import nbformat
 import pytest
 
 import browsers
 from gpucourse import cli, grading, lab, progress
-from gpucourse.workshop import auth, dashboard, hub, kernels, plan, processes, report
+from gpucourse.workshop import auth, dashboard, hub, kernels, plan, processes, report, spawner
 from gpucourse.workshop.errors import WorkshopError
 from gpucourse.workshop.folder import Workshop
 from procs import KERNEL_TRANSPORT, free_port
@@ -403,6 +406,29 @@ def _log_in(browser, base: str, name: str, code: str, then: str = ""):
     return page
 
 
+class _Redirects(urllib.request.HTTPRedirectHandler):
+    """Redirects followed as any HTTP client follows them, at most ``limit``, keeping the addresses passed."""
+
+    def __init__(self, limit: int):
+        self.max_redirections = limit
+        self.passed = []
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        self.passed.append(newurl)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _follow(url: str, limit: int, *handlers, data: bytes | None = None) -> tuple[list[str], str, str]:
+    """(addresses redirected to, the address that answered, its page) of a plain HTTP request to ``url``: no
+    cookies unless ``handlers`` keep them."""
+    redirects = _Redirects(limit)
+    try:
+        with urllib.request.build_opener(redirects, *handlers).open(url, data=data, timeout=60) as response:
+            return redirects.passed, response.geturl(), response.read().decode()
+    except urllib.error.HTTPError as e:
+        pytest.fail(f"{url}: {e} after {redirects.passed}")
+
+
 def _scratch_open(page, timeout: float = 120) -> lab.NotebookPage:
     """The scratch notebook, once the page shows it and its kernel is idle."""
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=timeout * 1000)
@@ -437,6 +463,21 @@ def test_a_real_workshop_from_start_to_stop(tmp_path, capsys):
         _scratch_notebook(seats / seat)
     shutil.copyfile(SOLVED_EX01, seats / "seat01" / "exercises" / SOLVED_EX01.name)  # seat A solved ex01
     try:
+        # The printed address, as a client with no cookies follows it, ends on the login page. A learner who logs in
+        # there lands in notebook 00 of their seat, with no news prompt from JupyterLab.
+        address = re.search(r"^workshop started in \d+ s: (\S+)$", printed, re.M).group(1)
+        passed, login_page, _ = _follow(address, 3)
+        assert urlparse(login_page).path == "/hub/login", passed
+        cookies = urllib.request.HTTPCookieProcessor()  # the login form's _xsrf cookie, then the learner's session
+        form = _follow(login_page, 0, cookies)[2]
+        xsrf = re.search(r'name="_xsrf" value="([^"]+)"', form).group(1)
+        login = urlencode({"username": "seat03", "password": codes["seat03"], "_xsrf": xsrf}).encode()
+        passed, landed, _ = _follow(login_page, 10, cookies, data=login)
+        assert urlparse(landed).path == f"/user/seat03/lab/tree/{spawner.FIRST_NOTEBOOK}", passed
+        assert (seats / "seat03" / spawner.FIRST_NOTEBOOK).is_file()
+        news = json.loads(_follow(f"{base}/user/seat03/lab/api/settings/@jupyterlab/apputils-extension:notification",
+                                  0, cookies)[2])
+        assert news["schema"]["properties"]["fetchNews"]["default"] == "false", news["schema"]["properties"]
         with lab.Browser(chromium) as browser:
             # Nothing is open without a login: no server, no file, no API, no dashboard.
             stranger = browser.new_page()

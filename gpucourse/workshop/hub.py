@@ -30,7 +30,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .. import kernel_sockets
+from .. import kernel_sockets, lab
 from . import processes, slurm_seats
 from .errors import WorkshopError
 from .folder import Workshop, copy_course, write_private
@@ -429,6 +429,7 @@ def start(root=None, *, timeout: float = START_TIMEOUT_S, say=None, **asked) -> 
     prepared = prepare(root, say=say, **asked)
     ws, settings, port, public = prepared["workshop"], prepared["settings"], prepared["port"], prepared["public"]
     _end_leftovers(ws, settings, say)
+    lab.install_course_defaults()  # the seats' servers run this Python's JupyterLab: no news pop-up over notebook 00
     url = f"http://{socket.gethostname() if public else '127.0.0.1'}:{port}"
     state = _launch(ws, processes.marker_env(settings["id"]), port, url, public)
     try:

@@ -98,9 +98,17 @@ class SeatSpawner(SeatOf, LocalProcessSpawner):
             return await super().start()
 
 
+# Where a learner starts, in a seat's folder (folder.COURSE): notebook 00, not an empty launcher.
+FIRST_NOTEBOOK = "notebooks/00_setup.ipynb"
+
+
 def landing_page(handler) -> str:
-    """After login: the instructor (an admin) to the class dashboard, a learner to their own JupyterLab."""
+    """After login: the instructor (an admin) to the class dashboard, a learner to the first notebook in their own
+    JupyterLab. A visitor not logged in gets "": the hub then sends them to its login page (its own base URL
+    would send them back here, for ever)."""
     user = handler.current_user
-    if user is not None and user.admin:
+    if user is None:
+        return ""
+    if user.admin:
         return url_path_join(handler.base_url, "services/dashboard/")
-    return user.url if user is not None else handler.hub.base_url
+    return url_path_join(user.url, "lab/tree", FIRST_NOTEBOOK)
