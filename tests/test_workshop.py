@@ -168,26 +168,44 @@ def test_starting_again_resumes_the_same_seats_work_and_codes(tmp_path, monkeypa
     """The folder half of start (hub.prepare), twice: nothing of a seat is lost, and the codes stay."""
     monkeypatch.setenv("GPUCOURSE_PROXY", shutil.which("true"))  # prepare only checks that the proxy is there
     root = tmp_path / "ws"
-    first = hub.prepare(root, seats=2, gpus=[], port=free_port())
+    port = free_port()
+    first = hub.prepare(root, seats=2, gpus=[], port=port, public=True)
     assert sorted(first["codes"]) == ["instructor", "seat01", "seat02"] and not first["resumed"]
+    assert first["before"] is None
+    assert _started(first).startswith(f"workshop started in 9 s: {hub.address(port, True)}\n")
     codes_file = root / "secrets" / "codes.json"
     assert codes_file.stat().st_mode & 0o777 == 0o600 and codes_file.parent.stat().st_mode & 0o777 == 0o700
     hashes = codes_file.read_text()
     assert not any(code in hashes for code in first["codes"].values())
     work = root / "seats" / "seat01" / "exercises" / "ex01_ring_allreduce.py"
     work.write_text("# my ring\n")
-    again = hub.prepare(root, gpus=[], port=free_port())
+    # Started again as 'start' with no --port or --public (the CLI's defaults): the same address, and it says so.
+    asked = vars(cli.build_parser().parse_args(["workshop", "start"]))
+    again = hub.prepare(root, gpus=[], port=asked["port"], public=asked["public"])
     assert again["resumed"] and again["codes"] == {} and codes_file.read_text() == hashes
+    assert (again["port"], again["public"], again["before"]) == (port, True, (port, True))
+    assert _started(again).startswith(f"workshop resumed in 9 s, on the same address as before: "
+                                      f"{hub.address(port, True)}\n")
     assert work.read_text() == "# my ring\n"
     with pytest.raises(WorkshopError, match="has 2 seats; start it again with --seats 2"):
         hub.prepare(root, seats=3, gpus=[], port=free_port())
     with pytest.raises(WorkshopError, match="add --new-codes"):
         hub.prepare(root, password=True, gpus=[], port=free_port())
-    shared = hub.prepare(root, password=True, new_codes=True, gpus=[], port=free_port())
+    shared = hub.prepare(root, password=True, new_codes=True, gpus=[], port=free_port(), public=False)
+    assert _started(shared).startswith(f"workshop resumed in 9 s, on a new address (it was {hub.address(port, True)}): "
+                                       f"http://127.0.0.1:{shared['port']}\n")
+    assert hub.prepare(root, gpus=[])["port"] == shared["port"]
     stored = json.loads(codes_file.read_text())
     assert sorted(shared["codes"]) == ["instructor", "password"]
     assert auth.code_matches(shared["codes"]["password"], stored["seat02"])
     assert not auth.code_matches(first["codes"]["seat02"], stored["seat02"])
+
+
+def _started(prepared: dict) -> str:
+    """What 'start' would print for a workshop that :func:`hub.prepare` made ready, had it started in 9 s."""
+    url = hub.address(prepared["port"], prepared["public"])
+    return hub.format_started({**prepared, "url": url, "dashboard": f"{url}/services/dashboard/", "seconds": 9,
+                               "admin": prepared["settings"]["admin"], "login": prepared["settings"]["login"]})
 
 
 class _ConfigSpy:

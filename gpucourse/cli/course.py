@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -154,14 +155,14 @@ def cmd_workshop(args) -> int:
 
     try:
         if args.action == "start":
-            if args.public:
-                print(f"gpucourse: warning: {hub.PUBLIC_WARNING}", file=sys.stderr)
             users = [u.strip() for u in args.users.split(",") if u.strip()] if args.users else None
             started = hub.start(args.dir, seats=args.seats, gpus_per_seat=args.gpus_per_seat, port=args.port,
                                 public=args.public, password=args.password, users=users, admin=args.admin,
                                 new_codes=args.new_codes, spawner=args.spawner, partition=args.partition,
                                 gres=args.gres, time_limit=args.time,
                                 say=lambda line: print(line, file=sys.stderr, flush=True))
+            if started["public"]:  # asked now, or kept from the workshop's last start
+                print(f"gpucourse: warning: {hub.PUBLIC_WARNING}", file=sys.stderr)
             print(hub.format_started(started))
         elif args.action == "status":
             found = report.status(args.dir)
@@ -244,6 +245,8 @@ def add_commands(sub) -> None:
     p.add_argument("--reset", action="store_true", help="forget all progress (removes the file)")
     p.set_defaults(func=cmd_progress)
 
+    from ..workshop.hub import DEFAULT_PORT
+
     p = sub.add_parser("workshop", help="run the course for a class: JupyterHub seats, a dashboard, grading",
                        description="A JupyterHub on this machine with one seat per learner: its own copy of the "
                                    "course, progress file and GPUs (or, with --spawner slurm, its own SLURM job). "
@@ -254,8 +257,11 @@ def add_commands(sub) -> None:
     w.add_argument("--seats", type=int, default=None, help="learners (a new workshop needs it; resuming keeps them)")
     w.add_argument("--gpus-per-seat", type=int, default=None, metavar="K",
                    help="GPUs for each seat (default: the visible GPUs shared evenly; 0: CPU seats)")
-    w.add_argument("--port", type=int, default=8000, help="the hub's port (default 8000)")
-    w.add_argument("--public", action="store_true", help="listen on every interface, not only 127.0.0.1")
+    w.add_argument("--port", type=int, default=None,
+                   help=f"the hub's port (default {DEFAULT_PORT}; resuming keeps the last start's)")
+    w.add_argument("--public", action=argparse.BooleanOptionalAction, default=None,
+                   help="listen on every interface, not only 127.0.0.1 (resuming keeps the last start's; "
+                        "--no-public: 127.0.0.1 only again)")
     w.add_argument("--password", action="store_true",
                    help="one workshop password for every seat instead of a code per seat")
     w.add_argument("--users", metavar="NAME[,NAME...]",

@@ -339,16 +339,20 @@ def _hashes(settings: dict, codes: dict[str, str]) -> dict[str, str]:
     return {name: hash_code(code) for name, code in codes.items()}
 
 
-def prepare(root=None, *, seats: int | None = None, gpus_per_seat: int | None = None, port: int = DEFAULT_PORT,
-            public: bool = False, password: bool = False, users: list[str] | None = None, admin: str | None = None,
-            new_codes: bool = False, gpus: list[str] | None = None, spawner: str | None = None,
-            partition: str | None = None, gres: str | None = None, time_limit: str | None = None, say=None) -> dict:
+def prepare(root=None, *, seats: int | None = None, gpus_per_seat: int | None = None, port: int | None = None,
+            public: bool | None = None, password: bool = False, users: list[str] | None = None,
+            admin: str | None = None, new_codes: bool = False, gpus: list[str] | None = None,
+            spawner: str | None = None, partition: str | None = None, gres: str | None = None,
+            time_limit: str | None = None, say=None) -> dict:
     """The first half of :func:`start`: check everything asked, then write the workshop folder. Starts nothing.
 
     Nothing is written unless everything checks out. A workshop that exists
-    keeps its seats' folders and its codes (unless ``new_codes``). Returns
-    ``{"workshop", "settings", "plan", "codes" (the new ones, else empty),
-    "resumed", "port", "public"}``. ``gpus`` overrides the GPUs found here.
+    keeps its seats' folders and its codes (unless ``new_codes``), and its
+    port and ``public`` unless they are given (a new one: :data:`DEFAULT_PORT`,
+    127.0.0.1 only). Returns ``{"workshop", "settings", "plan", "codes" (the
+    new ones, else empty), "resumed", "port", "public", "before"}``, where
+    ``before`` is the ``(port, public)`` of the workshop's last start (None for
+    a new one). ``gpus`` overrides the GPUs found here.
     ``spawner="slurm"`` makes each seat's server a SLURM job on ``partition``
     (default: the cluster's), with ``gres`` and ``time_limit``
     (:mod:`.slurm_seats`).
@@ -356,8 +360,6 @@ def prepare(root=None, *, seats: int | None = None, gpus_per_seat: int | None = 
     say = say or (lambda line: None)
     ws = Workshop(root)
     proxy = required_programs()
-    if not 1 <= port <= 65535:
-        raise WorkshopError(f"--port {port} must be from 1 to 65535.")
     state = running(ws) if ws.exists() else None
     if state:
         raise WorkshopError(f"the workshop in {ws.root} is already running at {state['url']}; stop it first with "
@@ -367,6 +369,14 @@ def prepare(root=None, *, seats: int | None = None, gpus_per_seat: int | None = 
                                          users=users, admin=admin, new_codes=new_codes)
     settings = _with_spawner(settings, spawner=spawner, partition=partition, gres=gres, time_limit=time_limit,
                              gpus_per_seat=gpus_per_seat)
+    # The last start's address, kept in the settings (none for a new workshop, or one saved before they kept it).
+    before = (settings["port"], settings["public"]) if "port" in settings else None
+    last_port, last_public = before or (DEFAULT_PORT, False)
+    port = last_port if port is None else port
+    public = last_public if public is None else public
+    if not 1 <= port <= 65535:
+        raise WorkshopError(f"--port {port} must be from 1 to 65535.")
+    settings = dict(settings, port=port, public=public)
     if settings["login"] == "system":
         _check_accounts(settings)
     job = settings["slurm"]
@@ -411,7 +421,7 @@ def prepare(root=None, *, seats: int | None = None, gpus_per_seat: int | None = 
     write_private(ws.hub_dir / "jupyterhub_config.py", render_config(values, ws.secrets / "api_token"))
     ws.save_settings(settings)
     return {"workshop": ws, "settings": settings, "plan": plan, "codes": codes, "resumed": resumed, "port": port,
-            "public": public}
+            "public": public, "before": before}
 
 
 def start(root=None, *, timeout: float = START_TIMEOUT_S, say=None, **asked) -> dict:
@@ -430,7 +440,7 @@ def start(root=None, *, timeout: float = START_TIMEOUT_S, say=None, **asked) -> 
     ws, settings, port, public = prepared["workshop"], prepared["settings"], prepared["port"], prepared["public"]
     _end_leftovers(ws, settings, say)
     lab.install_course_defaults()  # the seats' servers run this Python's JupyterLab: no news pop-up over notebook 00
-    url = f"http://{socket.gethostname() if public else '127.0.0.1'}:{port}"
+    url = address(port, public)
     state = _launch(ws, processes.marker_env(settings["id"]), port, url, public)
     try:
         _wait_until_serving(ws, state, prepared["plan"], t0 + timeout, say)
@@ -439,6 +449,11 @@ def start(root=None, *, timeout: float = START_TIMEOUT_S, say=None, **asked) -> 
         raise
     return {**prepared, "url": url, "dashboard": f"{url}/services/{DASHBOARD}/", "admin": settings["admin"],
             "login": settings["login"], "seconds": time.monotonic() - t0}
+
+
+def address(port: int, public: bool) -> str:
+    """The hub's address as ``start`` prints it: this machine's name when the hub listens on every interface."""
+    return f"http://{socket.gethostname() if public else '127.0.0.1'}:{port}"
 
 
 def _launch(ws: Workshop, marker: dict, port: int, url: str, public: bool) -> dict:
@@ -569,7 +584,16 @@ def format_started(started: dict) -> str:
     """What ``gpucourse workshop start`` prints: where to go, who sits where, and the codes (once)."""
     plan, url = started["plan"], started["url"]
     port = url.rsplit(":", 1)[1]
-    lines = [f"workshop {'resumed' if started['resumed'] else 'started'} in {started['seconds']:.0f} s: {url}",
+    seconds = f"{started['seconds']:.0f} s"
+    if not started["resumed"]:
+        head = f"workshop started in {seconds}"
+    elif started["before"] is None:
+        head = f"workshop resumed in {seconds}"
+    elif address(*started["before"]) == url:
+        head = f"workshop resumed in {seconds}, on the same address as before"
+    else:
+        head = f"workshop resumed in {seconds}, on a new address (it was {address(*started['before'])})"
+    lines = [f"{head}: {url}",
              f"  class dashboard: {started['dashboard']} (log in as {started['admin']})"]
     lines += [f"  {n}" for n in plan.notes]
     if not started["public"]:
