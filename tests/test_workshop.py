@@ -237,6 +237,7 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path, capsys, monkeypat
     where = ["--dir", str(root)]
     monkeypatch.setattr(hub, "visible_gpu_ids", lambda: ["0", "1"])
     assert "--seats 0 must be at least 1" in _refused(capsys, ["workshop", "start", "--seats", "0", *where])
+    assert "--seats -1 must be at least 1" in _refused(capsys, ["workshop", "start", "--seats", "-1", *where])
     assert "4 seats need at least 4 GPUs" in _refused(capsys, ["workshop", "start", "--seats", "4", *where])
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -253,6 +253,8 @@ def _settings_for(ws: Workshop, *, seats: int | None, gpus_per_seat: int | None,
     """The settings to start with: a new workshop's, or the saved ones with what may change; and whether new
     codes are to be made. What contradicts the workshop being resumed is refused."""
     asked = "system" if users else "password" if password else None
+    if seats is not None and seats < 1:
+        raise WorkshopError(f"--seats {seats} must be at least 1.")
     if admin and not users:
         raise WorkshopError(f"--admin names the instructor's account with --users; generated seats have "
                             f"'{INSTRUCTOR}'.")
