@@ -195,6 +195,7 @@ def test_starting_again_resumes_the_same_seats_work_and_codes(tmp_path, monkeypa
     assert _started(shared).startswith(f"workshop resumed in 9 s, on a new address (it was {hub.address(port, True)}): "
                                        f"http://127.0.0.1:{shared['port']}\n")
     assert hub.prepare(root, gpus=[])["port"] == shared["port"]
+    assert f"'gpucourse workshop start --dir {root}' resumes the same seats" in hub.format_stopped(hub.stop(root), root)
     stored = json.loads(codes_file.read_text())
     assert sorted(shared["codes"]) == ["instructor", "password"]
     assert auth.code_matches(shared["codes"]["password"], stored["seat02"])
@@ -482,6 +483,8 @@ def test_a_real_workshop_from_start_to_stop(tmp_path, capsys):
         _scratch_notebook(seats / seat)
     shutil.copyfile(SOLVED_EX01, seats / "seat01" / "exercises" / SOLVED_EX01.name)  # seat A solved ex01
     try:
+        assert f"already running at {base}; stop it first with 'gpucourse workshop stop --dir {root}'." in \
+            _refused(capsys, ["workshop", "start", "--dir", str(root)])
         # The printed address, as a client with no cookies follows it, ends on the login page. A learner who logs in
         # there lands in notebook 00 of their seat, with no news prompt from JupyterLab.
         address = re.search(r"^workshop started in \d+ s: (\S+)$", printed, re.M).group(1)
@@ -618,4 +621,5 @@ def test_check_refuses_bad_input_in_one_sentence(tmp_path, capsys, monkeypatch):
     assert "--timeout 0 must be more than 0" in _refused(capsys, ["workshop", "check", "--timeout", "0", *where])
     assert "no seat named seat09 in this workshop (it has seat01, seat02)" in \
         _refused(capsys, ["workshop", "check", "seat09", *where])
-    assert f"the workshop in {root} is not running" in _refused(capsys, ["workshop", "check", *where])
+    assert f"the workshop in {root} is not running; start it with 'gpucourse workshop start --dir {root}'." in \
+        _refused(capsys, ["workshop", "check", *where])

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 from datetime import datetime
 from pathlib import Path
@@ -51,6 +52,11 @@ class Workshop:
 
     def __init__(self, root: str | os.PathLike | None = None):
         self.root = Path(root).expanduser().resolve() if root is not None else default_dir().resolve()
+        self.named = root is not None  # its folder was named (--dir): a command it suggests names it too
+
+    def command(self, action: str) -> str:
+        """``gpucourse workshop ACTION`` for this workshop, with ``--dir`` when its folder was named."""
+        return f"gpucourse workshop {action}" + (f" --dir {shlex.quote(str(self.root))}" if self.named else "")
 
     # --- where things are ---------------------------------------------------------------------------------
 

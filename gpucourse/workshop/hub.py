@@ -365,7 +365,7 @@ def prepare(root=None, *, seats: int | None = None, gpus_per_seat: int | None = 
     state = running(ws) if ws.exists() else None
     if state:
         raise WorkshopError(f"the workshop in {ws.root} is already running at {state['url']}; stop it first with "
-                            f"'gpucourse workshop stop'.")
+                            f"'{ws.command('stop')}'.")
     resumed = ws.exists()
     settings, make_codes = _settings_for(ws, seats=seats, gpus_per_seat=gpus_per_seat, password=password,
                                          users=users, admin=admin, new_codes=new_codes)
@@ -625,4 +625,4 @@ def format_stopped(stopped: dict, root) -> str:
     head = "workshop stopped" if stopped["was_running"] else "the workshop was not running"
     extra = f"; {len(stopped['ended'])} leftover process(es) ended" if stopped["ended"] else ""
     return (f"{head}{extra}; no process of it is left. Every seat's work is kept in {ws.root}; "
-            f"'gpucourse workshop start' resumes the same seats.")
+            f"'{ws.command('start')}' resumes the same seats.")

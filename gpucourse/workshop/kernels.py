@@ -194,7 +194,7 @@ def check(root=None, seats: list[str] | None = None, rounds: int = 1, timeout: f
                             f"{', '.join(settings['seats'])}).")
     state = hub.running(ws)
     if state is None:
-        raise WorkshopError(f"the workshop in {ws.root} is not running; start it with 'gpucourse workshop start'.")
+        raise WorkshopError(f"the workshop in {ws.root} is not running; start it with '{ws.command('start')}'.")
     base = hub.local_url(state)
     every_round, failed = [], {}
     for _ in range(rounds):
