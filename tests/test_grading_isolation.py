@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from gpucourse import grading
-from gpucourse.grading import runner
+from gpucourse.grading import catalog, runner
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -210,27 +210,32 @@ def test_learner_code_runs_as_nobody_even_where_python_lives_in_roots_home(tmp_p
     assert "warning" not in result["exercises"][0]
 
 
-def test_a_clone_in_a_folder_only_its_owner_may_enter_still_grades_as_nobody(tmp_path, marked):
+@pytest.mark.parametrize("mode", [0o700, 0o755], ids=["closed", "open"])
+def test_a_clone_in_a_folder_only_its_owner_may_enter_still_grades_as_nobody(tmp_path, marked, mode):
     """A clone in a 0700 folder (what ``mktemp -d`` makes, or root's home): ``nobody`` cannot pass the folder to
     reach the clone's torch, yet learner code runs as ``nobody`` with that torch, and the solution gets full marks.
     As root the checkout is bound into such a folder in a mount namespace of the test's own, its package first on
-    the path, so that everything the sandbox runs lies behind the closed folder."""
+    the path, so that everything the sandbox runs lies behind the closed folder. A clone in a folder open to all
+    (``/srv``), on a machine whose ``/var/cache`` is empty, as a fresh server's is: every solution, full marks."""
     closed = tmp_path / "closed"
     clone = closed / "clone"
     clone.mkdir(parents=True)
-    closed.chmod(0o700)
+    closed.chmod(mode)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "ex01_ring_allreduce.py").write_text(WHOAMI)
+    solved = [("ex01", clone / "solutions" / "ex01_ring_allreduce.py")] if mode == 0o700 else \
+        [(ex_id, clone / "solutions" / f"{module}.py") for ex_id, module in catalog.modules().items()]
     program = (
         "import json\n"
         "import gpucourse\n"
         "from gpucourse.grading import runner\n"
-        f"result = runner.grade_runs([('ex01', {str(tmp_path / 'mine' / 'ex01_ring_allreduce.py')!r}, 1),\n"
-        f"                            ('ex01', {str(clone / 'solutions' / 'ex01_ring_allreduce.py')!r}, 1)])\n"
+        f"result = runner.grade_runs([('ex01', {str(tmp_path / 'mine' / 'ex01_ring_allreduce.py')!r}, 1)] +\n"
+        f"                           [(i, path, 1) for i, path in {[(i, str(p)) for i, p in solved]!r}])\n"
         "print(json.dumps({'package': gpucourse.__file__, 'result': result}))\n")
     if os.geteuid() == 0:
         script = (f"mount --make-rprivate / && mount --bind {REPO} {clone} && cd {clone} && "
-                  f"exec {clone}/.venv/bin/python -c \"$0\"")
+                  + ("mount -t tmpfs tmpfs /var/cache && " if mode == 0o755 else "")
+                  + f"exec {clone}/.venv/bin/python -c \"$0\"")
         command = ["unshare", "-m", "sh", "-c", script, program]
     else:  # an ordinary user's own 0700 folder is open to that user: a copy of the checkout runs there
         shutil.copytree(REPO, clone, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".venv", ".git"))
@@ -240,12 +245,15 @@ def test_a_clone_in_a_folder_only_its_owner_may_enter_still_grades_as_nobody(tmp
     assert done.returncode == 0, done.stderr[-3000:]
     said = json.loads(done.stdout.strip().splitlines()[-1])
     assert said["package"].startswith(str(clone)), said["package"]
-    whoami, solution = said["result"]
+    whoami, *solutions = said["result"]
     message = whoami["checks"][0]["message"]
     uid = 65534 if os.geteuid() == 0 else os.geteuid()
     assert f"UID {uid} " in message and (os.geteuid() != 0 or f"TORCH {clone}" in message), message
-    assert solution["score"] == solution["max_score"], [c["message"] for c in solution["checks"] if c["points"] == 0]
-    assert not whoami.get("warning") and not solution.get("warning"), whoami.get("warning")
+    assert len(solutions) == len(solved)
+    for solution in solutions:
+        assert solution["score"] == solution["max_score"], \
+            (solution["exercise"], [c["message"] for c in solution["checks"] if c["points"] == 0])
+    assert not any(r.get("warning") for r in said["result"]), whoami.get("warning")
 
 
 def test_a_sandbox_that_cannot_become_nobody_says_why_and_the_grade_says_so_first(tmp_path):

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import socket
+import subprocess
 import sys
 import time
 import types
@@ -200,6 +201,27 @@ def test_starting_again_resumes_the_same_seats_work_and_codes(tmp_path, monkeypa
     assert sorted(shared["codes"]) == ["instructor", "password"]
     assert auth.code_matches(shared["codes"]["password"], stored["seat02"])
     assert not auth.code_matches(first["codes"]["seat02"], stored["seat02"])
+
+
+def test_a_second_workshop_names_the_one_whose_seats_share_the_machine(tmp_path, monkeypatch):
+    """A workshop started while another one's hub runs on this machine says, in one line, which one and what their
+    seats share. The other hub is a process that /proc shows as start launches a hub: its command line, its marker."""
+    monkeypatch.setenv("GPUCOURSE_PROXY", shutil.which("true"))
+    first, second = tmp_path / "first", tmp_path / "second"
+    marker = processes.marker_env(hub.prepare(first, seats=2, gpus=[], port=free_port())["settings"]["id"])
+    alone = hub.prepare(second, seats=1, gpus=[], port=free_port())
+    assert not any(str(first) in line for line in alone["shared"])  # others may run here
+    hub_argv = ["-m", "jupyterhub", "-f", str(first / "hub" / "jupyterhub_config.py")]  # as hub._launch starts it
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *hub_argv],
+                             env={**os.environ, **marker})
+    try:
+        processes.wait_until(lambda: str(first) in processes.hubs(), 10)
+        both = hub.prepare(second, gpus=[])
+    finally:
+        other.kill()
+        other.wait()
+    line = f"the workshop in {first} runs on this machine too: its seats and these share its {os.cpu_count()} cores"
+    assert line in both["shared"] and f"\n  {line}\n" in _started(both)
 
 
 def _started(prepared: dict) -> str:

@@ -354,7 +354,8 @@ def prepare(root=None, *, seats: int | None = None, gpus_per_seat: int | None = 
     127.0.0.1 only). Returns ``{"workshop", "settings", "plan", "codes" (the
     new ones, else empty), "resumed", "port", "public", "before"}``, where
     ``before`` is the ``(port, public)`` of the workshop's last start (None for
-    a new one). ``gpus`` overrides the GPUs found here.
+    a new one), and ``"shared"``, a line for each other workshop whose seats
+    run on this machine too. ``gpus`` overrides the GPUs found here.
     ``spawner="slurm"`` makes each seat's server a SLURM job on ``partition``
     (default: the cluster's), with ``gres`` and ``time_limit``
     (:mod:`.slurm_seats`).
@@ -423,7 +424,25 @@ def prepare(root=None, *, seats: int | None = None, gpus_per_seat: int | None = 
     write_private(ws.hub_dir / "jupyterhub_config.py", render_config(values, ws.secrets / "api_token"))
     ws.save_settings(settings)
     return {"workshop": ws, "settings": settings, "plan": plan, "codes": codes, "resumed": resumed, "port": port,
-            "public": public, "before": before}
+            "public": public, "before": before, "shared": [] if job else _shared_with(ws, plan)}
+
+
+def _shared_with(ws: Workshop, plan: Plan) -> list[str]:
+    """A line for each other workshop whose hub runs on this machine with its seats here too: its folder, and what
+    its seats and this one's share (the seats' thread budgets each count the machine's cores as theirs)."""
+    ours = {gpu for seat in plan.seats for gpu in seat.gpus}
+    lines = []
+    for folder in sorted(set(processes.hubs()) - {str(ws.root)}):
+        other = Workshop(folder)
+        try:
+            if other.settings().get("slurm"):
+                continue
+            both = sorted(ours & {gpu for seat in other.saved_plan().seats for gpu in seat.gpus})
+        except (WorkshopError, OSError, ValueError, KeyError):
+            both = []
+        lines.append(f"the workshop in {other.root} runs on this machine too: its seats and these share its "
+                     f"{os.cpu_count()} cores" + (f" and GPUs {','.join(both)}" if both else ""))
+    return lines
 
 
 def start(root=None, *, timeout: float = START_TIMEOUT_S, say=None, **asked) -> dict:
@@ -597,7 +616,7 @@ def format_started(started: dict) -> str:
         head = f"workshop resumed in {seconds}, on a new address (it was {address(*started['before'])})"
     lines = [f"{head}: {url}",
              f"  class dashboard: {started['dashboard']} (log in as {started['admin']})"]
-    lines += [f"  {n}" for n in plan.notes]
+    lines += [f"  {n}" for n in [*plan.notes, *started["shared"]]]
     if not started["public"]:
         lines.append(f"  from another machine: ssh -L {port}:127.0.0.1:{port} <this server>, then open {url}")
     lines.append("")

@@ -65,6 +65,29 @@ def marked(workshop_id: str) -> list[int]:
     return found
 
 
+def hubs() -> list[str]:
+    """The folders of the workshops whose hub runs on this machine (those this account may look into), from each
+    hub's command line: ``python -m jupyterhub -f <folder>/hub/jupyterhub_config.py``, with the marker."""
+    found = []
+    if not os.path.isdir("/proc"):
+        return found
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            if b"jupyterhub" not in argv or b"-f" not in argv[:-1]:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                tagged = any(v.startswith(f"{MARKER}=".encode()) for v in f.read().split(b"\0"))
+        except OSError:
+            continue
+        if tagged:
+            found.append(os.path.dirname(os.path.dirname(os.fsdecode(argv[argv.index(b"-f") + 1]))))
+    return found
+
+
 def wait_until(condition, within: float, step: float = 0.1) -> bool:
     """Poll ``condition()`` until it holds or ``within`` seconds pass; whether it held."""
     deadline = time.monotonic() + within
