@@ -66,10 +66,10 @@ def install_course_defaults(prefix: str | os.PathLike = sys.prefix) -> Path | No
         if not isinstance(current, dict):
             return None
         merged = {plugin: {**values, **current.get(plugin, {})} for plugin, values in COURSE_DEFAULTS.items()}
-        if all(current.get(plugin) == values for plugin, values in merged.items()):
-            return path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps({**current, **merged}, indent=1))
+        if any(current.get(plugin) != values for plugin, values in merged.items()):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, json.dumps({**current, **merged}, indent=1))
+        os.chmod(path, 0o644)  # every server this Python runs reads it: a seat's, under a Unix user of its own
     except (OSError, ValueError):
         return None
     return path

@@ -9,11 +9,15 @@ hub, its proxy and dashboard, and three JupyterLab servers starting side by side
 exercise solved (``solutions/`` copied in) and two untouched, as at the end of a day. ``quick`` grades ex01
 only; ``full`` grades every exercise. Seats are graded ``--jobs`` at a time (its default: cores ÷ 4).
 
-Both need JupyterHub and its proxy (``make workshop-deps``).
+``workshop_start_30_s``: the same for a class of 30 seats, the target being under a minute. Run as root, it
+includes making each seat's Unix user (:mod:`gpucourse.workshop.accounts`); the users are removed afterwards.
+
+All need JupyterHub and its proxy (``make workshop-deps``).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -27,9 +31,9 @@ from ..readings import Reading, figure
 SEATS = 3
 
 
-def _start(folder: str) -> float:
+def _start(folder: str, seats: int = SEATS) -> float:
     """Run ``gpucourse workshop start`` for a new workshop of CPU seats in ``folder``; its wall time in seconds."""
-    argv = [sys.executable, "-m", "gpucourse", "workshop", "start", "--seats", str(SEATS), "--gpus-per-seat", "0",
+    argv = [sys.executable, "-m", "gpucourse", "workshop", "start", "--seats", str(seats), "--gpus-per-seat", "0",
             "--port", str(hub.free_port()), "--dir", folder]
     t0 = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True, timeout=hub.START_TIMEOUT_S + 60)
@@ -39,17 +43,36 @@ def _start(folder: str) -> float:
     return wall
 
 
-@figure("workshop_start_s", quick=dict(), full=dict())
-def workshop_start_s() -> Reading:
-    """Seconds from ``gpucourse workshop start --seats 3`` to every seat answering."""
+def _stop(folder) -> None:
+    """Stop the workshop in ``folder`` if it was made, and remove its seats' users (as root)."""
+    if Path(folder, "workshop.json").exists():
+        hub.stop(folder)
+        if os.geteuid() == 0:
+            hub.remove_users(folder)
+
+
+def _time_start(seats: int) -> Reading:
     with tempfile.TemporaryDirectory(prefix="gpucourse-workshop-") as tmp:
         folder = str(Path(tmp) / "workshop")
         try:
-            wall = _start(folder)
+            wall = _start(folder, seats)
         finally:
-            if Path(folder, "workshop.json").exists():
-                hub.stop(folder)
-    return Reading(wall, {"seats": SEATS}, f"{wall:.1f} s until {SEATS} CPU seats answered")
+            _stop(folder)
+    users = os.geteuid() == 0
+    return Reading(wall, {"seats": seats, "seat_users": users},
+                   f"{wall:.1f} s until {seats} CPU seats answered" + (", each its own Unix user" if users else ""))
+
+
+@figure("workshop_start_s", quick=dict(), full=dict())
+def workshop_start_s() -> Reading:
+    """Seconds from ``gpucourse workshop start --seats 3`` to every seat answering."""
+    return _time_start(SEATS)
+
+
+@figure("workshop_start_30_s", "< 60", quick=dict(), full=dict())
+def workshop_start_30_s() -> Reading:
+    """Seconds from ``gpucourse workshop start --seats 30`` to every seat answering (users included as root)."""
+    return _time_start(30)
 
 
 @figure("workshop_collect_s", quick=dict(exercises=["ex01"]), full=dict(exercises=None))
@@ -61,8 +84,7 @@ def workshop_collect_s(exercises: list[str] | None) -> Reading:
         try:
             _start(str(folder))
         finally:
-            if (folder / "workshop.json").exists():
-                hub.stop(folder)
+            _stop(folder)
         for solved in solutions.glob("ex[0-9][0-9]_*.py"):
             shutil.copyfile(solved, folder / "seats" / "seat01" / "exercises" / solved.name)
         t0 = time.perf_counter()

@@ -150,6 +150,25 @@ def reveal(libc, paths: list[str]) -> None:
             os.close(handles[path])
 
 
+def seat_view(needed_paths: list[str], hidden: list[str]) -> bool:
+    """A mount namespace of its own for a process about to become an unprivileged user (a workshop seat's
+    server): ``needed_paths`` reachable through closed folders (:func:`reveal`), each of ``hidden`` covered by an
+    empty read-only folder (a file by an empty one); nothing else changes, every file system stays writable as
+    its modes say. False, and nothing changed, where the machine does not allow it. Needs root."""
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        return False
+    libc = _libc()
+    if libc.unshare(CLONE_NEWNS) != 0 or not _mount(libc, None, "/", None, MS_REC | MS_PRIVATE):
+        return False
+    reveal(libc, needed_paths)
+    for path in hidden:
+        if os.path.isdir(path):
+            _mount(libc, "tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=555")
+        elif os.path.exists(path):
+            _mount(libc, os.devnull, path, None, MS_BIND)
+    return True
+
+
 def _unreachable(user: int, private: str) -> list[str]:
     """What ``user`` could not read (or, for its own folder, write) of what the sandbox runs, asked of the kernel
     with that user's identity for a moment."""

@@ -141,14 +141,14 @@ class Workshop:
 
     def save_plan(self, plan: Plan, marker: dict[str, str]) -> None:
         seats = [{"name": s.name, "folder": str(s.folder), "gpus": list(s.gpus), "threads": s.threads, "job": s.job,
-                  "gres": s.gres} for s in plan.seats]
+                  "gres": s.gres, "account": s.account} for s in plan.seats]
         write_atomic(self.plan_file, json.dumps({"seats": seats, "notes": plan.notes, "marker": marker}, indent=1))
 
 
 def seat_from(saved: dict) -> Seat:
-    """A seat as ``hub/seats.json`` holds it (written before SLURM seats: no job)."""
+    """A seat as ``hub/seats.json`` holds it (written before SLURM seats: no job; before seat accounts: none)."""
     return Seat(saved["name"], Path(saved["folder"]), tuple(saved["gpus"]), saved["threads"], saved.get("job", ""),
-                saved.get("gres", ""))
+                saved.get("gres", ""), saved.get("account", ""))
 
 
 def copy_course(folder: Path, owner: tuple[int, int] | None = None) -> bool:

@@ -39,6 +39,7 @@ class Seat:
     threads: int = 1
     job: str = ""
     gres: str = ""
+    account: str = ""  # the Unix account its server runs as when it has one of its own (:mod:`.accounts`)
 
     @property
     def progress_file(self) -> Path:
@@ -160,28 +161,36 @@ def seat_environment(seat: Seat, marker: dict[str, str] | None = None) -> dict[s
     return env
 
 
-def seat_account(seat: str, system: bool) -> tuple[int, int] | None:
-    """(uid, gid) of the account a seat's server runs as when seats are real accounts (``--users``), else None:
-    generated seats run as the hub's own account."""
-    if not system:
-        return None
+def seat_account(seat: str, system: bool, account: str = "") -> tuple[int, int] | None:
+    """(uid, gid) of the account a seat's server runs as: the learner's with real accounts (``--users``), the
+    seat's own ``account`` when it has one (:mod:`.accounts`; None while it is not made yet), else None: the
+    seat runs as the hub's own account."""
     import pwd
 
-    account = pwd.getpwnam(seat)
-    return account.pw_uid, account.pw_gid
+    if system:
+        entry = pwd.getpwnam(seat)
+    elif account:
+        try:
+            entry = pwd.getpwnam(account)
+        except KeyError:
+            return None
+    else:
+        return None
+    return entry.pw_uid, entry.pw_gid
 
 
-def kernel_folder(workshop_id: str, seat: str, system: bool = False, make: bool = False) -> Path:
+def kernel_folder(workshop_id: str, seat: str, system: bool = False, make: bool = False,
+                  account: str = "") -> Path:
     """Where a seat's server keeps its kernels' connection files and sockets (its ``JUPYTER_RUNTIME_DIR``).
 
     Kernels talk to their server over Unix sockets, so that no two seats can
     race for a TCP port (:mod:`gpucourse.kernel_sockets`); a socket's path must
     be short, so the folder is under /tmp, private to the account the server
-    runs as: with real accounts (``system``) the learner's own, whose folder is
-    its alone; else the hub's account, one folder per seat. ``make``: create
-    it, owned by that account.
+    runs as: with real accounts (``system``) the learner's own, and with a seat
+    ``account`` the seat's, whose folder is its alone; else the hub's account,
+    one folder per seat. ``make``: create it, owned by that account.
     """
-    account = seat_account(seat, system)
-    name = f"workshop-{workshop_id[:8]}" if system else f"workshop-{workshop_id[:8]}-{seat}"
-    uid, gid = account if account else (None, None)
+    owner = seat_account(seat, system, account)
+    name = f"workshop-{workshop_id[:8]}" if owner else f"workshop-{workshop_id[:8]}-{seat}"
+    uid, gid = owner if owner else (None, None)
     return private_folder(name, uid, gid) if make else private_folder_path(name, uid)

@@ -27,8 +27,12 @@ from jupyterhub.spawner import LocalProcessSpawner
 from jupyterhub.utils import url_path_join
 from traitlets import Bool, Unicode
 
-from .folder import Workshop, seat_from
-from .plan import Seat, kernel_folder, seat_environment
+from ..grading import remote
+from ..grading.spawn import library_paths
+from ..grading.wall import PACKAGE, seat_view
+from .folder import REPO, Workshop, seat_from
+from .grader import socket_path
+from .plan import Seat, kernel_folder, seat_account, seat_environment
 from .processes import MARKER
 
 
@@ -73,29 +77,73 @@ class SeatSpawner(SeatOf, LocalProcessSpawner):
     def make_preexec_fn(self, name):
         if self.system_users:
             return super().make_preexec_fn(name)
-        folder = str(self.seat()[0].folder)
+        seat, marker = self.seat()
+        folder = str(seat.folder)
+        owner = seat_account(seat.name, False, seat.account)
+        if owner is None:
+            def enter_seat():  # runs in the child, before exec: the seat's folder as working directory
+                os.chdir(folder)
+            return enter_seat
+        uid, gid = owner
+        needed, hidden = seat_walls(self.workshop(), seat, kernel_folder(marker[MARKER], seat.name, False,
+                                                                       account=seat.account))
 
-        def enter_seat():  # runs in the child, before exec: no setuid, the seat's folder as working directory
+        def enter_own_seat():  # in the child, before exec: walls up, then the seat's user for good
+            seat_view(needed, hidden)
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
             os.chdir(folder)
-        return enter_seat
+        return enter_own_seat
+
+    def workshop(self) -> Workshop:
+        return Workshop(Path(self.plan_file).parents[1])
 
     def get_env(self):
         env = super().get_env()
         seat, marker = self.seat()
         env.update(seat_environment(seat, marker))
-        env["JUPYTER_RUNTIME_DIR"] = str(kernel_folder(marker[MARKER], seat.name, self.system_users))
+        env["JUPYTER_RUNTIME_DIR"] = str(kernel_folder(marker[MARKER], seat.name, self.system_users,
+                                                       account=seat.account))
         env["PATH"] = course_path(env)
+        if seat.account:  # the checks are out of its reach: check() asks the workshop's grading service
+            env[remote.ENV_VAR] = str(socket_path(self.workshop()))
         return env
 
     async def start(self):
         seat, marker = self.seat()
         self.notebook_dir = str(seat.folder)
-        kernel_folder(marker[MARKER], seat.name, self.system_users, make=True)
-        log = Workshop(Path(self.plan_file).parents[1]).seat_log(seat.name)
+        kernel_folder(marker[MARKER], seat.name, self.system_users, make=True, account=seat.account)
+        log = self.workshop().seat_log(seat.name)
         log.parent.mkdir(exist_ok=True)
         with open(log, "ab") as out:  # the server keeps its own copy of the descriptor
             self.popen_kwargs = {**self.popen_kwargs, "stdout": out, "stderr": subprocess.STDOUT}
             return await super().start()
+
+
+def seat_walls(ws: Workshop, seat: Seat, kernels: Path) -> tuple[list[str], list[str]]:
+    """What a seat with an account of its own must reach (the interpreter and its packages, the course's
+    package, its folder, its kernels' folder, the grading service) and what it must not read though its modes
+    would let it: the rest of the course's repository (``solutions/``, the tests and their wrong answers, the
+    history), the checks (each file reads as empty; their names stay, as ``check()`` lists them), and the
+    workshop's own state."""
+    package = os.path.realpath(PACKAGE)
+    needed = sorted({os.path.realpath(p) for p in (sys.prefix, sys.exec_prefix, sys.base_prefix,
+                                                   sys.base_exec_prefix, *library_paths(), package, seat.folder,
+                                                   kernels, socket_path(ws).parent)})
+
+    def inside(path: str) -> bool:
+        return any(n == path or n.startswith(path + os.sep) for n in needed)
+
+    repository = os.path.realpath(REPO)
+    hidden = [os.path.join(repository, name) for name in sorted(os.listdir(repository))
+              if not inside(os.path.join(repository, name))]
+    checks = os.path.join(package, "grading", "checks")
+    hidden += [os.path.join(checks, name) for name in sorted(os.listdir(checks))]
+    root = os.path.realpath(ws.root)
+    hidden += [os.path.join(root, name) for name in sorted(os.listdir(root))
+               if not inside(os.path.join(root, name)) and name != "seats"]
+    return needed, hidden
 
 
 # Where a learner starts, in a seat's folder (folder.COURSE): notebook 00, not an empty launcher.
