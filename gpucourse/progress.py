@@ -2,7 +2,9 @@
 
 The file is ``~/.gpucourse/progress.json``, or the path in the environment
 variable ``GPUCOURSE_PROGRESS``. The grader calls :func:`record_exercise`
-after each exercise; the quizzes call :func:`record_quiz`, which also files
+after each exercise, or, when the grader itself could not run,
+:func:`record_grader_failure` (kept apart from the tries, for a workshop's
+dashboard to show the instructor); the quizzes call :func:`record_quiz`, which also files
 each answer for the spaced review (:func:`file_answers`); ``gpucourse
 progress`` prints :func:`gpucourse.quiz.review.format_summary`. This module
 knows nothing of the question bank: the quiz reads it, not the other way.
@@ -51,7 +53,8 @@ def _read(path: Path) -> dict:
     try:
         data = json.loads(text)
         if not (isinstance(data, dict) and isinstance(data.get("exercises"), dict)
-                and isinstance(data.get("quizzes"), list) and isinstance(data.get("questions", {}), dict)):
+                and isinstance(data.get("quizzes"), list) and isinstance(data.get("questions", {}), dict)
+                and isinstance(data.get("grader_failures", {}), dict)):
             raise ValueError("not a progress record")
     except ValueError as e:
         raise ProgressError(f"the progress file {path} is not valid ({e}); fix it, or start afresh with "
@@ -104,7 +107,8 @@ def record_exercise(name: str, score: float, max_score: float, failed: list[dict
     when it was first passed (score equal to ``max_score``). ``failed`` lists
     the checks this attempt failed, each ``{"check", "message", "hint"}``; the
     entry keeps those of the latest attempt (what the learner is stuck on now).
-    Files written before this was recorded simply have no ``"failed"``.
+    Files written before this was recorded simply have no ``"failed"``. A grader
+    failure recorded for ``name`` is cleared: the grader ran.
     """
     if not isinstance(name, str) or not name:
         raise ValueError("an exercise needs a name.")
@@ -119,7 +123,44 @@ def record_exercise(name: str, score: float, max_score: float, failed: list[dict
             e["failed"] = [{k: _clip(str(f.get(k, ""))) for k in ("check", "message", "hint")} for f in failed]
         if e["passed"] and not e["first_passed"]:
             e["first_passed"] = e["last"]
+        data.get("grader_failures", {}).pop(name, None)
         return dict(e)
+
+
+def record_grader_failure(name: str, why: str) -> dict:
+    """Record that the grader could not run for exercise ``name``, and ``why``; return the record ``{"why", "time"}``.
+
+    Not an attempt: the exercise's tries and scores are left as they were, under
+    ``"grader_failures"``, apart from them. The next grading of ``name`` that runs
+    clears it (:func:`record_exercise`, :func:`clear_grader_failure`).
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError("an exercise needs a name.")
+    with _update() as data:
+        entry = {"why": _clip_log(str(why)), "time": _now()}
+        data.setdefault("grader_failures", {})[name] = entry
+        return dict(entry)
+
+
+def clear_grader_failure(name: str) -> bool:
+    """Forget the grader failure recorded for exercise ``name`` (the grader has run since); True if there was one."""
+    with _locked() as path:
+        data = _read(path)
+        if name not in data.get("grader_failures", {}):
+            return False  # nothing to write: an untouched stub graded on every Run All costs no write
+        del data["grader_failures"][name]
+        write_atomic(path, json.dumps(data, indent=1) + "\n")
+        return True
+
+
+def _clip_log(text: str) -> str:
+    """The sentence that says why, and as much of the log's end below it as the record keeps."""
+    if len(text) <= FAILED_TEXT_CHARS:
+        return text
+    sentence, _, log = text.partition("\n")
+    room = FAILED_TEXT_CHARS - len(sentence) - 2
+    end = log[-room:].partition("\n")[2] if room > 0 else ""  # from the first whole line
+    return f"{sentence}\n…\n{end}" if end else _clip(sentence)
 
 
 def record_quiz(topic: str, correct: int, total: int, by_topic: dict | None = None,
@@ -167,7 +208,8 @@ def summary(path: str | os.PathLike | None = None) -> dict:
     first_passed, last}}, "exercises_passed", "exercises_tried", "quizzes":
     {topic label: {attempts, correct, total, score, best, last}}, "topics":
     {quiz topic: {correct, total, score}} over every question answered,
-    "questions_answered", "questions_correct"}``: what the file holds, added up
+    "questions_answered", "questions_correct", "grader_failures": {name: {why,
+    time}}}``: what the file holds, added up
     (``gpucourse progress`` adds mastery per exam topic from the bank:
     :func:`gpucourse.quiz.review.summary`). ``path`` as in :func:`load`.
     """
@@ -190,7 +232,8 @@ def summary(path: str | os.PathLike | None = None) -> dict:
             "exercises_passed": sum(bool(e.get("passed")) for e in data["exercises"].values()),
             "exercises_tried": len(data["exercises"]), "quizzes": quizzes, "topics": topics,
             "questions_answered": sum(t["total"] for t in topics.values()),
-            "questions_correct": sum(t["correct"] for t in topics.values())}
+            "questions_correct": sum(t["correct"] for t in topics.values()),
+            "grader_failures": data.get("grader_failures", {})}
 
 
 # The spaced review (gpucourse.quiz.review) reads these boxes; the file keeps them.

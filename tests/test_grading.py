@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from gpucourse import cli, grading
-from gpucourse.grading import report, runner, source
+from gpucourse.grading import catalog, report, runner, source
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -283,7 +283,7 @@ def test_every_exercise_has_a_stub_a_solution_and_ten_points():
     for ex in EXERCISES:
         assert (REPO / "exercises" / f"{ex.module}.py").is_file()
         assert (REPO / "solutions" / f"{ex.module}.py").is_file()
-        assert ex.max_score == 10 and all(c.hint and c.points > 0 for c in ex.checks)
+        assert ex.max_score == catalog.POINTS == 10 and all(c.hint and c.points > 0 for c in ex.checks)
         doc = ast.get_docstring(ast.parse((REPO / "exercises" / f"{ex.module}.py").read_text()))
         assert ex.notebook in doc
 
@@ -584,8 +584,6 @@ def test_every_wrong_answer_of_exercise_14_fails_the_same_checks_under_twenty_se
 def test_the_catalog_names_every_exercise_and_a_kernel_asks_for_a_grade_without_torch():
     """check() resolves its exercise from the checks' file names: the kernel imports neither the checks nor torch
     to ask for a grade (the grading process does, while its sandbox starts)."""
-    from gpucourse.grading import catalog
-
     known = grading.exercises()
     assert catalog.modules() == {ex_id: ex.module for ex_id, ex in known.items()}
     assert max(len(ex.checks) for ex in known.values()) <= catalog.MAX_CHECKS

@@ -10,6 +10,8 @@ import sys
 from ..files import write_atomic
 from .common import UsageError, check_writable
 
+GRADER_FAILED = 3  # exit status when the grader itself could not run: no grade given, not the learner's doing
+
 
 def cmd_lab(args) -> int:
     from .. import lab
@@ -79,14 +81,19 @@ def cmd_grade(args) -> int:
     if args.json:
         check_writable(args.json, "--json")
     result = runner.grade(folder, args.exercises or None, **common)
-    print(report.text_report(result))
+    print(report.text_report(result))  # where the grader could not run, its first line says so and why
     if args.path is None:  # your own exercises/: the scores go to your progress file
         note = runner.record_progress(result)
         if note:
             print(note)
-    if args.json:
+    not_graded = report.grader_failures(result)
+    if args.json and not_graded:
+        print(f"results not written to {args.json}: the grader could not run, so there is no grade to write")
+    elif args.json:
         write_atomic(args.json, json.dumps(report.gradescope(result), indent=1))
         print(f"results written to {args.json}")
+    if not_graded:
+        return GRADER_FAILED
     return 0 if result["score"] == result["max_score"] else 1
 
 
@@ -200,7 +207,8 @@ def add_commands(sub) -> None:
 
     p = sub.add_parser("grade", help="grade the exercises: each check, its hint, the score",
                        description="Grade exercises/ (or --path DIR), or a whole class (--class DIR). "
-                                   "Exit status: 0 when every check passed (or a class was graded), 1 otherwise.")
+                                   "Exit status: 0 when every check passed (or a class was graded), 1 otherwise, "
+                                   "3 when the grader itself could not run (no grade given: not the learner's code).")
     p.add_argument("exercises", nargs="*", metavar="EXERCISE", help="which ones (ex03, or 3); default all")
     p.add_argument("--path", metavar="DIR",
                    help="folder to grade (default: exercises/ here or above, else the repository's; only that "

@@ -22,7 +22,8 @@ import importlib
 _EXPORTS = {
     "Exercise": "core", "Fail": "core", "exercises": "core", "find_exercise": "core", "check": "notebook",
     "gradescope": "report", "html_report": "report", "text_report": "report", "DEFAULT_TIMEOUT_S": "runner",
-    "grade": "runner", "grade_class": "runner", "time_grade_class": "timing", "time_grade_one_exercise": "timing",
+    "grade": "runner", "grade_class": "runner", "grader_failed": "results", "time_grade_class": "timing",
+    "time_grade_one_exercise": "timing",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -12,6 +12,7 @@ import re
 
 CHECKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checks")
 MAX_CHECKS = 24  # no exercise has more checks (a test holds them to it): the runner's deadline counts on it
+POINTS = 10      # what each exercise is worth in all (a test holds every one to it)
 
 
 def modules() -> dict[str, str]:

@@ -37,7 +37,7 @@ from ..files import write_atomic
 from ..runtime import collective_status
 from . import core, source, wire
 from .spawn import spawn_sandbox
-from .results import describe_exception, static_result
+from .results import describe_exception, grader_failed, static_result
 
 STARTUP_S = 90.0         # for a batch's ranks to start and connect (not counted against any check)
 PROGRESS_GRACE_S = 3.0   # after a check's budget, how long a rank may take to show it is still moving
@@ -437,9 +437,13 @@ def grade_exercise(ex: core.Exercise, path: str, spec: dict, sandbox: Sandbox) -
         for check in checks:
             budget = check.budget_s * factor * spec["timeout_scale"]
             began = time.monotonic()
-            try:
-                if batch is None:
+            if batch is None:
+                try:
                     batch = _start(sandbox, ex, world_size, private_file, budget)
+                except RankDied as e:
+                    # Twice, with a fresh sandbox, and before any learner code ran in them: the grader's own failure.
+                    return grader_failed([ex.id], f"{e} (for the check {check.name!r}, tried twice)", spec["seed"])[0]
+            try:
                 ctx = core.CheckContext(ex, check, path, spec["seed"], world_size=world_size, batch=batch,
                                         budget_s=budget)
                 ctx.load()

@@ -19,6 +19,8 @@ def check(exercise: str, path=None, *, timeout: float = DEFAULT_TIMEOUT_S, seed:
     repository; ``path`` names another folder. In a notebook the summary is
     HTML; elsewhere it is printed as text. Grading your own ``exercises/``
     (no ``path``) records the score in your progress file (``gpucourse progress``).
+    Where the grader itself cannot run, the first line says so and why: that is
+    not your code, no score is shown or recorded, and the instructor is told.
     """
     try:
         result = grade(path, [exercise], timeout=timeout, seed=seed)

@@ -1,4 +1,9 @@
-"""A graded folder, shown: a table for the terminal, HTML for a notebook, JSON for Gradescope."""
+"""A graded folder, shown: a table for the terminal, HTML for a notebook, JSON for Gradescope.
+
+An exercise the grader could not run (its result holds ``grader_error``) has no
+score to show: the first line says that the grader could not run and why, and
+that it is not the learner's code.
+"""
 
 from __future__ import annotations
 
@@ -23,11 +28,36 @@ def warnings(result: dict) -> list[str]:
     return list(dict.fromkeys(ex["warning"] for ex in result["exercises"] if ex.get("warning")))
 
 
+def grader_failures(result: dict) -> list[tuple[str, str]]:
+    """``(module, why)`` for each exercise the grader could not run (no grade: the grader's failure, not the
+    learner's); ``why`` is the sentence alone, without the grader's log below it."""
+    return [(ex["module"], first_line(ex["grader_error"])) for ex in result["exercises"] if ex.get("grader_error")]
+
+
+def first_line(text: str) -> str:
+    """The sentence that says why, without the log lines below it."""
+    return (text.strip().splitlines() or [""])[0]
+
+
+def _grader_lines(result: dict) -> list[tuple[str, str]]:
+    """What the report's first lines say when the grader could not run: (exercises not graded, why), once per why."""
+    by_why: dict[str, list[str]] = {}
+    for module, why in grader_failures(result):
+        by_why.setdefault(why, []).append(module)
+    return [(", ".join(modules), why) for why, modules in by_why.items()]
+
+
 def text_report(result: dict, show_passed: bool = False) -> str:
     """The terminal table: one line per exercise, and under it each failing check, what was seen, and a hint."""
-    rows = [f"warning: {w}" for w in warnings(result)] + [f"graded {result['folder']}  (seed {result['seed']})", ""]
+    rows = [f"the grader could not run ({modules} not graded): {why} — not your code; tell the instructor"
+            for modules, why in _grader_lines(result)] + [f"warning: {w}" for w in warnings(result)] + \
+        [f"graded {result['folder']}  (seed {result['seed']})", ""]
     width = max([len(e["module"]) for e in result["exercises"]] + [8])
     for ex in result["exercises"]:
+        if ex.get("grader_error"):
+            rows.append(f"{ex['module']:<{width}}  not graded: the grader could not run (not your code)")
+            rows.append(_indent(ex["grader_error"], "    "))
+            continue
         rows.append(f"{ex['module']:<{width}}  {ex['score']:>3}/{ex['max_score']:<3} {ex['title']}")
         if ex["error"]:
             rows.append(_indent(ex["error"], "    "))
@@ -44,7 +74,11 @@ def text_report(result: dict, show_passed: bool = False) -> str:
             rows.append(f"  FAIL {c['name']} (0/{c['max_points']})")
             rows.append(_indent(c["message"], "         "))
             rows.append(_indent("hint: " + c["hint"], "         "))
-    rows += ["", f"{'total':<{width}}  {result['score']:>3}/{result['max_score']}"]
+    failures = grader_failures(result)
+    graded = len(result["exercises"]) - len(failures)
+    rows += ["", f"{'total':<{width}}  " + ("not graded" if failures and not graded else
+                                            f"{result['score']:>3}/{result['max_score']}"
+                                            + (" (of the exercises graded)" if failures else ""))]
     if result["score"] < result["max_score"]:
         rows.append(f"(the same inputs again: --seed {result['seed']})")
     return "\n".join(rows)
@@ -54,8 +88,16 @@ def html_report(result: dict) -> str:
     """The notebook summary: per exercise, each check passed or failed, what was seen, the hint, the score."""
     esc = html.escape
     parts = ['<div class="gpucourse-grade" style="font-family: sans-serif; line-height: 1.4">']
+    parts += [f'<div style="color: #b31d28"><b>the grader could not run</b> ({esc(modules)} not graded): '
+              f'{esc(why)} — <b>not your code; tell the instructor</b></div>'
+              for modules, why in _grader_lines(result)]
     parts += [f'<div style="color: #b31d28"><b>warning:</b> {esc(w)}</div>' for w in warnings(result)]
     for ex in result["exercises"]:
+        if ex.get("grader_error"):
+            parts.append(f'<h4 style="margin: 0.6em 0 0.3em">{esc(ex["module"])} — not graded: the grader could '
+                         f'not run (not your code)</h4>'
+                         f'<pre style="white-space: pre-wrap; color: #555">{esc(ex["grader_error"])}</pre>')
+            continue
         full = ex["score"] == ex["max_score"]
         parts.append(f'<h4 style="margin: 0.6em 0 0.3em">{esc(ex["module"])}: {esc(ex["title"])} — '
                      f'<span style="color: {"#1a7f37" if full else "#b35900"}">{ex["score"]} / '

@@ -10,14 +10,21 @@ An exercise's result is a plain dict (it travels as JSON)::
 
 and, when a rank had to import a slow module its exercise does not name (``Exercise.rank_imports``),
 ``"late_imports": ["torch._dynamo"]``; and where the grader is root but learner code could not run as an
-unprivileged user, ``"warning": "learner code ran as root, ...: why"`` (the report's first line).
+unprivileged user, ``"warning": "learner code ran as root, ...: why"`` (the report's first line); and where
+the grader itself could not run, ``"grader_error": "why, in one sentence\nthe end of the grader's log"``
+(:func:`grader_failed`): no grade at all, the grader's failure and not the learner's (the report's first line
+says so).
 """
 
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-from . import core
+from . import catalog
+
+if TYPE_CHECKING:  # no torch for a kernel that only shows a result
+    from . import core
 
 OUTPUT_KEEP_BYTES = 8 * 1024  # of what an exercise printed, the head and tail we keep
 
@@ -29,6 +36,27 @@ def static_result(ex: core.Exercise, problem: str, seed: int, time_s: float) -> 
     return {"exercise": ex.id, "module": ex.module, "title": ex.title, "notebook": ex.notebook, "score": 0,
             "max_score": ex.max_score, "error": problem, "checks": checks, "seed": seed,
             "time_s": round(time_s, 3), "output": ""}
+
+
+def grader_failed(exercises: list[str], why: str, seed: int = 0) -> list[dict]:
+    """One result per exercise of ``exercises`` (ids like "ex03", or module names) saying that the grader could not
+    run, and ``why``: one sentence, then, on the lines below it, whatever helps whoever runs the grader (the end of
+    its log).
+
+    Such a result is not a grade: the grader failed, not the learner. It has the keys of any exercise's result
+    (above), with ``"grader_error": why`` (and ``"error"`` the same), a score of 0 out of the exercise's points, and
+    no check listed, as none ran. The reports then say that the grader could not run instead of showing a score,
+    :func:`gpucourse.grading.runner.record_progress` records no try, and class grading writes no grade for it.
+    Neither torch nor the checks are imported, so it works where the grader's own code is what is broken; it
+    raises only a KeyError for an exercise that does not exist.
+    """
+    out = []
+    for key in exercises:
+        ex_id, module = catalog.resolve(key)
+        out.append({"exercise": ex_id, "module": module, "title": module, "notebook": "", "score": 0,
+                    "max_score": catalog.POINTS, "error": why, "grader_error": why, "checks": [], "seed": int(seed),
+                    "time_s": 0.0, "output": ""})
+    return out
 
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n(?:[ \t]+(?P<code>[^\n]+))?')

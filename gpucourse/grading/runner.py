@@ -6,6 +6,11 @@ that runs learner code) in a new session, with a clean environment (no
 torchrun variables, no GPU: checks run on gloo CPU ranks), a private temporary
 folder, and a deadline of its own on top of the per-check ones. However it
 ends, every process it started is killed and the temporary folder removed.
+
+Where the grader itself cannot run (its folder cannot be made, its process does
+not start or dies before it has graded an exercise), the exercise gets no
+grade but a result saying so (:func:`grader_failed`): that is the grader's
+failure, never the learner's.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from pathlib import Path
 from ..files import write_atomic
 from . import catalog
 from .report import gradescope
+from .results import grader_failed
 
 DEFAULT_TIMEOUT_S = 20.0    # per check, for the learner's code on a quiet machine (scaled by the load)
 DEFAULT_MEMORY_GB = 4.0     # address space of an exercise process (torch alone maps about 1.5 GB)
@@ -96,6 +102,9 @@ def grade(folder: str | os.PathLike | None = None, exercises: list[str] | None =
     code may not read (a class's other submissions).
     The result holds ``folder``, ``seed``, ``score``, ``max_score``, ``time_s`` and
     ``exercises``: one result per exercise (see :mod:`gpucourse.grading.results`).
+    An exercise the grader could not run (its result holds ``grader_error``, see
+    :func:`grader_failed`) counts in neither ``score`` nor ``max_score``; this
+    never raises for a grader that cannot run.
     """
     start = time.monotonic()
     folder = find_folder(folder)
@@ -105,8 +114,9 @@ def grade(folder: str | os.PathLike | None = None, exercises: list[str] | None =
     seed = secrets.randbelow(2**31) if seed is None else int(seed)
     results = _grade_in_host([(ex_id, path, seed) for ex_id, path in paths], [str(folder)], timeout, memory_gb,
                              hidden_paths)
-    return {"folder": str(folder), "seed": seed, "score": sum(r["score"] for r in results),
-            "max_score": sum(r["max_score"] for r in results), "time_s": round(time.monotonic() - start, 3),
+    graded = [r for r in results if not r.get("grader_error")]
+    return {"folder": str(folder), "seed": seed, "score": sum(r["score"] for r in graded),
+            "max_score": sum(r["max_score"] for r in graded), "time_s": round(time.monotonic() - start, 3),
             "exercises": results}
 
 
@@ -124,8 +134,11 @@ def grade_runs(runs: list[tuple[str, str, int]], *, timeout: float = DEFAULT_TIM
 def _grade_in_host(runs: list[tuple[str, str, int]], folders: list[str], timeout: float, memory_gb: float,
                    hidden_paths) -> list[dict]:
     """The grading process (``gpucourse.grading.host``) over ``runs``; its results, one per run (a run it did not
-    reach gets a result saying why)."""
-    work = tempfile.mkdtemp(prefix="gpucourse-grade-")
+    reach gets a result saying why: :func:`grader_failed`)."""
+    try:
+        work = tempfile.mkdtemp(prefix="gpucourse-grade-")
+    except OSError as e:
+        return _not_reached(runs, f"the grader could not make its working folder ({type(e).__name__}: {e})")
     try:
         # Learner code may read none of these: the repository (solutions/, the checks, the reference
         # strategies), the grader's folder, and the folders being graded (the sandbox has its own copy).
@@ -134,22 +147,28 @@ def _grade_in_host(runs: list[tuple[str, str, int]], folders: list[str], timeout
                 "timeout_scale": float(timeout) / DEFAULT_TIMEOUT_S, "work": work,
                 "memory_bytes": int(memory_gb * 2**30), "output_bytes": OUTPUT_LIMIT_BYTES,
                 "result": os.path.join(work, "result.json"), "hidden_paths": hidden + list(hidden_paths)}
-        with open(os.open(os.path.join(work, "spec.json"), os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
-            json.dump(spec, f)
-        os.makedirs(os.path.join(work, "cwd"))
-        with open(os.open(os.path.join(work, "host.log"), os.O_WRONLY | os.O_CREAT, 0o600), "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "gpucourse.grading.start", os.path.join(work, "spec.json")],
-                                    cwd=os.path.join(work, "cwd"), env=_environment(work), stdin=subprocess.DEVNULL,
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            with open(os.open(os.path.join(work, "spec.json"), os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+                json.dump(spec, f)
+            os.makedirs(os.path.join(work, "cwd"))
+            with open(os.open(os.path.join(work, "host.log"), os.O_WRONLY | os.O_CREAT, 0o600), "wb") as log:
+                proc = subprocess.Popen([sys.executable, "-m", "gpucourse.grading.start",
+                                         os.path.join(work, "spec.json")],
+                                        cwd=os.path.join(work, "cwd"), env=_environment(work),
+                                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        except (OSError, subprocess.SubprocessError) as e:
+            return _not_reached(runs, f"the grader could not start its process ({type(e).__name__}: {e})")
         with _live_lock:
             _live.add(proc)
-        clean = False
+        clean = timed_out = False
+        # A net under the per-check budgets the grading process keeps: every check of every run at its longest.
+        deadline = STARTUP_S + len(runs) * catalog.MAX_CHECKS * (timeout * 4 + 30)
         try:
-            # A net under the per-check budgets the grading process keeps: every check of every run at its longest.
-            proc.wait(timeout=STARTUP_S + len(runs) * catalog.MAX_CHECKS * (timeout * 4 + 30))
+            proc.wait(timeout=deadline)
             clean = proc.returncode == 0
         except subprocess.TimeoutExpired:
-            pass
+            timed_out = True
         finally:
             _stop(proc, work, clean)
             with _live_lock:
@@ -160,41 +179,57 @@ def _grade_in_host(runs: list[tuple[str, str, int]], folders: list[str], timeout
         except (OSError, ValueError):
             results = []
         if len(results) < len(runs):
-            from . import core
-            from .results import static_result
-
-            why = _host_failure(work, proc.returncode)
-            known = core.exercises()
-            results += [static_result(known[ex_id], why, seed, 0.0) for ex_id, _, seed in runs[len(results):]]
+            results += _not_reached(runs[len(results):], _host_failure(work, proc.returncode,
+                                                                       deadline if timed_out else None))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return results
 
 
-def _host_failure(work: str, returncode) -> str:
+def _not_reached(runs: list[tuple[str, str, int]], why: str) -> list[dict]:
+    return [grader_failed([ex_id], why, seed)[0] for ex_id, _, seed in runs]
+
+
+def _host_failure(work: str, returncode: int | None, deadline: float | None) -> str:
+    """Why the grading process left exercises ungraded: one sentence, then the end of its log."""
     try:
         with open(os.path.join(work, "host.log"), errors="replace") as f:
             tail = f.read()[-2000:].strip()
     except OSError:
         tail = ""
-    how = "was stopped after its deadline" if returncode in (None, -signal.SIGKILL) else \
-        f"ended with status {returncode}"
-    return f"the grader's own process {how} before grading this exercise" + (f":\n{tail}" if tail else "")
+    if deadline is not None:
+        how = f"was stopped after its deadline of {deadline:.0f} s"
+    elif returncode is not None and returncode < 0:
+        try:
+            how = f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            how = f"was killed by signal {-returncode}"
+    else:
+        how = f"ended with status {returncode}"
+    return f"the grader's own process {how} before it graded this exercise" + \
+        (f"\nits log ends with:\n{tail}" if tail else " (its log is empty)")
 
 
 def record_progress(result: dict) -> str:
     """Record each graded exercise's score in the learner's progress file; a note if that failed, else ``""``.
 
     An untouched stub (every check "not written yet", as a notebook's Run All
-    grades it) is not an attempt and is not recorded. A grade is never lost to
-    the progress file: a file that cannot be written (or a broken one) is
-    reported in one sentence and the grade stands.
+    grades it) is not an attempt and is not recorded. Nor is an exercise the
+    grader could not run (:func:`grader_failed`): that is recorded apart, as
+    the grader's failure (:func:`gpucourse.progress.record_grader_failure`), for
+    the workshop's dashboard to show, until a grading that runs clears it. A
+    grade is never lost to the progress file: a file that cannot be written (or
+    a broken one) is reported in one sentence and the grade stands.
     """
     from .. import progress
 
     try:
         for e in result["exercises"]:
-            if not untouched(e):
+            if e.get("grader_error"):
+                progress.record_grader_failure(e["module"], e["grader_error"])
+            elif untouched(e):
+                progress.clear_grader_failure(e["module"])
+            else:
                 failed = [{"check": c["name"], "message": c["message"], "hint": c["hint"]}
                           for c in e["checks"] if c["status"] != "passed"]
                 progress.record_exercise(e["module"], e["score"], e["max_score"], failed)
