@@ -1,6 +1,6 @@
 """A grader that cannot run is never the learner's failure: ``check`` says so in its first line and shows no score,
-the progress file records no try (the grader's failure apart, for the dashboard), and ``grade`` writes no grade
-and exits 3.
+the progress file records no try (the grader's failure apart, for the dashboard), and ``collect`` and ``grade``
+write no grade and exit 3.
 
 The grader is made unable to run for real, in two ways an instructor's machine can break it, each costing a few
 milliseconds: ``PYTHONHOME`` pointing nowhere (the grading process, a fresh interpreter that inherits the
@@ -11,6 +11,7 @@ even root cannot write into), so that grading fails before its process starts.
 
 from __future__ import annotations
 
+import csv
 import shutil
 import tempfile
 from pathlib import Path
@@ -19,6 +20,8 @@ import pytest
 
 from gpucourse import cli, grading, progress
 from gpucourse.grading import catalog, host, runner
+from gpucourse.workshop import plan, processes
+from gpucourse.workshop.folder import Workshop
 
 REPO = Path(__file__).resolve().parents[1]
 HOST_DIED = "the grader's own process ended with status 1 before it graded this exercise"
@@ -106,3 +109,35 @@ def test_ranks_that_never_start_are_the_graders_failure(tmp_path):
     assert result["grader_error"].startswith("the grader's ranks did not start: PermissionError")
     assert f"for the check {ex.checks[0].name!r}, tried twice" in result["grader_error"]
     assert result["seed"] == 5 and result["checks"] == []
+
+
+def _workshop(root: Path, seats: int) -> tuple[Workshop, dict[str, Path]]:
+    ws = Workshop(root)
+    ws.hub_dir.mkdir(parents=True)
+    names = plan.seat_names(seats)
+    ws.save_settings(Workshop.new_settings("x", names, "codes", None, "instructor"))
+    folders = ws.seat_folders(ws.settings())
+    ws.save_plan(plan.make_plan(folders, [], cores=2), processes.marker_env("x"))
+    for folder in folders.values():
+        (folder / "exercises").mkdir(parents=True)
+        shutil.copy(REPO / "exercises" / "ex01_ring_allreduce.py", folder / "exercises")
+    return ws, folders
+
+
+def test_collect_names_what_it_could_not_grade_and_writes_no_grade(tmp_path, capsys, broken_python):
+    ws, _ = _workshop(tmp_path / "ws", 2)
+    grades, gradescope = tmp_path / "grades.csv", tmp_path / "gradescope"
+    stale = gradescope / "seat01" / "results.json"  # from an earlier collect: not to be mistaken for this one's
+    stale.parent.mkdir(parents=True)
+    stale.write_text("{}")
+    argv = ["workshop", "collect", "ex01", "ex02", "--out", str(grades), "--gradescope", str(gradescope),
+            "--dir", str(ws.root)]
+    assert cli.main(argv) == 3
+    err = capsys.readouterr().err.splitlines()
+    assert err[:4] == [f"gpucourse: could not grade {seat} {module}: {HOST_DIED}" for seat in ("seat01", "seat02")
+                       for module in ("ex01_ring_allreduce", "ex02_data_parallel")]
+    assert "the grader could not run for 2 seats" in err[4]
+    rows = list(csv.DictReader(grades.open()))
+    assert [(r["learner"], r["ex01"], r["ex02"], r["total"]) for r in rows] == \
+        [("seat01", "", "", ""), ("seat02", "", "", "")]
+    assert not stale.exists() and not list((tmp_path / "grades-results").iterdir())

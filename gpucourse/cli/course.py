@@ -13,6 +13,28 @@ from .common import UsageError, check_writable
 GRADER_FAILED = 3  # exit status when the grader itself could not run: no grade given, not the learner's doing
 
 
+def _graded_line(name: str, result: dict) -> str:
+    """A learner's line as class grading finishes it: the score, and what could not be graded."""
+    from ..grading.report import grader_failures
+
+    missing = len(grader_failures(result))
+    return (f"  {name:<12} {result['score']:>4}/{result['max_score']}" + (f", {missing} not graded" if missing else "")
+            + f"  ({result['time_s']:.1f} s)")
+
+
+def _say_not_graded(not_graded: dict, who: str) -> int:
+    """One line on stderr for each exercise of each learner the grader could not run; the exit status."""
+    for name, failures in sorted(not_graded.items()):
+        for module, why in failures:
+            print(f"gpucourse: could not grade {name} {module}: {why}", file=sys.stderr)
+    if not not_graded:
+        return 0
+    print(f"gpucourse: the grader could not run for {len(not_graded)} {who}{'s' * (len(not_graded) > 1)} (not "
+          f"their code): no grade written for those exercises (empty cells in the CSV, and an empty total); see to "
+          f"the grader and grade again.", file=sys.stderr)
+    return GRADER_FAILED
+
+
 def cmd_lab(args) -> int:
     from .. import lab
 
@@ -66,13 +88,13 @@ def cmd_grade(args) -> int:
         print(f"grading {len(names)} learner{'s' * (len(names) > 1)} in {args.class_dir}, {args.jobs} at a time")
 
         def done(name, result):
-            print(f"  {name:<24} {result['score']:>4}/{result['max_score']}  ({result['time_s']:.1f} s)", flush=True)
+            print(_graded_line(name, result), flush=True)
 
         out = runner.grade_class(args.class_dir, args.out, jobs=args.jobs, exercises=args.exercises or None,
                                  on_learner=done, **common)
         print(f"graded in {out['time_s']:.1f} s (seed {out['seed']}): grades in {out['csv']}, "
               f"each learner's results in {out['results_dir']}/")
-        return 0
+        return _say_not_graded(out["not_graded"], "learner")
     if args.out or args.jobs != 1:
         raise UsageError("--out and --jobs are for grading a class (--class DIR).")
     folder = runner.find_folder(args.path)
@@ -180,14 +202,14 @@ def cmd_workshop(args) -> int:
             return 1 if found["failed"] else 0
         elif args.action == "collect":
             def done(name, result):
-                print(f"  {name:<12} {result['score']:>4}/{result['max_score']}  ({result['time_s']:.1f} s)",
-                      flush=True)
+                print(_graded_line(name, result), flush=True)
 
             out = collect.collect(args.dir, args.out, gradescope=args.gradescope, exercises=args.exercises or None,
                                   jobs=args.jobs, timeout=args.timeout, on_seat=done)
             print(f"graded {len(out['learners'])} seats in {out['time_s']:.1f} s (seed {out['seed']}): grades in "
                   f"{out['csv']}, each seat's results in {out['results_dir']}/"
                   + (f", Gradescope results.json in {args.gradescope}/<seat>/" if args.gradescope else ""))
+            return _say_not_graded(out["not_graded"], "seat")
         else:
             print(hub.format_stopped(hub.stop(args.dir), args.dir))
     except WorkshopError as e:
@@ -296,7 +318,10 @@ def add_commands(sub) -> None:
     w.add_argument("--rounds", type=int, default=1, help="how many times (default 1)")
     w.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="seconds for each seat's kernel to start and run the cell (default 120)")
-    w = actions.add_parser("collect", help="grade every seat's exercises into one CSV")
+    w = actions.add_parser("collect", help="grade every seat's exercises into one CSV",
+                           description="Grade every seat's exercises/ into one CSV. Exit status 3 when the grader "
+                                       "could not run for some seat: each such seat and exercise is named on "
+                                       "stderr, and gets no grade (an empty cell).")
     w.add_argument("exercises", nargs="*", metavar="EXERCISE", help="which ones (ex03, or 3); default all")
     w.add_argument("--out", default="grades.csv", metavar="FILE.csv",
                    help="one row per seat (default grades.csv); each seat's results JSON goes to FILE-results/")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..files import write_atomic
 from . import catalog
-from .report import gradescope
+from .report import grader_failures, gradescope
 from .results import grader_failed
 
 DEFAULT_TIMEOUT_S = 20.0    # per check, for the learner's code on a quiet machine (scaled by the load)
@@ -256,13 +256,17 @@ def learners(root: str | os.PathLike) -> list[str]:
 
 
 def class_csv(results: dict[str, dict], exercise_ids: list[str]) -> str:
-    """One row per learner: their score in each exercise, then the total."""
+    """One row per learner: their score in each exercise, then the total.
+
+    An exercise the grader could not run (:func:`grader_failed`) has no grade: its cell is empty, and so is that
+    learner's total (a sum of the rest would read as a grade)."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(["learner", *exercise_ids, "total"])
     for name in sorted(results):
-        scores = {e["exercise"]: e["score"] for e in results[name]["exercises"]}
-        writer.writerow([name, *(scores.get(i, 0) for i in exercise_ids), results[name]["score"]])
+        scores = {e["exercise"]: "" if e.get("grader_error") else e["score"] for e in results[name]["exercises"]}
+        total = "" if "" in scores.values() else results[name]["score"]
+        writer.writerow([name, *(scores.get(i, 0) for i in exercise_ids), total])
     return out.getvalue()
 
 
@@ -283,8 +287,10 @@ def grade_class(root: str | os.PathLike, out_csv: str | os.PathLike, *, jobs: in
     results are written once everyone is graded, so nothing a learner's code
     does can touch another learner's files or grade. ``on_learner(name,
     result)`` is called as each learner is done; ``hidden_paths`` are more
-    folders no learner's code may read (where the class's work lives). Returns ``{"learners": {name:
-    result}, "csv", "results_dir", "seed", "time_s"}``.
+    folders no learner's code may read (where the class's work lives). A learner with an exercise the grader
+    could not run gets no results JSON (one left by an earlier run is removed) and empty cells in the CSV.
+    Returns ``{"learners": {name: result}, "csv", "results_dir", "seed", "time_s", "not_graded": {name:
+    [(module, why), ...]}}``, the last for the learners with such exercises only.
     """
     start = time.monotonic()
     names = learners(root)
@@ -321,8 +327,12 @@ def grade_class(root: str | os.PathLike, out_csv: str | os.PathLike, *, jobs: in
         pool.shutdown(wait=True)
         shutil.rmtree(copies, ignore_errors=True)
     out_dir.mkdir(exist_ok=True)
+    not_graded = {name: grader_failures(result) for name, result in results.items() if grader_failures(result)}
     for name, result in results.items():
-        write_atomic(out_dir / f"{name}.json", json.dumps(gradescope(result), indent=1))
+        if name in not_graded:
+            (out_dir / f"{name}.json").unlink(missing_ok=True)
+        else:
+            write_atomic(out_dir / f"{name}.json", json.dumps(gradescope(result), indent=1))
     write_atomic(out_csv, class_csv(results, ids))
     return {"learners": results, "csv": str(out_csv), "results_dir": str(out_dir), "seed": seed,
-            "time_s": round(time.monotonic() - start, 3)}
+            "time_s": round(time.monotonic() - start, 3), "not_graded": not_graded}

@@ -8,6 +8,8 @@ at a time, and writes the CSV and each seat's Gradescope ``results.json`` only
 once the whole class is graded. The seats' live folders are hidden from the
 code being graded, so one learner's code cannot read another's answers. It
 works on a running workshop or a stopped one: the seats' files are all it needs.
+An exercise the grader could not run for a seat gets no grade: an empty cell,
+an empty total, no results JSON for that seat; the result names them.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def collect(root=None, out_csv: str | os.PathLike = "grades.csv", *, gradescope:
             exercises: list[str] | None = None, jobs: int | None = None, timeout: float | None = None,
             on_seat=None) -> dict:
     """Grade every seat of the workshop in ``root``; write ``out_csv`` and, with ``gradescope``, one
-    ``DIR/<seat>/results.json`` per seat. Returns grade_class's result plus ``"gradescope"`` (the files).
+    ``DIR/<seat>/results.json`` per seat graded whole. Returns grade_class's result (its ``"not_graded"``: each
+    seat's exercises the grader could not run, and why) plus ``"gradescope"`` (the files).
 
     ``exercises`` limits grading to those ids ("ex01"); ``on_seat(name, result)``
     is called as each seat is done.
@@ -90,6 +93,9 @@ def collect(root=None, out_csv: str | os.PathLike = "grades.csv", *, gradescope:
     if target is not None:
         for name, seat_result in sorted(result["learners"].items()):
             path = target / name / "results.json"
+            if name in result["not_graded"]:  # no grade to upload: not even one left by an earlier run
+                path.unlink(missing_ok=True)
+                continue
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, json.dumps(gradescope_json(seat_result), indent=1))
             written.append(str(path))
