@@ -1,6 +1,6 @@
 """A grader that cannot run is never the learner's failure: ``check`` says so in its first line and shows no score,
-the progress file records no try (the grader's failure apart, for the dashboard), and ``collect`` and ``grade``
-write no grade and exit 3.
+the progress file records no try (the grader's failure apart, for the dashboard), the class report asks the
+instructor to see to it instead of calling the seat stuck, and ``collect`` and ``grade`` write no grade and exit 3.
 
 The grader is made unable to run for real, in two ways an instructor's machine can break it, each costing a few
 milliseconds: ``PYTHONHOME`` pointing nowhere (the grading process, a fresh interpreter that inherits the
@@ -12,15 +12,19 @@ even root cannot write into), so that grading fails before its process starts.
 from __future__ import annotations
 
 import csv
+import html
+import json
 import shutil
+import sys
 import tempfile
+import types
 from pathlib import Path
 
 import pytest
 
 from gpucourse import cli, grading, progress
 from gpucourse.grading import catalog, host, runner
-from gpucourse.workshop import plan, processes
+from gpucourse.workshop import dashboard, plan, processes, report
 from gpucourse.workshop.folder import Workshop
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,6 +126,50 @@ def _workshop(root: Path, seats: int) -> tuple[Workshop, dict[str, Path]]:
         (folder / "exercises").mkdir(parents=True)
         shutil.copy(REPO / "exercises" / "ex01_ring_allreduce.py", folder / "exercises")
     return ws, folders
+
+
+def test_the_class_report_asks_the_instructor_to_see_to_broken_grading(tmp_path, monkeypatch, broken_python):
+    ws, folders = _workshop(tmp_path / "ws", 3)
+    tried = lambda score, failed: {"attempts": 3, "best": score, "score": score, "max_score": 10,  # noqa: E731
+                                   "passed": score == 10, "first_passed": None, "last": "2026-01-01T10:00:00+00:00",
+                                   "failed": failed}
+    averages = [{"check": "averages", "message": "wrong", "hint": "divide by the world size"}]
+    for name, exercises in {"seat01": {"ex01_ring_allreduce": tried(10, [])},
+                            "seat02": {"ex01_ring_allreduce": tried(10, []), "ex02_data_parallel": tried(0, averages)},
+                            "seat03": {"ex01_ring_allreduce": tried(10, []), "ex02_data_parallel": tried(0, averages)}
+                            }.items():
+        path = folders[name] / ".gpucourse" / "progress.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps({"format": 1, "exercises": exercises, "quizzes": []}))
+    # seat02 checks ex02 again in its notebook, and the grader cannot run.
+    monkeypatch.setenv("GPUCOURSE_PROGRESS", str(folders["seat02"] / ".gpucourse" / "progress.json"))
+    monkeypatch.chdir(folders["seat02"])
+    grading.check("ex02")
+    # A machine without GPUs, as NVML says it.
+    no_library = type("NVMLError_LibraryNotFound", (Exception,), {})
+
+    def init():
+        raise no_library("NVML Shared Library Not Found")
+
+    monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlInit=init))
+    found = report.class_report(ws)
+    seats = {s["name"]: s for s in found["seats"]}
+    assert seats["seat02"]["grading_broken"] == {"ex02_data_parallel": HOST_DIED}
+    assert seats["seat02"]["stuck"] is None and seats["seat03"]["stuck"]["exercise"] == "ex02_data_parallel"
+    assert found["grading_broken"] == [f"grading broken for seat02: ex02_data_parallel: {HOST_DIED}"]
+    # What to explain next: seat03's failing check; seat02's says nothing of what its learner understood.
+    assert [(f["exercise"], f["seats"]) for f in found["common_failures"]] == [("ex02_data_parallel", ["seat03"])]
+    # One denominator for every seat: the whole course.
+    assert {s["max_score"] for s in found["seats"]} == {catalog.POINTS * len(report.course_exercises())}
+    assert found["gpu"]["note"] == "no GPU visible"
+    text = report.format_report(found)
+    assert f"grading broken for seat02: ex02_data_parallel: {HOST_DIED}" in " ".join(text.split())
+    assert "score (of the whole course)" in text and f"10/{seats['seat01']['max_score']}" in text
+    assert "ex02_data_parallel (3 tries)" not in text.split("seat03")[0]  # seat02's row: not stuck
+    assert "GPU use: no GPU visible" in text and "NVMLError" not in text
+    page = html.unescape(dashboard.render(found, report.course_exercises()))
+    assert f"grading broken for seat02: ex02_data_parallel: {HOST_DIED}" in page and "NVMLError" not in page
+    assert page.count("(3 tries)") == 1  # seat03 alone is stuck
 
 
 def test_collect_names_what_it_could_not_grade_and_writes_no_grade(tmp_path, capsys, broken_python):

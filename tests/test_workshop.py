@@ -562,7 +562,8 @@ def test_a_real_workshop_from_start_to_stop(tmp_path, capsys):
             assert f"0/{exercises} passed" in instructor.locator("#seat-seat02").inner_text()
         assert cli.main(["workshop", "status", "--dir", str(root)]) == 0
         status = capsys.readouterr().out
-        assert re.search(rf"^seat01\s+CPU, 1 thread\s+running\s.*\s1/{exercises}\s+10/10", status, re.M), status
+        assert re.search(rf"^seat01\s+CPU, 1 thread\s+running\s.*\s1/{exercises}\s+10/{report.course_points()}\s",
+                         status, re.M), status
         # The whole class, graded with the course's grader.
         grades, gradescope = tmp_path / "grades.csv", tmp_path / "gradescope"
         assert cli.main(["workshop", "collect", "ex01", "--out", str(grades), "--gradescope", str(gradescope),

@@ -35,7 +35,7 @@ th, td { border-bottom: 1px solid #ddd; padding: 4px 10px; text-align: left; ver
 th { background: #f4f4f4; }
 .ex { display: inline-block; margin: 1px 2px; padding: 0 4px; border-radius: 3px; font-size: 85%; }
 .passed { background: #d6f5dd; color: #1a7f37; } .tried { background: #fde9cf; color: #8a4b00; }
-.untried { background: #eee; color: #999; }
+.untried { background: #eee; color: #999; } .broken { background: #fde2e1; color: #b42318; }
 .hint { color: #555; font-size: 90%; } .note { color: #555; }
 .trouble { color: #b42318; font-weight: bold; } pre { font-size: 80%; max-width: 60em; overflow-x: auto; }
 """
@@ -50,7 +50,10 @@ def _exercise_chips(seat: dict, modules: list[str]) -> str:
     for module in modules:
         e = seat["exercises"].get(module)
         short = module.split("_", 1)[0]
-        if e is None:
+        if module in seat.get("grading_broken", {}):
+            chips.append(f'<span class="ex broken" title="{_e(module)}: the grader could not run">'
+                         f'{_e(short)} ⚠</span>')
+        elif e is None:
             chips.append(f'<span class="ex untried" title="{_e(module)}: not graded yet">{_e(short)}</span>')
         elif e.get("passed"):
             chips.append(f'<span class="ex passed" title="{_e(module)}: passed">{_e(short)} ✔</span>')
@@ -75,16 +78,23 @@ def render(report: dict, modules: list[str]) -> str:
     parts = [f'<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{REFRESH_S}">'
              f'<title>gpucourse workshop</title><style>{STYLE}</style></head><body>',
              f'<h2>gpucourse workshop — {len(report["seats"])} seats</h2>',
-             '<p class="note">' + "<br>".join(_e(n) for n in report["notes"]) + "</p>",
-             "<h3>Seats</h3><table><tr><th>seat</th><th>resources</th>" + ("<th>SLURM job</th>" if on_slurm else "")
-             + "<th>server</th><th>kernels</th>"
-             "<th>last activity</th>"
-             "<th>exercises</th><th>score</th><th>quiz by topic</th><th>stuck on</th></tr>"]
+             '<p class="note">' + "<br>".join(_e(n) for n in report["notes"]) + "</p>"]
+    if report["grading_broken"]:
+        parts.append('<h3 class="trouble">Grading broken: see to it</h3><p class="note">The grader could not run '
+                     "for these seats: not the learners' code. Once it runs again, they check again.</p><ul>"
+                     + "".join(f'<li class="trouble">{_e(line)}</li>' for line in report["grading_broken"]) + "</ul>")
+    parts.append("<h3>Seats</h3><table><tr><th>seat</th><th>resources</th>" + ("<th>SLURM job</th>" if on_slurm else "")
+                 + "<th>server</th><th>kernels</th>"
+                 "<th>last activity</th>"
+                 "<th>exercises</th><th>score (of the whole course)</th>"
+                 "<th>quiz by topic</th><th>stuck on</th></tr>")
     for s in report["seats"]:
         quiz = "<br>".join(f"{_e(t)} {c}/{n}" for t, (c, n) in sorted(s["quiz"].items())) or "—"
-        score = f'{s["score"]:g}/{s["max_score"]:g}' if s["max_score"] else "—"
+        score = "—" if s["problem"] else f'{s["score"]:g}/{s["max_score"]:g}'
         if s["problem"]:
             stuck = f"progress file unreadable: {_e(s['problem'])}"
+        elif s["grading_broken"]:
+            stuck = f'<span class="trouble">grading broken: {_e(", ".join(s["grading_broken"]))}</span> (see above)'
         elif s["stuck"]:
             st = s["stuck"]
             stuck = (f"<b>{_e(st['exercise'])}</b>" + (f": {_e(st['check'])}" if st["check"] else "")

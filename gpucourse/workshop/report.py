@@ -1,8 +1,9 @@
-"""The class at a glance: what each seat has passed, where it is stuck, and what to explain next.
+"""The class at a glance: what each seat has passed, where it is stuck, what to explain next, and what to see to.
 
 Everything comes from files and services that are already there: each seat's
 progress file (``check("ex03")`` in a notebook records the score and the checks
-that failed, with their hints), the hub's REST API (is the seat's server
+that failed, with their hints, or that the grader itself could not run: that
+is for the instructor to see to, not a learner stuck), the hub's REST API (is the seat's server
 running, when was it last used), NVML (how busy each seat's GPUs are) and,
 for seats that are SLURM jobs, SLURM's queue (pending, or running on which node).
 :func:`class_report` gathers it as plain data; ``gpucourse workshop status``
@@ -16,6 +17,8 @@ from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..grading import catalog
+from ..grading.report import first_line
 from .errors import WorkshopError
 from .folder import REPO, Workshop
 from .kernels import seat_kernels
@@ -24,11 +27,18 @@ from .slurm_seats import describe_job, seat_jobs
 
 NVDASHBOARD = ("for each learner's own view of their GPUs, install jupyterlab-nvdashboard "
                "(pip install jupyterlab-nvdashboard): a GPU panel in JupyterLab's left bar")
+# What NVML raises where there is simply no GPU to see: no NVIDIA library, no driver loaded.
+NO_DRIVER = ("NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded")
 
 
 def course_exercises() -> list[str]:
     """The exercise modules every seat has (``ex01_ring_allreduce`` …), in course order."""
     return sorted(p.stem for p in (REPO / "exercises").glob("ex[0-9][0-9]_*.py"))
+
+
+def course_points() -> int:
+    """The whole course's points: every seat's score is out of these, whatever it has tried."""
+    return catalog.POINTS * len(course_exercises())
 
 
 def tries(n: int) -> str:
@@ -59,22 +69,27 @@ def ago(text: str | None, now: datetime | None = None) -> str:
 
 
 def seat_progress(progress_file: Path) -> dict:
-    """One seat's record in a few numbers: passed, score, quiz per topic, latest time, and where it is stuck.
+    """One seat's record in a few numbers: passed, score (the best of each exercise, added up), quiz per topic,
+    latest time, where it is stuck, and where its grading broke.
 
     ``stuck`` is the first failing check of the exercise this learner graded
     last without passing it: what they are most likely looking at now.
+    ``grading_broken`` is ``{exercise: why}`` for each exercise the grader
+    could not run when this seat last asked: the instructor's to see to, so
+    such an exercise is not where the seat is stuck.
     """
     from .. import progress
 
     try:
         s = progress.summary(progress_file)
     except (OSError, progress.ProgressError) as e:
-        return {"problem": str(e), "exercises": {}, "passed": 0, "score": 0, "max_score": 0, "quiz": {},
-                "last": None, "stuck": None}
+        return {"problem": str(e), "exercises": {}, "passed": 0, "score": 0, "quiz": {}, "last": None,
+                "stuck": None, "grading_broken": {}}
     exercises = s["exercises"]
+    broken = {name: first_line(f.get("why", "")) for name, f in sorted(s["grader_failures"].items())}
     quizzes = progress.load(progress_file)["quizzes"]
     times = [e.get("last") for e in exercises.values()] + [q.get("time") for q in quizzes]
-    open_ones = [(name, e) for name, e in exercises.items() if not e.get("passed")]
+    open_ones = [(name, e) for name, e in exercises.items() if not e.get("passed") and name not in broken]
     stuck = None
     if open_ones:
         name, e = max(open_ones, key=lambda item: item[1].get("last") or "")
@@ -83,18 +98,19 @@ def seat_progress(progress_file: Path) -> dict:
                  "max_score": e.get("max_score"), "check": failed[0].get("check"), "hint": failed[0].get("hint")}
     return {"problem": None, "exercises": exercises, "passed": s["exercises_passed"],
             "score": sum(e.get("best", 0) for e in exercises.values()),
-            "max_score": sum(e.get("max_score", 0) for e in exercises.values()),
             "quiz": {t: [v["correct"], v["total"]] for t, v in s["topics"].items()},
-            "last": max((t for t in times if _when(t)), key=_when, default=None), "stuck": stuck}
+            "last": max((t for t in times if _when(t)), key=_when, default=None), "stuck": stuck,
+            "grading_broken": broken}
 
 
 def common_failures(seats: list[dict], top: int = 5) -> list[dict]:
-    """The checks failing for the most seats right now, each with its hint: what to explain next."""
+    """The checks failing for the most seats right now, each with its hint: what to explain next (not an exercise
+    whose grading broke for that seat: its checks say nothing of what the learner understood)."""
     count: Counter = Counter()
     hints, who = {}, {}
     for seat in seats:
         for name, e in seat["exercises"].items():
-            if e.get("passed"):
+            if e.get("passed") or name in seat.get("grading_broken", {}):
                 continue
             for f in e.get("failed") or []:
                 key = (name, f.get("check", ""))
@@ -108,16 +124,21 @@ def common_failures(seats: list[dict], top: int = 5) -> list[dict]:
 def gpu_use(plan: Plan) -> dict:
     """Each seat's GPUs, as NVML sees them now: ``{"available", "note", "seats": {name: [gpu, ...]}}``.
 
-    Without NVML's bindings (``pynvml``, from nvidia-ml-py) or without a GPU
-    driver, ``available`` is False and the note says "no GPU".
+    Without a GPU driver (NVML's library not found: a machine with no GPU) or
+    without NVML's bindings (``pynvml``, from nvidia-ml-py), ``available`` is
+    False and the note says "no GPU visible", and what else NVML said, if
+    anything, in words.
     """
     try:
         import pynvml
-
+    except ImportError:
+        return {"available": False, "note": "no GPU visible (NVML's Python bindings are not installed: pip install "
+                                            "nvidia-ml-py)", "seats": {}, "hint": NVDASHBOARD}
+    try:
         pynvml.nvmlInit()
-    except Exception as e:  # no bindings, no library, no driver: all mean the same here
-        return {"available": False, "note": f"no GPU ({type(e).__name__}: {e})" if str(e) else "no GPU",
-                "seats": {}, "hint": NVDASHBOARD}
+    except Exception as e:  # noqa: BLE001 -- whatever NVML raises, no GPU can be seen from here
+        said = "" if type(e).__name__ in NO_DRIVER else f" (NVML: {e})" if str(e) else f" ({type(e).__name__})"
+        return {"available": False, "note": f"no GPU visible{said}", "seats": {}, "hint": NVDASHBOARD}
     try:
         seats = {}
         for seat in plan.seats:
@@ -150,7 +171,7 @@ def class_report(ws: Workshop, hub_users: dict | None = None, running: bool = Fa
     ``hub_users`` are the hub's user models (``hub.hub_users``), when it answers.
     """
     plan = ws.saved_plan()
-    total = len(course_exercises())
+    total, points = len(course_exercises()), course_points()
     jobs, unknown = {}, None
     if any(s.job for s in plan.seats):
         try:
@@ -160,7 +181,8 @@ def class_report(ws: Workshop, hub_users: dict | None = None, running: bool = Fa
     seats = []
     for seat in plan.seats:
         row = {"name": seat.name, "resources": seat.describe(), "gpus": list(seat.gpus),
-               "folder": str(seat.folder), **seat_progress(seat.progress_file), "exercises_total": total}
+               "folder": str(seat.folder), **seat_progress(seat.progress_file), "exercises_total": total,
+               "max_score": points}
         user = (hub_users or {}).get(seat.name)
         server = (user or {}).get("servers", {}).get("")
         row["server"] = ("running" if server and server.get("ready") else "starting" if server else "stopped") \
@@ -171,7 +193,14 @@ def class_report(ws: Workshop, hub_users: dict | None = None, running: bool = Fa
         row["last_activity"] = max((t for t in (row["last"], hub_seen) if _when(t)), key=_when, default=None)
         seats.append(row)
     return {"workshop": str(ws.root), "running": running, "notes": plan.notes, "seats": seats,
-            "common_failures": common_failures(seats), "gpu": gpu_use(plan)}
+            "max_score": points, "grading_broken": grading_broken(seats), "common_failures": common_failures(seats),
+            "gpu": gpu_use(plan)}
+
+
+def grading_broken(seats: list[dict]) -> list[str]:
+    """One line for each seat whose grading broke: for the instructor to see to (the grader, not the learner)."""
+    return [f"grading broken for {s['name']}: {ex}: {why}" for s in seats
+            for ex, why in s.get("grading_broken", {}).items()]
 
 
 def status(root=None) -> dict:
@@ -193,19 +222,22 @@ def format_report(report: dict) -> str:
     lines += [f"  {n}" for n in report["notes"]]
     on_slurm = any(s.get("job") for s in report["seats"])
     head = ("seat", "resources", *(("SLURM job",) if on_slurm else ()), "server", "kernels", "last activity",
-            "passed", "score", "quiz (right/asked)", "stuck on")
+            "passed", "score (of the whole course)", "quiz (right/asked)", "stuck on")
     rows = [head]
     for s in report["seats"]:
         quiz = ", ".join(f"{t} {c}/{n}" for t, (c, n) in sorted(s["quiz"].items())) or "-"
         stuck = "-"
         if s["problem"]:
             stuck = f"progress file unreadable: {s['problem']}"
+        elif s["grading_broken"]:
+            stuck = f"grading broken: {', '.join(s['grading_broken'])} (see below)"
         elif s["stuck"]:
             stuck = f"{s['stuck']['exercise']}" + (f": {s['stuck']['check']}" if s["stuck"]["check"] else "") + \
                 f" ({tries(s['stuck']['attempts'])})"
         rows.append((s["name"], s["resources"], *((s["job"],) if on_slurm else ()), s["server"],
                      s["kernels"]["state"], ago(s["last_activity"]),
-                     f"{s['passed']}/{s['exercises_total']}", f"{s['score']:g}/{s['max_score']:g}" if s["max_score"] else "-",
+                     f"{s['passed']}/{s['exercises_total']}",
+                     "-" if s["problem"] else f"{s['score']:g}/{s['max_score']:g}",
                      quiz, stuck))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(head) - 1)]
     lines.append("")
@@ -219,6 +251,12 @@ def format_report(report: dict) -> str:
                                        subsequent_indent=" " * 6))
             lines.append("    its server's log ends with:")
             lines += [f"      {line}" for line in s["kernels"]["log"].splitlines()]
+        lines.append("")
+    if report["grading_broken"]:
+        lines.append("grading broken (the grader could not run, not the learners' code: see to it, then they check "
+                     "again):")
+        lines += [textwrap.fill(line, 110, initial_indent="  ", subsequent_indent=" " * 6)
+                  for line in report["grading_broken"]]
         lines.append("")
     if report["common_failures"]:
         lines.append("what to explain next (checks failing for the most seats):")
