@@ -1,6 +1,10 @@
 """Fixtures shared by the tests that start ranks."""
 
 import multiprocessing
+import os
+import pwd
+import re
+import subprocess
 import uuid
 
 import pytest
@@ -20,6 +24,20 @@ def own_progress_file(tmp_path, monkeypatch):
     path = tmp_path / "progress.json"
     monkeypatch.setenv("GPUCOURSE_PROGRESS", str(path))
     return path
+
+
+@pytest.fixture(autouse=True)
+def no_seat_users_left():
+    """As root, a workshop's prepare() makes a Unix user per seat (gpucourse.workshop.accounts): those a test made
+    are removed after it, whether it ended well or not, so that none is left on the machine."""
+    if os.geteuid() != 0:
+        yield
+        return
+    before = {entry.pw_name for entry in pwd.getpwall()}
+    yield
+    for entry in pwd.getpwall():
+        if entry.pw_name not in before and re.fullmatch(r"gc[0-9a-f]{6}-seat\d+", entry.pw_name):
+            subprocess.run(["userdel", entry.pw_name], check=True, capture_output=True)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpucourse import grading
-from gpucourse.workshop import collect, dashboard, hub, plan
+from gpucourse.workshop import accounts, collect, dashboard, hub, plan
 from gpucourse.workshop.errors import WorkshopError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,3 +144,10 @@ def test_the_guides_commands_work_as_typed_in_a_new_shell():
     assert "source .venv/bin/activate" in (REPO / "README.md").read_text()
     typed = lines + re.findall(r"`([^`\n]+)`", re.sub(r"^```.*?^```", "", GUIDE, flags=re.S | re.M))
     assert not [t for t in typed if t.startswith("sudo gpucourse")]
+
+
+def test_the_seat_users_the_guide_names_are_the_ones_made():
+    """The guide's `gc<id>-seat01`, "<id>: the first six characters of the workshop's id"."""
+    guide = " ".join(GUIDE.split())
+    assert "`gc<id>-seat01` (`<id>`: the first six characters of the workshop's id)" in guide
+    assert accounts.account_name("1a2b3c4d5e6f7a8b", "seat01") == "gc1a2b3c-seat01"

@@ -425,11 +425,55 @@ WHERE_AM_I = ("import os, shutil\n"
               "      'progress', os.environ['GPUCOURSE_PROGRESS'], 'cwd', os.getcwd(), 'cli', shutil.which('gpucourse'))")
 
 
+# Run in a seat's kernel: what its user can reach of what is not its own (a file's bytes, or why not).
+SEAT_PROBE = """
+import json, os, urllib.request
+def reach(path):
+    try:
+        if os.path.isdir(path):
+            return "lists " + ",".join(sorted(os.listdir(path)))
+        with open(path, "rb") as f:
+            return f"reads {len(f.read())} bytes"
+    except OSError as e:
+        return type(e).__name__
+def status(path):  # this seat's own token, as its server has it, at another address
+    req = urllib.request.Request(BASE + path, headers={"Authorization": "token " + os.environ["JUPYTERHUB_API_TOKEN"]})
+    try:
+        return urllib.request.urlopen(req).status
+    except urllib.error.HTTPError as e:
+        return e.code
+print(json.dumps({"uid": os.getuid(), "paths": {p: reach(p) for p in PATHS},
+                  "other server": status(OTHER), "own server": status(OWN)}))
+"""
+
+
+def _own_files(folder: Path) -> None:
+    """What the test wrote into a seat's folder, handed to the seat's owner (its own Unix user, as root)."""
+    owner = folder.stat()
+    for path in [folder, *folder.rglob("*")]:
+        os.chown(path, owner.st_uid, owner.st_gid, follow_symlinks=False)
+
+
+def _what_a_seat_reaches(base: str, root: Path, seat: str, other: str) -> dict:
+    closed = [root / "seats" / other / "exercises", root / "secrets" / "api_token", root / "workshop.json",
+              root / "hub" / "jupyterhub.sqlite", root / "hub" / "logs" / f"{other}.log",
+              REPO / "solutions" / SOLVED_EX01.name, REPO / "solutions",
+              REPO / "gpucourse" / "grading" / "checks" / SOLVED_EX01.name, REPO / "tests" / "mutants", REPO / ".git",
+              Path("/etc/shadow")]
+    code = (f"BASE = {base!r}; PATHS = {[str(p) for p in closed]!r}; OTHER = '/user/{other}/api/contents/exercises'; "
+            f"OWN = '/user/{seat}/api/contents/exercises'\n" + SEAT_PROBE)
+    workshop = Workshop(root)
+    [found] = kernels.open_all_at_once({seat: f"{base}/user/{seat}/api"}, hub.api_token(workshop), code, None, 120)
+    assert found["ok"], found
+    return json.loads(found["output"].strip().splitlines()[-1])
+
+
 def _scratch_notebook(folder: Path) -> None:
     nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                            "language": "python"}})
     nb.cells = [nbformat.v4.new_code_cell(WHERE_AM_I),
-                nbformat.v4.new_code_cell('from gpucourse.grading import check\ncheck("ex01")')]
+                nbformat.v4.new_code_cell('from gpucourse.grading import check\ncheck("ex01")'),
+                nbformat.v4.new_code_cell('from gpucourse.grading import check\ncheck("ex02")')]
     nbformat.write(nb, folder / "notebooks" / SCRATCH)
     for name, values in lab.DRIVEN_SETTINGS.items():  # no news pop-up over the page
         path = folder / ".jupyter" / "lab" / "user-settings" / name
@@ -504,7 +548,27 @@ def test_a_real_workshop_from_start_to_stop(tmp_path, capsys):
     for seat in ("seat01", "seat02"):
         _scratch_notebook(seats / seat)
     shutil.copyfile(SOLVED_EX01, seats / "seat01" / "exercises" / SOLVED_EX01.name)  # seat A solved ex01
+    for seat in ("seat01", "seat02"):
+        _own_files(seats / seat)
+    as_root = os.geteuid() == 0
     try:
+        # As root, each seat is a Unix user of its own: its server, and so its kernels, run as that user, and what is
+        # not the seat's own cannot be read from it (what its modes would allow is hidden by its mount namespace).
+        # Not as root, the seats share this account, and start says so.
+        if as_root:
+            assert "each seat runs as a Unix user of its own" in printed, printed
+            seen = {seat: _what_a_seat_reaches(base, root, seat, other)
+                    for seat, other in (("seat01", "seat02"), ("seat02", "seat01"))}
+            assert 0 not in (seen["seat01"]["uid"], seen["seat02"]["uid"]) and \
+                seen["seat01"]["uid"] != seen["seat02"]["uid"], seen
+            for seat, found in seen.items():
+                unread = {p: r for p, r in found["paths"].items() if r not in (
+                    "PermissionError", "FileNotFoundError", "reads 0 bytes", "lists ")}
+                assert unread == {}, (seat, unread)
+                assert (found["other server"], found["own server"]) == (403, 200), found
+            assert (root / "seats" / "seat01").stat().st_mode & 0o777 == 0o700
+        else:
+            assert "seats share this account (the hub is not root)" in printed, printed
         assert f"already running at {base}; stop it first with 'gpucourse workshop stop --dir {root}'." in \
             _refused(capsys, ["workshop", "start", "--dir", str(root)])
         # The printed address, as a client with no cookies follows it, ends on the login page. A learner who logs in
@@ -553,6 +617,16 @@ def test_a_real_workshop_from_start_to_stop(tmp_path, capsys):
             # Seat A checks its solved exercise; the instructor's dashboard shows it passed.
             _, text = pages["seat01"].run_cell('check("ex01")', timeout=300)
             assert "10 / 10" in text, text[:2000]
+            if as_root:  # a grading service that cannot be reached is the instructor's trouble, not a try of seat B's
+                service = root / "grader" / "socket"
+                service.rename(service.with_name("away"))
+                _, text = pages["seat02"].run_cell('check("ex02")', timeout=120)
+                service.with_name("away").rename(service)
+                assert "the grader could not run" in text and "cannot be reached" in text, text[:2000]
+                assert "not your code" in text and "0 / 10" not in text, text[:2000]
+                kept = json.loads((seats / "seat02" / ".gpucourse" / "progress.json").read_text())
+                assert "ex02_data_parallel" not in kept.get("exercises", {}), kept
+                assert "ex02_data_parallel" in kept["grader_failures"], kept
             instructor = _log_in(browser, base, "instructor", codes["instructor"])
             instructor.wait_for_url("**/services/dashboard/**")
             row = instructor.locator("#seat-seat01").inner_text()
@@ -580,10 +654,19 @@ def test_a_real_workshop_from_start_to_stop(tmp_path, capsys):
         assert len(running) >= 8, running
         hub_pid = json.loads((root / "hub" / "running.json").read_text())["pid"]
         started_by_hub = [pid for pid in marked if _parent_and_session(pid)[0] == hub_pid]
-        assert len(started_by_hub) == 5, started_by_hub  # the proxy, the dashboard, 3 seat servers
+        # The proxy, the dashboard, 3 seat servers, and as root the grading service the seats ask.
+        assert len(started_by_hub) == 5 + as_root, started_by_hub
         assert all(_parent_and_session(pid)[1] == pid for pid in [hub_pid, *started_by_hub])
     finally:
         assert cli.main(["workshop", "stop", "--dir", str(root)]) == 0
+        if as_root:  # the seats' users stay across stop and start, until they are removed
+            accounts = [plan.seat_account(s.name, False, s.account) for s in Workshop(root).saved_plan().seats]
+            assert None not in accounts, accounts
+            assert cli.main(["workshop", "remove-users", "--dir", str(root)]) == 0
+            assert "removed 3 seat user(s)" in capsys.readouterr().out
+            assert [plan.seat_account(s.name, False, s.account) for s in Workshop(root).saved_plan().seats] == \
+                [None] * 3
+            assert (seats / "seat01" / "exercises" / SOLVED_EX01.name).stat().st_uid == 0
     assert processes.marked(workshop_id) == []
     assert not any(processes.alive(i) for i in running if i)
     assert (seats / "seat01" / "exercises" / SOLVED_EX01.name).read_bytes() == SOLVED_EX01.read_bytes()
@@ -632,6 +715,8 @@ def test_six_seats_open_a_notebook_in_the_same_second_ten_times(tmp_path, capsys
         assert f"{last}: a kernel died at " in trouble and "died, removing from map" in trouble
     finally:
         hub.stop(root)
+        if os.geteuid() == 0:
+            hub.remove_users(root)
 
 
 def test_check_refuses_bad_input_in_one_sentence(tmp_path, capsys, monkeypatch):

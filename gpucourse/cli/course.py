@@ -210,6 +210,11 @@ def cmd_workshop(args) -> int:
                   f"{out['csv']}, each seat's results in {out['results_dir']}/"
                   + (f", Gradescope results.json in {args.gradescope}/<seat>/" if args.gradescope else ""))
             return _say_not_graded(out["not_graded"], "seat")
+        elif args.action == "remove-users":
+            removed = hub.remove_users(args.dir)
+            print(f"removed {len(removed)} seat user(s){': ' + ', '.join(removed) if removed else ''}; every seat's "
+                  f"files are kept, now the instructor's." if removed else
+                  "no seat of this workshop has a Unix user of its own; nothing removed.")
         else:
             print(hub.format_stopped(hub.stop(args.dir), args.dir))
     except WorkshopError as e:
@@ -329,6 +334,8 @@ def add_commands(sub) -> None:
     w.add_argument("--jobs", type=int, default=None, help="seats graded at a time (default: cores ÷ 4, at least 1)")
     w.add_argument("--timeout", type=float, default=None, metavar="S", help="seconds per check (as grade --timeout)")
     actions.add_parser("stop", help="stop the hub and every seat's server; keep every seat's work")
+    actions.add_parser("remove-users", help="remove the seats' Unix users of a stopped workshop (as root); keep "
+                                            "every seat's files")
     for w in actions.choices.values():
         w.add_argument("--dir", default=None, help="the workshop's folder")
     p.set_defaults(func=cmd_workshop)

@@ -6,7 +6,7 @@ live dashboard.
     gpucourse workshop status                              # who passed what, who is stuck where, GPU use
     gpucourse workshop collect --out grades.csv            # every seat graded into one CSV
     gpucourse workshop stop                                # everything stopped, every seat's work kept
-    sudo gpucourse workshop remove-users                   # the seats' Unix users removed, their files kept
+    gpucourse workshop remove-users                        # as root: the seats' Unix users removed, files kept
 
 The same from Python: :func:`.hub.start`, :func:`.report.status`, :func:`.collect.collect`, :func:`.hub.stop`.
 

@@ -28,10 +28,11 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from .. import kernel_sockets, lab
-from . import processes, slurm_seats
+from . import accounts, processes, slurm_seats
 from .errors import WorkshopError
 from .folder import Workshop, copy_course, write_private
 from .plan import INSTRUCTOR, Plan, kernel_folder, seat_account, seat_names, visible_gpu_ids
@@ -43,6 +44,7 @@ PROXY = "configurable-http-proxy"
 INSTALL_HINT = "'make workshop-deps' installs JupyterHub (pip) and configurable-http-proxy (npm)"
 DASHBOARD = "dashboard"   # the service's name: its page is /services/dashboard/
 CONTROL = "gpucourse"     # the service the gpucourse commands act as, with the API token in secrets/
+GRADER = "grader"         # the grading service seats with accounts of their own ask (gpucourse.workshop.grader)
 
 _started: dict[int, subprocess.Popen] = {}  # hubs started by this process, by pid
 
@@ -100,10 +102,13 @@ class Expression(str):
 
 
 def config_values(ws: Workshop, settings: dict, *, port: int, public: bool, proxy: str, hub_port: int,
-                  proxy_api_port: int, dashboard_port: int, as_root: bool, nodes: dict | None = None) -> dict:
+                  proxy_api_port: int, dashboard_port: int, as_root: bool, nodes: dict | None = None,
+                  seat_users: bool = False) -> dict:
     """Every JupyterHub setting of this workshop, ``"Class.trait": value`` (what :func:`render_config` writes).
 
     With SLURM seats (``settings["slurm"]``), ``nodes`` maps the partition's node names to their addresses.
+    ``seat_users``: every seat runs as a Unix user of its own (:mod:`.accounts`), and checks go to the workshop's
+    grading service (:mod:`.grader`), which the hub starts too.
     """
     system = settings["login"] == "system"
     python = sys.executable
@@ -123,7 +128,8 @@ def config_values(ws: Workshop, settings: dict, *, port: int, public: bool, prox
         "Authenticator.admin_users": {settings["admin"]},
         "Spawner.cmd": [python, "-m", "jupyterhub.singleuser"],
         # Kernels over Unix sockets: seats' servers never race for the same TCP port (gpucourse.kernel_sockets).
-        "Spawner.args": (["--allow-root"] if as_root and not system else []) + kernel_sockets.SERVER_ARGS,
+        "Spawner.args": (["--allow-root"] if as_root and not (system or seat_users) else [])
+        + kernel_sockets.SERVER_ARGS,
         "Spawner.default_url": "/lab",
         "Spawner.start_timeout": int(START_TIMEOUT_S),
         "Spawner.http_timeout": int(START_TIMEOUT_S),
@@ -135,6 +141,8 @@ def config_values(ws: Workshop, settings: dict, *, port: int, public: bool, prox
              "oauth_no_confirm": True, "command": [python, "-m", "gpucourse.workshop.dashboard", str(ws.root)],
              "environment": {**processes.marker_env(settings["id"]), **slurm_seats.slurm_environment()}},
             {"name": CONTROL, "api_token": Expression("api_token")},
+            *([{"name": GRADER, "command": [python, "-m", "gpucourse.workshop.grader", str(ws.root)],
+                "environment": processes.marker_env(settings["id"])}] if seat_users else []),
         ],
         "JupyterHub.load_roles": [
             {"name": "workshop-control", "services": [CONTROL],
@@ -323,6 +331,27 @@ def _check_accounts(settings: dict) -> None:
             raise WorkshopError(f"there is no account named {name!r} on this machine.") from None
 
 
+def _seat_accounts(ws: Workshop, settings: dict, plan: Plan) -> tuple[Plan, bool]:
+    """The plan with each seat's Unix account (:mod:`.accounts`) where the seats get their own, and whether they
+    do; the plan's notes say how seats are kept apart. A workshop whose seats had accounts cannot go on without."""
+    own = accounts.wanted(settings)
+    missing = accounts.missing_tools() if own else None
+    if settings.get("seat_users") and not own:
+        raise WorkshopError(f"the seats of the workshop in {ws.root} are Unix users of their own; start it as root "
+                            f"(or hand their folders back with 'sudo {Path(sys.executable).parent}/"
+                            f"{ws.command('remove-users')}').")
+    if own and not missing:
+        names = [accounts.account_name(settings["id"], seat.name) for seat in plan.seats]
+        plan = Plan([replace(seat, account=name) for seat, name in zip(plan.seats, names)], plan.notes)
+        plan.notes.append(f"each seat runs as a Unix user of its own ({names[0]}{', …' * (len(names) > 1)}), its "
+                          f"folder 0700; '{ws.command('remove-users')}' (once stopped) removes them")
+        return plan, True
+    if settings["login"] != "system" and not settings.get("slurm"):
+        plan.notes.append(accounts.SHARED_NOTE if missing is None else
+                          f"seats share the hub's account: {missing}, so no seat has a Unix user of its own")
+    return plan, False
+
+
 def _make_codes(settings: dict) -> dict[str, str]:
     """New secrets to hand out: a code per seat and one for the instructor, or one password for every seat."""
     from .auth import new_code
@@ -389,9 +418,10 @@ def prepare(root=None, *, seats: int | None = None, gpus_per_seat: int | None = 
     else:
         plan, nodes = ws.plan(settings, visible_gpu_ids() if gpus is None else gpus), None
     system = settings["login"] == "system"
+    plan, own_users = _seat_accounts(ws, settings, plan)
     for seat in plan.seats:
-        account = seat_account(seat.name, system)
-        problem = kernel_sockets.unusable(kernel_folder(settings["id"], seat.name, system),
+        account = seat_account(seat.name, system, seat.account)
+        problem = kernel_sockets.unusable(kernel_folder(settings["id"], seat.name, system, account=seat.account),
                                           account[0] if account else None)
         if problem:
             raise WorkshopError(f"{seat.name}: {problem}")
@@ -413,6 +443,11 @@ def prepare(root=None, *, seats: int | None = None, gpus_per_seat: int | None = 
             owner = (account.pw_uid, account.pw_gid)
         if copy_course(seat.folder, owner):
             say(f"{seat.name}: a copy of the course in {seat.folder}")
+    os.chmod(ws.hub_dir, 0o700)  # the hub's database, its config and every seat's log: the instructor's alone
+    if own_users:
+        os.chmod(ws.root / "seats", 0o755)  # each seat passes through to its own folder (0700, its account's)
+        accounts.ensure(settings["id"], {seat.name: seat.folder for seat in plan.seats})
+    settings = dict(settings, seat_users=own_users)
     hub_port = free_port()
     if job:
         plan.notes.append(f"the seats' jobs reach the hub at {socket.gethostname()}:{hub_port}, and the hub their "
@@ -420,7 +455,7 @@ def prepare(root=None, *, seats: int | None = None, gpus_per_seat: int | None = 
     ws.save_plan(plan, processes.marker_env(settings["id"]))
     values = config_values(ws, settings, port=port, public=public, proxy=proxy, hub_port=hub_port,
                            proxy_api_port=free_port(), dashboard_port=free_port(), as_root=os.geteuid() == 0,
-                           nodes=nodes)
+                           nodes=nodes, seat_users=own_users)
     write_private(ws.hub_dir / "jupyterhub_config.py", render_config(values, ws.secrets / "api_token"))
     ws.save_settings(settings)
     return {"workshop": ws, "settings": settings, "plan": plan, "codes": codes, "resumed": resumed, "port": port,
@@ -588,10 +623,29 @@ def stop(root=None) -> dict:
         raise WorkshopError(f"processes {', '.join(map(str, still))} of the workshop could not be ended.")
     if problem:
         raise WorkshopError(problem)
+    accounts_of = {seat.name: seat.account for seat in ws.saved_plan().seats} if ws.plan_file.exists() else {}
     for seat in settings["seats"]:  # what a killed kernel left there: nothing of a learner's work
-        shutil.rmtree(kernel_folder(settings["id"], seat, settings["login"] == "system"), ignore_errors=True)
+        shutil.rmtree(kernel_folder(settings["id"], seat, settings["login"] == "system",
+                                    account=accounts_of.get(seat, "")), ignore_errors=True)
     ws.running_file.unlink(missing_ok=True)
     return {"was_running": state is not None, "ended": left, "seats": settings["seats"]}
+
+
+def remove_users(root=None) -> list[str]:
+    """Remove the Unix users of a stopped workshop's seats (:mod:`.accounts`); their folders, every file kept, go
+    back to the instructor, and the next start gives the seats new ones. The accounts removed."""
+    ws = Workshop(root)
+    settings = ws.settings()
+    state = running(ws)
+    if state is not None:
+        raise WorkshopError(f"the workshop in {ws.root} is running at {state['url']}; stop it first with "
+                            f"'{ws.command('stop')}'.")
+    if settings["login"] == "system":
+        raise WorkshopError("this workshop's seats are real accounts (--users): they are not the workshop's to "
+                            "remove.")
+    removed = accounts.remove(settings["id"], ws.seat_folders(settings))
+    ws.save_settings(dict(settings, seat_users=False))
+    return removed
 
 
 # --- what the instructor is told -----------------------------------------------------------------------------
