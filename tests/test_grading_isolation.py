@@ -29,6 +29,7 @@ HOSTILE = REPO / "tests" / "mutants" / "hostile"
 EX01 = [c.name for c in grading.find_exercise("ex01").checks]
 MULTI_RANK = [c.name for c in grading.find_exercise("ex01").checks if (c.world_size or 1) > 1]
 ALL = None  # every check of the exercise
+SECRET = "tell-no-one-31337"
 
 # cheat -> (exercise, the checks it must score 0 on, words every one of those messages holds or None)
 ATTACKS = {
@@ -60,11 +61,23 @@ def cheaters(tmp_path_factory):
         shutil.copy(CHEATS / f"{name}.py", folder / f"{grading.find_exercise(ex_id).module}.py")
     honest = root / "class" / "zz_honest"
     shutil.copytree(REPO / "solutions", honest)
+    # A learner whose exercise is a link to a file only the grader may read: graded as missing, never read.
+    (root / "secret.txt").write_text(f"{SECRET} is not Python\n")
+    (root / "secret.txt").chmod(0o600)
+    (root / "class" / "link_to_secret").mkdir()
+    (root / "class" / "link_to_secret" / f"{grading.find_exercise('ex01').module}.py").symlink_to(root / "secret.txt")
     before = {p: p.read_bytes() for p in (root / "class").rglob("*.py")}
     out = root / "grades.csv"
     result = grading.grade_class(root / "class", out, jobs=2, exercises=["ex01", "ex05"], seed=11)
     time.sleep(3)  # a daemon that escaped would be rewriting results by now
     return result, out, before
+
+
+def test_a_link_to_a_file_the_learner_may_not_read_is_not_graded(cheaters):
+    result, _, _ = cheaters
+    linked = result["learners"]["link_to_secret"]
+    assert SECRET not in json.dumps(linked) and linked["score"] == 0
+    assert "is missing" in linked["exercises"][0]["error"], linked["exercises"][0]["error"]
 
 
 @pytest.mark.parametrize("cheat", sorted(ATTACKS))

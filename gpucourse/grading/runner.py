@@ -323,7 +323,7 @@ def grade_class(root: str | os.PathLike, out_csv: str | os.PathLike, *, jobs: in
         for n in names:
             (copies / n).mkdir()
             for f in (Path(root) / n).glob("*.py"):
-                if f.is_file():
+                if f.is_file() and not f.is_symlink():  # a link could name a file only the grader may read
                     shutil.copyfile(f, copies / n / f.name)
         hidden = (str(Path(root).resolve()), str(copies), str(out_dir.resolve()), str(Path(out_csv).resolve()),
                   *map(str, hidden_paths))
