@@ -88,14 +88,40 @@ _FUNCTIONAL_OPS = {
 }
 
 
-def _group_size(func, args, kwargs) -> int:
+# The all-to-all operators, counted by their split sizes (which argument holds the input).
+_ALL_TO_ALL = {("c10d", "alltoall_base_"): 1, ("_c10d_functional", "all_to_all_single"): 0}
+
+
+def _arguments(func, args, kwargs) -> dict:
     names = [a.name for a in func._schema.arguments]
-    values = dict(zip(names, args), **(kwargs or {}))
+    return dict(zip(names, args), **(kwargs or {}))
+
+
+def _group(values: dict):
     if "process_group" in values:
-        return dist.ProcessGroup.unbox(values["process_group"]).size()
+        return dist.ProcessGroup.unbox(values["process_group"])
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return _resolve_process_group(values["group_name"]).size()
+    return _resolve_process_group(values["group_name"])
+
+
+def _group_size(func, args, kwargs) -> int:
+    return _group(_arguments(func, args, kwargs)).size()
+
+
+def _count_all_to_all(func, args, kwargs, tensor: torch.Tensor) -> None:
+    """An all-to-all sends what its input splits give the other ranks: the uniform (n−1)/n of the input when it
+    has no splits, else the rows of every other rank's split. PyTorch's ring attention passes each block whole to
+    one peer this way (``permute_tensor``): all of it is sent, not (n−1)/n."""
+    values = _arguments(func, args, kwargs)
+    group = _group(values)
+    splits = list(values.get("input_split_sizes") or [])
+    payload = _nbytes(tensor)
+    if not splits or tensor.dim() == 0 or tensor.shape[0] == 0:
+        _count("all_to_all", payload, group.size())
+    elif _RECORDER is not None:
+        row = payload // tensor.shape[0]
+        _RECORDER.count_comm("all_to_all", payload, row * (sum(splits) - splits[group.rank()]))
 
 
 def _dtensor_handler(func, args):
@@ -125,7 +151,9 @@ class counting:
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 namespace, _, name = func._schema.name.partition("::")
-                if namespace == "c10d" and name in _C10D_OPS:
+                if (namespace, name) in _ALL_TO_ALL:
+                    _count_all_to_all(func, args, kwargs, args[_ALL_TO_ALL[namespace, name]])
+                elif namespace == "c10d" and name in _C10D_OPS:
                     op, arg = _C10D_OPS[name]
                     _count(op, _nbytes(args[arg]), _group_size(func, args, kwargs))
                 elif namespace == "_c10d_functional" and name in _FUNCTIONAL_OPS:

@@ -65,10 +65,18 @@ def test_each_algorithm_moves_what_its_formula_says(name, tmp_path_factory):
     block = cfg.batch_size * (cfg.seq_len // cp) * mc.n_embd * 4  # one rank's K (or V, q, output): B·T/cp·C fp32
     params = sum(p.numel() for p in build_model(mc, 0).parameters())
     for rank in range(cp):
-        ops = {}
+        ops, bus = {}, {}
         for c in result.comm:
             if c["step"] == 1 and c["rank"] == rank and c["bytes"]:
                 ops[c["op"]] = ops.get(c["op"], 0) + c["bytes"]
+                bus[c["op"]] = bus.get(c["op"], 0) + c["bus_bytes"]
+        # What a rank sends: a ring hop passes its block whole to one peer, in the scratch ring's sends as in
+        # PyTorch's all-to-alls with one peer's split (permute_tensor); Ulysses' all-to-all keeps 1/cp of it.
+        if "send" in ops or cfg.impl == "torch" and "all_to_all" in ops:
+            sent = ops.get("send", ops.get("all_to_all"))
+            assert bus.get("send", bus.get("all_to_all")) == sent, (rank, bus, ops)
+        elif "all_to_all" in ops:
+            assert bus["all_to_all"] == ops["all_to_all"] * (cp - 1) / cp, (rank, bus, ops)
         assert ops.pop("all_reduce") == 4 * params, "gradients averaged over dp × cp once a step"
         if cfg.impl == "torch":
             ops.pop("broadcast")  # DDP's start-up copy of the weights (tests/test_accounting.py)
