@@ -217,7 +217,8 @@ def test_a_wrong_flag_gets_one_sentence_and_a_schedule_needs_a_pipeline(capsys):
     assert cli.main(["train", "--schedule", "1f1b"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and not any("usage:" in line for line in err)
-    assert "argument --dp: invalid int value: 'two'" in err[0] and "give --pp 2 or more" in err[1]
+    assert "--dp" in err[0] and "two" in err[0] and "must be a whole number" in err[0]
+    assert "give --pp 2 or more" in err[1]
 
 
 def test_checkpoint_activations_takes_selective_or_full_and_alone_means_full(capsys):
@@ -230,7 +231,38 @@ def test_checkpoint_activations_takes_selective_or_full_and_alone_means_full(cap
     assert cli.config_from(parser.parse_args(["train", "--attention", "math"])).attention == "math"
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--checkpoint-activations", "some"])
-    assert "invalid choice: 'some'" in capsys.readouterr().err
+    assert "--checkpoint-activations 'some' is not one of none, selective, full" in capsys.readouterr().err
+
+
+def parsers(parser=None, name="gpucourse"):
+    """Every parser of the gpucourse command, subcommands' and theirs included: (command line, parser)."""
+    import argparse
+
+    parser = parser or cli.build_parser()
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, child in action.choices.items():
+                yield from parsers(child, f"{name} {sub}")
+
+
+def test_no_flag_is_taken_for_the_start_of_a_longer_one(capsys):
+    """argparse's default reads --tp 3 as --tpot-ms 3 in a command without --tp: every parser refuses
+    abbreviations, and a flag it does not know is answered with the flags perhaps meant."""
+    found = dict(parsers())
+    assert len(found) > 20 and all(p.allow_abbrev is False for p in found.values())
+    for argv, words in ((["serve-bench", "--tp", "3"], "--tp is not a flag of gpucourse serve-bench; the nearest: "
+                                                        "--tpot-ms"),
+                        (["plan", "--gpus", "8", "--gpus-per", "4"], "the nearest: --gpus-per-node"),
+                        (["serve-bench", "--blok", "3"], "the nearest: --blocks"),
+                        (["workshop", "start", "--seat=3"], "--seat is not a flag of gpucourse workshop start; the "
+                                                            "nearest: --seats"),
+                        (["doctor", "now"], "gpucourse doctor does not take 'now'"),
+                        (["serve-bech"], "'serve-bech' is not one of train, submit")):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(argv)
+        [line] = capsys.readouterr().err.splitlines()
+        assert exited.value.code == 2 and words in line and line.endswith("--help')."), line
 
 
 def test_every_config_field_has_its_flag_derived_from_its_tag(monkeypatch):

@@ -12,20 +12,13 @@ import sys
 from ..config import ConfigError
 from ..runtime.launcher import LaunchError, LaunchTimeout, WorkerError
 from . import course, jobs, planning, serving, tools, train
-from .common import UsageError, config_from
+from .common import Parser, UsageError, config_from
 
 __all__ = ["UsageError", "build_parser", "config_from", "main"]
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a wrong flag gets one sentence (``gpucourse: error: ...``), not the whole usage."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help').\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="gpucourse", description="Run, watch and check distributed training.")
+    parser = Parser(prog="gpucourse", description="Run, watch and check distributed training.")
     sub = parser.add_subparsers(dest="command", required=True)
     for group in (train, jobs, planning, serving, tools, course):  # each command group adds its own subcommands
         group.add_commands(sub)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import os
+import re
 import sys
 
 from ..config import TrainConfig
@@ -38,6 +40,72 @@ class ProgressBar:
 
 class UsageError(Exception):
     """Bad command-line input; the message is one sentence."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a wrong flag gets one sentence (``gpucourse plan: error: ...``), not the whole usage; a flag is
+    never taken for the start of a longer one (``--tp`` is not ``--tpot-ms``), and one that is not known is answered
+    with the flags that were perhaps meant."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False  # every subcommand's parser is made by this class too
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {_sentence(message)} (see '{self.prog} --help').\n")
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            leaf = chosen(self, namespace)
+            leaf.error(leaf.unknown(extras))
+        return namespace
+
+    def unknown(self, extras: list[str]) -> str:
+        """The sentence for words this parser does not take: a flag with the flags perhaps meant, or a word."""
+        flags = [s for a in self._actions for s in a.option_strings]
+        for word in extras:
+            if word.startswith("-") and len(word) > 1:
+                flag = word.split("=", 1)[0]
+                near = [f for f in flags if f.startswith(flag)]
+                near += [f for f in difflib.get_close_matches(flag, flags, n=3, cutoff=0.7) if f not in near]
+                return f"{flag} is not a flag of {self.prog}" + (f"; the nearest: {', '.join(near[:3])}" if near else "")
+        return f"{self.prog} does not take {extras[0]!r}"
+
+
+def chosen(parser: argparse.ArgumentParser, namespace) -> argparse.ArgumentParser:
+    """The subcommand's parser that ``namespace`` was parsed by (``gpucourse workshop start``'s for that command)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and getattr(namespace, action.dest, None) in action.choices:
+            return chosen(action.choices[getattr(namespace, action.dest)], namespace)
+    return parser
+
+
+def _sentence(message: str) -> str:
+    """argparse's own messages as a sentence in the course's words (without the final full stop)."""
+    message = message.rstrip(".")
+    found = re.fullmatch(r"argument ([^:]+): (.*)", message, re.S)
+    if not found:
+        return message
+    flag, what = found.group(1).split("/")[0], found.group(2)
+    choice = re.fullmatch(r"invalid choice: (.*) \(choose from (.*)\)", what, re.S)
+    if choice:
+        names = [n.strip("'") for n in choice.group(2).split(", ")]
+        near = difflib.get_close_matches(choice.group(1).strip("'"), names, n=2, cutoff=0.6)
+        said = f"{flag} {choice.group(1)}" if flag.startswith("-") else choice.group(1)
+        return f"{said} is not one of {', '.join(names)}" + (f" (did you mean {' or '.join(near)}?)" if near else "")
+    wanted = re.fullmatch(r"expected (one|\d+) arguments?", what)
+    if wanted:
+        return f"{flag} needs {'a value' if wanted.group(1) == 'one' else wanted.group(1) + ' values'}"
+    invalid = re.fullmatch(r"invalid (\w+) value: (.*)", what, re.S)
+    if invalid:
+        return f"{flag} {invalid.group(2)} must be {'a whole number' if invalid.group(1) == 'int' else 'a number'}"
+    if what.startswith("ignored explicit argument"):
+        return f"{flag} takes no value"
+    other = re.fullmatch(r"not allowed with argument (.*)", what)
+    if other:
+        return f"{flag} cannot be given with {other.group(1).split('/')[0]}"
+    return f"{flag}: {what}"
 
 
 def check_writable(path: str, flag: str) -> None:
