@@ -43,16 +43,50 @@ class StackConfig:
     notes: list[str] = field(default_factory=list)
 
 
-def translate(cfg: TrainConfig, tool: str) -> StackConfig:
+@dataclass(frozen=True)
+class Nodes:
+    """Where the layout's ranks run: ``count`` servers of ``gpus`` GPUs each (``count`` × ``gpus`` = the world).
+    Every launcher counts GPUs per server in one field and servers in another (Accelerate alone counts every
+    process of every server in ``num_processes``)."""
+
+    count: int
+    gpus: int
+
+
+def nodes_for(cfg: TrainConfig, gpus_per_node: int | None = None) -> Nodes:
+    """The servers ``cfg``'s world fills at ``gpus_per_node`` each (default: one server holds it all); ValueError
+    with one sentence when they do not divide it."""
+    world = cfg.world_size
+    if gpus_per_node is None or gpus_per_node >= world:
+        if gpus_per_node is not None and gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node {gpus_per_node} must be at least 1.")
+        return Nodes(1, world)
+    if gpus_per_node < 1 or world % gpus_per_node:
+        raise ValueError(f"gpus_per_node {gpus_per_node} must be a positive divisor of the layout's {world} GPUs.")
+    return Nodes(world // gpus_per_node, gpus_per_node)
+
+
+def translate(cfg: TrainConfig, tool: str, gpus_per_node: int | None = None) -> StackConfig:
     """``cfg`` in ``tool``'s own names and format; ValueError (one sentence) for an unknown tool or a bad layout.
 
     The layout only has to make sense (``validate(runnable=False)``): a tool may run what this build does not.
+    ``gpus_per_node`` spreads the world over servers of that many GPUs (default: one server holds it all): each
+    tool's own fields for servers and GPUs per server are written from it.
     """
     if tool not in TOOLS:
         raise ValueError(f"tool {tool!r} is not one of {', '.join(TOOLS)}.")
     cfg.validate(runnable=False)
-    settings, notes = _TRANSLATORS[tool](cfg)
-    return StackConfig(tool, settings, _WRITERS[tool](cfg, settings), notes)
+    nodes = nodes_for(cfg, gpus_per_node)
+    settings, notes = _TRANSLATORS[tool](cfg, nodes)
+    return StackConfig(tool, settings, _WRITERS[tool](cfg, settings, nodes), notes)
+
+
+def torchrun(nodes: Nodes) -> str:
+    """The torchrun launch for ``nodes``: one server, or the same command on each server with its rank."""
+    if nodes.count == 1:
+        return f"torchrun --nproc-per-node {nodes.gpus}"
+    return (f"torchrun --nnodes {nodes.count} --nproc-per-node {nodes.gpus} --node-rank $NODE_RANK "
+            f"--master-addr $MASTER_ADDR --master-port 29500")
 
 
 # --- the numbers every tool needs ------------------------------------------------------------------------
@@ -108,7 +142,7 @@ def _schedule_note(tool: str, cfg: TrainConfig, offered: str) -> list[str]:
 SHARDING = {2: "optim_grads", 3: "optim_grads_params"}  # Megatron FSDP's names for ZeRO-2 and ZeRO-3
 
 
-def megatron(cfg: TrainConfig) -> tuple[dict, list[str]]:
+def megatron(cfg: TrainConfig, nodes: Nodes) -> tuple[dict, list[str]]:
     """Megatron-LM ``pretrain_gpt.py`` arguments: ``{"--flag": value}``, value None for an on/off switch."""
     mc = cfg.model_config()
     micro, _ = batch(cfg)
@@ -173,11 +207,13 @@ def megatron(cfg: TrainConfig) -> tuple[dict, list[str]]:
     return args, notes
 
 
-def _write_megatron(cfg: TrainConfig, args: dict) -> str:
-    head = [f"# Megatron-LM (pretrain_gpt.py) for {cfg.layout()}: {cfg.world_size} GPU{'s' * (cfg.world_size > 1)}, "
+def _write_megatron(cfg: TrainConfig, args: dict, nodes: Nodes) -> str:
+    head = [f"# Megatron-LM (pretrain_gpt.py) for {cfg.layout()}: {_gpus(cfg, nodes)}, "
             f"data parallel = world / (tp × pp × cp) = {cfg.dp}",
-            "# (add your --data-path and --tokenizer-type; on several nodes, torchrun's --nnodes too)"]
-    command = [f"torchrun --nproc-per-node {cfg.world_size} pretrain_gpt.py"]
+            "# (add your --data-path and --tokenizer-type" + ("" if nodes.count == 1 else
+             f"; run it on each of the {nodes.count} servers, NODE_RANK 0 to {nodes.count - 1}, MASTER_ADDR the "
+             f"first one's address") + ")"]
+    command = [f"{torchrun(nodes)} pretrain_gpt.py"]
     command += [flag if value is None else f"{flag} {_shell_word(value)}" for flag, value in args.items()]
     return "\n".join(head) + "\n" + " \\\n    ".join(command) + "\n"
 
@@ -199,7 +235,7 @@ def _shell_word(value) -> str:
 NEMO_PRECISION = {"fp32": "32", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 
 
-def nemo(cfg: TrainConfig) -> tuple[dict, list[str]]:
+def nemo(cfg: TrainConfig, nodes: Nodes) -> tuple[dict, list[str]]:
     """A NeMo 2.0 recipe's fields (``llm.pretrain(model, data, trainer, optim)``), as nested keys."""
     mc = cfg.model_config()
     micro, _ = batch(cfg)
@@ -239,7 +275,7 @@ def nemo(cfg: TrainConfig) -> tuple[dict, list[str]]:
         notes.append(f"NeMo's {NEMO_PRECISION[cfg.precision]} precision keeps {cfg.precision} weights with an "
                      f"fp32 master copy in the optimizer, which is --master-weights here, not autocast.")
     settings = {
-        "trainer": {"devices": cfg.world_size, "num_nodes": 1, "max_steps": cfg.steps,
+        "trainer": {"devices": nodes.gpus, "num_nodes": nodes.count, "max_steps": cfg.steps,  # GPUs per server
                     "accumulate_grad_batches": 1,  # Megatron derives accumulation from the global batch
                     "strategy": strategy, "plugins": plugins},
         "data": {"micro_batch_size": micro, "global_batch_size": cfg.batch_size, "seq_length": cfg.seq_len},
@@ -262,7 +298,7 @@ def nemo(cfg: TrainConfig) -> tuple[dict, list[str]]:
 # v0.16.4, torch_autocast in v0.17.2.
 
 
-def deepspeed(cfg: TrainConfig) -> tuple[dict, list[str]]:
+def deepspeed(cfg: TrainConfig, nodes: Nodes) -> tuple[dict, list[str]]:
     """A DeepSpeed JSON config; what DeepSpeed sets in code, or does not do, goes to the notes."""
     mc = cfg.model_config()
     micro, per_step = batch(cfg)
@@ -326,6 +362,10 @@ def deepspeed(cfg: TrainConfig) -> tuple[dict, list[str]]:
         notes.append("DeepSpeed's pipeline engine does not interleave: one model chunk per stage, no virtual "
                      "stages.")
     notes += _accumulation_note("DeepSpeed", cfg)
+    if nodes.count > 1:
+        notes.append(f"DeepSpeed's JSON holds no server count: its launcher does, as deepspeed --hostfile HOSTFILE "
+                     f"--num_nodes {nodes.count} --num_gpus {nodes.gpus} train.py --deepspeed_config ds.json (the "
+                     f"hostfile names each server with slots={nodes.gpus}).")
     return ds, notes
 
 
@@ -341,7 +381,7 @@ def deepspeed(cfg: TrainConfig) -> tuple[dict, list[str]]:
 ROTATE = {a.name: a.torch_rotate for a in ATTENTIONS.values() if a.torch_rotate}  # how torch moves K/V shards
 
 
-def torchtitan(cfg: TrainConfig) -> tuple[dict, list[str]]:
+def torchtitan(cfg: TrainConfig, nodes: Nodes) -> tuple[dict, list[str]]:
     """A torchtitan TOML job config: sections of keys."""
     mc = cfg.model_config()
     local = cfg.batch_size // (cfg.dp * cfg.grad_accum)  # one accumulation step's sequences on one dp rank
@@ -437,11 +477,12 @@ def torchtitan(cfg: TrainConfig) -> tuple[dict, list[str]]:
 # megatron_lm_* and parallelism_config_* keys reach the plugin).
 
 
-def accelerate(cfg: TrainConfig) -> tuple[dict, list[str]]:
+def accelerate(cfg: TrainConfig, nodes: Nodes) -> tuple[dict, list[str]]:
     """An ``accelerate config`` YAML file: the launcher's settings; the batch stays in the script."""
     micro, per_step = batch(cfg)
     notes = []
-    conf = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_machines": 1,
+    # num_processes counts every process of every machine; machine_rank is each machine's own (0 on the first).
+    conf = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_machines": nodes.count,
             "machine_rank": 0, "num_processes": cfg.world_size,
             "mixed_precision": "no" if cfg.precision == "fp32" else cfg.precision, "main_training_function": "main"}
     if cfg.tp > 1 or cfg.pp > 1:
@@ -523,6 +564,10 @@ def accelerate(cfg: TrainConfig) -> tuple[dict, list[str]]:
         notes.append(f"Accelerate's config file holds no batch: the script's DataLoader gives {micro} sequences "
                      f"per process and Accelerator(gradient_accumulation_steps={per_step}) accumulates, for a "
                      f"global batch of {micro} × {per_step} × {cfg.dp} = {cfg.batch_size}.")
+    if nodes.count > 1:
+        conf.update(main_process_ip="MAIN_MACHINE_ADDRESS", main_process_port=29500, same_network=True)
+        notes.append(f"Accelerate reads one such file on each of the {nodes.count} machines: machine_rank 0 on the "
+                     f"first, 1 to {nodes.count - 1} on the others, main_process_ip the first one's address.")
     return conf, notes
 
 
@@ -550,25 +595,32 @@ def _yaml(data: dict, indent: int = 0) -> list[str]:
     return lines
 
 
-def _comments(cfg: TrainConfig, tool: str) -> list[str]:
+def _gpus(cfg: TrainConfig, nodes: Nodes) -> str:
+    """``8 GPUs``, or ``64 GPUs on 8 servers of 8``."""
+    return f"{cfg.world_size} GPU{'s' * (cfg.world_size > 1)}" + (
+        f" on {nodes.count} servers of {nodes.gpus}" if nodes.count > 1 else "")
+
+
+def _comments(cfg: TrainConfig, tool: str, nodes: Nodes) -> list[str]:
     micro, per_step = batch(cfg)
-    return [f"# {tool} settings for {cfg.layout()} ({cfg.world_size} GPU{'s' * (cfg.world_size > 1)}), written by "
-            f"gpucourse train --print-config",
+    return [f"# {tool} settings for {cfg.layout()} ({_gpus(cfg, nodes)}), written by gpucourse train --print-config",
             f"# global batch {cfg.batch_size} = microbatch {micro} × {per_step} per step × dp {cfg.dp}"]
 
 
 def _write_yaml(tool: str):
-    return lambda cfg, data: "\n".join(_comments(cfg, tool) + _yaml(data)) + "\n"
+    return lambda cfg, data, nodes: "\n".join(_comments(cfg, tool, nodes) + _yaml(data)) + "\n"
 
 
-def _write_toml(cfg: TrainConfig, data: dict) -> str:
-    lines = _comments(cfg, "torchtitan")
+def _write_toml(cfg: TrainConfig, data: dict, nodes: Nodes) -> str:
+    # torchtitan's job file holds no server count: its launcher, torchrun, does.
+    lines = _comments(cfg, "torchtitan", nodes) + [f"# launch: {torchrun(nodes)} -m torchtitan.train "
+                                                    f"--job.config_file <this file>"]
     for section, table in data.items():
         lines += ["", f"[{section}]", *(f"{key} = {_scalar(value, toml=True)}" for key, value in table.items())]
     return "\n".join(lines) + "\n"
 
 
-def _write_json(cfg: TrainConfig, data: dict) -> str:
+def _write_json(cfg: TrainConfig, data: dict, nodes: Nodes) -> str:
     return json.dumps(data, indent=2) + "\n"  # JSON has no comments: the notes go to stderr
 
 

@@ -332,3 +332,37 @@ def test_bad_input_is_one_sentence(argv, words, capsys):
     assert out == "" and line.startswith("gpucourse: error: ") and words in line
     with pytest.raises((ValueError, ConfigError)):
         translate(TrainConfig(tp=3), "megatron")
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 8])
+def test_every_tool_places_the_layout_on_its_servers(nodes):
+    """Each tool's fields for servers and GPUs per server, as its documentation defines them: torchrun's (Megatron-LM,
+    torchtitan) --nnodes and --nproc-per-node count servers and processes per server; NeMo's trainer counts devices
+    per node and num_nodes; Accelerate's num_processes counts every process of every machine, num_machines the
+    machines; DeepSpeed's launcher takes --num_nodes and --num_gpus (per node), which its JSON cannot hold."""
+    cfg = TrainConfig(dp=8, tp=4, pp=2, microbatches=8, batch_size=64)  # 64 GPUs
+    per_node = 64 // nodes
+    out = {tool: translate(cfg, tool, gpus_per_node=per_node) for tool in TOOLS}
+    launch = shlex.split(out["megatron"].text.split("\n", 2)[2].split(" pretrain_gpt.py")[0])
+    expected = ["torchrun", "--nproc-per-node", str(per_node)] if nodes == 1 else \
+        ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(per_node), "--node-rank", "$NODE_RANK",
+         "--master-addr", "$MASTER_ADDR", "--master-port", "29500"]
+    assert launch == expected, launch
+    assert " ".join(expected) in out["torchtitan"].text
+    trainer = out["nemo"].settings["trainer"]
+    assert (trainer["devices"], trainer["num_nodes"]) == (per_node, nodes)
+    acc = out["accelerate"].settings
+    assert (acc["num_processes"], acc["num_machines"], acc["machine_rank"]) == (64, nodes, 0)
+    assert ("main_process_ip" in acc) == (nodes > 1)
+    ds = [n for n in out["deepspeed"].notes if "--num_nodes" in n]
+    assert ds == ([] if nodes == 1 else [n for n in ds if f"--num_nodes {nodes} --num_gpus {per_node}" in n]), ds
+    assert len(ds) == (nodes > 1)
+
+
+def test_servers_that_do_not_divide_the_layout_are_refused(capsys):
+    with pytest.raises(ValueError, match="gpus_per_node 3 must be a positive divisor of the layout's 8 GPUs"):
+        translate(TrainConfig(dp=8), "nemo", gpus_per_node=3)
+    assert cli.main(["train", "--dp", "8", "--print-config", "nemo", "--gpus-per-node", "3"]) != 0
+    assert "--gpus-per-node 3 must be a positive divisor" in capsys.readouterr().err
+    assert cli.main(["train", "--dp", "2", "--gpus-per-node", "2"]) != 0
+    assert "--gpus-per-node places a layout's ranks on servers for --print-config" in capsys.readouterr().err

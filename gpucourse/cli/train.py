@@ -57,7 +57,10 @@ def cmd_train(args) -> int:
         return 0
     cfg = config_from(args)
     if args.print_config is not None:  # the same layout in another tool's names; nothing trains
-        return _print_stack_config(cfg, args.print_config)
+        return _print_stack_config(cfg, args.print_config, args.gpus_per_node)
+    if args.gpus_per_node is not None:
+        raise UsageError("--gpus-per-node places a layout's ranks on servers for --print-config; a run here takes "
+                         "the GPUs this machine has.")
     cfg.validate()
     for path, flag in ((args.json, "--json"), (args.export_weights, "--export-weights")):
         if path:
@@ -92,13 +95,16 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _print_stack_config(cfg: TrainConfig, tool: str) -> int:
+def _print_stack_config(cfg: TrainConfig, tool: str, gpus_per_node: int | None = None) -> int:
     """Print ``cfg`` as ``tool``'s settings on stdout; what the tool cannot express, one note a line, on stderr."""
     from .. import stack_config
 
     if tool not in stack_config.TOOLS:
         raise UsageError(f"--print-config {tool!r} is not one of {', '.join(stack_config.TOOLS)}.")
-    out = stack_config.translate(cfg, tool)
+    try:
+        out = stack_config.translate(cfg, tool, gpus_per_node)
+    except ValueError as e:
+        raise UsageError(str(e).replace("gpus_per_node", "--gpus-per-node")) from None
     print(out.text, end="")
     for note in out.notes:
         print(f"note: {note}", file=sys.stderr)
@@ -174,6 +180,9 @@ def add_commands(sub) -> None:
     p.add_argument("--print-config", metavar="TOOL", default=None,
                    help="print this layout as megatron, nemo, deepspeed, torchtitan or accelerate settings (in "
                         "their own names) and exit without training; what the tool cannot express goes to stderr")
+    p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+                   help="with --print-config: the servers' GPUs each, so that each tool's fields for servers and "
+                        "GPUs per server are written (default: one server holds the whole layout)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="one device's peak TFLOP/s, for MFU (model FLOPs utilisation)")
     p.add_argument("--gpu", default=None, help="take the peak for MFU from the GPU table (h100, a100, h200, l4...)")
