@@ -342,6 +342,20 @@ def test_wrong_answer_loses_points_with_the_intended_hint(mutant_results, mutant
                                              "exercises": [result]}).replace("\n         ", " ")
 
 
+def test_the_terminal_shows_the_checks_of_a_file_that_raises_nothing():
+    """ex10's shipped file hangs rather than raising NotImplementedError: its checks' messages say the fix is not
+    written yet, and the terminal shows them, as the notebook and the JSON do, not the stubs' one line."""
+    check = {"name": "2 ranks finish", "points": 0, "max_points": 3, "status": "failed", "hint": "h",
+             "message": "the fix is not written yet: on 2 ranks train still hangs as shipped", "world_size": 2}
+    ex = {"exercise": "ex10", "module": "ex10_fix_deadlock", "title": "t", "notebook": "n", "score": 0,
+          "max_score": 10, "error": None, "checks": [check], "seed": 1, "time_s": 1.0, "output": ""}
+    text = report.text_report({"folder": "x", "seed": 1, "score": 0, "max_score": 10, "exercises": [ex]})
+    assert "still hangs as shipped" in text and "NotImplementedError" not in text, text
+    stub = dict(ex, checks=[dict(check, message="not written yet: train raises NotImplementedError")])
+    assert "every function still raises NotImplementedError" in report.text_report(
+        {"folder": "x", "seed": 1, "score": 0, "max_score": 10, "exercises": [stub]})
+
+
 def test_hostile_code_becomes_failed_checks(marked):
     """sys.exit, an exception on one rank, os._exit (on a rank of two and on a rank alone), a hang in a
     receive, an endless loop, megabytes of output and too much memory: each a failed check with its

@@ -12,8 +12,11 @@ import textwrap
 
 
 def _not_started(ex: dict) -> bool:
-    return ex["error"] is None and ex["score"] == 0 and \
-        all("not written yet" in c["message"] for c in ex["checks"])
+    """Every check found the stub's NotImplementedError (the rule progress uses too). A check whose message only
+    mentions a fix not written yet (ex10's shipped file hangs: it raises nothing) shows its own message."""
+    from .results import untouched
+
+    return ex["error"] is None and ex["score"] == 0 and untouched(ex)
 
 
 def _indent(text: str, prefix: str, width: int = 100) -> str:

@@ -59,6 +59,12 @@ def grader_failed(exercises: list[str], why: str, seed: int = 0) -> list[dict]:
     return out
 
 
+def untouched(exercise_result: dict) -> bool:
+    """Whether every check of this exercise found the stub's NotImplementedError (nothing was attempted)."""
+    checks = exercise_result["checks"]
+    return bool(checks) and all(c["message"].startswith("not written yet") for c in checks)
+
+
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n(?:[ \t]+(?P<code>[^\n]+))?')
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from ..files import write_atomic
 from . import catalog, remote
 from .report import grader_failures, gradescope
-from .results import grader_failed
+from .results import grader_failed, untouched
 
 DEFAULT_TIMEOUT_S = 20.0    # per check, for the learner's code on a quiet machine (scaled by the load)
 DEFAULT_MEMORY_GB = 4.0     # address space of an exercise process (torch alone maps about 1.5 GB)
@@ -256,9 +256,6 @@ def record_progress(result: dict) -> str:
     return ""
 
 
-def untouched(exercise_result: dict) -> bool:
-    """Whether every check of this exercise found the stub's NotImplementedError (nothing was attempted)."""
-    return all(c["message"].startswith("not written yet") for c in exercise_result["checks"])
 
 
 def stop_all() -> None:
