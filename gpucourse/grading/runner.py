@@ -149,10 +149,19 @@ def grade_runs(runs: list[tuple[str, str, int]], *, timeout: float = DEFAULT_TIM
     return _grade_in_host(runs, [], timeout, memory_gb, ())
 
 
+def compare_runs(runs: list[tuple[str, str, int]], *, timeout: float = DEFAULT_TIMEOUT_S,
+                 memory_gb: float = DEFAULT_MEMORY_GB) -> list[dict]:
+    """Compare each ``(exercise id, mutant file, seed)`` of ``runs`` with the exercise's solution, call for call,
+    in one process that stands where the grading process stands (:mod:`gpucourse.grading.equivalence`): one
+    verdict each, with ``equivalent`` and ``difference``; a run it did not reach gets :func:`grader_failed`'s result."""
+    runs = [(catalog.resolve(ex_id)[0], os.path.abspath(path), int(seed)) for ex_id, path, seed in runs]
+    return _grade_in_host(runs, [], timeout, memory_gb, (), host="equivalence")
+
+
 def _grade_in_host(runs: list[tuple[str, str, int]], folders: list[str], timeout: float, memory_gb: float,
-                   hidden_paths) -> list[dict]:
-    """The grading process (``gpucourse.grading.host``) over ``runs``; its results, one per run (a run it did not
-    reach gets a result saying why: :func:`grader_failed`)."""
+                   hidden_paths, host: str = "host") -> list[dict]:
+    """The grading process (``gpucourse.grading.host``, or ``equivalence``) over ``runs``; its results, one per run
+    (a run it did not reach gets a result saying why: :func:`grader_failed`)."""
     try:
         work = tempfile.mkdtemp(prefix="gpucourse-grade-")
     except OSError as e:
@@ -164,7 +173,8 @@ def _grade_in_host(runs: list[tuple[str, str, int]], folders: list[str], timeout
         spec = {"files": [list(run) for run in runs], "seed": runs[0][2] if runs else 0,
                 "timeout_scale": float(timeout) / DEFAULT_TIMEOUT_S, "work": work,
                 "memory_bytes": int(memory_gb * 2**30), "output_bytes": OUTPUT_LIMIT_BYTES,
-                "result": os.path.join(work, "result.json"), "hidden_paths": hidden + list(hidden_paths)}
+                "result": os.path.join(work, "result.json"), "hidden_paths": hidden + list(hidden_paths),
+                "host": host}
         try:
             with open(os.open(os.path.join(work, "spec.json"), os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
                 json.dump(spec, f)

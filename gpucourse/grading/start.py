@@ -30,7 +30,10 @@ def main(argv: list[str]) -> int:
             os.chown(folder, user, user)
     first = spawn_sandbox(spec, private, os.path.join(spec["work"], "output.txt"), user)
     # Only now the checks and torch (the package's copy of the host: `except host.Stuck` in the checks matches it).
-    from gpucourse.grading.host import run
+    if spec.get("host") == "equivalence":  # the differential test of mutants (gpucourse.grading.equivalence)
+        from gpucourse.grading.equivalence import run
+    else:
+        from gpucourse.grading.host import run
 
     return run(spec, private, user, first)
 
