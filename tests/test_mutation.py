@@ -1,0 +1,69 @@
+"""Mutation testing of the checks: the mutator makes the same mutants on every run, each one a change of the code a
+learner writes that parses, and the scoring tells a caught mutant, an equivalent one and a surviving one apart."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from gpucourse.grading import mutation
+from gpucourse.grading.mutation import Mutant
+
+REPO = Path(__file__).resolve().parent.parent
+EX14 = (REPO / "solutions" / "ex14_paged_attention.py").read_text(encoding="utf-8")
+
+
+def _changed_lines(source: str, mutant: str) -> set[int]:
+    return {i for i, (a, b) in enumerate(zip(source.splitlines(), mutant.splitlines()), 1) if a != b}
+
+
+def test_the_mutants_are_the_same_on_every_run_and_each_parses():
+    first, second = mutation.exercise_mutants("ex14"), mutation.exercise_mutants("ex14")
+    assert first == second and len(first) > 50
+    assert [m.id for m in first] == [f"ex14-{i:03d}" for i in range(1, len(first) + 1)]
+    solution = ast.dump(ast.parse(EX14))
+    trees = set()
+    for m in first:
+        tree = ast.dump(ast.parse(m.source))
+        assert tree != solution and tree not in trees, m.description
+        trees.add(tree)
+        assert m.description.startswith(f"solutions/ex14_paged_attention.py:{m.line}: {m.operator}: "), m.description
+        assert m.operator in mutation.OPERATORS
+    assert {m.operator for m in first} >= {"arithmetic", "comparison", "constant", "off-by-one", "statement",
+                                           "arguments", "keyword", "removal", "dtype", "return"}
+
+
+def test_only_what_the_learner_writes_is_mutated():
+    stub = "def given(x):\n    return x + 1\n\n\ndef written(x, n):\n    raise NotImplementedError\n"
+    solution = ("def given(x):\n    return x + 1\n\n\ndef written(x, n):\n    \"\"\"Doc.\"\"\"\n"
+                "    y = x[1:n].clone()\n    return y.sum(dim=0) if n < 2 else None\n")
+    found = mutation.mutants(solution, stub, name="s.py")
+    assert found and all(m.line >= 6 for m in found), [m.description for m in found if m.line < 6]
+    said = {m.description.split(": ", 1)[1] for m in found}
+    assert {"statement: dropped `y = x[1:n].clone()`", "removal: x[1:n].clone() → x[1:n]",
+            "off-by-one: x[1:n] → x[1:n + 1]", "dim: dim=0 → 1", "comparison: n < 2 → n <= 2",
+            "keyword: y.sum(dim=0) → y.sum()", "constant: 1 → 2"} <= said, sorted(said)
+    # Exercise 10's stub is whole code with one bug: its given functions stay as they are.
+    ex10 = mutation.exercise_mutants("ex10")
+    source = (REPO / "solutions" / "ex10_fix_deadlock.py").read_text(encoding="utf-8")
+    train = next(n for n in ast.parse(source).body if getattr(n, "name", "") == "train")
+    assert ex10 and all(train.lineno <= m.line <= train.end_lineno for m in ex10)
+
+
+def test_a_sample_is_caught_a_no_op_is_equivalent_and_a_gap_survives():
+    found = mutation.exercise_mutants("ex14")
+    sample = found[::len(found) // 8][:8]
+    # Two changes no check can catch: one makes no difference at all; the other returns a list where the
+    # solution returns a tuple (the check takes either), which the differential test tells apart.
+    no_op = EX14.replace("    table.clear()", "    del table[:]")
+    listed = EX14.replace("return table[position // block_size], position % block_size",
+                          "return [table[position // block_size], position % block_size]")
+    assert no_op != EX14 and listed != EX14
+    planted = [Mutant("ex14-no-op", 0, "statement", "table.clear() → del table[:]", no_op),
+               Mutant("ex14-listed", 0, "return", "slot_of returns a list", listed)]
+    r = mutation.score_mutants("ex14", sample + planted, compare_seeds=(11,))
+    assert r["caught"] == 8 and r["not_graded"] == 0, r
+    assert [e["id"] for e in r["equivalents"]] == ["ex14-no-op"], r
+    assert [s["id"] for s in r["survivors"]] == ["ex14-listed"], r
+    assert "a list instead of a tuple" in r["survivors"][0]["difference"], r["survivors"][0]
+    assert r["score"] == 8 / 9
