@@ -56,6 +56,23 @@ def grade_class_20_s(learners: int) -> Reading:
                    f"{value:.0f} s for 20" + (f" (scaled from {learners} in {wall:.0f} s)" if learners != 20 else ""))
 
 
+@figure("grader_mutation_score", target=">= 0.95", quick=dict(exercises=("ex14", "ex07")), full=dict(exercises=()))
+def grader_mutation_score(exercises: tuple[str, ...]) -> Reading:
+    """Of every single-point mutant of the solutions, the share the checks catch, equivalent ones left out
+    (gpucourse.grading.mutation; scripts/mutation-score says which survive). Quick: two exercises; full: all."""
+    from ..grading.mutation import score
+
+    results = score(list(exercises) or None)
+    caught = sum(r["caught"] for r in results.values())
+    judged = sum(r["total"] - r["equivalent"] - r["not_graded"] for r in results.values())
+    detail = {ex: {**{k: r[k] for k in ("total", "caught", "equivalent", "surviving", "not_graded", "score",
+                                        "time_s")},
+                   "survivors": [f"{s['id']} {s['description']}" for s in r["survivors"]]}
+              for ex, r in results.items()}
+    return Reading(caught / judged, detail, f"{caught} of {judged} mutants caught in {', '.join(results)} "
+                                            f"({sum(r['equivalent'] for r in results.values())} equivalent left out)")
+
+
 @figure("live_view_overhead", target="<= 1.03", quick=dict(reps=3, steps=20), full=dict(reps=8, steps=60))
 def live_view_overhead(reps: int, steps: int, interval_s: float = 0.75) -> Reading:
     """Step time with the notebook's live view on over off.
