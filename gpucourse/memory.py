@@ -369,7 +369,7 @@ def estimate(cfg: TrainConfig, every_rank: bool = True) -> dict:
     worst = dict(max((mem for _, mem, _ in per_stage), key=lambda m: sum(m.values())))
     est = {"config": cfg.to_dict(), "num_params": num_params(mc),
            "params_per_rank": {r: per_stage[r // stage_ranks][0] for r in ranks},
-           "per_rank": per_rank, "max": worst, "max_total": sum(worst.values())}
+           "per_rank": per_rank, "max": worst, "max_total": sum(worst.values()), "in_flight": list(held)}
     if cfg.zero == 3 and cfg.impl == "scratch":
         est["gathered"] = {r: per_stage[r // stage_ranks][2] for r in ranks}
     if mc.moe_experts:
@@ -467,6 +467,20 @@ def format_estimate(est: dict) -> str:
         lines.append(f"  {label:<10}" + "".join(f"{human_bytes(mem[c], binary=True):>14}" for c in CATEGORIES)
                      + f"{human_bytes(sum(mem.values()), binary=True):>14}")
     mc = cfg.model_config()
+    half = cfg.precision != "fp32" and cfg.master_weights
+    lines.append(f"  bytes a parameter: weights {2 if half else 4}, gradients {2 if half else 4}, optimizer "
+                 f"{12 if half else 8} (Adam's two fp32 moments{' and the fp32 master copy' if half else ''})"
+                 + (f", the optimizer ÷ {cfg.dp * cfg.cp}" if cfg.zero >= 1 else "")
+                 + (f", the gradients ÷ {cfg.dp * cfg.cp}" if cfg.zero >= 2 else "")
+                 + (f", the weights ÷ {cfg.dp * cfg.cp}" if cfg.zero == 3 else ""))
+    lines.append(f"  activations: recompute {cfg.recompute}, {cfg.attention} attention"
+                 + (f", sequence parallel over tp {cfg.tp}" if cfg.sequence_parallel and cfg.tp > 1 else "")
+                 + (f"; microbatches in flight per stage ({cfg.schedule}"
+                    + (f", {cfg.virtual_stages} chunks a rank" if cfg.schedule == "interleaved-1f1b" else "")
+                    + "): " + ", ".join(f"{h:.3g}" for h in est["in_flight"]) if "in_flight" in est and cfg.pp > 1
+                    else ""))
+    lines.append("  buffers and workspaces (NCCL, cuBLAS, the allocator's slack) are not counted: they are the "
+                 "reserve a GPU's usable memory leaves out")
     paper = korthikanti_layer_bytes(cfg.seq_len // cfg.cp, cfg.batch_size // _forwards(cfg), mc.n_embd, mc.n_head,
                                     cfg.tp, cfg.sequence_parallel, cfg.recompute)
     lines.append(f"  Korthikanti et al.'s count for one layer at this shape (16-bit activations, per GPU): "

@@ -121,17 +121,23 @@ def candidates(shape: Shape, gpus: int, gpus_per_node: int, batch_size: int, seq
 
 def activation_bytes(cfg: TrainConfig, shape: Shape, stage: int) -> float:
     """Activations a rank of pipeline stage ``stage`` holds at its peak, for a practitioner's ``shape``: Korthikanti
-    et al.'s (2022) count of what a 16-bit transformer layer saves, with FlashAttention (no T×T scores: their
-    ``5·a·s/h`` term is gone; with ``attention="math"`` it is back — the softmax's output, 2·a·s/h, and with
-    dropout its mask and output, 3 more — unless recomputed selectively) and the shape's own widths — per token,
-    the norms' and residual's 10·C bytes
+    et al.'s (2022) count of what a 16-bit transformer layer saves (their section 4, eq. 1: 34·s·b·h + 5·a·s²·b
+    bytes a layer without recomputation, Table 2 with tensor and sequence parallelism), with FlashAttention (no T×T
+    scores: their ``5·a·s/h`` term is gone; with ``attention="math"`` it is back — the softmax's output, 2·a·s/h, and
+    with dropout its mask and output, 3 more — unless recomputed selectively) and the shape's own widths — per
+    token, the norms' and residual's 10·C bytes
     (÷ tp under sequence parallelism), Q, K and V (K and V only kv_heads wide), attention's output, the MLP's
     hidden values (GELU: its input and output, 4·F bytes; SwiGLU: gate, up and their product, 6·F), all ÷ tp;
     with full recomputation only each layer's input, 2·C (÷ tp under sequence parallelism). Times the
     microbatches the schedule keeps in flight on that stage (:func:`gpucourse.memory.in_flight`), plus the fp32
     logits of the loss on the last stage."""
+    return _activation_terms(cfg, shape, stage)["total"]
+
+
+def _activation_terms(cfg: TrainConfig, shape: Shape, stage: int) -> dict:
+    """:func:`activation_bytes` as its factors: one layer's bytes for one microbatch, the layers, the microbatches
+    in flight (stage-fulls: on an interleaved schedule each chunk is a share of the stage), the logits."""
     from .memory import in_flight
-    from .parallel.pipeline import stage_blocks
 
     C, d, tp = shape.hidden, shape.head_dim, cfg.tp
     sp = tp if cfg.sequence_parallel and tp > 1 else 1
@@ -146,10 +152,12 @@ def activation_bytes(cfg: TrainConfig, shape: Shape, stage: int) -> float:
         per_token = 10 * C / sp + qkv + 2 * C / tp + mlp
         if cfg.attention == "math" and cfg.recompute == "none":
             per_token += (5 if cfg.dropout else 2) * shape.heads / tp * cfg.seq_len
-    blocks = len(stage_blocks(shape.layers, cfg.pp, stage))
+    blocks = len(_stage_ids(shape, cfg.pp, stage))
     held = in_flight(cfg.schedule, cfg.pp, _enough(cfg), cfg.virtual_stages)[stage] if cfg.pp > 1 else 1
     logits = 4 * tokens * shape.vocab / tp if stage == cfg.pp - 1 else 0.0
-    return blocks * per_token * tokens * held + logits
+    layer = per_token * tokens
+    return {"layer_bytes": layer, "layers": blocks, "in_flight": held, "logits_bytes": logits,
+            "recompute": cfg.recompute, "attention": cfg.attention, "total": blocks * layer * held + logits}
 
 
 def _enough(cfg: TrainConfig) -> int:
@@ -159,17 +167,33 @@ def _enough(cfg: TrainConfig) -> int:
     return min(cfg.microbatches, 3 * cfg.pp) if cfg.schedule == "interleaved-1f1b" else cfg.microbatches
 
 
-def memory_of(cfg: TrainConfig, shape: Shape, offload: bool = False) -> dict:
-    """Memory per GPU of ``cfg`` training ``shape``: :func:`gpucourse.memory.estimate` (``gpucourse memory``, checked
-    against runs) where the shape is the course's own block; otherwise the weights, gradients and optimizer of
-    the shape's own parameters on the worst rank (GQA, SwiGLU, its vocabulary, experts over ep) and its
-    activations by :func:`activation_bytes`. ``offload``: the optimizer's state on the host
-    (:func:`gpucourse.offload.offload_memory`; ``host_bytes`` says how much)."""
+def memory_of(cfg: TrainConfig, shape: Shape, offload: bool = False, framework=None, fp8: bool = False) -> dict:
+    """Memory per GPU of ``cfg`` training ``shape``, on the worst pipeline stage.
+
+    The course's own block with no ``framework`` named: :func:`gpucourse.memory.estimate` (``gpucourse memory``,
+    what the course's runtime keeps, checked against its runs). Otherwise what ``framework`` (:data:`FRAMEWORKS`;
+    None: ``DEFAULT_FRAMEWORK``) keeps, from the shape's own parameters (GQA, SwiGLU, its vocabulary, experts over
+    ep) and Korthikanti et al.'s activations (:func:`activation_bytes`), term by term:
+
+    - weights in bf16 with an fp32 master copy and Adam's two moments in the optimizer, 12 bytes a parameter
+      divided by dp·cp under ZeRO-1 and up (Megatron-Core's distributed optimizer is ZeRO-1); gradients in fp32
+      where the framework accumulates them so (:attr:`Overlap.fp32_grads`): Megatron-LM's
+      docs/source/distrib_optimizer.md table, "bf16 param, fp32 grads": 18 bytes a parameter, 6 + 12/d with the
+      distributed optimizer; Rajbhandari et al. 2020 (ZeRO), section 3 and Table 1: (2 + 2 + K)·Ψ, K = 12;
+    - ``fp8``: Transformer Engine's fp8 copy of every matmul weight and its transpose (1 byte each, kept between
+      microbatches), beside the bf16 weights;
+    - activations: :func:`activation_bytes`, by the recomputation and the attention kernel, times the microbatches
+      the schedule keeps in flight.
+
+    Buffers and workspaces (NCCL's, cuBLAS's, the allocator's slack) are not counted here: they are the reserve
+    :meth:`gpucourse.gpus.GPUSpec.usable_bytes` keeps out of the card. ``offload``: the optimizer's state on the
+    host (:func:`gpucourse.offload.offload_memory`; ``host_bytes`` says how much). ``parts`` says what each term
+    is made of (:func:`memory_parts`)."""
     if offload:
-        held = memory_of(cfg, shape)
+        held = memory_of(cfg, shape, framework=framework, fp8=fp8)
         on_gpu, host = offload_memory(held["max"], cfg.master_weights and cfg.precision != "fp32")
         return {**held, "max": on_gpu, "max_total": sum(on_gpu.values()), "host_bytes": host}
-    if shape.is_course_block:
+    if shape.is_course_block and framework is None:
         m = _enough(cfg)
         if m == cfg.microbatches:
             return estimate(cfg, every_rank=False)
@@ -177,19 +201,50 @@ def memory_of(cfg: TrainConfig, shape: Shape, offload: bool = False) -> dict:
         fewer = dataclasses.replace(cfg, microbatches=m, batch_size=cfg.batch_size // cfg.microbatches * m)
         return {**estimate(fewer, every_rank=False), "config": cfg.to_dict()}
     cfg.validate(runnable=False)
-    worst = None
+    overlap = get_framework(framework)
+    worst = worst_parts = None
     for stage in range(cfg.pp):
-        n, experts = shape.stage_params(cfg.pp, stage, cfg.tp, cfg.ep)
-        mem = estimate_params(int(n - experts), cfg.dp * cfg.cp, cfg.zero, cfg.precision, cfg.master_weights,
-                              scratch_padding=False)
-        if experts:
-            more = estimate_params(int(experts), cfg.dp // cfg.ep, cfg.zero, cfg.precision, cfg.master_weights,
-                                   scratch_padding=False)
-            mem = {c: v + more[c] for c, v in mem.items()}
-        mem["activations"] = activation_bytes(cfg, shape, stage)
+        parts = memory_parts(cfg, shape, stage, overlap, fp8)
+        mem = {c: parts[c] for c in ("weights", "gradients", "optimizer", "activations")}
         if worst is None or sum(mem.values()) > sum(worst.values()):
-            worst = mem
-    return {"config": cfg.to_dict(), "num_params": shape.params(), "max": worst, "max_total": sum(worst.values())}
+            worst, worst_parts = mem, parts
+    return {"config": cfg.to_dict(), "num_params": shape.params(), "max": worst, "max_total": sum(worst.values()),
+            "parts": worst_parts, "framework": overlap.name}
+
+
+def memory_parts(cfg: TrainConfig, shape: Shape, stage: int, framework=None, fp8: bool = False) -> dict:
+    """One rank of pipeline stage ``stage``: the four categories :func:`memory_of` sums (fp8 weight copies in
+    ``weights``) and what they are made of: parameters held, bytes a parameter for each, fp8 copies, the
+    activations of one layer and one microbatch, the layers held, the microbatches in flight, the recomputation
+    and the attention kernel."""
+    overlap = get_framework(framework)
+    n, experts = shape.stage_params(cfg.pp, stage, cfg.tp, cfg.ep)
+    mem = estimate_params(int(n - experts), cfg.dp * cfg.cp, cfg.zero, cfg.precision, cfg.master_weights,
+                          scratch_padding=False)
+    if experts:
+        more = estimate_params(int(experts), cfg.dp // cfg.ep, cfg.zero, cfg.precision, cfg.master_weights,
+                               scratch_padding=False)
+        mem = {c: v + more[c] for c, v in mem.items()}
+    half = cfg.precision != "fp32" and cfg.master_weights
+    if half and overlap.fp32_grads:  # Megatron-LM accumulates and reduces bf16 runs' gradients in fp32
+        mem["gradients"] *= 2
+    # Every matmul weight the rank holds, once more in fp8 and once transposed (Hopper's fp8 GEMMs take only
+    # the "TN" layout, so the backward's weight operand is a transposed copy): 2 bytes a parameter.
+    # (the blocks' matmuls only: embedding, head and norms stay in bf16).
+    matmul = n - 2 * shape.hidden * len(_stage_ids(shape, cfg.pp, stage)) \
+        - (shape.vocab * shape.hidden / cfg.tp) * ((stage == 0) + (stage == cfg.pp - 1))
+    copies = 2 * matmul / (cfg.dp * cfg.cp if cfg.zero == 3 else 1) if fp8 else 0.0
+    mem["weights"] += copies
+    act = _activation_terms(cfg, shape, stage)
+    mem["activations"] = act["total"]
+    return {**mem, "params": n, "fp8_copies": copies, "grad_bytes": 4 if half and overlap.fp32_grads else
+            2 if half else 4, "stage": stage, **act}
+
+
+def _stage_ids(shape: Shape, pp: int, stage: int) -> range:
+    from .parallel.pipeline import stage_blocks
+
+    return stage_blocks(shape.layers, pp, stage)
 
 
 def attention_flops(n_layer: int, n_embd: int, seq_len: int, recompute: bool = False) -> float:
@@ -278,20 +333,25 @@ class Overlap:
     # Pipelines only of equal stages: pp divides the layers and pp·v too when interleaved, which needs more than two
     # stages (Megatron-LM's argument checks, 2021). Others may split unevenly: the busiest stage sets the pace.
     even_split: bool = False
+    # bf16 runs' gradients accumulated and reduced in fp32, 4 bytes a parameter (Megatron-LM's arguments.py sets
+    # accumulate_allreduce_grads_in_fp32 for bf16); others keep them in the weights' bf16.
+    fp32_grads: bool = False
 
 
 FRAMEWORKS = {o.name: o for o in (
     Overlap("megatron-2021", dp="after", prefetch=False, tp=False, cp=False, attention="unfused", pp_scatter=True,
-            zero=(0,), even_split=True,
+            zero=(0,), even_split=True, fp32_grads=True,
             source="Narayanan et al. 2021 (SC21), section 4: the gradient all-reduce runs after the pipeline "
                    "flush; scatter/gather of the activations between stages; attention as two batched matmuls "
                    "and a fused softmax (no FlashAttention yet)"),
     Overlap("megatron-core", dp="backward", prefetch=True, tp=False, cp=True, attention="flash", pp_scatter=True,
-            pp=True, source="Megatron-Core: --overlap-grad-reduce and --overlap-param-gather (distributed optimizer), "
+            pp=True, fp32_grads=True,
+            source="Megatron-Core: --overlap-grad-reduce and --overlap-param-gather (distributed optimizer), "
                    "FlashAttention through Transformer Engine, context parallelism's ring overlapped with "
                    "attention; --tp-comm-overlap left off (its default)"),
     Overlap("megatron-core-tp-overlap", dp="backward", prefetch=True, tp=True, cp=True, attention="flash",
-            pp_scatter=True, pp=True, source="Megatron-Core with --tp-comm-overlap (Transformer Engine's userbuffers)"),
+            pp_scatter=True, pp=True, fp32_grads=True,
+            source="Megatron-Core with --tp-comm-overlap (Transformer Engine's userbuffers)"),
     Overlap("fsdp", dp="backward", prefetch=True, tp=False, cp=True, attention="flash2", pp_scatter=False,
             elementwise=3, zero=(0, 2, 3), source="PyTorch FSDP2 as torchtitan runs it: all-gathers prefetched one layer ahead, reduce-scatters "
                    "behind backward; scaled-dot-product attention with the flash backend (FlashAttention-2); eager "
@@ -532,7 +592,10 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
                           attention="math" if overlap.attention == "unfused" else "flash"):
         for offloaded in (False, True) if offload else (False,):
             try:
-                mem = memory_of(cfg, shape, offloaded)
+                # The course's own block as the course's runtime keeps it (gpucourse memory); other shapes as the
+                # framework does.
+                mem = memory_of(cfg, shape, offloaded, None if shape.is_course_block else framework,
+                                fp8=matmuls == "fp8")
             except ConfigError:
                 break
             rows.append(_row(cfg, shape, mem, spec, gpus_per_node, efficiency, overlap, matmuls, offloaded))
@@ -554,6 +617,7 @@ def _row(cfg: TrainConfig, shape: Shape, mem: dict, spec, gpus_per_node: int, ef
             "zero": cfg.zero, "schedule": cfg.schedule if cfg.pp > 1 else "", "microbatches": cfg.microbatches,
             "grad_accum": cfg.grad_accum, "checkpoint_activations": cfg.checkpoint_activations,
             "memory": mem["max"], "memory_total": mem["max_total"], "host_bytes": mem.get("host_bytes", 0.0),
+            "memory_parts": mem.get("parts"),
             "fits": mem["max_total"] <= spec.usable_bytes(), "config": cfg.to_dict(),
             "kv_replication": shape.kv_replication(cfg.tp),
             "memory_source": COURSE_MEMORY if shape.is_course_block else
@@ -596,7 +660,24 @@ def explain(row: dict) -> str:
               if row.get(f"{k}_comm_s", 0) - row["parts"][k] >= 0.005]
     hides = f"; hidden behind compute: {', '.join(hidden)}" if hidden else ""
     return (f"{layout}: step {row['step_s']:.2f} s = {parts}{hides}; {human_bytes(row['memory_total'])} per GPU "
-            f"({row.get('memory_source', COURSE_MEMORY)})")
+            f"({row.get('memory_source', COURSE_MEMORY)}){memory_terms(row['memory'], row.get('memory_parts'))}")
+
+
+def memory_terms(mem: dict, parts: dict | None = None) -> str:
+    """The memory of one GPU as its terms: ``: weights …, gradients …, optimizer …, activations …``, and where
+    :func:`memory_parts` says what they are made of, the fp8 copies, the gradients' bytes and the activations'
+    factors (one layer × layers × microbatches in flight, the recomputation and the attention kernel)."""
+    terms = [f"{k} {human_bytes(mem[k])}" for k in ("weights", "gradients", "optimizer", "activations")]
+    if parts:
+        if parts["fp8_copies"]:
+            terms[0] += f" (of which fp8 copies {human_bytes(parts['fp8_copies'])})"
+        terms[1] += f" ({parts['grad_bytes']} bytes each)"
+        terms[3] += (f" ({human_bytes(parts['layer_bytes'])} a layer and microbatch × {parts['layers']} layers × "
+                     f"{parts['in_flight']:.3g} microbatches in flight + logits "
+                     f"{human_bytes(parts['logits_bytes'])}; recompute {parts['recompute']}, "
+                     f"{parts['attention']} attention)")
+    return ": " + ", ".join(terms)
+
 
 
 def format_plan(result: dict, top: int = 10, explained: bool = False) -> str:

@@ -105,7 +105,8 @@ def _sc21(layers, hidden, heads, tp, pp, dp, batch, tflops, split, v=0, name="")
         f"batch {batch}: {tflops} TFLOP/s per GPU. Microbatches of one sequence and "
         + (f"the interleaved schedule with {v} chunks per rank " if v else "") + "assumed (not in the table)",
         "a100", tflops * 1e12, "FLOP/s per GPU (Megatron's count)", "compute",
-        dict(**_gpt(layers, hidden, heads, 51200, 2048), dp=dp, tp=tp, pp=pp, batch_size=batch, precision="bf16",
+        dict(**_gpt(layers, hidden, heads, 51200, 2048), dp=dp, tp=tp, pp=pp, batch_size=batch,
+             precision="bf16", master_weights=True,
              checkpoint_activations=True, **grid, **sched),
         params=12 * layers * hidden**2 + 51200 * hidden, metric="megatron_flops", framework="megatron-2021",
         split=split, **_chose(tp, pp, at_scale=tp * pp * dp >= 512))
@@ -120,7 +121,7 @@ def _zero3_2021(layers, hidden, heads, gpus, batch, micro, tflops, split, chosen
         "outperforms ZeRO-3 by 70% for both models due to less cross-node communication'",
         "a100", tflops * 1e12, "FLOP/s per GPU (Megatron's count)", "communication",
         dict(**_gpt(layers, hidden, heads, 51200, 2048), dp=gpus, zero=3, batch_size=batch,
-             grad_accum=batch // (gpus * micro), precision="bf16", checkpoint_activations=True),
+             grad_accum=batch // (gpus * micro), precision="bf16", master_weights=True, checkpoint_activations=True),
         params=12 * layers * hidden**2 + 51200 * hidden, metric="megatron_flops", framework="deepspeed-zero3",
         split=split, choice="tp × pp (PTD-P) over ZeRO-3 at the same GPUs and batch" if chosen else "",
         chosen=(("model_parallel", True),) if chosen else ())
@@ -140,7 +141,8 @@ def _mcore(params_b, layers, hidden, heads, tp, pp, batch, tflops, split, v=0):
         f"('--overlap-grad-reduce --overlap-param-gather', '--tp-comm-overlap'). Microbatches of one sequence"
         + (f", the interleaved schedule with {v} chunks per rank" if v else "") + " assumed (not in the table)",
         "h100", tflops * 1e12, "FLOP/s per GPU (model FLOPs)", "compute",
-        dict(**_gpt(layers, hidden, heads, 131072, 4096), dp=dp, tp=tp, pp=pp, batch_size=batch, precision="bf16",
+        dict(**_gpt(layers, hidden, heads, 131072, 4096), dp=dp, tp=tp, pp=pp, batch_size=batch,
+             precision="bf16", master_weights=True,
              sequence_parallel=tp > 1, zero=1, **grid, **sched),
         params=12 * layers * hidden**2 + 2 * 131072 * hidden, metric="model_flops",
         framework="megatron-core-tp-overlap", split=split, **_chose(tp, pp, at_scale=tp * pp * dp >= 512))
@@ -173,7 +175,8 @@ def _megascale(dp: int, batch: int, mfu: float) -> Published:
         f"64000, sequence 2048), tp 8, pp 8, interleaved with 6 chunks, batch {batch}: MFU {mfu} %",
         "a100", mfu / 100, "MFU", "compute",
         dict(**_gpt(96, 12288, 128, 64000, 2048), dp=dp, tp=8, pp=8, microbatches=batch // dp, batch_size=batch,
-             schedule="interleaved-1f1b", virtual_stages=6, precision="bf16", sequence_parallel=True),
+             schedule="interleaved-1f1b", virtual_stages=6, precision="bf16", master_weights=True,
+             sequence_parallel=True),
         params=174.6e9, metric="mfu", framework="megatron-core")
 
 
@@ -210,7 +213,7 @@ RUNS = tuple([
         "on 1024 A100s, global batch 1536, 'each iteration takes around 32 seconds' (138 TFLOP/s per GPU)",
         "a100", 32.0, "seconds per iteration", "compute",
         dict(**_gpt(96, 12288, 96, 51200, 2048), dp=8, tp=8, pp=16, microbatches=192, batch_size=1536,
-             precision="bf16", checkpoint_activations=True),
+             precision="bf16", master_weights=True, checkpoint_activations=True),
         params=174.6e9, metric="step_s", framework="megatron-2021"),
     _megascale(192, 6144, 41.2),
     _megascale(4, 768, 53.0),
@@ -242,7 +245,8 @@ RUNS = tuple([
         "a batch: 430 TFLOP/s per GPU (BF16 MFU 43 %). Interleaved schedule with 2 chunks a rank assumed",
         "h100", 430e12, "FLOP/s per GPU (model FLOPs)", "compute",
         dict(**_gpt(126, 16384, 128, 128256, 8192), dp=64, tp=8, pp=16, microbatches=32, batch_size=2048,
-             schedule="interleaved-1f1b", virtual_stages=2, precision="bf16", sequence_parallel=True, zero=2),
+             schedule="interleaved-1f1b", virtual_stages=2, precision="bf16", master_weights=True,
+             sequence_parallel=True, zero=2),
         params=405e9, metric="model_flops", shape="llama3-405b", framework="megatron-core", split="fit",
         choice="tp 8 × pp 16 (no cp) at 8192 tokens", chosen=(("tp", 8), ("pp", 16), ("cp", 1))),
     Published(
@@ -251,7 +255,8 @@ RUNS = tuple([
         "400 TFLOP/s per GPU (BF16 MFU 41 %)",
         "h100", 400e12, "FLOP/s per GPU (model FLOPs)", "compute",
         dict(**_gpt(126, 16384, 128, 128256, 8192), dp=128, tp=8, pp=16, microbatches=16, batch_size=2048,
-             schedule="interleaved-1f1b", virtual_stages=2, precision="bf16", sequence_parallel=True, zero=2),
+             schedule="interleaved-1f1b", virtual_stages=2, precision="bf16", master_weights=True,
+             sequence_parallel=True, zero=2),
         params=405e9, metric="model_flops", shape="llama3-405b", framework="megatron-core",
         choice="tp 8 × pp 16 (no cp) at 8192 tokens", chosen=(("tp", 8), ("pp", 16), ("cp", 1))),
     Published(
@@ -261,7 +266,8 @@ RUNS = tuple([
         "dp 8 matches both its GPUs and its tokens",
         "h100", 380e12, "FLOP/s per GPU (model FLOPs)", "compute",
         dict(**_gpt(126, 16384, 128, 128256, 131072), dp=8, tp=8, cp=16, pp=16, microbatches=16, batch_size=128,
-             zigzag=True, schedule="interleaved-1f1b", virtual_stages=2, precision="bf16", sequence_parallel=True,
+             zigzag=True, schedule="interleaved-1f1b", virtual_stages=2, precision="bf16", master_weights=True,
+             sequence_parallel=True,
              zero=2),
         params=405e9, metric="model_flops", shape="llama3-405b", framework="megatron-core",
         choice="tp 8 × cp 16 × pp 16 at 131072 tokens", chosen=(("tp", 8), ("pp", 16), ("cp", 16))),
@@ -280,7 +286,8 @@ RUNS = tuple([
         "'For Mixtral 8x7B, EP8xTP1 outperforms EP4xTP2'",
         "h100", 468e12, "FLOP/s per GPU (model FLOPs)", "compute",
         dict(**_moe(_gpt(32, 4096, 32, 32000, 4096), 8, 2), dp=16, ep=8, pp=4, microbatches=16,
-             batch_size=256, schedule="interleaved-1f1b", virtual_stages=8, precision="bf16", zero=1),
+             batch_size=256, schedule="interleaved-1f1b", virtual_stages=8, precision="bf16",
+             master_weights=True, zero=1),
         params=46.7e9, metric="model_flops", shape="mixtral-8x7b", framework="megatron-core",
         choice="ep 8 × tp 1 × pp 4 (EP8xTP1 over EP4xTP2)", chosen=(("tp", 1), ("ep", 8), ("pp", 4))),
     Published(
@@ -290,6 +297,7 @@ RUNS = tuple([
         "vocabulary 256000): MFU 34.3 %",
         "h100", 0.343, "MFU", "compute",
         dict(**_gpt(32, 6144, 48, 256000, 4096), dp=96, tp=8, grad_accum=4, batch_size=384, precision="bf16",
+             master_weights=True,
              sequence_parallel=True, zero=1),
         params=15.7e9, metric="mfu", framework="megatron-core",
         shape={"layers": 32, "hidden": 6144, "heads": 48, "kv_heads": 8, "vocab": 256000}),
@@ -341,6 +349,25 @@ def predict(run: Published, gpu: GPUSpec | None = None) -> float:
     if run.metric != "tokens_per_gpu":
         raise ValueError(f"no metric {run.metric!r}; known: {', '.join(METRICS)}.")
     return t["tokens_per_s"] / cfg.world_size
+
+
+def memory(run: Published) -> dict:
+    """What each GPU of ``run`` holds by the memory model, as the run's framework keeps it
+    (:func:`gpucourse.plan.memory_of`), beside what the card leaves a run (``usable``) and whether it fits."""
+    from .plan import DEFAULT_FRAMEWORK, memory_of
+    from .shapes import get_shape
+
+    cfg = TrainConfig(**run.layout)
+    shape = get_shape(run.shape or {k: v for k, v in cfg.overrides.items() if k != "block_size"})
+    mem = memory_of(cfg, shape, framework=run.framework or DEFAULT_FRAMEWORK)
+    usable = get_gpu(run.gpu).usable_bytes()
+    return {**mem, "name": run.name, "usable": usable, "fits": mem["max_total"] <= usable}
+
+
+def memory_fits(runs=None) -> list[dict]:
+    """:func:`memory` of every published training run (or ``runs``): every layout in the table ran, so each must
+    fit its GPU."""
+    return [memory(run) for run in (RUNS if runs is None else runs) if run.metric != "bus_bandwidth"]
 
 
 def compare(runs=None, gpus: dict | None = None) -> list[dict]:

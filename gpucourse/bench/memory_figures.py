@@ -101,3 +101,17 @@ def selective_activation_ratio() -> Reading:
                            "korthikanti_ratio": paper[0] / paper[1]},
                    f"{human_bytes(sizes['selective'])} selective, {human_bytes(sizes['none'])} none "
                    f"({value:.3f}; Korthikanti et al.'s layer: {paper[0] / paper[1]:.3f})")
+
+
+@figure("published_layouts_fit", target="== 1.0", quick=dict(), full=dict())
+def published_layouts_fit() -> Reading:
+    """The share of the published training runs (:mod:`gpucourse.published`) whose memory estimate, as their
+    framework keeps it, fits their GPU: each of them ran, so each should."""
+    from ..published import memory_fits
+
+    rows = memory_fits()
+    misfits = {r["name"]: r["max_total"] for r in rows if not r["fits"]}
+    share = 1 - len(misfits) / len(rows)
+    return Reading(share, {"runs": len(rows), "misfits": misfits},
+                   f"{len(rows) - len(misfits)} of {len(rows)} fit"
+                   + "".join(f"; {name} needs {human_bytes(b, binary=True)}" for name, b in misfits.items()))
