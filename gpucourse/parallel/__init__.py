@@ -24,6 +24,8 @@ around any optimizer class, :class:`~.sharded_optimizer.ShardedGradientsOptimize
 (the gradients reduced to their owner during backward, and clipped by it), and
 :class:`~.zero.FlatShardedOptimizer` ZeRO-1 or 2 on flat buffers cut into equal shards. The
 course's data-parallel trainers use the same modules, and its ZeRO trainer the flat one.
+:class:`~.fsdp_module.FullyShardedDataParallel` is ZeRO-3 as a module: each rank keeps a shard of every matrix,
+gathered whole only while the submodule holding it computes.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ..measure import Recorder
 from . import (activation_checkpointing, context_parallel, context_parallel_torch, data_parallel, expert_parallel,
                pipeline, pipeline_virtual, tensor_parallel, tensor_parallel_torch)
 from .activation_checkpointing import recompute
+from .fsdp_module import FullyShardedDataParallel
 from .precision import Precision
 from .single import Trainer
 
