@@ -31,6 +31,7 @@ from __future__ import annotations
 from .cluster import Cluster
 from .config import ConfigError
 from .gpus import get_gpu
+from .serving.speculative import expected_tokens
 from .shapes import ShapeError, get_shape
 
 ELEM = {"fp32": 4, "bf16": 2, "fp8": 1}  # bytes a weight or a cached number is stored in
@@ -66,28 +67,32 @@ def _check(shape, tp: int, pp: int, weights: str, kv: str) -> None:
 
 
 def decode_step(shape, gpu, batch: int, context: int, tp: int = 1, pp: int = 1, weights: str = "bf16",
-                kv: str = "bf16", gpus_per_node: int = 8) -> dict:
+                kv: str = "bf16", gpus_per_node: int = 8, new_tokens: int = 1) -> dict:
     """One decode step of ``batch`` sequences holding ``context`` tokens each, on one tp × pp replica: seconds by
     part (a stage's matmuls, its KV reads, its tp all-reduces; the pipeline's sends), the time per output token
     (every stage in turn) and the arithmetic intensity (FLOPs per byte read) that places it on the roofline.
     With pp > 1, ``batch`` is one microbatch: pp of them are in flight, one on each stage, so the replica serves
-    pp × batch sequences and makes ``batch`` tokens every stage time."""
+    pp × batch sequences and makes ``batch`` tokens every stage time.
+
+    ``new_tokens``: the tokens each sequence feeds (1 in plain decode; k + 1 when the model verifies k proposed
+    tokens, ``speculative_speedup``): the matmuls get batch × new_tokens rows, the cache is still read once."""
     shape, cluster = get_shape(shape), Cluster.of(gpu, gpus_per_node, max(1, -(-tp * pp // gpus_per_node)))
     _check(shape, tp, pp, weights, kv)
-    block = [k for k in shape.kernels(batch, 1, tp, moe=bool(shape.experts)) if k["kind"] != "attention"]
+    rows = batch * new_tokens
+    block = [k for k in shape.kernels(rows, 1, tp, moe=bool(shape.experts)) if k["kind"] != "attention"]
     per_block = sum(cluster.kernel_s(k, weights) for k in block)  # the matmuls run in the weights' format
     blocks = -(-shape.layers // pp)
-    head = sum(cluster.kernel_s(k, weights) for k in shape.head_kernels(batch, tp)[:1])  # no loss when serving
+    head = sum(cluster.kernel_s(k, weights) for k in shape.head_kernels(rows, tp)[:1])  # no loss when serving
     kv_read = batch * context * kv_bytes_per_token(shape, tp, kv) / pp
     attention = kv_read / cluster.hbm_Bps  # q·K and the weighted sum over V: one read of the cache, memory-bound
     elem = ELEM[ACTIVATIONS]
-    tp_comm = 2 * blocks * cluster.collective_s("all_reduce", batch * shape.hidden * elem, range(tp))[0] \
+    tp_comm = 2 * blocks * cluster.collective_s("all_reduce", rows * shape.hidden * elem, range(tp))[0] \
         if tp > 1 else 0.0
     stage = blocks * per_block + head / pp + attention + tp_comm
-    send = cluster.collective_s("send", batch * shape.hidden * elem, (0, tp))[0] if pp > 1 else 0.0
+    send = cluster.collective_s("send", rows * shape.hidden * elem, (0, tp))[0] if pp > 1 else 0.0
     token_s = pp * stage + (pp - 1) * send + STEP_OVERHEAD_S
     read = weight_bytes(shape, tp, pp, weights) + kv_read
-    flops = 2 * batch * shape.active_params() / (tp * pp) + 4 * batch * context * shape.heads * shape.head_dim * \
+    flops = 2 * rows * shape.active_params() / (tp * pp) + 4 * rows * context * shape.heads * shape.head_dim * \
         shape.layers / (tp * pp)
     return {"stage_s": stage, "token_s": token_s, "matmul_s": blocks * per_block + head / pp,
             "attention_s": attention, "tp_comm_s": tp_comm, "pp_send_s": (pp - 1) * send,
@@ -116,6 +121,34 @@ def prefill(shape, gpu, prompts: int, prompt_len: int, tp: int = 1, pp: int = 1,
     read = weight_bytes(shape, tp, pp, weights) * pp + tokens * kv_bytes_per_token(shape, tp)
     return {"first_token_s": first_token_s, "attention_s": shape.layers * attention, "tp_comm_s": tp_comm,
             "flops": flops, "bytes_read": read, "intensity": flops / read, "tokens_per_s": tokens / first_token_s}
+
+
+# A draft for Llama 3's vocabulary: Llama 3.2 1B (Meta's released config.json: 16 layers, hidden 2048, 32 heads,
+# 8 K/V heads, SwiGLU 8192, vocabulary 128256, tied embeddings), what vLLM's and TensorRT-LLM's examples pair with
+# Llama 3 8B and 70B targets.
+LLAMA3_DRAFT = {"name": "llama3.2-1b", "layers": 16, "hidden": 2048, "heads": 32, "kv_heads": 8, "ffn": 8192,
+                "mlp": "swiglu", "vocab": 128256, "tied": True}
+
+
+def speculative_speedup(shape, gpu, batch: int, context: int, k: int, acceptance: float, draft=None, tp: int = 1,
+                        weights: str = "bf16", kv: str = "bf16", gpus_per_node: int = 8) -> dict:
+    """Speculative decoding (``serving.speculative``) against plain decode, on one tp replica: a round is ``k``
+    decode steps of the ``draft`` model (a shape; None for a draft that costs nothing, prompt lookup), then one step
+    of the target feeding k + 1 tokens a sequence; it makes ``expected_tokens(acceptance, k)`` tokens a sequence.
+
+    The engine's per-iteration overhead (``STEP_OVERHEAD_S``) is paid once a round, the draft's steps are kernels
+    only. At batch 1 the verifying step costs about a plain one (memory-bound: the same weights read for k + 1 rows
+    as for 1) and the speed-up nears the tokens a round; as the batch grows, its batch × (k + 1) rows cross the
+    ridge point, each round costs more and the rejected proposals' compute is wasted: the speed-up falls below 1."""
+    plain = decode_step(shape, gpu, batch, context, tp, 1, weights, kv, gpus_per_node)
+    check = decode_step(shape, gpu, batch, context, tp, 1, weights, kv, gpus_per_node, new_tokens=k + 1)
+    draft_s = 0.0 if draft is None else \
+        k * (decode_step(draft, gpu, batch, context, tp, 1, weights, kv, gpus_per_node)["token_s"] - STEP_OVERHEAD_S)
+    made = expected_tokens(acceptance, k)
+    round_s = draft_s + check["token_s"]
+    return {"plain_s": plain["token_s"], "verify_s": check["token_s"], "draft_s": draft_s, "round_s": round_s,
+            "tokens_per_round": made, "speedup": made * plain["token_s"] / round_s,
+            "plain_tokens_per_s": batch / plain["token_s"], "tokens_per_s": batch * made / round_s}
 
 
 def ridge_point(gpu, precision: str = "bf16") -> float:

@@ -9,7 +9,9 @@ Short lessons, each a file to read top to bottom:
   read through ``metrics`` (time to first token, time per output token, throughput, goodput);
 - ``parallel_decode``: tensor-, pipeline-, data- and expert-parallel decode with the training strategies,
   each making the single-device tokens and sending the bytes per token its formula says;
-- ``quantize``: weight-only INT8 and INT4 (group-wise) and FP8 weights, an FP8 KV cache, their bytes and errors.
+- ``quantize``: weight-only INT8 and INT4 (group-wise) and FP8 weights, an FP8 KV cache, their bytes and errors;
+- ``speculative``: a draft (a smaller GPT, or prompt lookup) proposes tokens, the model verifies them in one forward:
+  greedy tokens equal to plain decoding, sampled tokens distributed as the model's.
 """
 
 from .kv_cache import Cache, KVCache, check_fits, generate, next_token
@@ -19,9 +21,11 @@ from .scheduler import LinearCost, ModelRunner, Scheduler, Sequence, Simulated, 
 from .trace import Request, load_trace, poisson_trace, save_trace
 from .quantize import (FP8KVCache, QuantizedLinear, dequantize_weight, quantization_effect, quantize_model,
                        quantize_weight, stored_bytes, weight_bytes)
+from .speculative import ModelDraft, PromptLookupDraft, speculative_generate, truncated
 
 __all__ = ["BlockAllocator", "Cache", "Iteration", "KVCache", "LinearCost", "ModelRunner", "OutOfBlocks",
            "PagedKVCache", "Report", "Request", "Scheduler", "Sequence", "Simulated", "check_fits", "generate",
            "load_trace", "next_token", "poisson_trace", "save_trace", "serve", "simulate", "wall_clock",
            "FP8KVCache", "QuantizedLinear", "dequantize_weight", "quantization_effect", "quantize_model",
-           "quantize_weight", "stored_bytes", "weight_bytes"]
+           "quantize_weight", "stored_bytes", "weight_bytes",
+           "ModelDraft", "PromptLookupDraft", "speculative_generate", "truncated"]

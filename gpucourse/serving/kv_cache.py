@@ -42,15 +42,17 @@ class Cache:
         """What block ``i``'s attention calls."""
         return LayerCache(self, i)
 
-    def feed(self, model, idx: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def feed(self, model, idx: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
+             every: bool = False) -> torch.Tensor:
         """Run ``counts[b]`` new tokens of row b (``idx`` (B, T), right-padded) after the ``starts[b]`` tokens
-        already cached; return each row's logits (B, vocab) at its last new token."""
+        already cached; return each row's logits (B, vocab) at its last new token, or at every new token
+        (B, T, vocab) if ``every`` (what verifying several proposed tokens at once needs: ``speculative``)."""
         steps = torch.arange(idx.shape[1], device=idx.device)
         self.valid = steps[None, :] < counts[:, None]
         # A pad token sits at its row's last real position, so it never asks for a position past the context.
         self.positions = starts[:, None] + torch.minimum(steps[None, :], counts[:, None] - 1)
         logits = model(idx, cache=self)
-        return logits[torch.arange(len(counts)), counts - 1]
+        return logits if every else logits[torch.arange(len(counts)), counts - 1]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the real tokens' keys and values (B, heads, T, head_dim) at their positions."""
@@ -93,9 +95,10 @@ class KVCache(Cache):
         """Memory the cache holds, filled or not."""
         return 2 * self.k.numel() * self.k.element_size()
 
-    def feed_rows(self, model, idx: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Feed every row ``counts`` new tokens after those it holds; its logits at each row's last new token."""
-        logits = self.feed(model, idx, self.lengths, counts)
+    def feed_rows(self, model, idx: torch.Tensor, counts: torch.Tensor, every: bool = False) -> torch.Tensor:
+        """Feed every row ``counts`` new tokens after those it holds; its logits at each row's last new token (at
+        every new token if ``every``)."""
+        logits = self.feed(model, idx, self.lengths, counts, every)
         self.lengths = self.lengths + counts
         return logits
 
