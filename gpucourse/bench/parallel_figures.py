@@ -211,6 +211,71 @@ def zero3_scratch_vs_fsdp2(reps: int, steps: int) -> Reading:
                    f"scratch {med['scratch'] * 1e3:.1f} ms, FSDP2 {med['fsdp2'] * 1e3:.1f} ms per step")
 
 
+def fsdp_module_step_times(reps: int, steps: int) -> dict[str, list[list[float]]]:
+    """On this rank: the tiny GPT trained ``steps`` steps through :class:`~gpucourse.parallel.FullyShardedDataParallel`
+    in a plain loop, and the same through FSDP2 (``fully_shard`` on each block, then on the model), the two taking
+    turns ``reps`` times; each run's step times after the warm-up (forward, backward, synchronisation, SGD step)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ..model import GPT, MODELS, loss_fn
+    from ..parallel import FullyShardedDataParallel
+    from ..runtime import current
+
+    device, world = current().device, dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
+    cfg = MODELS["tiny"]
+    data = torch.Generator().manual_seed(dist.get_rank())
+    x, y = (torch.randint(0, cfg.vocab_size, (16 // world, 64), generator=data).to(device) for _ in range(2))
+
+    def ours():
+        torch.manual_seed(0)
+        fsdp = FullyShardedDataParallel(GPT(cfg).to(device))
+        return fsdp, fsdp.finish_gradient_synchronization
+
+    def fsdp2():
+        torch.manual_seed(0)
+        model = GPT(cfg).to(device)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh), lambda: None
+
+    def times(build) -> list[float]:
+        net, finish = build()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        out = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            loss_fn(net(x), y).backward()
+            finish()
+            opt.step()
+            opt.zero_grad()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            out.append(time.perf_counter() - start)
+        return out[WARMUP_STEPS:]
+
+    return interleave({"ours": lambda: times(ours), "fsdp2": lambda: times(fsdp2)}, reps)
+
+
+@figure("fsdp_module_vs_torch_fsdp2", quick=dict(reps=2, steps=12), full=dict(reps=4, steps=30))
+def fsdp_module_vs_torch_fsdp2(reps: int, steps: int) -> Reading:
+    """Step time of FullyShardedDataParallel (each matrix gathered on its own, vectors replicated) in a plain loop
+    over FSDP2's fully_shard (one flat gather per block), the tiny GPT on 2 ranks; a step lasts as long as its
+    slowest rank."""
+    from ..runtime import launch
+
+    per_rank = launch(fsdp_module_step_times, reps, steps, world_size=RANKS, timeout=RUN_TIMEOUT_S, quiet=True)
+    steps_s = {side: [[max(ts) for ts in zip(*(r[side][rep] for r in per_rank))] for rep in range(reps)]
+               for side in ("ours", "fsdp2")}
+    med = {side: statistics.median(t for rep_times in runs for t in rep_times) for side, runs in steps_s.items()}
+    detail = {side: {"median_step_s": med[side], "step_times_s": runs} for side, runs in steps_s.items()}
+    detail.update(reps=reps, warmup_steps=WARMUP_STEPS)
+    return Reading(ratio(med["ours"], med["fsdp2"]), detail,
+                   f"ours {med['ours'] * 1e3:.1f} ms, FSDP2 {med['fsdp2'] * 1e3:.1f} ms per step")
+
+
 @figure("fsdp_tp_vs_scratch_dp_tp", quick=dict(reps=2, steps=10), full=dict(reps=3, steps=20))
 def fsdp_tp_vs_scratch_dp_tp(reps: int, steps: int) -> Reading:
     """Step time of FSDP2 × DTensor TP (torchtitan's 2-D recipe) over scratch ZeRO-3 × tensor parallel, dp2 × tp2."""
