@@ -65,6 +65,8 @@ WRONG_ANSWERS = {
     "ex01_ring_allreduce/uses_all_reduce": ([c.name for c in grading.find_exercise("ex01").checks], "switches off"),
     "ex01_ring_allreduce/direct_exchange": (["each rank sends 2(n-1)/n of the tensor, to rank+1 (3 ranks)"],
                                             "only to the next one"),
+    "ex01_ring_allreduce/sends_twice": (["each rank sends 2(n-1)/n of the tensor, to rank+1 (3 ranks)"],
+                                        "sent 32000 bytes in 8 messages"),
     # Each of the contracts (gpucourse.grading.contracts) broken alone.
     "ex01_ring_allreduce/in_place": ([EX01_FRESH, EX01_DTYPE, "one rank"], "contract 'inputs unchanged'"),
     "ex01_ring_allreduce/returns_input_alone": (["one rank"], "contract 'a new tensor'"),

@@ -32,6 +32,8 @@ from typing import Callable
 
 import torch
 
+from .traffic import payloads, unexplained
+
 
 class Fail(Exception):
     """A wrong answer: the message says what the check saw (not how to fix it: that is the hint)."""
@@ -97,8 +99,11 @@ class Outcome:
     value: object
     args: tuple
     aliases: int | None   # the argument whose memory the value shares (an in-place answer)
-    comm: list            # each collective: {"op", "bytes", "group", "async", "t", "peer"?}
+    comm: list            # each collective, as the rank recorded it: {"op", "bytes", "group", "async", "t", "peer"?}
     time_s: float
+    # What went between the ranks during the call, by the kernel's count (gpucourse.grading.traffic.Traffic; the
+    # same for every rank's Outcome); None where it could not be counted (see CheckContext.wire).
+    traffic: object = None
 
 
 @dataclass
@@ -139,9 +144,57 @@ class CheckContext:
         if len(args_per_rank) != n or len(kwargs_per_rank) != n:
             raise ValueError(f"{self.check.name}: {n} ranks need {n} sets of arguments")
         replies = self.batch.request([{"op": op, "name": name, "args": tuple(a), "kwargs": k}
-                                      for a, k in zip(args_per_rank, kwargs_per_rank)], self.budget_s, self.path)
-        return [Outcome(r, rep.get("value"), tuple(rep.get("args") or ()), rep.get("aliases"), rep.get("comm") or [],
-                        float(rep.get("time_s") or 0.0)) for r, rep in enumerate(replies)]
+                                      for a, k in zip(args_per_rank, kwargs_per_rank)], self.budget_s, self.path,
+                                     measure=n > 1)
+        traffic = self.batch.traffic if n > 1 else None
+        if isinstance(traffic, str):
+            raise Fail(f"the grader could not count what the ranks sent each other during {name}, as it could "
+                       f"before: {traffic}")
+        outs = [Outcome(r, rep.get("value"), tuple(rep.get("args") or ()), rep.get("aliases"), rep.get("comm") or [],
+                        float(rep.get("time_s") or 0.0), traffic) for r, rep in enumerate(replies)]
+        if traffic is not None and self.exercise.forbidden_collectives:
+            self._account(name, outs, traffic)
+        return outs
+
+    def _account(self, name: str, outs: list, traffic) -> None:
+        """In an exercise that switches collectives off, every byte on the wire must be one the allowed operations
+        the ranks called put there: a collective called below the dispatcher (a process group's backend object),
+        which the ranks' recorder neither refuses nor sees, still shows in the kernel's count."""
+        problem = unexplained(traffic, {o.rank: o.comm for o in outs})
+        if problem:
+            raise Fail(f"{problem}. {name} may communicate only as the exercise allows: a collective reached "
+                       f"through a process group's backend object, or anything else torch.distributed does not see, "
+                       f"is still communication, and the kernel counts it")
+
+    def wire(self, outs: list) -> tuple[object, str]:
+        """The kernel's count of what went between the ranks in the call that gave ``outs``, and ``""``; or, where
+        the counters cannot be read, None and a note for a check's message saying that its verdict rests on the
+        ranks' own records (the grade carries a warning line too)."""
+        traffic = outs[0].traffic if outs else None
+        if traffic is not None:
+            return traffic, ""
+        why = getattr(self.batch, "unmeasured", "") or "no counter was read"
+        return None, f" (by the ranks' own records: the kernel's byte counters could not be read here — {why})"
+
+    def payloads(self, outs: list) -> tuple[dict[tuple[int, int], int], str]:
+        """The bytes of data each rank sent each other rank in the call that gave ``outs`` (``{(rank, peer):
+        bytes}``, pairs that carried none left out), and the note of :meth:`wire`.
+
+        By the kernel's count, with gloo's framing taken off, in an exercise whose calls :meth:`_account` has
+        held to the operations the ranks recorded; by those records (their sends and all-to-alls) where the
+        counters cannot be read."""
+        counted, note = self.wire(outs)
+        records = {o.rank: o.comm for o in outs}
+        if counted is not None:
+            return payloads(counted, records), note
+        data: dict[tuple[int, int], int] = {}
+        for r, recs in records.items():
+            for c in recs:
+                to = {c.get("peer"): c["bytes"]} if c["op"] == "send" else c.get("to") or {}
+                for s, n in to.items():
+                    if s != r and n:
+                        data[(r, s)] = data.get((r, s), 0) + n
+        return data, note
 
     def call_all(self, name: str, args_per_rank=None, kwargs_per_rank=None) -> list:
         """``learner.name(*args_per_rank[r], **kwargs_per_rank[r])`` on every rank r at once; their Outcomes."""

@@ -29,13 +29,14 @@ import select
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import time
 import uuid
 
 from ..files import write_atomic
 from ..runtime import collective_status
-from . import core, source, wire
+from . import core, source, traffic, wire
 from .spawn import spawn_sandbox
 from .results import describe_exception, grader_failed, static_result
 
@@ -111,16 +112,33 @@ def load_factor() -> float:
 
 
 class Batch:
-    """The ranks of one batch, each at the end of a socket."""
+    """The ranks of one batch, each at the end of a socket.
+
+    Where the kernel's counters can be read (:mod:`.traffic`; tried once, as the batch starts and before any
+    learner code runs), ``meter`` reads them and each measured request leaves in ``traffic`` what went between the
+    ranks while it ran; where they cannot, ``meter`` is None and ``unmeasured`` says why."""
 
     def __init__(self, sandbox: "Sandbox", number: int, world_size: int, socks: dict[int, socket.socket],
                  pids: dict[int, int], status: dict[int, str]):
         self.sandbox, self.number, self.world_size = sandbox, number, world_size
         self.socks, self.pids, self.status = socks, pids, status
         self.alive = True
+        self.meter: traffic.Meter | None = None
+        self.unmeasured = ""
+        self.traffic: traffic.Traffic | str | None = None  # the last measured request's, or why it could not be
+        if world_size > 1:
+            try:
+                self.meter = traffic.Meter(pids)
+                self.meter.read()
+            except traffic.Unavailable as e:
+                self.meter, self.unmeasured = None, str(e)
 
-    def request(self, requests: list[dict], budget: float, path: str) -> list[dict]:
-        """Send rank r ``requests[r]``; every rank's reply, or Stuck / RankDied / LearnerError."""
+    def request(self, requests: list[dict], budget: float, path: str, measure: bool = False) -> list[dict]:
+        """Send rank r ``requests[r]``; every rank's reply, or Stuck / RankDied / LearnerError. ``measure``: count
+        what the ranks send each other meanwhile (into ``traffic``)."""
+        self.traffic, before = None, None
+        if measure and self.meter is not None:
+            before = self._read(quiet=True)
         for rank, req in enumerate(requests):
             try:
                 wire.send_bytes(self.socks[rank], wire.encode_request(req))
@@ -173,7 +191,20 @@ class Batch:
             e = replies[r]
             raise LearnerError(r if self.world_size > 1 else None, str(e.get("type")), str(e.get("message")),
                                str(e.get("traceback", "")), path, self.sandbox.private)
+        if isinstance(before, traffic.Reading):
+            after = self._read(quiet=True)
+            self.traffic = traffic.Traffic(before, after) if isinstance(after, traffic.Reading) else after
+        elif before is not None:
+            self.traffic = before
         return [replies[r] for r in range(self.world_size)]
+
+    def _read(self, quiet: bool) -> "traffic.Reading | str":
+        """The counters now; or, where they could be read when the batch started and cannot now (learner code
+        closed its descriptors to the grader?), why not."""
+        try:
+            return self.meter.read(quiet=quiet)
+        except traffic.Unavailable as e:
+            return str(e)
 
     def _progress(self, rank: int) -> str:
         note = collective_status.read(self.status[rank])
@@ -251,7 +282,8 @@ class Sandbox:
                         conn.close()
                         continue
                     conn.settimeout(None)
-                    socks[rank], pids[rank], status[rank] = conn, int(hello["pid"]), str(hello["status"])
+                    socks[rank], pids[rank], status[rank] = conn, _peer_pid(conn, int(hello["pid"])), \
+                        str(hello["status"])
         except BaseException:
             for s in socks.values():
                 s.close()
@@ -349,6 +381,14 @@ HIDDEN_MODULES = ("solutions", "tests", "gpucourse.grading.checks", "gpucourse.g
                   "gpucourse.troubleshoot", "gpucourse.bench", "gpucourse.tour", "gpucourse.serving")
 
 
+def _peer_pid(conn: socket.socket, said: int) -> int:
+    """The process at the other end of ``conn``, as the kernel knows it (what the rank ``said`` elsewhere)."""
+    try:
+        return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+    except (AttributeError, OSError):
+        return said
+
+
 def _probe_names() -> set[str]:
     from . import probes
     return set(probes.NAMES)
@@ -432,6 +472,7 @@ def grade_exercise(ex: core.Exercise, path: str, spec: dict, sandbox: Sandbox) -
     factor = load_factor()
     verdicts: dict[str, tuple[str, str]] = {}
     spent: dict[str, float] = {}  # seconds each check took, starting its ranks included
+    unmeasured: set[str] = set()  # why the kernel's counters could not be read, for a batch of several ranks
     for world_size, checks in _batches(ex.checks):
         batch = None
         for check in checks:
@@ -443,6 +484,8 @@ def grade_exercise(ex: core.Exercise, path: str, spec: dict, sandbox: Sandbox) -
                 except RankDied as e:
                     # Twice, with a fresh sandbox, and before any learner code ran in them: the grader's own failure.
                     return grader_failed([ex.id], f"{e} (for the check {check.name!r}, tried twice)", spec["seed"])[0]
+                if batch.unmeasured:
+                    unmeasured.add(batch.unmeasured)
             try:
                 ctx = core.CheckContext(ex, check, path, spec["seed"], world_size=world_size, batch=batch,
                                         budget_s=budget)
@@ -476,8 +519,11 @@ def grade_exercise(ex: core.Exercise, path: str, spec: dict, sandbox: Sandbox) -
     if sandbox.late_imports:
         result["late_imports"] = sorted(sandbox.late_imports)
         sandbox.late_imports.clear()
-    if sandbox.as_root:
-        result["warning"] = f"learner code ran as root, not as an unprivileged user: {sandbox.as_root}"
+    warnings = [f"learner code ran as root, not as an unprivileged user: {sandbox.as_root}"] if sandbox.as_root else []
+    warnings += [f"the bytes the ranks sent each other were taken from the ranks' own records, which their code can "
+                 f"write, not counted by the kernel: {why}" for why in sorted(unmeasured)]
+    if warnings:
+        result["warning"] = "\n".join(warnings)
     return result
 
 

@@ -27,8 +27,10 @@ def _indent(text: str, prefix: str, width: int = 100) -> str:
 
 
 def warnings(result: dict) -> list[str]:
-    """What the grader says of how it graded (learner code run as root), each once, whatever the exercise."""
-    return list(dict.fromkeys(ex["warning"] for ex in result["exercises"] if ex.get("warning")))
+    """What the grader says of how it graded (learner code run as root, bytes taken from the ranks' own records),
+    each once, whatever the exercise."""
+    return list(dict.fromkeys(line for ex in result["exercises"] if ex.get("warning")
+                              for line in ex["warning"].splitlines()))
 
 
 def grader_failures(result: dict) -> list[tuple[str, str]]:

@@ -10,7 +10,8 @@ An exercise's result is a plain dict (it travels as JSON)::
 
 and, when a rank had to import a slow module its exercise does not name (``Exercise.rank_imports``),
 ``"late_imports": ["torch._dynamo"]``; and where the grader is root but learner code could not run as an
-unprivileged user, ``"warning": "learner code ran as root, ...: why"`` (the report's first line); and where
+unprivileged user, or the kernel's byte counters could not be read, ``"warning": "learner code ran as root, ...:
+why"`` (one line each, the report's first lines); and where
 the grader itself could not run, ``"grader_error": "why, in one sentence\nthe end of the grader's log"``
 (:func:`grader_failed`): no grade at all, the grader's failure and not the learner's (the report's first line
 says so).

@@ -139,10 +139,25 @@ class Recorder(TorchDispatchMode):
                                                                               values.get("input"))))
         record = {"op": op, "bytes": _nbytes(tensors), "group": ranks, "async": bool(values.get("async_op", False)),
                   "t": elapsed()}
+        if ranks is not None and op in ("all_to_all", "barrier"):
+            record["to"] = _bytes_to(op, values, ranks)
         for key in ("dst", "src", "root_rank"):
             if key in values and ranks is not None and isinstance(values[key], int) and values[key] >= 0:
                 record["peer"] = ranks[values[key]] if values[key] < len(ranks) else values[key]
         return record
+
+
+def _bytes_to(op: str, values: dict, ranks: list[int]) -> dict[int, int]:
+    """The bytes an all-to-all or a barrier sends to each rank of its group (by global rank)."""
+    if op == "barrier":
+        return dict.fromkeys(ranks, 0)
+    if "input_tensors" in values:
+        return {r: _nbytes(t) for r, t in zip(ranks, values["input_tensors"])}
+    tensor, splits = values["input"], list(values.get("input_split_sizes") or ())
+    rows = tensor.shape[0] if tensor.dim() else 1
+    row = _nbytes(tensor) // rows if rows else 0
+    splits = splits or [rows // len(ranks)] * len(ranks)
+    return {r: n * row for r, n in zip(ranks, splits)}
 
 
 def _nbytes(value) -> int:
