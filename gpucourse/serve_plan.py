@@ -32,6 +32,7 @@ from .cluster import Cluster
 from .config import ConfigError
 from .gpus import get_gpu
 from .serving.speculative import expected_tokens
+from .serving.split_kv import num_splits
 from .shapes import ShapeError, get_shape
 
 ELEM = {"fp32": 4, "bf16": 2, "fp8": 1}  # bytes a weight or a cached number is stored in
@@ -149,6 +150,40 @@ def speculative_speedup(shape, gpu, batch: int, context: int, k: int, acceptance
     return {"plain_s": plain["token_s"], "verify_s": check["token_s"], "draft_s": draft_s, "round_s": round_s,
             "tokens_per_round": made, "speedup": made * plain["token_s"] / round_s,
             "plain_tokens_per_s": batch / plain["token_s"], "tokens_per_s": batch * made / round_s}
+
+
+def split_kv_decode(shape, gpu, batch: int, context: int, tp: int = 1, kv: str = "bf16",
+                    splits: int | None = None) -> dict:
+    """A decode step's attention on one GPU with and without split-KV (``serving.split_kv``): the thread blocks of
+    a layer (sequences × the K/V heads a GPU holds, each K/V head's query heads packed into one block, as
+    FlashAttention does at decode; × ``splits`` chunks, FlashAttention's own count ``num_splits`` if None), the
+    SMs they keep busy, the cache bytes each busy SM reads a layer, and the seconds for every layer.
+
+    Each busy SM draws its 1/SMs share of the memory bandwidth, so a GPU with fewer busy SMs reads the cache more
+    slowly by as much (an SM alone can draw somewhat more than its share: the loss without a split is an upper
+    bound). With every SM busy the time is ``decode_step``'s attention, the cache read at the full bandwidth.
+    Combining writes and reads each chunk's partial output and log-sum-exp in fp32, per query head: a few hundred
+    bytes a chunk against the chunk's kilobytes of cache."""
+    spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    shape, cluster = get_shape(shape), Cluster.of(spec)
+    _check(shape, tp, 1, "bf16", kv)
+    blocks, sms = int(batch * shape.kv_heads_per_rank(tp)), spec.sm_count
+    block_n = 256 if shape.head_dim <= 64 else 128 if shape.head_dim <= 128 else 64  # FlashAttention's keys a tile
+    key_blocks = -(-context // block_n)
+    # FlashAttention counts two thread blocks of 128 threads per SM.
+    splits = num_splits(blocks, 2 * sms, key_blocks) if splits is None else splits
+    layer = batch * context * kv_bytes_per_token(shape, tp, kv) / shape.layers  # one layer's cache on this GPU
+
+    def seconds(n):
+        # Waves over the SMs, each as long as one thread block's share of the cache at one SM's bandwidth.
+        waves = -(-blocks * n // sms)
+        merge = 2 * batch * shape.heads / tp * n * (shape.head_dim + 1) * 4 if n > 1 else 0.0
+        return shape.layers * (waves * layer / (blocks * n) * sms + merge) / cluster.hbm_Bps
+
+    return {"thread_blocks": blocks, "sms": sms, "splits": splits, "key_blocks": key_blocks,
+            "busy_sms_without": min(sms, blocks), "busy_sms_with": min(sms, blocks * splits),
+            "bytes_per_sm_without": layer / min(sms, blocks), "bytes_per_sm_with": layer / min(sms, blocks * splits),
+            "without_s": seconds(1), "with_s": seconds(splits), "full_bandwidth_s": shape.layers * layer / cluster.hbm_Bps}
 
 
 def ridge_point(gpu, precision: str = "bf16") -> float:

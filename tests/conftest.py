@@ -84,3 +84,15 @@ def cluster():
     started = slurm_cluster.start()
     yield started
     started.stop()  # fails if any process of the cluster or its jobs is left
+
+
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for the test: a tiny model's decode steps are matmuls of a few rows, and on a busy
+    machine two threads waiting on each other made them twenty times slower than one."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -15,17 +15,7 @@ from gpucourse.serving import generate
 from gpucourse.serving.speculative import (ModelDraft, PromptLookupDraft, decode_rounds, expected_tokens,
                                            speculative_generate, truncated, verify)
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """A tiny model's decode steps are matmuls of a few rows: on a busy machine two threads waiting on each other
-    made them twenty times slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 
 
 def prompts_of(lengths, vocab=64, seed=0):

@@ -11,7 +11,9 @@ Short lessons, each a file to read top to bottom:
   each making the single-device tokens and sending the bytes per token its formula says;
 - ``quantize``: weight-only INT8 and INT4 (group-wise) and FP8 weights, an FP8 KV cache, their bytes and errors;
 - ``speculative``: a draft (a smaller GPT, or prompt lookup) proposes tokens, the model verifies them in one forward:
-  greedy tokens equal to plain decoding, sampled tokens distributed as the model's.
+  greedy tokens equal to plain decoding, sampled tokens distributed as the model's;
+- ``split_kv``: a decode step's attention with the cache cut into chunks combined by their log-sum-exp
+  (Flash-Decoding), equal to plain attention.
 """
 
 from .kv_cache import Cache, KVCache, check_fits, generate, next_token
