@@ -130,6 +130,18 @@ def test_a_meter_that_cannot_list_a_ranks_sockets_says_why():
         meter.read()
 
 
+def test_a_forbidden_collective_through_the_backend_fails_every_check_that_calls_it(tmp_path, marked):
+    """Exercise 12 switches the all-gather off; its counts exchanged by the backend's all-gather (which scored 9 of
+    10 when the checks trusted the recorder) fail every check on several ranks, by the kernel's count."""
+    cheat = tmp_path / "ex12_expert_dispatch.py"
+    shutil.copy(CHEATS / "ex12_backend_allgather.py", cheat)
+    (result,) = runner.grade_runs([("ex12", str(cheat), 5)])
+    for check in result["checks"]:
+        if (check["world_size"] or 1) > 1:
+            assert check["points"] == 0 and "by the kernel's count" in check["message"], check
+    assert result["score"] == 1, result
+
+
 def test_without_the_counters_the_grade_says_so_and_grades_by_the_records(tmp_path, monkeypatch, marked):
     """Where the kernel cannot be asked, the solution still gets full marks, a cheat the records cannot see
     scores as it did before the counters (the bytes check fails, by the records, and says so), and the grade's

@@ -290,15 +290,19 @@ def ring_three(ctx):
 def ring_traffic(ctx):
     n = ctx.world_size
     block = B * H * 4 * D * 4  # a (B, H, t=4, D) float32 block
-    for o in _forward(ctx, 4, causal=True, zigzag=True, key="traffic"):
-        sends = [c for c in o.comm if c["op"] == "send"]
-        sizes = sorted(c["bytes"] for c in sends)
-        if sizes != [block] * (2 * (n - 1)):
-            raise Fail(f"rank {o.rank} sent {len(sends)} messages of {sizes} bytes; the ring sends K and V, "
-                       f"{block} bytes each, {n - 1} times: {2 * (n - 1)} messages")
-        others = sorted({c.get("peer") for c in sends} - {(o.rank + 1) % n})
+    outs = _forward(ctx, 4, causal=True, zigzag=True, key="traffic")
+    data, note = ctx.payloads(outs)  # by the kernel's count of the bytes on the wire
+    for o in outs:
+        # The sizes of the messages as the rank recorded them: their number and their sum are the kernel's.
+        sizes = sorted(c["bytes"] for c in o.comm if c["op"] == "send")
+        to = {s: b for (r, s), b in data.items() if r == o.rank}
+        if sizes != [block] * (2 * (n - 1)) or sum(to.values()) != 2 * (n - 1) * block:
+            raise Fail(f"rank {o.rank} sent {sum(to.values())} bytes in {len(sizes)} messages of {sizes} "
+                       f"bytes{note}; the ring sends K and V, {block} bytes each, {n - 1} times: {2 * (n - 1)} "
+                       f"messages, {2 * (n - 1) * block} bytes")
+        others = sorted(set(to) - {(o.rank + 1) % n})
         if others:
-            raise Fail(f"rank {o.rank} sent to rank{'s' * (len(others) > 1)} {', '.join(map(str, others))}; "
+            raise Fail(f"rank {o.rank} sent to rank{'s' * (len(others) > 1)} {', '.join(map(str, others))}{note}; "
                        f"in a ring each rank sends only to the next one, rank {(o.rank + 1) % n}")
 
 

@@ -512,7 +512,8 @@ def traffic(ctx):
     g = ctx.generator("traffic")
     chosens = [_shuffled(g, [[u % E, (u + 3) % E] for u in range(a, a + s)]) for a, s in zip(starts, sizes)]
     layout = _layout(chosens, E)
-    for o in _forward_backward(ctx, "6 rows for every expert", chosens, E, judge=False):
+    outs = _forward_backward(ctx, "6 rows for every expert", chosens, E, judge=False)
+    for o in outs:
         r = o.rank
         sent, back = sizes[r] * k, len(layout[r])
         want = sorted([E * 8, sent * C * 4, back * C * 4, sent * C * 4, back * C * 4])
@@ -528,3 +529,15 @@ def traffic(ctx):
         elif sum(got) > sum(want):
             problem += "; more bytes than the rows need: each row goes only to the rank that holds its expert"
         raise Fail(problem)
+    # What each pair of ranks carried, by the kernel's count: rank r's counts for s's experts, the rows r sends s
+    # out and gets back, and the rows s sends r out and gets back, each twice (forward, then their gradients).
+    data, note = ctx.payloads(outs)
+    for r in range(n):
+        for s in range(n):
+            rows = [sum(i == a for i, _, _ in layout[b]) for a, b in ((r, s), (s, r))]
+            want = E // n * 8 + 2 * sum(rows) * C * 4
+            if r != s and data.get((r, s), 0) != want:
+                raise Fail(f"rank {r} sent rank {s} {data.get((r, s), 0)} bytes{note}; expected {want}: the counts "
+                           f"of rank {s}'s {E // n} experts ({E // n} × 8), the {rows[0]} rows rank {r} sends rank "
+                           f"{s} and the {rows[1]} it gets from rank {s} and sends back ({C} floats of 4 bytes "
+                           f"each), each once forward and once backward")
