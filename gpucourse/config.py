@@ -13,19 +13,35 @@ from dataclasses import dataclass, field
 
 from .model import MODELS, GPTConfig
 from .readable import ConfigError
+from .values import NON_NEGATIVE, NON_NEGATIVE_NUMBER, POSITIVE, POSITIVE_NUMBER, PROBABILITY, SEED, Name, among
 
 __all__ = ["ConfigError", "TrainConfig"]
 
 IMPLS = ("scratch", "torch", "accelerate")
 PRECISIONS = ("fp32", "bf16", "fp16")
 AUTO_PRECISION = "auto"  # the half precision this machine computes natively: chosen when the config is made
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _schedules():
+    from .parallel.schedule_table import SCHEDULES  # each schedule's record: imported when a name is checked
+
+    return SCHEDULES
+
+
+def _attentions():
+    from .parallel.context_parallel import ATTENTIONS
+
+    return ATTENTIONS
 
 
 def setting(default, help: str, **flag):
     """A field that says what the run computes (the model, its batch, precision, optimisation): a resume keeps it.
 
     ``help`` is what ``gpucourse train --FIELD`` says; ``flag`` holds argparse's choices, nargs or metavar where
-    the plain type of the default is not enough. The CLI derives each field's flag from these (``cli.common``)."""
+    the plain type of the default is not enough, and ``allowed`` the kind of value allowed (:mod:`gpucourse.values`), which
+    both the flag and :meth:`TrainConfig.validate` check. The CLI derives each field's flag from these
+    (``cli.common``)."""
     return field(default=default, metadata={"kind": "training", "help": help, **flag})
 
 
@@ -39,6 +55,11 @@ def run_option(default, help: str, train_only: bool = False, **flag):
     """A field that says how long or where a run goes, or what it records: never what it computes.
     ``train_only``: a flag of ``gpucourse train`` alone (saving, resuming, profiling), not of the planning commands."""
     return field(default=default, metadata={"kind": "run", "help": help, "train_only": train_only, **flag})
+
+
+def allowed(name: str):
+    """The kind of value (:mod:`gpucourse.values`) :class:`TrainConfig`'s field ``name`` takes."""
+    return next(f.metadata["allowed"] for f in dataclasses.fields(TrainConfig) if f.name == name)
 
 
 def fields_of(kind: str) -> tuple[str, ...]:
@@ -57,18 +78,20 @@ class TrainConfig:
     single-device run.
     """
 
-    model: str = setting("tiny", "model size: " + ", ".join(MODELS))
-    dp: int = layout(1, "data-parallel degree")
-    tp: int = layout(1, "tensor-parallel degree")
-    pp: int = layout(1, "pipeline-parallel degree (stages)")
-    cp: int = layout(1, "context-parallel degree: seq_len / cp tokens of every sequence per rank")
-    zero: int = layout(0, "ZeRO stage 0-3")
-    schedule: str = layout("1f1b", "pipeline schedule (with --pp > 1; default 1f1b)", cli_default=None)
-    virtual_stages: int = layout(2, "interleaved-1f1b: model chunks per pipeline rank")
-    microbatches: int = layout(1, "pipeline microbatches per step")
-    grad_accum: int = layout(1, "gradient-accumulation microbatches")
+    model: str = setting("tiny", "model size: " + ", ".join(MODELS), allowed=Name(MODELS))
+    dp: int = layout(1, "data-parallel degree", allowed=POSITIVE)
+    tp: int = layout(1, "tensor-parallel degree", allowed=POSITIVE)
+    pp: int = layout(1, "pipeline-parallel degree (stages)", allowed=POSITIVE)
+    cp: int = layout(1, "context-parallel degree: seq_len / cp tokens of every sequence per rank", allowed=POSITIVE)
+    zero: int = layout(0, "ZeRO stage 0-3", allowed=among((0, 1, 2, 3), "a ZeRO stage: 0, 1, 2 or 3"))
+    schedule: str = layout("1f1b", "pipeline schedule (with --pp > 1; default 1f1b)", cli_default=None,
+                           allowed=Name(_schedules))
+    virtual_stages: int = layout(2, "interleaved-1f1b: model chunks per pipeline rank", allowed=POSITIVE)
+    microbatches: int = layout(1, "pipeline microbatches per step", allowed=POSITIVE)
+    grad_accum: int = layout(1, "gradient-accumulation microbatches", allowed=POSITIVE)
     precision: str = setting("fp32", "fp32, bf16, fp16 (autocast unless --master-weights) or auto: bf16 where the GPUs "
-                                     "compute it natively (and on CPU ranks), else fp16 with the loss scaler")
+                                     "compute it natively (and on CPU ranks), else fp16 with the loss scaler",
+                             allowed=Name(PRECISIONS + (AUTO_PRECISION,)))
     master_weights: bool = setting(False, "half-precision weights and gradients, fp32 master copy in the optimizer")
     # Activation recomputation: False / "none", "selective" (attention's scores, softmax, dropout and weighted sum
     # recomputed in backward, as Megatron-LM's selective recomputation), True / "full" (every block's forward).
@@ -78,31 +101,35 @@ class TrainConfig:
         nargs="?", const="full", choices=("none", "selective", "full"), cli_default="none")
     sequence_parallel: bool = layout(
         False, "with --tp: keep seq_len / tp tokens per rank between sub-layers (LayerNorm, residual)")
-    cp_algo: str = layout("ring", "context-parallel attention")  # how it meets the other ranks' keys
+    cp_algo: str = layout("ring", "context-parallel attention", allowed=Name(_attentions))  # how it meets the others' keys
     zigzag: bool = layout(False, "context parallel: 2·cp chunks, rank i holding i and 2·cp-1-i (causal load balance)")
     # Mixture of experts (model.MoE): E experts per MoE block; None keeps the model's own setting.
-    moe_experts: int = setting(0, "mixture of experts: E expert MLPs in place of each MoE block's MLP (0: dense)")
-    moe_top_k: int | None = setting(None, "mixture of experts: experts per token (2)")
-    moe_every: int | None = setting(None, "mixture of experts in every block (1) or every n-th block (n)")
+    moe_experts: int = setting(0, "mixture of experts: E expert MLPs in place of each MoE block's MLP (0: dense)",
+                               allowed=NON_NEGATIVE)
+    moe_top_k: int | None = setting(None, "mixture of experts: experts per token (2)", allowed=POSITIVE)
+    moe_every: int | None = setting(None, "mixture of experts in every block (1) or every n-th block (n)",
+                                    allowed=POSITIVE)
     moe_capacity: float | None = setting(
-        None, "capacity factor: an expert takes at most c·tokens·top_k/E choices (default: no dropping)")
-    moe_aux: float | None = setting(None, "weight of the load-balancing loss (0.01)")
+        None, "capacity factor: an expert takes at most c·tokens·top_k/E choices (default: no dropping)",
+        allowed=POSITIVE_NUMBER)
+    moe_aux: float | None = setting(None, "weight of the load-balancing loss (0.01)", allowed=NON_NEGATIVE_NUMBER)
     # Not a layout field yet: a resume does not spread a checkpoint's experts over another ep.
-    ep: int = setting(1, "expert-parallel degree: experts spread over ep dp ranks")
+    ep: int = setting(1, "expert-parallel degree: experts spread over ep dp ranks", allowed=POSITIVE)
     impl: str = layout("scratch", "scratch (gpucourse's own), torch (PyTorch's) or accelerate (Hugging Face "
-                                  "Accelerate)")
+                                  "Accelerate)", allowed=Name(IMPLS))
     bucket_mb: float | None = layout(
         None, "data parallel: gradient bucket size in MB, all-reduced during backward (default: scratch all-reduces "
-              "after backward, PyTorch's DDP takes 25 MB)")
-    steps: int = run_option(20, "optimizer steps")
-    batch_size: int = setting(8, "global batch per optimizer step, in sequences (= microbatch × grad_accum × dp)")
-    seq_len: int = setting(64, "tokens per sequence")
-    lr: float = setting(3e-3, "learning rate (AdamW)")
-    seed: int = setting(0, "seed for weights and data order")
-    dropout: float = setting(0.0, "dropout probability")
+              "after backward, PyTorch's DDP takes 25 MB)", allowed=POSITIVE_NUMBER)
+    steps: int = run_option(20, "optimizer steps", allowed=POSITIVE)
+    batch_size: int = setting(8, "global batch per optimizer step, in sequences (= microbatch × grad_accum × dp)",
+                              allowed=POSITIVE)
+    seq_len: int = setting(64, "tokens per sequence", allowed=POSITIVE)
+    lr: float = setting(3e-3, "learning rate (AdamW)", allowed=POSITIVE_NUMBER)
+    seed: int = setting(0, "seed for weights and data order", allowed=SEED)
+    dropout: float = setting(0.0, "dropout probability", allowed=PROBABILITY)
     attention: str = layout("flash", "flash (fused: no T × T scores kept) or math (the scores written out and kept, "
                                      "as before FlashAttention)", choices=("flash", "math"))
-    device: str = run_option("auto", "auto, cpu or cuda")
+    device: str = run_option("auto", "auto, cpu or cuda", allowed=Name(DEVICES))
     record: bool = run_option(True, "record timeline spans", flag="--no-record")
     # A planted fault for profiling practice: its peers wait for the slow rank in their next collective.
     straggler: str | None = run_option(
@@ -118,7 +145,7 @@ class TrainConfig:
     save: str | None = run_option(None, "save distributed checkpoints into DIR (DIR/step-NNNNNN)", train_only=True,
                                   metavar="DIR")
     save_every: int = run_option(0, "with --save: a checkpoint every N steps, and one at the end (default 0: only at "
-                                    "the end)", train_only=True, metavar="N")
+                                    "the end)", train_only=True, metavar="N", allowed=NON_NEGATIVE)
     resume: str | None = run_option(
         None, "go on from the newest complete checkpoint in DIR (same model and settings; the layout and --steps "
               "may change); if DIR is also --save and holds none yet, start from step 0", train_only=True,
@@ -184,28 +211,12 @@ class TrainConfig:
         ``runnable=False`` checks only that the layout makes sense (for estimates
         on paper), not that this build can train it.
         """
-        for name in ("dp", "tp", "pp", "cp", "ep", "grad_accum", "microbatches", "steps", "batch_size", "seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be a whole number of at least 1.")
-        if self.model not in MODELS:
-            raise ConfigError(f"model={self.model!r} is not one of {', '.join(MODELS)}.")
+        for f in dataclasses.fields(self):  # each field's kind of value, as its flag checks it
+            kind, value = f.metadata.get("allowed"), getattr(self, f.name)
+            if kind is not None and not (value is None and f.default is None):
+                kind.check(value, f.name)
         if self.straggler is not None:
             self.straggler_delay()  # refused here, in one sentence, if it does not parse or names no rank
-        if self.impl not in IMPLS:
-            raise ConfigError(f"impl={self.impl!r} is not one of {', '.join(IMPLS)}.")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}.")
-        from .parallel.schedule_table import SCHEDULES  # each schedule's record (what it needs, what runs it)
-
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}.")
-        if self.zero not in (0, 1, 2, 3):
-            raise ConfigError(f"zero={self.zero!r} must be a ZeRO stage: 0, 1, 2 or 3.")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout={self.dropout} must be at least 0 and below 1.")
-        if self.lr <= 0:
-            raise ConfigError(f"lr={self.lr} must be positive.")
         mc = self.model_config()
         if self.seq_len > mc.block_size:
             raise ConfigError(f"seq_len={self.seq_len} is longer than model {self.model!r}'s "

@@ -34,6 +34,9 @@ import json
 import os
 from dataclasses import dataclass
 
+from .readable import ConfigError
+from .values import Name
+
 ENV_VAR = "GPUCOURSE_GPUS"
 
 
@@ -214,11 +217,27 @@ def gpus(path: str | os.PathLike | None = None) -> dict[str, GPUSpec]:
     return table
 
 
-def get_gpu(name: str, path: str | os.PathLike | None = None) -> GPUSpec:
-    """The GPU called ``name`` (any case), from :func:`gpus`; a KeyError lists the names known."""
-    table = gpus(path)
+class UnknownGPU(ConfigError, KeyError):
+    """A GPU name the table does not hold (a KeyError too, for callers that look it up as in a dict)."""
+
+    __str__ = BaseException.__str__  # the sentence, not KeyError's quoted repr of it
+
+
+def gpu_names(path: str | os.PathLike | None = None) -> Name:
+    """The kind of value a GPU name is (:mod:`gpucourse.values`): one of the table's, in any case."""
+    return Name(lambda: gpus(path), fold=str.lower,
+                unknown=f"is not in the GPU table; known: {{names}}{{near}}; add your own in a JSON file named by "
+                        f"${ENV_VAR}")
+
+
+GPU = gpu_names()
+
+
+def get_gpu(name: str, path: str | os.PathLike | None = None, flag: str = "gpu") -> GPUSpec:
+    """The GPU called ``name`` (any case), from :func:`gpus`; :class:`UnknownGPU` in one sentence lists the names
+    known (``flag``: how the refusal names what was given)."""
     try:
-        return table[name.lower()]
-    except KeyError:
-        raise KeyError(f"no GPU called {name!r}; known: {', '.join(table)} "
-                       f"(add your own in a JSON file named by ${ENV_VAR}).") from None
+        gpu_names(path).check(name, flag)
+    except ConfigError as e:
+        raise UnknownGPU(str(e)) from None
+    return gpus(path)[name.lower()]

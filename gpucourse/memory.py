@@ -41,10 +41,11 @@ import functools
 import math
 from dataclasses import dataclass
 
-from .config import TrainConfig
+from .config import TrainConfig, allowed
 from .model import GPTConfig
 from .parallel.pipeline import stage_blocks
 from .readable import human_bytes
+from .values import NON_NEGATIVE_NUMBER
 
 CATEGORIES = ("weights", "gradients", "optimizer", "activations")
 
@@ -151,6 +152,9 @@ def estimate_params(num: int, dp: int = 1, zero: int = 0, precision: str = "fp32
     ``units``: the parameter counts of ZeRO-3's units, each padded to a multiple of dp
     on its own in the from-scratch ZeRO-3 (``scratch_padding``).
     """
+    NON_NEGATIVE_NUMBER.check(num, "num")
+    for name, value in (("dp", dp), ("zero", zero), ("precision", precision)):
+        allowed(name).check(value, name)
     half = precision != "fp32" and master_weights
     w = 2 if half else 4
     opt_per_param = 8 + (4 if half else 0)

@@ -32,11 +32,21 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from .readable import ConfigError
+from .values import NON_NEGATIVE, POSITIVE, Name
+
 MLPS = ("gelu", "swiglu")
 
 
 class ShapeError(ValueError):
     """A model shape that cannot be built or split as asked."""
+
+
+# The values each part may take (``gpucourse plan --layers ...`` checks the same): 0 for kv_heads, ffn and
+# expert_ffn means "the default" (as many as heads, 4 × hidden, ffn).
+PART_KINDS = {"layers": POSITIVE, "hidden": POSITIVE, "heads": POSITIVE, "kv_heads": NON_NEGATIVE,
+              "ffn": NON_NEGATIVE, "mlp": Name(MLPS), "vocab": POSITIVE, "experts": NON_NEGATIVE, "top_k": POSITIVE,
+              "expert_ffn": NON_NEGATIVE, "shared_experts": NON_NEGATIVE, "dense_layers": NON_NEGATIVE}
 
 
 @dataclass(frozen=True)
@@ -58,9 +68,11 @@ class Shape:
     source: str = ""
 
     def __post_init__(self):
-        for f in ("layers", "hidden", "heads"):
-            if getattr(self, f) < 1:
-                raise ShapeError(f"{f}={getattr(self, f)} must be at least 1.")
+        for part, kind in PART_KINDS.items():
+            try:
+                kind.check(getattr(self, part), part)
+            except ConfigError as e:
+                raise ShapeError(str(e)) from None
         if self.hidden % self.heads:
             raise ShapeError(f"hidden={self.hidden} must be divisible by heads={self.heads}.")
         if self.kv_heads and self.heads % self.kv_heads:
@@ -292,6 +304,8 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
                  "attention of the same heads (671 B parameters, 37 B active, in the report)"),
 )}
 
+SHAPE = Name(SHAPES, unknown="is not a shape of the table; known: {names}")  # a shape's name (plan --shape)
+
 PARTS = ("layers", "hidden", "heads", "kv_heads", "ffn", "mlp", "vocab", "experts", "top_k", "expert_ffn",
          "shared_experts", "dense_layers", "tied")
 
@@ -302,9 +316,10 @@ def get_shape(shape) -> Shape:
     if isinstance(shape, Shape):
         return shape
     if isinstance(shape, str):
-        if shape not in SHAPES:
-            raise ShapeError(f"no shape called {shape!r}; known: {', '.join(SHAPES)}.")
-        return SHAPES[shape]
+        try:
+            return SHAPES[SHAPE.check(shape, "shape")]
+        except ConfigError as e:
+            raise ShapeError(str(e)) from None
     if not isinstance(shape, dict):
         raise ShapeError(f"a shape is a name, a dict of parts or a Shape, not {type(shape).__name__}.")
     course = {"n_layer": "layers", "n_embd": "hidden", "n_head": "heads", "vocab_size": "vocab",

@@ -57,7 +57,7 @@ def test_memcpy_bandwidth_here():
     (["--ops", "all_reduce,gossip"], "gossip"),
     (["--sizes", "1Q"], "1Q"),
     (["--world-size", "1"], "at least 2"),
-    (["--device", "tpu"], "device='tpu'"),
+    (["--device", "tpu"], "--device 'tpu' is not one of auto, cpu, cuda"),
 ])
 def test_bad_flags_are_refused(argv, words, capsys):
     assert cli.main(["bandwidth", *argv]) == 2

@@ -41,7 +41,7 @@ from gpucourse import cli
     (dict(cp=2, impl="accelerate"), "context parallelism runs with impl='scratch' or 'torch'"),
     (dict(schedule="zigzag"), "is not one of naive, gpipe, 1f1b"),
     (dict(seq_len=4096), "is longer than model 'tiny'"),
-    (dict(cp=0), "cp=0 must be a whole number of at least 1"),
+    (dict(cp=0), "cp=0 must be at least 1"),
     (dict(checkpoint_activations="partial"), "checkpoint_activations='partial' is not one of none, selective, full"),
     (dict(attention="sparse"), "attention='sparse' is not one of flash, math"),
     (dict(attention="math", precision="bf16"), "attention='math' under autocast keeps its scores in whatever"),

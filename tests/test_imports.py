@@ -20,7 +20,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gpucourse"
 # The memory estimate, the GPUs' figures and the platform decisions are core too: a run on GPUs asks them whether it
 # fits before it starts (train.run).
 CORE = ("config", "model", "data", "optim", "comm", "measure", "files", "runtime", "parallel", "train",
-        "checkpoint", "profiling", "readable", "clock", "serving", "memory", "gpus", "platforms")
+        "checkpoint", "profiling", "readable", "clock", "serving", "memory", "gpus", "platforms", "values")
 TOOLS = ("bench", "tour", "troubleshoot", "viz", "cli", "lab", "kernel_sockets", "grading", "quiz", "workshop",
          "slurm", "__main__")
 

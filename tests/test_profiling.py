@@ -145,12 +145,12 @@ def test_gpu_table_and_user_file(tmp_path, monkeypatch):
 
 def test_profile_flags_are_checked_before_anything_runs(tmp_path, capsys):
     assert cli.main(["train", "--gpu", "nope"]) == 2
-    assert "no GPU called 'nope'" in capsys.readouterr().err
+    assert "--gpu 'nope' is not in the GPU table; known: h100" in capsys.readouterr().err
     assert cli.main(["train", "--peak-tflops", "-1"]) == 2
     (tmp_path / "file").write_text("x")
     assert cli.main(["train", "--profile", str(tmp_path / "file")]) == 2
     assert cli.main(["train", "--baseline", str(tmp_path / "file")]) == 2
-    assert "not a RunResult JSON" in capsys.readouterr().err
+    assert "file is not a run saved with 'gpucourse train --json FILE': it is not JSON" in capsys.readouterr().err
 
 
 def test_the_profilers_own_start_and_stop_lines_are_hidden(tmp_path, capfd):

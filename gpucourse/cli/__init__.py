@@ -27,8 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gpucourse`` console script."""
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except (ConfigError, LaunchError, UsageError) as e:
         print(f"gpucourse: error: {e}", file=sys.stderr)

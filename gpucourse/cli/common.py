@@ -13,6 +13,9 @@ import sys
 
 from ..config import TrainConfig
 from ..files import write_atomic
+from ..measure import RunResult
+from ..readable import ConfigError
+from ..values import Kind, ReadableFile, json_value
 from ..parallel.context_parallel import ATTENTIONS
 from ..parallel.schedule_table import SCHEDULES
 
@@ -38,6 +41,16 @@ class ProgressBar:
         self.stream.flush()
 
 
+def _saved_run(text: str) -> RunResult:
+    found = json_value(text)
+    if not isinstance(found, dict):
+        raise ValueError(f"a saved run is a JSON object, not {type(found).__name__}")
+    return RunResult.from_dict(found)
+
+
+SAVED_RUN = ReadableFile(_saved_run, "a run saved with 'gpucourse train --json FILE'")
+
+
 class UsageError(Exception):
     """Bad command-line input; the message is one sentence."""
 
@@ -53,6 +66,16 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {_sentence(message)} (see '{self.prog} --help').\n")
+
+    def _get_value(self, action, text):
+        # A kind of value (gpucourse.values) checks the text itself and names the flag in its sentence, which
+        # reads as every other refused value does (gpucourse: error: ..., status 2), not as a misspelt flag.
+        if isinstance(action.type, Kind):
+            try:
+                return action.type.from_text(text, action.option_strings[0] if action.option_strings else "")
+            except ConfigError as e:
+                raise UsageError(str(e)) from None
+        return super()._get_value(action, text)
 
     def parse_args(self, args=None, namespace=None):
         namespace, extras = self.parse_known_args(args, namespace)
@@ -136,10 +159,11 @@ def _flag_type(annotation: str):
     return str
 
 
-def add_layout_args(p: argparse.ArgumentParser, train: bool = False) -> None:
+def add_layout_args(p: argparse.ArgumentParser, train: bool = False, changed: dict | None = None) -> None:
     """A flag for each :class:`TrainConfig` field, derived from the field's tag and help (config.py): the
     model, the layout and the run options; ``train`` adds those only ``gpucourse train`` takes (save, resume,
-    profile, memory snapshot)."""
+    profile, memory snapshot). ``changed``: a field's flag made otherwise (its type, default or help) where a
+    command reads it otherwise, as ``memory --serve`` reads --precision as the weights' format."""
     for f in dataclasses.fields(TrainConfig):
         meta = f.metadata
         if "help" not in meta or (meta.get("train_only") and not train):
@@ -150,8 +174,9 @@ def add_layout_args(p: argparse.ArgumentParser, train: bool = False) -> None:
             # A switch: "--sequence-parallel" turns it on; a field on by default is turned off ("--no-record").
             p.add_argument(flag, dest=f.name, action="store_false" if f.default else "store_true", help=help_)
         else:
-            p.add_argument(flag, dest=f.name, type=_flag_type(f.type), default=meta.get("cli_default", f.default),
-                           help=help_, **spec)
+            spec = {"type": meta.get("allowed") or _flag_type(f.type), "default": meta.get("cli_default", f.default),
+                    "help": help_, **spec, **(changed or {}).get(f.name, {})}
+            p.add_argument(flag, dest=f.name, **spec)
 
 
 def layout_flags(cfg: TrainConfig, train: bool = False) -> list[str]:

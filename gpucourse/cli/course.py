@@ -8,6 +8,7 @@ import os
 import sys
 
 from ..files import write_atomic
+from ..values import NON_NEGATIVE, POSITIVE, POSITIVE_NUMBER, SEED, Name, whole
 from .common import UsageError, check_writable
 
 GRADER_FAILED = 3  # exit status when the grader itself could not run: no grade given, not the learner's doing
@@ -41,8 +42,6 @@ def cmd_lab(args) -> int:
     if not lab.NOTEBOOKS.is_dir():
         raise UsageError(f"the course's notebooks are not at {lab.NOTEBOOKS}: run this from a checkout "
                          f"of the repository (pip install -e .).")
-    if not 0 <= args.port <= 65535:
-        raise UsageError(f"--port {args.port} is not a port number (0 to 65535; 0 picks a free one).")
     try:
         import jupyterlab  # noqa: F401
     except ImportError:
@@ -59,11 +58,6 @@ def cmd_lab(args) -> int:
 
 def cmd_grade(args) -> int:
     from ..grading import core, report, runner
-    for flag, value in (("--timeout", args.timeout), ("--memory-gb", args.memory_gb)):
-        if value <= 0:
-            raise UsageError(f"{flag} {value:g} must be more than 0.")
-    if args.jobs < 1:
-        raise UsageError(f"--jobs {args.jobs} must be at least 1.")
     for key in args.exercises:
         try:
             core.find_exercise(key)
@@ -122,10 +116,6 @@ def cmd_grade(args) -> int:
 def cmd_quiz(args) -> int:
     from .. import quiz
 
-    if args.topic is not None and args.topic not in quiz.TOPICS:
-        raise UsageError(f"--topic {args.topic!r} is not one of {', '.join(quiz.TOPICS)}.")
-    if args.count is not None and args.count < 1:
-        raise UsageError(f"--count {args.count} must be at least 1.")
     if args.review and (args.exam or args.export):
         raise UsageError("--review asks again the questions you missed; leave out --exam and --export.")
     if args.export:
@@ -226,8 +216,8 @@ def add_commands(sub) -> None:
     """This group's subcommands, on the ``gpucourse`` parser's ``sub``."""
     p = sub.add_parser("lab", help="open the course in JupyterLab (what 'make lab' runs)",
                        description="Serve notebooks/ with JupyterLab on 127.0.0.1, behind a token.")
-    p.add_argument("--port", type=int, default=8888, help="port (default 8888; Jupyter takes the next free one "
-                                                          "if it is busy; 0 picks any free port)")
+    p.add_argument("--port", type=whole(0, 65535, why="a port number; 0 picks a free one"), default=8888,
+                   help="port (default 8888; Jupyter takes the next free one if it is busy; 0 picks any free port)")
     p.set_defaults(func=cmd_lab)
 
     from ..grading.runner import DEFAULT_MEMORY_GB, DEFAULT_TIMEOUT_S
@@ -246,13 +236,13 @@ def add_commands(sub) -> None:
     p.add_argument("--out", metavar="FILE.csv",
                    help="with --class: one row per learner, one column per exercise, and the total; each "
                         "learner's results JSON goes to FILE-results/")
-    p.add_argument("--jobs", type=int, default=1, help="with --class: learners graded at a time (default 1)")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+    p.add_argument("--jobs", type=POSITIVE, default=1, help="with --class: learners graded at a time (default 1)")
+    p.add_argument("--timeout", type=POSITIVE_NUMBER, default=DEFAULT_TIMEOUT_S, metavar="S",
                    help=f"seconds each check's code may take on a quiet machine (default {DEFAULT_TIMEOUT_S:g}); "
                         f"scaled up by how loaded the machine is, and starting ranks is not counted")
-    p.add_argument("--memory-gb", type=float, default=DEFAULT_MEMORY_GB, metavar="G",
+    p.add_argument("--memory-gb", type=POSITIVE_NUMBER, default=DEFAULT_MEMORY_GB, metavar="G",
                    help=f"address space each exercise's processes may use (default {DEFAULT_MEMORY_GB:g} GiB)")
-    p.add_argument("--seed", type=int, default=None,
+    p.add_argument("--seed", type=SEED, default=None,
                    help="seed of the checks' random inputs (default: fresh each run; failures print it)")
     p.set_defaults(func=cmd_grade)
 
@@ -260,9 +250,11 @@ def add_commands(sub) -> None:
                        description="Ask questions in the terminal, say at once whether each answer is right and "
                                    "why, and record the score (see 'gpucourse progress'). Topics: "
                                    "distributed-setups, parallelism, memory-batch, profiling-troubleshooting.")
-    p.add_argument("--topic", default=None, help="one topic (default: all)")
-    p.add_argument("--count", type=int, default=None, help="questions to ask (default 10; 40 with --exam)")
-    p.add_argument("--seed", type=int, default=None, help="draw the same questions again")
+    from ..quiz import TOPICS
+
+    p.add_argument("--topic", type=Name(TOPICS), default=None, help="one topic (default: all)")
+    p.add_argument("--count", type=POSITIVE, default=None, help="questions to ask (default 10; 40 with --exam)")
+    p.add_argument("--seed", type=SEED, default=None, help="draw the same questions again")
     p.add_argument("--exam", action="store_true",
                    help="a mock exam across all topics, timed (90 s a question), marked at the end")
     p.add_argument("--export", metavar="FILE",
@@ -289,10 +281,11 @@ def add_commands(sub) -> None:
                                    "~/.gpucourse/workshop, or $GPUCOURSE_WORKSHOP).")
     actions = p.add_subparsers(dest="action", required=True)
     w = actions.add_parser("start", help="start (or resume) the hub and every seat's JupyterLab")
-    w.add_argument("--seats", type=int, default=None, help="learners (a new workshop needs it; resuming keeps them)")
-    w.add_argument("--gpus-per-seat", type=int, default=None, metavar="K",
+    w.add_argument("--seats", type=POSITIVE, default=None,
+                   help="learners (a new workshop needs it; resuming keeps them)")
+    w.add_argument("--gpus-per-seat", type=NON_NEGATIVE, default=None, metavar="K",
                    help="GPUs for each seat (default: the visible GPUs shared evenly; 0: CPU seats)")
-    w.add_argument("--port", type=int, default=None,
+    w.add_argument("--port", type=whole(1, 65535), default=None,
                    help=f"the hub's port (default {DEFAULT_PORT}; resuming keeps the last start's)")
     w.add_argument("--public", action=argparse.BooleanOptionalAction, default=None,
                    help="listen on every interface, not only 127.0.0.1 (resuming keeps the last start's; "
@@ -320,8 +313,8 @@ def add_commands(sub) -> None:
                                        "one cell, then shut down. Exit status 1 when a seat failed; its server's "
                                        "log is printed.")
     w.add_argument("seat", nargs="*", help="which seats (default: all)")
-    w.add_argument("--rounds", type=int, default=1, help="how many times (default 1)")
-    w.add_argument("--timeout", type=float, default=None, metavar="S",
+    w.add_argument("--rounds", type=POSITIVE, default=1, help="how many times (default 1)")
+    w.add_argument("--timeout", type=POSITIVE_NUMBER, default=None, metavar="S",
                    help="seconds for each seat's kernel to start and run the cell (default 120)")
     w = actions.add_parser("collect", help="grade every seat's exercises into one CSV",
                            description="Grade every seat's exercises/ into one CSV. Exit status 3 when the grader "
@@ -331,8 +324,10 @@ def add_commands(sub) -> None:
     w.add_argument("--out", default="grades.csv", metavar="FILE.csv",
                    help="one row per seat (default grades.csv); each seat's results JSON goes to FILE-results/")
     w.add_argument("--gradescope", metavar="DIR", help="also write DIR/<seat>/results.json for Gradescope")
-    w.add_argument("--jobs", type=int, default=None, help="seats graded at a time (default: cores ÷ 4, at least 1)")
-    w.add_argument("--timeout", type=float, default=None, metavar="S", help="seconds per check (as grade --timeout)")
+    w.add_argument("--jobs", type=POSITIVE, default=None,
+                   help="seats graded at a time (default: cores ÷ 4, at least 1)")
+    w.add_argument("--timeout", type=POSITIVE_NUMBER, default=None, metavar="S",
+                   help="seconds per check (as grade --timeout)")
     actions.add_parser("stop", help="stop the hub and every seat's server; keep every seat's work")
     actions.add_parser("remove-users", help="remove the seats' Unix users of a stopped workshop (as root); keep "
                                             "every seat's files")

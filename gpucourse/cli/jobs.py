@@ -8,6 +8,7 @@ import sys
 
 from .. import slurm
 from ..config import TrainConfig
+from ..values import NON_NEGATIVE, POSITIVE
 from .common import UsageError, add_layout_args, check_writable, config_from, layout_flags
 from .train import add_output_args
 
@@ -148,10 +149,10 @@ def add_commands(sub) -> None:
     add_layout_args(p, train=True)
     add_output_args(p)
     job = p.add_argument_group("the job")
-    job.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes, one torchrun each (default 1)")
-    job.add_argument("--gpus-per-node", type=int, default=0, metavar="N",
+    job.add_argument("--nodes", type=POSITIVE, default=1, metavar="N", help="nodes, one torchrun each (default 1)")
+    job.add_argument("--gpus-per-node", type=NON_NEGATIVE, default=0, metavar="N",
                      help="GPUs per node, one rank each (default 0: CPU ranks over gloo)")
-    job.add_argument("--procs-per-node", type=int, default=None, metavar="N",
+    job.add_argument("--procs-per-node", type=POSITIVE, default=None, metavar="N",
                      help="ranks per node on CPU nodes (default: one per GPU, or 1)")
     job.add_argument("--partition", default=None, metavar="NAME",
                      help="SLURM partition (default: the cluster's default)")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 from ..runtime.launcher import in_place, plan_device
+from ..config import DEVICES
+from ..values import Name, whole
 from .common import UsageError, check_writable, write_json
 
 
@@ -20,8 +22,6 @@ def cmd_bandwidth(args) -> int:
         sizes = [bandwidth.parse_size(x) for x in args.sizes.split(",")] if args.sizes else None
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if args.world_size < 2:
-        raise UsageError(f"--world-size {args.world_size} must be at least 2: a collective needs ranks to talk to.")
     if args.json:
         check_writable(args.json, "--json")
     plan_device(args.device, args.world_size)  # refused before anything runs
@@ -96,20 +96,20 @@ def add_commands(sub) -> None:
     p.add_argument("--quick", action="store_true", help="tiny runs: 3 steps of 32 tokens (a few minutes on 2 cores)")
     p.add_argument("--only", action="append", metavar="LAYOUT",
                    help="only this layout, as 'layout impl' from 'gpucourse train --list' (repeat for more)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--device", type=Name(DEVICES), default="auto", help="auto, cpu or cuda")
     p.set_defaults(func=cmd_tour)
 
     p = sub.add_parser("bandwidth", help="time collectives over message sizes: algorithm and bus bandwidth",
                        description="Times each collective at each size the way nccl-tests does (busbw = algbw x "
                                    "2(n-1)/n for all_reduce, (n-1)/n for all_gather and reduce_scatter, 1 for "
                                    "broadcast) and a memory copy of the largest size on one rank.")
-    p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--world-size", type=whole(least=2), default=2, help="ranks (default 2)")
     p.add_argument("--ops", default=None,
                    help="comma-separated, of all_reduce, all_gather, reduce_scatter, broadcast (default: all)")
     p.add_argument("--sizes", default=None, help="comma-separated message sizes, e.g. 1K,64K,1M,64M "
                                                  "(default 1 KB to 64 MB, x4 each step)")
     p.add_argument("--quick", action="store_true", help="four sizes and short timings")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--device", type=Name(DEVICES), default="auto", help="auto, cpu or cuda")
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     p.set_defaults(func=cmd_bandwidth)
 

@@ -8,7 +8,10 @@ import sys
 from ..config import TrainConfig, supported_table
 from ..readable import human_bytes
 from ..runtime.launcher import check_in_place_world, in_place, plan_device
-from .common import ProgressBar, UsageError, add_layout_args, check_writable, config_from
+from ..gpus import GPU
+from ..stack_config import TOOLS as STACKS
+from ..values import POSITIVE_NUMBER, Name
+from .common import SAVED_RUN, ProgressBar, UsageError, add_layout_args, check_writable, config_from
 
 
 def _step_bar(bar: ProgressBar):
@@ -130,26 +133,13 @@ def _profile_options(args, cfg: TrainConfig):
         raise UsageError("give --peak-tflops or --gpu, not both.")
     peak = name = None
     if args.peak_tflops is not None:
-        if not args.peak_tflops > 0:
-            raise UsageError(f"--peak-tflops {args.peak_tflops:g} must be positive.")
         peak, name = args.peak_tflops * 1e12, "--peak-tflops"
     elif args.gpu:
         from ..gpus import get_gpu
 
-        try:
-            spec = get_gpu(args.gpu)
-        except (KeyError, ValueError) as e:
-            raise UsageError(str(e).strip("'\"")) from None
+        spec = get_gpu(args.gpu)
         peak, name = spec.peak_flops(cfg.precision), f"{spec.name} {'fp32' if cfg.precision == 'fp32' else 'bf16'} peak"
-    baseline = None
-    if args.baseline:
-        from ..measure import RunResult
-
-        try:
-            baseline = RunResult.load(args.baseline)
-        except (OSError, ValueError, TypeError) as e:
-            raise UsageError(f"--baseline {args.baseline} is not a RunResult JSON file (from train --json): {e}.") from None
-    return peak, name, baseline
+    return peak, name, args.baseline  # the baseline run was read as its flag was parsed
 
 
 def _print_profile(result, cfg: TrainConfig, peak, name, baseline) -> None:
@@ -166,7 +156,8 @@ def add_output_args(p) -> None:
     """What a run writes and how long it may take: flags of ``gpucourse train`` that ``gpucourse submit`` passes on."""
     p.add_argument("--json", metavar="FILE", help="write the RunResult as JSON")
     p.add_argument("--export-weights", metavar="FILE", help="save the trained model as one single-device state_dict")
-    p.add_argument("--timeout", type=float, default=None, help="seconds before the run is stopped (default: none)")
+    p.add_argument("--timeout", type=POSITIVE_NUMBER, default=None,
+                   help="seconds before the run is stopped (default: none)")
     p.add_argument("--quiet", action="store_true", help="no progress or device line")
 
 
@@ -177,15 +168,16 @@ def add_commands(sub) -> None:
     add_layout_args(p, train=True)
     add_output_args(p)
     p.add_argument("--list", action="store_true", help="list the layouts and impls this build supports")
-    p.add_argument("--print-config", metavar="TOOL", default=None,
+    p.add_argument("--print-config", type=Name(STACKS), metavar="TOOL", default=None,
                    help="print this layout as megatron, nemo, deepspeed, torchtitan or accelerate settings (in "
                         "their own names) and exit without training; what the tool cannot express goes to stderr")
     p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
                    help="with --print-config: the servers' GPUs each, so that each tool's fields for servers and "
                         "GPUs per server are written (default: one server holds the whole layout)")
-    p.add_argument("--peak-tflops", type=float, default=None,
+    p.add_argument("--peak-tflops", type=POSITIVE_NUMBER, default=None,
                    help="one device's peak TFLOP/s, for MFU (model FLOPs utilisation)")
-    p.add_argument("--gpu", default=None, help="take the peak for MFU from the GPU table (h100, a100, h200, l4...)")
-    p.add_argument("--baseline", metavar="FILE",
+    p.add_argument("--gpu", type=GPU, default=None,
+                   help="take the peak for MFU from the GPU table (h100, a100, h200, l4...)")
+    p.add_argument("--baseline", type=SAVED_RUN, metavar="FILE",
                    help="a RunResult JSON of the same model on one rank (train --json): print scaling efficiency")
     p.set_defaults(func=cmd_train)
