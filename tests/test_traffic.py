@@ -34,6 +34,7 @@ def _rank(rank: int, world: int, port: int, conn) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    pair = dist.new_group([0, 1])
     dist.barrier()
     conn.send(os.getpid())
     while (op := conn.recv()) is not None:
@@ -47,6 +48,8 @@ def _rank(rank: int, world: int, port: int, conn) -> None:
         elif name == "all_to_all":
             ins, outs = [(rank + s) % 3 for s in range(world)], [(s + rank) % 3 for s in range(world)]
             dist.all_to_all_single(_rows(outs), _rows(ins), outs, ins)
+        elif name == "all_reduce_of_two" and rank in (0, 1):
+            dist.all_reduce(torch.ones(arg), group=pair)
         elif name == "barrier":
             dist.barrier()
         elif name == "backend_allreduce":
@@ -107,6 +110,12 @@ def test_gloo_framing_is_what_the_wire_model_says(ranks, name, arg):
     if name == "send":
         assert counted.pairs() == {(0, 1): arg + 2 * traffic.HEADER, (1, 0): traffic.HEADER}
         assert traffic.payloads(counted, records) == ({(0, 1): arg} if arg else {})
+
+
+@pytest.mark.parametrize("numel", [1, 2, 3, 4, 7, 1000, 70_000])
+def test_an_all_reduce_of_two_ranks_is_four_segments_each_way(ranks, numel):
+    assert ranks("all_reduce_of_two", numel).pairs() == dict.fromkeys([(0, 1), (1, 0)],
+                                                                      traffic.all_reduce_of_two(numel, 4))
 
 
 def test_a_backend_collective_no_recorder_saw_is_counted(ranks):

@@ -29,8 +29,11 @@ something to send, y tells x it is ready to receive, and x sends a preamble and
 the k bytes. So it costs k + 96 bytes from x to y and 48 from y to x, whatever k
 is (0 included). Collectives are built of such messages: an all-to-all sends
 one to every other rank (empty ones too), a barrier one empty message to every
-other rank; an all-reduce cuts its chunks into a number of segments that
-depends on the sizes, which :func:`expected` does not model.
+other rank. An all-reduce is a ring whose chunks are cut into segments; on two
+ranks it is four segments (fewer when there are fewer elements: an empty one is
+not sent), each rank sending every one of them once (:func:`all_reduce_of_two`);
+on more ranks the segments' sizes depend on how the elements divide, which
+:func:`expected` does not model.
 """
 
 from __future__ import annotations
@@ -268,6 +271,13 @@ def expected(records: dict[int, list[dict]]) -> tuple[dict[tuple[int, int], int]
             else:
                 unknown.append(f"rank {r}'s {op}" + (" from any source" if op == "recv" else ""))
     return wire, sorted(set(unknown))
+
+
+def all_reduce_of_two(numel: int, itemsize: int) -> int:
+    """The bytes one rank of two puts on the wire to the other in an all-reduce of ``numel`` elements of
+    ``itemsize`` bytes: all of them (half in the reduce-scatter, half in the all-gather), in min(numel, 4)
+    segments each way."""
+    return numel * itemsize + (FORWARD + BACKWARD) * min(numel, 4)
 
 
 def _messages(records: dict[int, list[dict]], op: str) -> dict[tuple[int, int], int]:

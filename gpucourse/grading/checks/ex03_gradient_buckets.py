@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ...parallel.data_parallel_buckets import assign_buckets as reference_buckets
-from .. import contracts
+from .. import contracts, traffic
 from ..core import Exercise, Fail, describe_mismatch
 from ..probes.ex03_gradient_buckets import build_model, loss_of
 
@@ -231,6 +231,17 @@ def async_during_backward(ctx):
         if got != want:
             raise Fail(f"rank {r} started {len(calls)} all-reduces of {got} bytes; its {len(buckets)} buckets "
                        f"hold {want} bytes: one all-reduce per bucket, of the bucket's whole buffer")
+        # The records agree; so must the wire: what reached the other rank, by the kernel's count, is those
+        # all-reduces' and nothing else's (the probe itself sends nothing).
+        counted, _ = ctx.wire(outs)
+        if counted is not None and ctx.world_size == 2:
+            wire = sum(traffic.all_reduce_of_two(sum(params[n].numel() for n in b), params[b[0]].element_size())
+                       for b in buckets if b)
+            if counted.sent(r, 1 - r) != wire:
+                raise Fail(f"rank {r} sent rank {1 - r} {counted.sent(r, 1 - r)} bytes by the kernel's count; one "
+                           f"all-reduce of each of its {len(buckets)} buckets ({sum(want)} bytes of gradients) puts "
+                           f"{wire} on the wire, gloo's framing included: something else went between the ranks, "
+                           f"whether torch.distributed saw it or not")
         first = min(c["t"] for c in calls)
         if not step["computed"]:
             raise Fail(f"rank {r}: no gradient of the model was computed in backward")

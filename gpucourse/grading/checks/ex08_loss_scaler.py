@@ -355,6 +355,13 @@ def uses_group(ctx):
                       else f"the group of {_ranks(c['group'] or [])}")
                 raise Fail(f"rank {out.rank}: step(optimizer, group=<the group of {_ranks(mine)}>) issued "
                            f"{c['op']} on {on}, not on the group it was given")
+    # Whatever the ranks recorded, no byte may pass between ranks that share no group (rank 1 is alone in its own).
+    counted, _ = ctx.wire(outs)
+    for (r, s), sent in (counted.pairs() if counted is not None else {}).items():
+        if _group_of(r) != _group_of(s):
+            raise Fail(f"rank {r} sent rank {s} {sent} bytes by the kernel's count, though no group it was given "
+                       f"holds both: a collective on another group (the default one?), seen by torch.distributed "
+                       f"or not")
     stepped = [[False, True, False], [True, False, True]]
 
     def why(k, r):
