@@ -368,7 +368,8 @@ def _call_changes(node: ast.Call):
 def score_mutants(exercise: str, found: list[Mutant], *, seeds: tuple[int, ...] = (1,),
                   compare_seeds: tuple[int, ...] = (11, 12, 13), timeout: float | None = None) -> dict:
     """Grade each of ``found`` (mutants of ``exercise``) under ``seeds``, in one grading process; put each one
-    that scores full marks through the differential test (:mod:`.equivalence`) under ``compare_seeds``.
+    that scores full marks through the differential test (:mod:`.equivalence`) under ``compare_seeds``. The solution
+    is graded first in the same process: RuntimeError if it does not score full marks (nothing could be judged).
 
     A mutant is *caught* when it scores less than full marks under some seed, *equivalent* when it survives and no
     call of the differential test under any of ``compare_seeds`` tells it from the solution, and *surviving*
@@ -389,7 +390,15 @@ def score_mutants(exercise: str, found: list[Mutant], *, seeds: tuple[int, ...] 
             Path(paths[m.id]).write_text(m.source, encoding="utf-8")
         graded: dict[str, list[dict]] = {m.id: [] for m in found}
         runs = [(ex_id, paths[m.id], s) for m in found for s in seeds]
-        for (_, path, _), r in zip(runs, grade_runs(runs, timeout=timeout)):
+        # The solution first, under every seed, in the same process: a mutant is caught only where it is not.
+        solution = [(ex_id, str(REPO / "solutions" / f"{module}.py"), s) for s in seeds]
+        results = grade_runs(solution + runs, timeout=timeout)
+        for r in results[:len(solution)]:
+            if r.get("grader_error") or r["score"] < r["max_score"]:
+                failed = "; ".join(f"{c['name']}: {c['message'][:200]}" for c in r["checks"] if c["status"] != "passed")
+                raise RuntimeError(f"the solution of {ex_id} itself scored {r['score']}/{r['max_score']} under seed "
+                                   f"{r['seed']}, so no mutant can be judged: {r.get('grader_error') or failed}")
+        for (_, path, _), r in zip(runs, results[len(solution):]):
             graded[Path(path).stem].append(r)
         caught, survivors, not_graded = {}, [], []
         for m in found:
