@@ -67,7 +67,7 @@ def short_tmp(monkeypatch):
 
     from gpucourse import kernel_sockets
 
-    base = Path(tempfile.mkdtemp(dir="/tmp", prefix="gc-"))
+    base = Path(tempfile.mkdtemp(dir="/tmp", prefix="g"))  # short: an ordinary user's uid has more digits than 0
     monkeypatch.setattr(kernel_sockets, "_base", lambda: base)
     yield base
     shutil.rmtree(base, ignore_errors=True)

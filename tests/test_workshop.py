@@ -160,6 +160,7 @@ def test_the_generated_config_for_real_accounts_uses_pam(tmp_path, monkeypatch):
     assert ws.seat_folders(settings) == {"alice": Path("/home/alice/gpucourse-workshop"),
                                          "bob": Path("/home/bob/gpucourse-workshop")}
     monkeypatch.setattr(hub.os, "geteuid", lambda: 1000)
+    monkeypatch.setenv("GPUCOURSE_PROXY", shutil.which("true"))  # checked first: the test needs none installed
     with pytest.raises(WorkshopError, match="needs root"):
         hub.start(tmp_path / "ws", users=["alice", "bob"], gpus=[], port=free_port())
     assert not (tmp_path / "ws").exists()
@@ -258,6 +259,7 @@ def _refused(capsys, argv: list[str]) -> str:
 def test_bad_input_is_refused_before_anything_starts(tmp_path, capsys, monkeypatch):
     root = tmp_path / "ws"
     where = ["--dir", str(root)]
+    monkeypatch.setenv("GPUCOURSE_PROXY", shutil.which("true"))  # a machine without the proxy refuses the same
     monkeypatch.setattr(hub, "visible_gpu_ids", lambda: ["0", "1"])
     assert "--seats 0 must be at least 1" in _refused(capsys, ["workshop", "start", "--seats", "0", *where])
     assert "--seats -1 must be at least 1" in _refused(capsys, ["workshop", "start", "--seats", "-1", *where])
