@@ -56,6 +56,7 @@ from .offload import offload_memory, offload_time
 from .readable import human_bytes
 from . import shapes
 from .shapes import Shape, ShapeError, for_params, get_shape
+from .values import POSITIVE, Name, number
 
 
 def shape_for_params(num_params: float) -> dict:
@@ -76,24 +77,33 @@ def _divisors(n: int) -> list[int]:
 
 def candidates(shape: Shape, gpus: int, gpus_per_node: int, batch_size: int, seq_len: int, precision: str,
                sequence_parallel: bool = False, zero_stages=(0, 1, 2, 3), even_split: bool = False,
-               attention: str = "flash"):
+               attention: str = "flash", left_out: dict | None = None):
     """Every layout worth sizing, as TrainConfigs (not necessarily runnable in this build). ``shape``: anything
     :func:`gpucourse.shapes.get_shape` takes. ``sequence_parallel``: with tensor parallelism, always (as
     Megatron-Core runs it); else only from ``LONG_SEQUENCE`` on. ``even_split``: only pipelines whose stages (and
     interleaved chunks) hold equal blocks, interleaving only past two stages (:attr:`Overlap.even_split`).
     ``attention``: the framework's kernel as the model's ``attention`` ("math": the scores kept, which selective
-    recomputation frees, so it is tried beside none and full; a fused kernel keeps none to free)."""
+    recomputation frees, so it is tried beside none and full; a fused kernel keeps none to free). ``left_out``, if
+    given, gathers the degrees the shape or the batch rule out: {"tp": {...}, "pp": {...}, "dp": {...}}."""
     shape = get_shape(shape)
     long = seq_len >= LONG_SEQUENCE
+    out = left_out if left_out is not None else {}
     for tp in _divisors(gpus):
         # A tensor-parallel group stays in one server (its all-reduces are every block's): tp divides a server.
-        if gpus_per_node % tp or shape.heads % tp or (shape.kv % tp and tp % shape.kv):
+        if gpus_per_node % tp:
+            continue
+        if shape.heads % tp or (shape.kv % tp and tp % shape.kv):
+            out.setdefault("tp", set()).add(tp)
             continue
         for cp in _divisors(gpus // tp) if long else [1]:
             if seq_len % (2 * cp) and cp > 1:
                 continue
             for pp in _divisors(gpus // (tp * cp)):
                 dp = gpus // (tp * cp * pp)
+                if pp > shape.layers:
+                    out.setdefault("pp", set()).add(pp)
+                if batch_size % dp:
+                    out.setdefault("dp", set()).add(dp)
                 if pp > shape.layers or batch_size % dp or even_split and shape.layers % pp:
                     continue
                 # One sequence per microbatch on a pipeline keeps its bubble small.
@@ -365,16 +375,18 @@ FRAMEWORKS = {o.name: o for o in (
             elementwise=3, zero=(0, 1), source="PyTorch DistributedDataParallel: bucketed all-reduces started during backward; eager PyTorch"),
 )}
 DEFAULT_FRAMEWORK = "megatron-core"
+FRAMEWORK = Name(FRAMEWORKS)  # a framework's name (plan --framework)
+PRECISIONS = ("bf16", "fp8", "fp32")  # what a planned run's matmuls compute in (plan --precision)
+# A parameter count to plan: below 1e5 no transformer worth splitting, above 1e15 a thousand times the largest trained.
+PARAMS = number(least=1e5, most=1e15, why="a thousand times the largest model trained")
+EFFICIENCY = number(above=0, most=1, why="a share of the GPU's peak FLOP/s")
 
 
 def get_framework(framework) -> Overlap:
     """An :class:`Overlap` by name (``FRAMEWORKS``), or the one given; None: ``DEFAULT_FRAMEWORK``."""
     if isinstance(framework, Overlap):
         return framework
-    name = framework or DEFAULT_FRAMEWORK
-    if name not in FRAMEWORKS:
-        raise ConfigError(f"framework {name!r} is not one of {', '.join(FRAMEWORKS)}.")
-    return FRAMEWORKS[name]
+    return FRAMEWORKS[FRAMEWORK.check(framework or DEFAULT_FRAMEWORK, "framework")]
 
 
 def _stage_compute(cfg: TrainConfig, shape: Shape, cluster: Cluster, m: int, overlap: Overlap,
@@ -563,11 +575,17 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
     ``offload``: also try each layout with its optimizer on the CPU (:mod:`gpucourse.offload`; rows say
     ``"offload": True``), as DeepSpeed's ``offload_optimizer`` or Megatron-Core's ``--optimizer-cpu-offload`` run it.
     """
-    if gpus < 1 or gpus_per_node < 1:
-        raise ConfigError(f"gpus={gpus} and gpus_per_node={gpus_per_node} must be at least 1.")
+    for name, value in (("gpus", gpus), ("gpus_per_node", gpus_per_node), ("batch_size", batch_size),
+                        ("seq_len", seq_len)):
+        POSITIVE.check(value, name)
+    Name(PRECISIONS).check(precision, "precision")
+    if efficiency is not None:
+        EFFICIENCY.check(efficiency, "efficiency")
+    if num_params is not None:
+        PARAMS.check(num_params, "num_params")
     if shape is None:
-        if num_params is None or num_params < 1e5:
-            raise ConfigError(f"params={num_params} is too small to plan; give at least 1e5 (or a shape).")
+        if num_params is None:
+            raise ConfigError("plan needs num_params (a parameter count) or a shape.")
         shape = for_params(num_params)
     else:
         try:
@@ -579,7 +597,7 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
     if offload and not (spec.pcie_GBps and spec.host_GBps):
         raise ConfigError(f"offload needs the GPU's host link (pcie_GBps, host_GBps), which {spec.name} has not "
                           f"in the table: add them in your GPU table to plan offload.")
-    rows = []
+    rows, left_out, refused = [], {}, []
     matmuls = precision
     if precision == "fp8":  # fp8 matmuls; the weights, their gradients and the rest in bf16 (memory as bf16's)
         if not spec.peak_fp8_flops:
@@ -589,14 +607,15 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
     for cfg in candidates(shape, gpus, gpus_per_node, batch_size, seq_len, precision,
                           sequence_parallel=overlap.name.startswith("megatron-core"), zero_stages=overlap.zero,
                           even_split=overlap.even_split,
-                          attention="math" if overlap.attention == "unfused" else "flash"):
+                          attention="math" if overlap.attention == "unfused" else "flash", left_out=left_out):
         for offloaded in (False, True) if offload else (False,):
             try:
                 # The course's own block as the course's runtime keeps it (gpucourse memory); other shapes as the
                 # framework does.
                 mem = memory_of(cfg, shape, offloaded, None if shape.is_course_block else framework,
                                 fp8=matmuls == "fp8")
-            except ConfigError:
+            except ConfigError as e:
+                refused.append(str(e))
                 break
             rows.append(_row(cfg, shape, mem, spec, gpus_per_node, efficiency, overlap, matmuls, offloaded))
     rows.sort(key=lambda r: (not r["fits"], r["step_s"]))
@@ -607,7 +626,31 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
             "gpu": dataclasses.asdict(spec), "gpus_per_node": gpus_per_node,
             "batch_size": batch_size, "seq_len": seq_len, "precision": matmuls,
             "efficiency": efficiency, "framework": overlap.name, "offload": offload,
-            "layouts": rows}
+            "layouts": rows, "notes": _notes(shape, batch_size, left_out, refused)}
+
+
+def _degrees(values) -> str:
+    values = sorted(values)
+    return ", ".join(map(str, values[:-1])) + " and " + str(values[-1]) if len(values) > 1 else str(values[0])
+
+
+def _notes(shape: Shape, batch_size: int, left_out: dict, refused: list[str]) -> list[str]:
+    """What narrowed the search, said once: degrees the shape or the batch rule out, layouts no run could take."""
+    notes = []
+    if "tp" in left_out:
+        kv = f" and split or replicate its {shape.kv} K/V heads evenly" if shape.kv != shape.heads else ""
+        notes.append(f"tp {_degrees(left_out['tp'])} left out: tensor parallelism must divide the model's "
+                     f"{shape.heads} attention heads{kv}.")
+    if "pp" in left_out:
+        notes.append(f"pp {_degrees(left_out['pp'])} left out: a pipeline stage needs at least one of the model's "
+                     f"{shape.layers} blocks.")
+    if "dp" in left_out:
+        notes.append(f"dp {_degrees(left_out['dp'])} left out: data parallelism must divide the batch of "
+                     f"{batch_size} sequences.")
+    if refused:
+        notes.append(f"{len(refused)} layout{'s' * (len(refused) > 1)} left out as no run could take "
+                     f"{'them' if len(refused) > 1 else 'it'}, e.g. {refused[0][0].lower()}{refused[0][1:]}")
+    return notes
 
 
 def _row(cfg: TrainConfig, shape: Shape, mem: dict, spec, gpus_per_node: int, efficiency, overlap: Overlap,
@@ -679,7 +722,6 @@ def memory_terms(mem: dict, parts: dict | None = None) -> str:
     return ": " + ", ".join(terms)
 
 
-
 def format_plan(result: dict, top: int = 10, explained: bool = False) -> str:
     """The ranked table ``gpucourse plan`` prints; ``explained``: each row's step as parts below it."""
     fitting = [r for r in result["layouts"] if r["fits"]]
@@ -711,4 +753,5 @@ def format_plan(result: dict, top: int = 10, explained: bool = False) -> str:
         best = min(result["layouts"], key=lambda r: r["memory_total"]) if result["layouts"] else None
         lines.append("  none fits" + (f": the smallest needs {human_bytes(best['memory_total'])} per GPU"
                                       if best else ""))
+    lines += [f"  note: {note}" for note in result.get("notes", [])]
     return "\n".join(lines)

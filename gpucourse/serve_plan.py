@@ -34,8 +34,11 @@ from .gpus import get_gpu
 from .serving.speculative import expected_tokens
 from .serving.split_kv import num_splits
 from .shapes import ShapeError, get_shape
+from .values import POSITIVE, POSITIVE_NUMBER, Name
 
 ELEM = {"fp32": 4, "bf16": 2, "fp8": 1}  # bytes a weight or a cached number is stored in
+FORMAT = Name(ELEM)  # a stored number's format: the weights' or the KV cache's
+CONTEXT = 4096  # tokens a served sequence holds (prompt and answer) unless told: a common serving window
 ACTIVATIONS = "bf16"  # what flows between layers and ranks (all-reduces, pipeline sends), whatever the weights
 # What an engine spends on each iteration besides the kernels the model times: the host's scheduling, sampling and
 # bookkeeping, and the gaps between launches. One constant, fitted on the fitting rows of
@@ -56,15 +59,16 @@ def weight_bytes(shape, tp: int = 1, pp: int = 1, weights: str = "bf16") -> floa
 
 
 def _check(shape, tp: int, pp: int, weights: str, kv: str) -> None:
+    POSITIVE.check(tp, "tp")
+    POSITIVE.check(pp, "pp")
     try:
         shape.check_tp(tp)
     except ShapeError as e:
         raise ConfigError(str(e)) from None
     if pp > shape.layers:
         raise ConfigError(f"pp={pp} stages cannot each hold a block of a model of {shape.layers} blocks.")
-    for what, value in (("weights", weights), ("kv", kv)):
-        if value not in ELEM:
-            raise ConfigError(f"{what}={value!r} is not one of {', '.join(ELEM)}.")
+    FORMAT.check(weights, "weights")
+    FORMAT.check(kv, "kv")
 
 
 def decode_step(shape, gpu, batch: int, context: int, tp: int = 1, pp: int = 1, weights: str = "bf16",
@@ -183,7 +187,8 @@ def split_kv_decode(shape, gpu, batch: int, context: int, tp: int = 1, kv: str =
     return {"thread_blocks": blocks, "sms": sms, "splits": splits, "key_blocks": key_blocks,
             "busy_sms_without": min(sms, blocks), "busy_sms_with": min(sms, blocks * splits),
             "bytes_per_sm_without": layer / min(sms, blocks), "bytes_per_sm_with": layer / min(sms, blocks * splits),
-            "without_s": seconds(1), "with_s": seconds(splits), "full_bandwidth_s": shape.layers * layer / cluster.hbm_Bps}
+            "without_s": seconds(1), "with_s": seconds(splits),
+            "full_bandwidth_s": shape.layers * layer / cluster.hbm_Bps}
 
 
 def ridge_point(gpu, precision: str = "bf16") -> float:
@@ -204,7 +209,7 @@ def largest_batch(shape, gpu, context: int, tp: int = 1, pp: int = 1, weights: s
     return max(0, int(free // (context * kv_bytes_per_token(shape, tp, kv))))
 
 
-def memory(shape, context: int, tp: int = 1, pp: int = 1, weights: str = "bf16", kv: str = "bf16",
+def memory(shape, context: int = CONTEXT, tp: int = 1, pp: int = 1, weights: str = "bf16", kv: str = "bf16",
            gpu: str = "h100", budget: float | None = None) -> dict:
     """What serving ``shape`` holds on each GPU of a tp × pp replica (``gpucourse memory --serve``): the weights,
     the KV cache's bytes per token, and the largest batch of ``context``-token sequences that fits ``budget``
@@ -214,6 +219,9 @@ def memory(shape, context: int, tp: int = 1, pp: int = 1, weights: str = "bf16",
     except ShapeError as e:
         raise ConfigError(str(e)) from None
     _check(shape, tp, pp, weights, kv)
+    POSITIVE.check(context, "context")
+    if budget is not None:
+        POSITIVE_NUMBER.check(budget, "budget")
     spec = get_gpu(gpu)
     budget = spec.usable_bytes() if budget is None else budget
     batch = largest_batch(shape, spec, context, tp, pp, weights, kv, budget)
@@ -238,7 +246,7 @@ def format_memory(m: dict) -> str:
         f"{m['context']} tokens ({human_bytes(m['kv_per_gpu'])} of KV cache)"])
 
 
-def plan(shape, gpus: int, gpu: str = "h100", context: int = 4096, tpot_s: float = 0.05, weights: str = "bf16",
+def plan(shape, gpus: int, gpu: str = "h100", context: int = CONTEXT, tpot_s: float = 0.05, weights: str = "bf16",
          kv: str = "bf16", gpus_per_node: int = 8) -> dict:
     """Every tp × pp layout of ``gpus`` GPUs (replicas over what is left), each at the batch with the most tokens
     per second among those that fit its memory and meet the time-per-output-token target ``tpot_s`` (the largest
@@ -249,15 +257,17 @@ def plan(shape, gpus: int, gpu: str = "h100", context: int = 4096, tpot_s: float
         shape = get_shape(shape)
     except ShapeError as e:
         raise ConfigError(str(e)) from None
+    for name, value in (("gpus", gpus), ("context", context), ("gpus_per_node", gpus_per_node)):
+        POSITIVE.check(value, name)
+    POSITIVE_NUMBER.check(tpot_s, "tpot_s")
     spec = get_gpu(gpu)
-    if gpus < 1 or context < 1 or tpot_s <= 0:
-        raise ConfigError(f"gpus={gpus}, context={context} and tpot_s={tpot_s} must be positive.")
     _check(shape, 1, 1, weights, kv)
-    rows = []
+    rows, left_out = [], []
     for tp in (t for t in range(1, min(gpus, gpus_per_node) + 1) if gpus % t == 0 and gpus_per_node % t == 0):
         try:
             shape.check_tp(tp)
         except ShapeError:
+            left_out.append(tp)
             continue
         for pp in (p for p in range(1, gpus // tp + 1) if (gpus // tp) % p == 0 and p <= shape.layers):
             replicas = gpus // (tp * pp)
@@ -283,8 +293,13 @@ def plan(shape, gpus: int, gpu: str = "h100", context: int = 4096, tpot_s: float
                          "tokens_per_s": replicas * step["tokens_per_s"] if step else 0.0,
                          "token_s": step["token_s"] if step else None, "step": step})
     rows.sort(key=lambda r: -r["tokens_per_s"])
+    notes = []
+    if left_out:
+        kv_heads = f" and split or replicate its {shape.kv} K/V heads evenly" if shape.kv != shape.heads else ""
+        notes.append(f"tp {', '.join(map(str, left_out))} left out: tensor parallelism must divide the model's "
+                     f"{shape.heads} attention heads{kv_heads}.")
     return {"shape": shape.as_dict(), "gpus": gpus, "gpu": spec.name, "context": context, "tpot_s": tpot_s,
-            "weights": weights, "kv": kv, "layouts": rows}
+            "weights": weights, "kv": kv, "layouts": rows, "notes": notes}
 
 
 def format_plan(result: dict, top: int = 10) -> str:
@@ -301,4 +316,5 @@ def format_plan(result: dict, top: int = 10) -> str:
         lines.append(f"  {r['tp']:>3} {r['pp']:>3} {r['replicas']:>8} {human_bytes(r['weights_per_gpu']):>12} "
                      f"{human_bytes(r['kv_per_token']):>9} {r['max_batch']:>6} {r['batch']:>6} {ms:>9} "
                      f"{r['tokens_per_s']:>10,.0f}")
+    lines += [f"  note: {note}" for note in result.get("notes", [])]
     return "\n".join(lines)

@@ -101,3 +101,82 @@ def test_every_number_flag_of_a_training_run_is_checked_as_typed(capsys):
         from gpucourse.config import TrainConfig
 
         TrainConfig(seq_len=0).validate(runnable=False)
+
+
+# --- plan, memory --serve ---------------------------------------------------------------------------------------------
+
+def test_plan_refuses_a_gpu_the_table_does_not_hold(capsys):
+    known = "is not in the GPU table; known: h100, h200, b200, a100, l4, cpu"
+    assert refused(capsys, ["plan", "--params", "7e9", "--gpus", "8", "--gpu", "h900"]).startswith(
+        f"--gpu 'h900' {known} (did you mean h200 or h100?)")
+    assert refused(capsys, ["plan", "--serve", "--shape", "llama3-8b", "--gpus", "8", "--gpu", "nosuch"]).startswith(
+        f"--gpu 'nosuch' {known}")
+    from gpucourse import plan, serve_plan
+
+    for call in (lambda: plan.plan(7e9, 8, gpu="h900"), lambda: serve_plan.plan("llama3-8b", 8, gpu="nosuch")):
+        with pytest.raises(ConfigError, match="is not in the GPU table"):
+            call()
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--batch-size", "-4", "--batch-size -4 must be at least 1."),
+    ("--batch-size", "0", "--batch-size 0 must be at least 1."),
+    ("--seq-len", "0", "--seq-len 0 must be at least 1."),
+    ("--efficiency", "7", "--efficiency 7 must be at most 1 (a share of the GPU's peak FLOP/s)."),
+])
+def test_plan_refuses_a_batch_a_sequence_or_an_efficiency_that_is_no_run(capsys, flag, value, says):
+    assert refused(capsys, ["plan", "--params", "7e9", "--gpus", "8", flag, value]) == says
+    from gpucourse import plan
+
+    name = flag[2:].replace("-", "_")
+    value = float(value) if name == "efficiency" else int(value)
+    with pytest.raises(ConfigError, match=f"{name}={value} must be at"):
+        plan.plan(7e9, 8, **{name: value})
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--vocab", "0", "--vocab 0 must be at least 1."),
+    ("--ffn", "-1", "--ffn -1 must be at least 0."),
+    ("--kv-heads", "-8", "--kv-heads -8 must be at least 0."),
+])
+def test_plan_refuses_shape_parts_no_model_has(capsys, flag, value, says):
+    assert refused(capsys, ["plan", "--shape", "llama3-8b", "--gpus", "8", flag, value]) == says
+    from gpucourse import plan
+
+    name = flag[2:].replace("-", "_")
+    with pytest.raises(ConfigError, match=f"{name}={value} must be at least"):
+        plan.plan(None, 8, shape={"layers": 2, "hidden": 256, "heads": 4, name: int(value)})
+
+
+def test_tp_degrees_the_heads_rule_out_are_said_once(capsys):
+    """Twelve heads on 8 GPUs: tp 8 cannot split them. The plan used to drop those layouts without a word."""
+    parts = ["--layers", "4", "--hidden", "768", "--heads", "12", "--vocab", "1000"]
+    assert cli.main(["plan", "--gpus", "8", "--batch-size", "8", "--seq-len", "256", *parts]) == 0
+    out = capsys.readouterr().out
+    assert out.count("note: tp 8 left out: tensor parallelism must divide the model's 12 attention heads.") == 1
+    assert cli.main(["plan", "--serve", "--gpus", "8", "--context", "256", *parts]) == 0
+    assert capsys.readouterr().out.count("note: tp 8 left out") == 1
+    assert cli.main(["plan", "--params", "7e9", "--gpus", "8", "--top", "1"]) == 0
+    assert "note:" not in capsys.readouterr().out  # nothing was left out
+
+
+def test_a_data_parallel_degree_that_does_not_divide_the_batch_is_said(capsys):
+    assert cli.main(["plan", "--params", "7e9", "--gpus", "6", "--batch-size", "1000", "--top", "1"]) == 0
+    assert "note: dp 3 and 6 left out: data parallelism must divide the batch of 1000 sequences." in \
+        capsys.readouterr().out
+
+
+def test_memory_serve_defaults_to_bf16_weights_and_a_serving_context(capsys):
+    """It took training's defaults (fp32, 64-token sequences); serving stores bf16 and holds thousands of tokens."""
+    assert cli.main(["memory", "--serve", "--shape", "llama3-8b"]) == 0
+    out = capsys.readouterr().out
+    assert "weights bf16" in out and "sequences of 4096 tokens" in out and "16.06 GB" in out
+    assert cli.main(["memory", "--serve"]) == 0  # the course's tiny model: its whole context, 128 tokens
+    assert "weights bf16" in (out := capsys.readouterr().out) and "sequences of 128 tokens" in out
+    assert cli.main(["memory"]) == 0 and "fp32" in capsys.readouterr().out  # training keeps its own
+    assert refused(capsys, ["memory", "--precision", "fp8"]).startswith("--precision 'fp8' is not one of fp32, bf16")
+    assert refused(capsys, ["memory", "--serve", "--precision", "fp16"]).startswith(
+        "--precision 'fp16' is not one of fp32, bf16, fp8")
+    helps = {a.dest: a.help for a in cli.build_parser()._subparsers._group_actions[0].choices["memory"]._actions}
+    assert "(default fp32)" in helps["precision"] and "(default bf16)" in helps["precision"]
+    assert "(default 64)" in helps["seq_len"] and "(default 4096" in helps["seq_len"]

@@ -190,7 +190,7 @@ def test_whether_the_gradients_all_reduce_hides_depends_on_the_framework():
     assert beside["dp_exposed_s"] < 0.5 * after["dp_exposed_s"]
     for name, o in FRAMEWORKS.items():
         assert o.name == name and len(o.source) > 40
-    with pytest.raises(ConfigError, match="framework 'x' is not one of"):
+    with pytest.raises(ConfigError, match="framework='x' is not one of"):
         get_framework("x")
 
 

@@ -3,26 +3,30 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import textwrap
 
 from ..files import write_atomic
+from ..gpus import GPU
 from ..parallel.schedule_table import SCHEDULES
+from ..plan import EFFICIENCY, FRAMEWORK, PARAMS, PRECISIONS as PLAN_PRECISIONS
 from ..runtime.launcher import WorkerError
-from .common import UsageError, add_layout_args, check_writable, config_from, write_json
+from ..serve_config import TOOLS as SERVE_TOOLS
+from ..config import TrainConfig, allowed
+from ..serve_plan import CONTEXT as SERVE_CONTEXT, ELEM, FORMAT
+from ..shapes import PART_KINDS, SHAPE
+from ..values import NON_NEGATIVE_NUMBER, POSITIVE, POSITIVE_NUMBER, Name
+from .common import SAVED_RUN, UsageError, add_layout_args, check_writable, config_from, write_json
+
+TRAIN = TrainConfig()  # the training defaults, which memory --serve does not take
+SERVE_WEIGHTS = "bf16"  # how a served model's weights are stored unless told
+MEMORY_PRECISION = Name(dict.fromkeys([*allowed("precision").names(), *ELEM]))  # training's or serving's
 
 
 def cmd_schedule(args) -> int:
     from .. import plan
     from ..parallel import schedules, schedules_virtual
 
-    if args.schedule not in SCHEDULES:
-        raise UsageError(f"--schedule {args.schedule!r} is not one of {', '.join(SCHEDULES)}.")
-    for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches),
-                        ("--virtual-stages", args.virtual_stages)):
-        if value < 1:
-            raise UsageError(f"{flag} {value} must be at least 1.")
     record = SCHEDULES[args.schedule]
     if args.virtual_stages != 2 and record.chunks != 0:
         chooses = [s.name for s in SCHEDULES.values() if s.chunks == 0]
@@ -35,9 +39,6 @@ def cmd_schedule(args) -> int:
     if args.pp * args.microbatches > 1 << 20:
         raise UsageError(f"--pp {args.pp} × --microbatches {args.microbatches} is over a million "
                          f"microbatch-stages, too many to simulate quickly; use fewer.")
-    for flag, value in (("--cost-f", args.cost_f), ("--cost-b", args.cost_b), ("--cost-comm", args.cost_comm)):
-        if value < 0:
-            raise UsageError(f"{flag} {value} must not be negative.")
     if args.json:
         check_writable(args.json, "--json")
     pp, m = args.pp, args.microbatches
@@ -83,9 +84,9 @@ def cmd_memory(args) -> int:
         check_writable(args.json, "--json")
     if args.serve:
         return _serve_memory(args)
+    args.precision = allowed("precision").check(args.precision or TRAIN.precision, "--precision")
+    args.seq_len = args.seq_len or TRAIN.seq_len
     if args.params is not None:
-        if args.params < 1:
-            raise UsageError(f"--params {args.params:g} must be a positive number of parameters.")
         est = memory.estimate_params(int(args.params), args.dp, args.zero, args.precision, args.master_weights)
         print(f"{args.params:,.0f} parameters, dp={args.dp}, zero={args.zero}, {args.precision}"
               f"{' with fp32 master weights' if args.master_weights else ''}: per rank")
@@ -107,11 +108,15 @@ def _serve_memory(args) -> int:
     from .. import serve_plan
     from ..shapes import Shape
 
-    if args.budget_gb is not None and not args.budget_gb > 0:
-        raise UsageError(f"--budget-gb {args.budget_gb:g} must be positive.")
-    shape = args.shape or dataclasses.replace(Shape.of_model(config_from(args).model_config()), name=args.model)
+    weights = FORMAT.check(args.precision or SERVE_WEIGHTS, "--precision")
+    if args.shape:
+        shape, context = args.shape, SERVE_CONTEXT
+    else:
+        model = config_from(args).model_config()
+        shape, context = dataclasses.replace(Shape.of_model(model), name=args.model), min(SERVE_CONTEXT,
+                                                                                           model.block_size)
     budget = None if args.budget_gb is None else args.budget_gb * 2**30
-    est = serve_plan.memory(shape, args.seq_len, args.tp, args.pp, args.precision, args.kv, budget=budget)
+    est = serve_plan.memory(shape, args.seq_len or context, args.tp, args.pp, weights, args.kv, budget=budget)
     print(serve_plan.format_memory(est))
     write_json(args.json, est)
     return 0
@@ -153,8 +158,6 @@ def _serve_plan(args, shape) -> int:
     weights = "fp8" if args.precision == "fp8" else "bf16"
     if args.precision not in ("bf16", "fp8"):
         raise UsageError(f"plan --serve stores weights in bf16 or fp8, not {args.precision}.")
-    if args.print_config is not None and args.print_config not in serve_config.TOOLS:
-        raise UsageError(f"--print-config {args.print_config!r} is not one of {', '.join(serve_config.TOOLS)}.")
     result = serve_plan.plan(shape, args.gpus, args.gpu, args.context, args.tpot_ms / 1e3, weights, args.kv,
                              args.gpus_per_node)
     if args.print_config is not None:  # the fastest layout in the server's own names; the table stays unprinted
@@ -184,8 +187,6 @@ def cmd_batch_size(args) -> int:
             raise UsageError("no GPU with a known memory is visible here: give the memory per rank, --budget-gb N.")
         args.budget_gb = round(known[0] / 2**30, 2)
         print(f"budget: {args.budget_gb:g} GiB, what a run can use on each {known[1]} (--budget-gb to choose)")
-    if not args.budget_gb > 0:
-        raise UsageError(f"--budget-gb {args.budget_gb:g} must be positive.")
     cfg = config_from(args)
     cfg.validate(runnable=False)
     budget = args.budget_gb * 2**30
@@ -229,15 +230,9 @@ def cmd_replay(args) -> int:
 
     from .. import profiling
     from ..gpus import get_gpu
-    from ..measure import RunResult
     from ..replay import ReplayError, replay
 
-    if not os.path.isfile(args.run):
-        raise UsageError(f"{args.run} is not a file; give a run saved with 'gpucourse train --json FILE'.")
-    try:
-        measured = RunResult.load(args.run)
-    except (ValueError, TypeError, KeyError) as e:
-        raise UsageError(f"{args.run} is not a saved run ({e}).") from None
+    measured = args.run  # read as the flag was parsed
     if args.json:
         check_writable(args.json, "--json")
     try:
@@ -263,63 +258,78 @@ def add_commands(sub) -> None:
     """This group's subcommands, on the ``gpucourse`` parser's ``sub``."""
     p = sub.add_parser("schedule", help="lay out a pipeline schedule on a clock, without starting any rank",
                        description="Print a pipeline schedule's per-stage timeline, bubble and activations held.")
-    p.add_argument("--pp", type=int, default=4, help="pipeline stages")
-    p.add_argument("--microbatches", type=int, default=8, help="microbatches per step")
-    p.add_argument("--schedule", default="1f1b",
+    p.add_argument("--pp", type=POSITIVE, default=4, help="pipeline stages")
+    p.add_argument("--microbatches", type=POSITIVE, default=8, help="microbatches per step")
+    p.add_argument("--schedule", type=Name(SCHEDULES), default="1f1b",
                    help="; ".join(f"{name}: {s.summary}" for name, s in SCHEDULES.items()))
-    p.add_argument("--virtual-stages", type=int, default=2, help="interleaved-1f1b: model chunks per rank")
-    p.add_argument("--cost-f", type=float, default=1.0, help="time of one stage's forward of one microbatch")
-    p.add_argument("--cost-b", type=float, default=2.0, help="time of one stage's backward of one microbatch")
-    p.add_argument("--cost-comm", type=float, default=0.0, help="time of one activation or gradient transfer")
+    p.add_argument("--virtual-stages", type=POSITIVE, default=2, help="interleaved-1f1b: model chunks per rank")
+    p.add_argument("--cost-f", type=POSITIVE_NUMBER, default=1.0,
+                   help="time of one stage's forward of one microbatch")
+    p.add_argument("--cost-b", type=POSITIVE_NUMBER, default=2.0,
+                   help="time of one stage's backward of one microbatch")
+    p.add_argument("--cost-comm", type=NON_NEGATIVE_NUMBER, default=0.0,
+                   help="time of one activation or gradient transfer")
     p.add_argument("--json", metavar="FILE", help="write the schedule, timeline and figures as JSON")
     p.set_defaults(func=cmd_schedule)
 
     p = sub.add_parser("memory", help="estimate memory per rank for a layout, before it runs",
                        description="Takes the same flags as train; --params N sizes a model of N parameters.")
-    add_layout_args(p)
-    p.add_argument("--params", type=float, default=None, help="a parameter count instead of --model (e.g. 70e9)")
+    # Serving stores its weights in bf16 and holds sequences thousands of tokens long: --serve has defaults of its own.
+    add_layout_args(p, changed={
+        "precision": {"type": MEMORY_PRECISION, "default": None,
+                      "help": f"training: {', '.join(allowed('precision').names())} (default {TRAIN.precision}); "
+                              f"with --serve, the weights' format: {', '.join(ELEM)} (default {SERVE_WEIGHTS})"},
+        "seq_len": {"default": None,
+                    "help": f"training: tokens per sequence (default {TRAIN.seq_len}); with --serve, the tokens "
+                            f"each sequence holds, prompt and answer (default {SERVE_CONTEXT}, or the model's "
+                            f"context where it is shorter)"}})
+    p.add_argument("--params", type=POSITIVE_NUMBER, default=None,
+                   help="a parameter count instead of --model (e.g. 70e9)")
     p.add_argument("--serve", action="store_true",
                    help="serving instead of training: weights per GPU, KV cache bytes per token and the largest batch "
                         "of --seq-len-token sequences that fits --budget-gb (under --tp, --pp, --precision)")
-    p.add_argument("--shape", help="with --serve: a named public shape (gpucourse.shapes) instead of --model")
-    p.add_argument("--kv", default="bf16", help="with --serve: the KV cache's number format, bf16 or fp8")
-    p.add_argument("--budget-gb", type=float, default=None,
+    p.add_argument("--shape", type=SHAPE, help="with --serve: a named public shape (gpucourse.shapes) instead of "
+                                                "--model")
+    p.add_argument("--kv", type=FORMAT, default="bf16", help="with --serve: the KV cache's number format: bf16, fp8 or fp32")
+    p.add_argument("--budget-gb", type=POSITIVE_NUMBER, default=None,
                    help="with --serve: memory per GPU, GiB (default: what an H100 leaves a run)")
     p.add_argument("--json", metavar="FILE", help="write the estimate as JSON")
     p.set_defaults(func=cmd_memory)
 
     p = sub.add_parser("plan", help="rank the layouts of a large model on many GPUs, on paper")
-    p.add_argument("--params", type=float, help="parameters, e.g. 70e9 (a plausible dense GPT shape is assumed)")
-    p.add_argument("--shape", help="a named public shape instead (gpucourse.shapes.SHAPES: gpt3-175b, megatron-1t, "
+    p.add_argument("--params", type=PARAMS, help="parameters, e.g. 70e9 (a plausible dense GPT shape is assumed)")
+    p.add_argument("--shape", type=SHAPE, help="a named public shape instead (gpucourse.shapes.SHAPES: gpt3-175b, megatron-1t, "
                                    "llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, deepseek-v3-like, ...); "
                                    "the flags below change its parts")
-    for flag, kind, text in (("--layers", int, "transformer blocks"), ("--hidden", int, "model width"),
-                             ("--heads", int, "attention heads"), ("--kv-heads", int, "key/value heads (GQA)"),
-                             ("--ffn", int, "MLP width (default 4 × hidden)"), ("--mlp", str, "gelu or swiglu"),
-                             ("--vocab", int, "vocabulary"), ("--experts", int, "routed experts per MoE block"),
-                             ("--top-k", int, "experts per token"), ("--expert-ffn", int, "an expert's MLP width")):
-        p.add_argument(flag, type=kind, default=None, help=f"shape: {text}")
-    p.add_argument("--framework", default=None,
+    for flag, text in (("--layers", "transformer blocks"), ("--hidden", "model width"), ("--heads", "attention heads"),
+                       ("--kv-heads", "key/value heads (GQA)"), ("--ffn", "MLP width (default 4 × hidden)"),
+                       ("--mlp", "gelu or swiglu"), ("--vocab", "vocabulary"),
+                       ("--experts", "routed experts per MoE block"), ("--top-k", "experts per token"),
+                       ("--expert-ffn", "an expert's MLP width")):
+        p.add_argument(flag, type=PART_KINDS[flag[2:].replace("-", "_")], default=None, help=f"shape: {text}")
+    p.add_argument("--framework", type=FRAMEWORK, default=None,
                    help="whose overlap of communication with compute to assume: megatron-core (default), "
                         "megatron-core-tp-overlap, megatron-2021, fsdp, ddp")
-    p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    p.add_argument("--gpu", default="h100", help="GPU kind from the table (gpucourse.gpus), e.g. h100, a100")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per server (tensor parallelism stays inside)")
-    p.add_argument("--batch-size", type=int, default=1024, help="global batch in sequences")
-    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
-    p.add_argument("--precision", default="bf16",
+    p.add_argument("--gpus", type=POSITIVE, required=True, help="number of GPUs")
+    p.add_argument("--gpu", type=GPU, default="h100", help="GPU kind from the table (gpucourse.gpus), e.g. h100, a100")
+    p.add_argument("--gpus-per-node", type=POSITIVE, default=8,
+                   help="GPUs per server (tensor parallelism stays inside)")
+    p.add_argument("--batch-size", type=POSITIVE, default=1024, help="global batch in sequences")
+    p.add_argument("--seq-len", type=POSITIVE, default=4096, help="tokens per sequence")
+    p.add_argument("--precision", type=Name(PLAN_PRECISIONS), default="bf16",
                    help="bf16 (with fp32 master weights), fp8 (fp8 matmuls, the rest as bf16) or fp32")
-    p.add_argument("--efficiency", type=float, default=None,
+    p.add_argument("--efficiency", type=EFFICIENCY, default=None,
                    help="time compute as this fraction of peak FLOP/s, spread evenly (default: kernel by kernel "
                         "on the model's shape)")
     p.add_argument("--serve", action="store_true",
                    help="plan serving instead of training: tp × pp layouts (replicas over the rest) ranked by modeled "
                         "output tokens per second under --tpot-ms, each at the largest batch that fits and meets it")
-    p.add_argument("--context", type=int, default=4096, help="with --serve: tokens each sequence holds (prompt + "
-                                                              "answer)")
-    p.add_argument("--tpot-ms", type=float, default=50.0, help="with --serve: the time-per-output-token target")
-    p.add_argument("--kv", default="bf16", help="with --serve: the KV cache's number format, bf16 or fp8")
-    p.add_argument("--print-config", metavar="TOOL", default=None,
+    p.add_argument("--context", type=POSITIVE, default=SERVE_CONTEXT,
+                   help=f"with --serve: tokens each sequence holds (prompt + answer; default {SERVE_CONTEXT})")
+    p.add_argument("--tpot-ms", type=POSITIVE_NUMBER, default=50.0,
+                   help="with --serve: the time-per-output-token target")
+    p.add_argument("--kv", type=FORMAT, default="bf16", help="with --serve: the KV cache's number format: bf16, fp8 or fp32")
+    p.add_argument("--print-config", type=Name(SERVE_TOOLS), metavar="TOOL", default=None,
                    help="with --serve: the fastest layout as vllm's engine arguments or trtllm's LLM API (what the "
                         "tool cannot express on stderr)")
     p.add_argument("--model-path", default=None,
@@ -327,7 +337,7 @@ def add_commands(sub) -> None:
     p.add_argument("--offload", action="store_true",
                    help="also try each layout with the optimizer on the CPU (ZeRO-Offload): GPU memory freed, PCIe "
                         "transfers and a CPU Adam step added")
-    p.add_argument("--top", type=int, default=10, help="rows to print")
+    p.add_argument("--top", type=POSITIVE, default=10, help="rows to print")
     p.add_argument("--explain", action="store_true",
                    help="each row's step as its parts (compute, recompute, bubble, each kind of communication, "
                         "optimizer) and its memory per GPU")
@@ -337,7 +347,7 @@ def add_commands(sub) -> None:
     p = sub.add_parser("batch-size", help="the largest microbatch that fits a memory budget",
                        description="Bisection: measured on CUDA, estimated on CPU against the budget.")
     add_layout_args(p)
-    p.add_argument("--budget-gb", type=float, default=None,
+    p.add_argument("--budget-gb", type=POSITIVE_NUMBER, default=None,
                    help="memory per rank, GiB (default: what a run can use on the smallest GPU here)")
     p.set_defaults(func=cmd_batch_size)
 
@@ -345,9 +355,10 @@ def add_commands(sub) -> None:
                        description="Lay a run's recorded work (train --json FILE) out on modeled GPUs: each "
                                    "forward and backward timed from its FLOPs, each collective by an alpha-beta "
                                    "model over the link it crosses (docs/modeled-timing.md).")
-    p.add_argument("run", metavar="RUN.json", help="a run saved with 'gpucourse train --json FILE'")
-    p.add_argument("--on", default="h100", help="GPU kind from the table (gpucourse.gpus): a100, h100, h200, b200, l4")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per server (default 8)")
-    p.add_argument("--nodes", type=int, default=None, help="servers (default: as many as the run's ranks need)")
+    p.add_argument("run", metavar="RUN.json", type=SAVED_RUN, help="a run saved with 'gpucourse train --json FILE'")
+    p.add_argument("--on", type=GPU, default="h100",
+                   help="GPU kind from the table (gpucourse.gpus): a100, h100, h200, b200, l4")
+    p.add_argument("--gpus-per-node", type=POSITIVE, default=8, help="GPUs per server (default 8)")
+    p.add_argument("--nodes", type=POSITIVE, default=None, help="servers (default: as many as the run's ranks need)")
     p.add_argument("--json", metavar="FILE", help="also write the modeled run as JSON")
     p.set_defaults(func=cmd_replay)
