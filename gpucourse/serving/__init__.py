@@ -4,6 +4,8 @@ Short lessons, each a file to read top to bottom:
 
 - ``kv_cache``: prefill and decode with a cache of keys and values, equal to recomputing the prefix;
 - ``paged``: the cache as blocks found through a block table, allocated as sequences grow;
+- ``prefix_cache``: full blocks named by their tokens and all before them, kept after a request and shared by the
+  next ones that start alike (a system prompt), with reference counts and least-recently-used eviction;
 - ``trace``: a seeded synthetic workload (Poisson arrivals, prompt and answer lengths);
 - ``scheduler``: continuous batching against static batching, on a measured or a modeled clock,
   read through ``metrics`` (time to first token, time per output token, throughput, goodput);

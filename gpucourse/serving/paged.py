@@ -73,6 +73,15 @@ class BlockAllocator:
         """Blocks held by sequences."""
         return self.num_blocks - len(self.free)
 
+    def admit(self, seq, tokens) -> int | None:
+        """Whether a new sequence's ``tokens`` fit the free blocks: the tokens of them already in memory, which it
+        need not compute (none here: a block is freed with its sequence; ``prefix_cache`` keeps them), or None."""
+        return 0 if self.can_grow(seq, len(tokens)) else None
+
+    def commit(self, seq, tokens) -> None:
+        """Hear that ``seq``'s first ``tokens`` are in the cache now: nothing to do here (``prefix_cache`` names
+        their full blocks, for later sequences to find)."""
+
 
 class PagedKVCache(Cache):
     """Keys and values in the blocks of a :class:`BlockAllocator`, read through each sequence's block table."""

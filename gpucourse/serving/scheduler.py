@@ -11,7 +11,8 @@ nothing is re-planned until the batch ends.
   generated (decode). Prefill and decode are one thing here — feed the tokens not yet cached; when a
   sequence's tokens are all cached, the logits of its last one give its next token;
 - a sequence finishes at its end token or at ``max_new_tokens``, and its KV blocks go back at once;
-- waiting requests are admitted, first come first served, when the free KV blocks hold their prompt;
+- waiting requests are admitted, first come first served, when the free KV blocks hold their prompt — less the
+  blocks of it a prefix cache holds already (``prefix_cache``), whose tokens it then need not feed;
 - KV blocks are taken as sequences grow (``paged``). When a running sequence needs a block and none is
   free, the youngest running sequence is **preempted by recompute**: its blocks are freed and it goes back
   to the front of the queue, keeping the tokens it has generated; readmitted, it prefills them all again;
@@ -116,11 +117,13 @@ class Scheduler:
         # Admit only in an iteration that preempted nobody: what was just freed is what the running need.
         while not preempted and self.waiting and budget > 0:
             seq = self.waiting[0]
-            if not self.blocks.can_grow(seq.request.id, len(seq.tokens)):
+            cached = self.blocks.admit(seq.request.id, seq.tokens)  # tokens a prefix cache holds already, if any
+            if cached is None:
                 break  # first come, first served: nobody overtakes the request at the front
             self.running.append(self.waiting.popleft())
-            n = min(len(seq.tokens), budget)
-            self.blocks.grow(seq.request.id, n)
+            seq.cached = cached
+            n = min(len(seq.tokens) - seq.cached, budget)
+            self.blocks.grow(seq.request.id, seq.cached + n)
             work.append((seq, n))
             budget -= n
         return work
@@ -135,6 +138,7 @@ class Scheduler:
     def advance(self, seq: Sequence, fed: int, token: int | None, now: float) -> None:
         """After an iteration: ``fed`` tokens of ``seq`` are cached, and ``token`` is its next, if it made one."""
         seq.cached += fed
+        self.blocks.commit(seq.request.id, seq.tokens[:seq.cached])
         if token is None:
             return
         seq.tokens.append(token)
