@@ -61,8 +61,10 @@ _INET_DIAG_INFO = 2
 _NLMSG = struct.Struct("=IHHII")
 _MESSAGE = struct.Struct("=BBBB2H16s16sIQ5I")  # inet_diag_msg (its socket id: ports, addresses, interface, cookie)
 _ATTR = struct.Struct("=HH")
-# struct tcp_info: bytes_received (u64) at offset 128 (Linux 4.6 on), bytes_sent (u64) at 200 (Linux 4.19 on).
-_RECEIVED_AT, _SENT_AT = 128, 200
+# struct tcp_info: bytes_received (u64) at offset 128 (Linux 4.6 on), bytes_sent and bytes_retrans (u64) at 200
+# and 208 (Linux 4.19 on). A segment sent again (a spurious retransmission, on a loaded machine, even on loopback)
+# counts twice in bytes_sent: the bytes that left once are bytes_sent - bytes_retrans.
+_RECEIVED_AT, _SENT_AT, _RETRANS_AT = 128, 200, 208
 _U64 = struct.Struct("=Q")
 # Every state a connection that carried data can be in (ESTABLISHED to CLOSING), not LISTEN nor TIME_WAIT.
 _STATES = sum(1 << s for s in (1, 2, 3, 4, 5, 7, 8, 9, 11))
@@ -125,9 +127,9 @@ def _parse(msg: bytes) -> tuple:
         length, kind = _ATTR.unpack_from(msg, at)
         if length < _ATTR.size:
             break
-        if kind == _INET_DIAG_INFO and length - _ATTR.size >= _SENT_AT + _U64.size:
-            info = at + _ATTR.size
-            sent, received = _U64.unpack_from(msg, info + _SENT_AT)[0], _U64.unpack_from(msg, info + _RECEIVED_AT)[0]
+        if kind == _INET_DIAG_INFO and length - _ATTR.size >= _RETRANS_AT + _U64.size:
+            field = (lambda offset: _U64.unpack_from(msg, at + _ATTR.size + offset)[0])
+            sent, received = field(_SENT_AT) - field(_RETRANS_AT), field(_RECEIVED_AT)
         at += (length + 3) & ~3
     return inode, local, remote, sent, received
 
