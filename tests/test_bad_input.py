@@ -180,3 +180,100 @@ def test_memory_serve_defaults_to_bf16_weights_and_a_serving_context(capsys):
     helps = {a.dest: a.help for a in cli.build_parser()._subparsers._group_actions[0].choices["memory"]._actions}
     assert "(default fp32)" in helps["precision"] and "(default bf16)" in helps["precision"]
     assert "(default 64)" in helps["seq_len"] and "(default 4096" in helps["seq_len"]
+
+
+# --- serve-bench ------------------------------------------------------------------------------------------------------
+
+def _trace(tmp_path, requests, name="trace.json") -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(requests))
+    return str(path)
+
+
+def _request(**changed) -> dict:
+    return {"id": 0, "arrival_s": 0.0, "prompt": [1, 2, 3], "max_new_tokens": 4, **changed}
+
+
+@pytest.mark.parametrize("clock", ["modeled", "wall"])
+def test_a_request_that_asks_for_no_token_is_refused(tmp_path, capsys, clock):
+    """max_new_tokens 0: a RuntimeError on the modeled clock ("planned nothing"), an IndexError on the wall clock."""
+    path = _trace(tmp_path, [_request(max_new_tokens=0)])
+    assert refused(capsys, ["serve-bench", "--trace", path, "--clock", clock, "--quiet"]) == \
+        f"--trace {path} is not a request trace: request 0's max_new_tokens=0 must be at least 1."
+
+
+def test_a_token_outside_the_vocabulary_is_refused_before_the_model_sees_it(tmp_path, capsys):
+    path = _trace(tmp_path, [_request(prompt=[1, 2000])])
+    assert refused(capsys, ["serve-bench", "--trace", path, "--clock", "wall", "--quiet"]) == \
+        "request 0's prompt holds token 2000, outside the model's vocabulary of 64 (token ids 0 to 63)."
+
+
+def test_an_empty_trace_is_refused(tmp_path, capsys):
+    from gpucourse.serving import simulate
+
+    path = _trace(tmp_path, [])
+    assert refused(capsys, ["serve-bench", "--trace", path]).endswith(
+        "is not a request trace: a trace is a JSON list of one or more requests; this one is empty.")
+    with pytest.raises(ValueError, match="the trace holds no requests"):
+        simulate([], 8, 16)
+
+
+def test_generated_lengths_go_from_the_smaller_to_the_larger(capsys):
+    from gpucourse.serving import poisson_trace
+
+    assert refused(capsys, ["serve-bench", "--prompt-lens", "64", "16"]) == \
+        "--prompt-lens 64 16 must go from the smaller to the larger."
+    with pytest.raises(ConfigError, match=r"prompt_lens=\(64, 16\) must go from the smaller to the larger"):
+        poisson_trace(4, 1.0, (64, 16), (8, 48))
+
+
+def test_answers_of_no_token_are_refused(capsys):
+    """--output-lens 0 0: every request finished before its first token, and the scheduler planned nothing."""
+    assert refused(capsys, ["serve-bench", "--output-lens", "0", "0"]) == "--output-lens 0 must be at least 1."
+
+
+def test_bursts_of_no_request_are_refused(capsys):
+    """--burst 0 divided by zero."""
+    from gpucourse.serving import poisson_trace
+
+    assert refused(capsys, ["serve-bench", "--burst", "0"]) == "--burst 0 must be at least 1."
+    with pytest.raises(ConfigError, match="burst=0 must be at least 1"):
+        poisson_trace(4, 1.0, (1, 2), (1, 2), burst=0)
+
+
+def test_an_arrival_that_is_no_time_is_refused_instead_of_served_for_ever(tmp_path, capsys):
+    """An arrival_s of NaN is never <= the clock: the request waited for ever, and the command never ended."""
+    from gpucourse.serving import Request
+
+    path = tmp_path / "nan.json"
+    path.write_text('[{"id": 0, "arrival_s": NaN, "prompt": [1], "max_new_tokens": 2}]')
+    assert refused(capsys, ["serve-bench", "--trace", str(path)]).endswith(
+        "request 0's arrival_s=nan must be a finite number of at least 0.")
+    for arrival in (math.nan, math.inf, -1.0):
+        with pytest.raises(ConfigError, match="arrival_s"):
+            Request(0, arrival, (1,), 2)
+
+
+def test_serve_bench_has_no_tp_flag_to_take_for_tpot_ms(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve-bench", "--tp", "3"])
+    assert "--tp is not a flag of gpucourse serve-bench; the nearest: --tpot-ms" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("clock", ["modeled", "wall"])
+def test_the_modeled_clock_holds_requests_to_the_models_context_as_the_wall_clock_does(tmp_path, capsys, clock):
+    """The modeled clock served a 200-token prompt for a 128-token model, and an empty prompt."""
+    long = _trace(tmp_path, [_request(prompt=[1] * 200)], "long.json")
+    assert refused(capsys, ["serve-bench", "--trace", long, "--clock", clock, "--quiet"]) == \
+        "request 0 of 200 tokens is longer than the model's context of 128 tokens (block_size)."
+    empty = _trace(tmp_path, [_request(prompt=[])], "empty.json")
+    assert refused(capsys, ["serve-bench", "--trace", empty, "--clock", clock]).endswith(
+        "request 0's prompt must be a list of at least one token id (a model continues a prompt).")
+
+
+def test_a_trace_of_one_token_answers_reports_its_kv_memory(tmp_path, capsys):
+    """Found by the fuzzer: every request done in its first iteration left no KV slot held, and the waste shares
+    divided 0 by 0."""
+    path = _trace(tmp_path, [_request(max_new_tokens=1)])
+    assert cli.main(["serve-bench", "--trace", path, "--quiet"]) == 0
+    assert "0.0% of paged slots empty" in capsys.readouterr().out

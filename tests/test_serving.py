@@ -279,10 +279,10 @@ def test_a_trace_saves_loads_and_refuses_what_is_not_one(tmp_path):
     save_trace(path, trace)
     assert load_trace(path) == trace and os.listdir(tmp_path) == ["trace.json"]
     path.write_text('[{"id": 0, "arrival_s": 0.0,')
-    with pytest.raises(ValueError, match=r"trace.json is not a request trace: Expecting .* at line 1\.$"):
+    with pytest.raises(ValueError, match=r"trace.json is not a request trace: it is not JSON \(Expecting .* at line 1\)\.$"):
         load_trace(path)
     path.write_text(json.dumps([{**dataclasses.asdict(trace[0]), "prompt": None}]))
-    with pytest.raises(ValueError, match="is not a request trace: each request needs id, arrival_s, prompt"):
+    with pytest.raises(ValueError, match="is not a request trace: request 0's prompt must be a list of token ids"):
         load_trace(path)
 
 
@@ -322,7 +322,7 @@ def test_serve_bench_from_the_command_line(tmp_path, capsys):
     assert "3 requests, continuous batching" in capsys.readouterr().out
     for argv, says in ((["--static", "--token-budget", "8"], "static batching feeds whole prompts"),
                        (["--blocks", "2"], "more than the whole budget of 2"),
-                       (["--trace", str(tmp_path / "none.json")], "cannot read the trace"),
+                       (["--trace", str(tmp_path / "none.json")], "none.json does not exist; give a request trace"),
                        (["--model", "huge"], "--model 'huge' is not one of")):
         assert main(["serve-bench", *argv]) == 2
         assert says in capsys.readouterr().err

@@ -3,33 +3,31 @@ a summary — the course model decoding on this machine, or the modeled clock of
 
 from __future__ import annotations
 
+from ..model import MODELS
+from ..serving.trace import parse_trace
+from ..values import POSITIVE, POSITIVE_NUMBER, SEED, Name, ReadableFile, ordered
 from .common import ProgressBar, UsageError, check_writable, write_json
+
+TRACE = ReadableFile(parse_trace, "a request trace")
 
 
 def cmd_serve_bench(args) -> int:
-    from ..model import MODELS, build_model
-    from ..serving import BlockAllocator, LinearCost, ModelRunner, Scheduler, Simulated, load_trace, poisson_trace
+    from ..model import build_model
+    from ..serving import BlockAllocator, LinearCost, ModelRunner, Scheduler, Simulated, poisson_trace
     from ..serving import serve, wall_clock
 
     if args.json:
         check_writable(args.json, "--json")
-    if args.model not in MODELS:
-        raise UsageError(f"--model {args.model!r} is not one of {', '.join(MODELS)}.")
-    for flag, value in (("--requests", args.requests), ("--blocks", args.blocks), ("--block-size", args.block_size)):
-        if value < 1:
-            raise UsageError(f"{flag} {value} must be at least 1.")
-    if not args.rate > 0 or not args.tpot_ms > 0 or not args.ttft_s > 0:
-        raise UsageError("--rate, --ttft-s and --tpot-ms must be positive.")
     cfg = MODELS[args.model]
     if args.trace:
-        try:
-            trace = load_trace(args.trace)
-        except OSError as e:
-            raise UsageError(f"cannot read the trace {args.trace}: {e.strerror}.") from None
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        trace = args.trace  # read and checked as the flag was parsed
     else:
-        prompt = (args.prompt_lens[0], min(args.prompt_lens[1], cfg.block_size // 2))
+        low, high = ordered(args.prompt_lens, "--prompt-lens")
+        ordered(args.output_lens, "--output-lens")
+        prompt = (low, min(high, cfg.block_size // 2))
+        if low > prompt[1]:
+            raise UsageError(f"--prompt-lens {low} {high}: a generated prompt holds at most half the context of "
+                             f"model {args.model!r}, {prompt[1]} of its {cfg.block_size} tokens.")
         trace = poisson_trace(args.requests, args.rate, prompt, tuple(args.output_lens), burst=args.burst,
                               vocab_size=cfg.vocab_size, seed=args.seed)
     try:
@@ -40,7 +38,7 @@ def cmd_serve_bench(args) -> int:
     if args.clock == "wall":  # the course model really decodes, timed on this machine
         runner, clock = ModelRunner(build_model(cfg, args.seed), scheduler.blocks), wall_clock
     else:  # no model: the schedule alone, each iteration's seconds modeled
-        runner, clock = Simulated(eos=-1), LinearCost()
+        runner, clock = Simulated(eos=-1, cfg=cfg), LinearCost()  # the requests must fit the model's context
     on_iteration = None if args.quiet else _finished_bar(ProgressBar(unit="request"))
     try:
         report = serve(trace, scheduler, runner, clock, on_iteration)
@@ -82,25 +80,26 @@ def add_commands(sub) -> None:
                                            "TTFT, TPOT, goodput",
                        description="A seeded Poisson trace (or --trace FILE, as gpucourse.serving.save_trace writes "
                                    "it) through the iteration-level scheduler and a paged KV cache.")
-    p.add_argument("--trace", help="a JSON trace file instead of the generated one")
-    p.add_argument("--requests", type=int, default=64, help="requests in the generated trace")
-    p.add_argument("--rate", type=float, default=4.0, help="arrivals a second (Poisson)")
-    p.add_argument("--burst", type=int, default=1, help="requests arriving together")
-    p.add_argument("--prompt-lens", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"),
+    p.add_argument("--trace", type=TRACE, help="a JSON trace file instead of the generated one")
+    p.add_argument("--requests", type=POSITIVE, default=64, help="requests in the generated trace")
+    p.add_argument("--rate", type=POSITIVE_NUMBER, default=4.0, help="arrivals a second (Poisson)")
+    p.add_argument("--burst", type=POSITIVE, default=1, help="requests arriving together")
+    p.add_argument("--prompt-lens", type=POSITIVE, nargs=2, default=(16, 64), metavar=("MIN", "MAX"),
                    help="prompt lengths, uniform (at most half the model's context)")
-    p.add_argument("--output-lens", type=int, nargs=2, default=(8, 48), metavar=("MIN", "MAX"),
+    p.add_argument("--output-lens", type=POSITIVE, nargs=2, default=(8, 48), metavar=("MIN", "MAX"),
                    help="answer lengths, uniform; the largest is every request's max_new_tokens")
-    p.add_argument("--seed", type=int, default=0, help="the trace's (and the model's) seed")
-    p.add_argument("--model", default="tiny", help="the course model that decodes with --clock wall")
+    p.add_argument("--seed", type=SEED, default=0, help="the trace's (and the model's) seed")
+    p.add_argument("--model", type=Name(MODELS), default="tiny",
+                   help="the course model: it decodes with --clock wall, and its context bounds every request")
     p.add_argument("--clock", choices=("modeled", "wall"), default="modeled",
                    help="modeled: no model, each iteration's seconds from a 7 B model on one H100; wall: the model "
                         "decodes here and this machine's clock times it")
-    p.add_argument("--blocks", type=int, default=64, help="KV blocks in the pool")
-    p.add_argument("--block-size", type=int, default=16, help="tokens a KV block holds")
+    p.add_argument("--blocks", type=POSITIVE, default=64, help="KV blocks in the pool")
+    p.add_argument("--block-size", type=POSITIVE, default=16, help="tokens a KV block holds")
     p.add_argument("--static", action="store_true", help="static batching instead of continuous")
-    p.add_argument("--token-budget", type=int, default=None, help="chunked prefill: tokens an iteration feeds")
-    p.add_argument("--ttft-s", type=float, default=2.0, help="goodput's time-to-first-token target")
-    p.add_argument("--tpot-ms", type=float, default=50.0, help="goodput's time-per-output-token target")
+    p.add_argument("--token-budget", type=POSITIVE, default=None, help="chunked prefill: tokens an iteration feeds")
+    p.add_argument("--ttft-s", type=POSITIVE_NUMBER, default=2.0, help="goodput's time-to-first-token target")
+    p.add_argument("--tpot-ms", type=POSITIVE_NUMBER, default=50.0, help="goodput's time-per-output-token target")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", metavar="FILE", help="write the summary as JSON")
     p.set_defaults(func=cmd_serve_bench)

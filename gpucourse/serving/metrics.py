@@ -66,8 +66,9 @@ class Report:
         used = sum(sum(it.held) for it in self.iterations)
         paged = sum(-(-h // self.block_size) * self.block_size for it in self.iterations for h in it.held)
         reserved = sum(sum(it.longest) for it in self.iterations)
-        return {"used_slots": used, "paged_slots": paged, "max_length_slots": reserved,
-                "paged_waste": 1 - used / paged, "max_length_waste": 1 - used / reserved}
+        return {"used_slots": used, "paged_slots": paged, "max_length_slots": reserved,  # none held: none wasted
+                "paged_waste": 1 - used / paged if paged else 0.0,
+                "max_length_waste": 1 - used / reserved if reserved else 0.0}
 
     def summary(self, ttft_s: float, tpot_s: float) -> dict:
         """The numbers of a run, with goodput under the targets given."""

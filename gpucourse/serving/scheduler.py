@@ -159,8 +159,12 @@ class ModelRunner:
         self.model, self.cache = model, PagedKVCache(model.cfg, blocks, dtype=weight.dtype, device=weight.device)
 
     def check(self, request: Request) -> None:
-        """Refuse a request the model's context cannot hold."""
-        check_fits(self.model.cfg, len(request.prompt), request.max_new_tokens, f"request {request.id}")
+        """Refuse a request the model's context or vocabulary cannot hold."""
+        cfg = self.model.cfg
+        check_fits(cfg, len(request.prompt), request.max_new_tokens, f"request {request.id}")
+        if max(request.prompt) >= cfg.vocab_size:
+            raise ValueError(f"request {request.id}'s prompt holds token {max(request.prompt)}, outside the model's "
+                             f"vocabulary of {cfg.vocab_size} (token ids 0 to {cfg.vocab_size - 1}).")
 
     def __call__(self, work):
         chunks = [(seq.request.id, seq.cached, seq.tokens[seq.cached:seq.cached + n]) for seq, n in work]
@@ -170,13 +174,17 @@ class ModelRunner:
 
 
 class Simulated:
-    """No model: a sequence whose tokens are all fed makes token ``eos + 1``, or ``eos`` at its ``output_len``."""
+    """No model: a sequence whose tokens are all fed makes token ``eos + 1``, or ``eos`` at its ``output_len``.
+    ``cfg``: the model whose context a request must fit, as :class:`ModelRunner` would refuse it (None: any
+    length)."""
 
-    def __init__(self, eos: int):
-        self.eos = eos
+    def __init__(self, eos: int, cfg=None):
+        self.eos, self.cfg = eos, cfg
 
     def check(self, request: Request) -> None:
-        """Any request fits: there is no model to refuse it."""
+        """Refuse a request longer than ``cfg``'s context; without ``cfg`` any request fits."""
+        if self.cfg is not None:
+            check_fits(self.cfg, len(request.prompt), request.max_new_tokens, f"request {request.id}")
 
     def __call__(self, work):
         return [None if seq.cached + n < len(seq.tokens)
@@ -222,6 +230,8 @@ def serve(trace: list[Request], scheduler: Scheduler, runner, clock=wall_clock, 
     the runner makes its tokens and the clock says how long it took (``clock(work, run)`` calls ``run()`` and
     returns its seconds and tokens). Bad requests are refused before anything runs. ``on_iteration(finished,
     requests, now_s)``, if given, hears after every iteration how many requests have finished."""
+    if not trace:
+        raise ValueError("the trace holds no requests: there is nothing to serve.")
     if len({r.id for r in trace}) < len(trace):
         raise ValueError("every request of a trace needs an id of its own; some ids repeat.")
     for request in trace:
