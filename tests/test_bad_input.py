@@ -277,3 +277,26 @@ def test_a_trace_of_one_token_answers_reports_its_kv_memory(tmp_path, capsys):
     path = _trace(tmp_path, [_request(max_new_tokens=1)])
     assert cli.main(["serve-bench", "--trace", path, "--quiet"]) == 0
     assert "0.0% of paged slots empty" in capsys.readouterr().out
+
+
+# --- parallel decode ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["tp", "dp"])
+def test_parallel_decode_runs_without_a_recorder(kind):
+    """decode(model, layout, prompts, n) with its default rec=None raised a TypeError for tp and dp: its forward
+    pre-hook returned True, which replaced the model's input."""
+    import torch
+    import torch.distributed as dist
+
+    from gpucourse.model import MODELS, build_model
+    from gpucourse.serving import generate
+    from gpucourse.serving.parallel_decode import Layout, decode
+
+    prompts = [[1, 2, 3], [4, 5]]
+    want = generate(build_model(MODELS["tiny"], 0), prompts, 4)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        got = decode(build_model(MODELS["tiny"], 0), Layout(kind, 1), prompts, 4)
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(got, want)

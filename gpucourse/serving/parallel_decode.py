@@ -160,7 +160,12 @@ def decode(model: GPT, layout: Layout, prompts: list[list[int]], new_tokens: int
     if layout.kind == "tp":
         heads = kv_heads_per_rank(model.cfg.n_head, layout.n)
     steps = iter(range(new_tokens))  # generate runs the model once a step
-    hook = model.register_forward_pre_hook(lambda *_: rec is None or setattr(rec, "step", next(steps)))
+
+    def count_step(*_):  # a pre-hook that returns anything but None replaces the model's input: return nothing
+        if rec is not None:
+            rec.step = next(steps)
+
+    hook = model.register_forward_pre_hook(count_step)
     with counting:
         tokens = generate(model, [prompts[r] for r in rows], new_tokens, heads=heads)
     hook.remove()
