@@ -49,12 +49,13 @@ def test_the_server_asks_for_its_token(course):
 
 
 def test_first_check_answers_in_notebook_01(course):
-    """The first thing a learner is graded on: check("ex01") on the untouched stub shows 0/10 and its hints."""
+    """The first thing a learner is graded on: check("ex01") on the untouched stub shows 0/10 and the hint ladder's
+    first rung: the idea the exercise tests, and when the fixes show."""
     server, browser = course
     found = lab.first_check(server, browser)
     text = found["text"]
     assert "ex01_ring_allreduce" in text and "0 / 10" in text, text[:2000]
-    assert "hint" in text, text[:2000]
+    assert "the idea:" in text and "each check's fix from try 4" in text, text[:2000]
     print(f"first_check_s {found['seconds']:.1f} (the cell itself {found['cell_s']:.1f} s)")
 
 

@@ -165,11 +165,11 @@ def test_the_class_report_asks_the_instructor_to_see_to_broken_grading(tmp_path,
     text = report.format_report(found)
     assert f"grading broken for seat02: ex02_data_parallel: {HOST_DIED}" in " ".join(text.split())
     assert "score (of the whole course)" in text and f"10/{seats['seat01']['max_score']}" in text
-    assert "ex02_data_parallel (3 tries)" not in text.split("seat03")[0]  # seat02's row: not stuck
+    assert "ex02_data_parallel (3 tries; sees where it is taught)" not in text.split("seat03")[0]  # seat02: not stuck
     assert "GPU use: no GPU visible" in text and "NVMLError" not in text
     page = html.unescape(dashboard.render(found, report.course_exercises()))
     assert f"grading broken for seat02: ex02_data_parallel: {HOST_DIED}" in page and "NVMLError" not in page
-    assert page.count("(3 tries)") == 1  # seat03 alone is stuck
+    assert page.count("(3 tries; sees where it is taught)") == 1  # seat03 alone is stuck
 
 
 def test_collect_names_what_it_could_not_grade_and_writes_no_grade(tmp_path, capsys, broken_python):

@@ -360,6 +360,37 @@ def test_the_terminal_shows_the_checks_of_a_file_that_raises_nothing():
         {"folder": "x", "seed": 1, "score": 0, "max_score": 10, "exercises": [stub]})
 
 
+def test_hints_climb_a_ladder_with_the_learners_tries(tmp_path, monkeypatch):
+    """First try: what was seen and the idea, no fix; from the second, where the notebook teaches it; from the
+    fourth, each check's fix. The tries come from the learner's progress file; the instructor's view has them all."""
+    from gpucourse import progress
+
+    for ex in grading.exercises().values():  # every exercise has both rungs, and neither is one of its fixes
+        assert ex.concept and ex.section and not any(c.hint in ex.concept for c in ex.checks), ex.module
+    ex = grading.find_exercise("ex02")
+    checks = [{"name": c.name, "points": 0, "max_points": c.points, "status": "failed", "message": f"saw {i}",
+               "hint": c.hint, "world_size": c.world_size} for i, c in enumerate(ex.checks)]
+    result = {"folder": "x", "seed": 1, "score": 0, "max_score": 10, "exercises": [
+        {"exercise": "ex02", "module": ex.module, "title": ex.title, "notebook": ex.notebook, "score": 0,
+         "max_score": 10, "error": None, "checks": checks, "seed": 1, "time_s": 1.0, "output": "",
+         "concept": ex.concept, "section": ex.section}]}
+    fixes = [c.hint for c in ex.checks]
+    for attempt, (section, fix) in {1: (False, False), 2: (True, False), 3: (True, False), 4: (True, True),
+                                    9: (True, True)}.items():
+        for text in (report.text_report(result, tries={ex.module: attempt}),
+                     report.html_report(result, tries={ex.module: attempt})):
+            flat = " ".join(text.replace("&#x27;", "'").split())
+            assert "saw 0" in flat and " ".join(ex.concept.split()) in flat, (attempt, flat)
+            assert (" ".join(ex.section.split()) in flat) == section, (attempt, flat)
+            assert all((" ".join(h.split()) in flat) == fix for h in fixes), (attempt, flat)
+    assert all(" ".join(h.split()) in " ".join(report.text_report(result).split()) for h in fixes)
+    # The tries: this grading's, counted from the attempts the progress file holds before it is recorded.
+    assert runner.tries(result) == {ex.module: 1}
+    for _ in range(3):
+        progress.record_exercise(ex.module, 0, 10, [])
+    assert runner.tries(result) == {ex.module: 4}
+
+
 def test_hostile_code_becomes_failed_checks(marked):
     """sys.exit, an exception on one rank, os._exit (on a rank of two and on a rank alone), a hang in a
     receive, an endless loop, megabytes of output and too much memory: each a failed check with its

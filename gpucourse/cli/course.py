@@ -97,7 +97,9 @@ def cmd_grade(args) -> int:
     if args.json:
         check_writable(args.json, "--json")
     result = runner.grade(folder, args.exercises or None, **common)
-    print(report.text_report(result))  # where the grader could not run, its first line says so and why
+    # Your own exercises/: the hints climb a rung with your tries (report.LADDER); another folder shows them all.
+    # Where the grader could not run, the first line says so and why.
+    print(report.text_report(result, tries=runner.tries(result) if args.path is None else None))
     if args.path is None:  # your own exercises/: the scores go to your progress file
         note = runner.record_progress(result)
         if note:

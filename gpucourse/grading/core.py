@@ -69,6 +69,10 @@ class Exercise:
     # Modules its ranks import anyway (an optimizer's step imports torch._dynamo, a second and more of CPU): the
     # sandbox imports them once, before it forks a batch's ranks, instead of each rank paying (see sandbox.main).
     rank_imports: tuple[str, ...] = ()
+    # The hint ladder's first two rungs (gpucourse.grading.report.LADDER): the idea the checks test, named without
+    # the fix, and where the notebook teaches it. Each check's own hint is the last rung: the fix.
+    concept: str = ""
+    section: str = ""
 
     @property
     def id(self) -> str:

@@ -9,7 +9,7 @@ save, check again.
 from __future__ import annotations
 
 from .report import html_report, text_report
-from .runner import DEFAULT_TIMEOUT_S, grade, record_progress, stop_all
+from .runner import DEFAULT_TIMEOUT_S, grade, record_progress, stop_all, tries
 
 
 def check(exercise: str, path=None, *, timeout: float = DEFAULT_TIMEOUT_S, seed: int | None = None) -> None:
@@ -27,6 +27,8 @@ def check(exercise: str, path=None, *, timeout: float = DEFAULT_TIMEOUT_S, seed:
     except KeyboardInterrupt:
         stop_all()
         raise
+    # Your own exercises: the hints climb a rung with your tries (report.LADDER); another folder shows them all.
+    attempt = tries(result) if path is None else None
     note = record_progress(result) if path is None else ""
     try:
         from IPython import get_ipython
@@ -34,6 +36,6 @@ def check(exercise: str, path=None, *, timeout: float = DEFAULT_TIMEOUT_S, seed:
     except ImportError:
         get_ipython = None
     if get_ipython is not None and get_ipython() is not None:
-        display(HTML(html_report(result) + (f"<p><i>{note}</i></p>" if note else "")))
+        display(HTML(html_report(result, attempt) + (f"<p><i>{note}</i></p>" if note else "")))
     else:
-        print(text_report(result, show_passed=True) + (f"\n{note}" if note else ""))
+        print(text_report(result, show_passed=True, tries=attempt) + (f"\n{note}" if note else ""))

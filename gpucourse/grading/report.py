@@ -52,8 +52,37 @@ def _grader_lines(result: dict) -> list[tuple[str, str]]:
     return [(", ".join(modules), why) for why, modules in by_why.items()]
 
 
-def text_report(result: dict, show_passed: bool = False) -> str:
-    """The terminal table: one line per exercise, and under it each failing check, what was seen, and a hint."""
+# A hint ladder, as tutoring systems give one: a failed check first shows what was seen and the idea the exercise
+# tests; from the learner's second try at the exercise, also where the notebook teaches it; from the fourth, the
+# fix (each check's hint). The try from which each rung shows:
+LADDER = {"section": 2, "fix": 4}
+
+
+def rungs(ex: dict, tries: dict | None) -> tuple[bool, bool]:
+    """(show where it is taught, show the fix) for exercise result ``ex`` at ``tries`` (module -> this grading's
+    try, 1 for the first); None is the instructor's view: everything."""
+    if tries is None:
+        return True, True
+    n = tries.get(ex["module"], 1)
+    return n >= LADDER["section"], n >= LADDER["fix"]
+
+
+def ladder_lines(ex: dict, tries: dict | None) -> tuple[list[str], bool]:
+    """What an exercise with a failed check says under its checks, by rung, and whether each check's fix shows."""
+    section, fix = rungs(ex, tries)
+    lines = [f"the idea: {ex['concept']}"] if ex.get("concept") else []
+    if section and ex.get("section"):
+        lines.append(f"where it is taught: {ex['section']} of {ex['notebook']}")
+    if tries is not None and not fix:
+        later = ([f"where it is taught from try {LADDER['section']}"] if not section else []) + \
+            [f"each check's fix from try {LADDER['fix']}"]
+        lines.append(f"(this was try {tries.get(ex['module'], 1)}; {' and '.join(later)})")
+    return lines, fix
+
+
+def text_report(result: dict, show_passed: bool = False, tries: dict | None = None) -> str:
+    """The terminal table: one line per exercise, and under it each failing check and what was seen, with the hint
+    ladder's rungs for ``tries`` (module -> this grading's try at it; None: every rung, the instructor's view)."""
     rows = [f"the grader could not run ({modules} not graded): {why} — not your code; tell the instructor"
             for modules, why in _grader_lines(result)] + [f"warning: {w}" for w in warnings(result)] + \
         [f"graded {result['folder']}  (seed {result['seed']})", ""]
@@ -71,6 +100,7 @@ def text_report(result: dict, show_passed: bool = False) -> str:
             rows.append(f"    not written yet: every function still raises NotImplementedError "
                         f"({ex['notebook']} teaches it)")
             continue
+        ladder, fix = ladder_lines(ex, tries)
         for c in ex["checks"]:
             if c["status"] == "passed":
                 if show_passed:
@@ -78,7 +108,10 @@ def text_report(result: dict, show_passed: bool = False) -> str:
                 continue
             rows.append(f"  FAIL {c['name']} (0/{c['max_points']})")
             rows.append(_indent(c["message"], "         "))
-            rows.append(_indent("hint: " + c["hint"], "         "))
+            if fix:
+                rows.append(_indent("hint: " + c["hint"], "         "))
+        if ex["score"] < ex["max_score"]:
+            rows += [_indent(line, "    ") for line in ladder]
     failures = grader_failures(result)
     graded = len(result["exercises"]) - len(failures)
     rows += ["", f"{'total':<{width}}  " + ("not graded" if failures and not graded else
@@ -89,8 +122,9 @@ def text_report(result: dict, show_passed: bool = False) -> str:
     return "\n".join(rows)
 
 
-def html_report(result: dict) -> str:
-    """The notebook summary: per exercise, each check passed or failed, what was seen, the hint, the score."""
+def html_report(result: dict, tries: dict | None = None) -> str:
+    """The notebook summary: per exercise, each check passed or failed, what was seen, the hint ladder's rungs for
+    ``tries`` (as :func:`text_report`), the score."""
     esc = html.escape
     parts = ['<div class="gpucourse-grade" style="font-family: sans-serif; line-height: 1.4">']
     parts += [f'<div style="color: #b31d28"><b>the grader could not run</b> ({esc(modules)} not graded): '
@@ -111,10 +145,11 @@ def html_report(result: dict) -> str:
             parts.append(f'<pre style="white-space: pre-wrap; color: #b31d28">{esc(ex["error"])}</pre>')
             continue
         parts.append('<table style="border-collapse: collapse">')
+        ladder, fix = ladder_lines(ex, tries)
         for c in ex["checks"]:
             ok = c["status"] == "passed"
-            detail = "" if ok else (f'<div>{esc(c["message"])}</div>'
-                                    f'<div style="color: #555"><b>hint:</b> {esc(c["hint"])}</div>')
+            detail = "" if ok else (f'<div>{esc(c["message"])}</div>' + (
+                f'<div style="color: #555"><b>hint:</b> {esc(c["hint"])}</div>' if fix else ""))
             parts.append(
                 f'<tr style="vertical-align: top; border-top: 1px solid #ddd">'
                 f'<td style="padding: 2px 8px; color: {"#1a7f37" if ok else "#b31d28"}">{"✔" if ok else "✘"}</td>'
@@ -122,6 +157,7 @@ def html_report(result: dict) -> str:
                 f'<td style="padding: 2px 8px; white-space: nowrap">{c["points"]} / {c["max_points"]}</td></tr>')
         parts.append("</table>")
         if not full:
+            parts += [f'<div style="color: #555">{esc(line)}</div>' for line in ladder]
             parts.append(f'<div style="color: #555; font-size: 90%">taught in {esc(ex["notebook"])}; '
                          f'seed {ex["seed"]}</div>')
     parts.append("</div>")

@@ -3,6 +3,7 @@
 An exercise's result is a plain dict (it travels as JSON)::
 
     {"exercise": "ex01", "module": "ex01_ring_allreduce", "title": ..., "notebook": ...,
+     "concept": "the idea the checks test", "section": "where the notebook teaches it",
      "score": 7, "max_score": 10, "error": None | "why the whole exercise scored 0",
      "seed": 1234, "time_s": 4.2, "output": "what its code printed (head and tail)",
      "checks": [{"name", "points", "max_points", "status": "passed" | "failed",
@@ -36,7 +37,7 @@ def static_result(ex: core.Exercise, problem: str, seed: int, time_s: float) -> 
                "hint": c.hint, "world_size": c.world_size} for c in ex.checks]
     return {"exercise": ex.id, "module": ex.module, "title": ex.title, "notebook": ex.notebook, "score": 0,
             "max_score": ex.max_score, "error": problem, "checks": checks, "seed": seed,
-            "time_s": round(time_s, 3), "output": ""}
+            "time_s": round(time_s, 3), "output": "", "concept": ex.concept, "section": ex.section}
 
 
 def grader_failed(exercises: list[str], why: str, seed: int = 0) -> list[dict]:

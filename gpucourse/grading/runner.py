@@ -238,6 +238,19 @@ def _host_failure(work: str, returncode: int | None, deadline: float | None) -> 
         (f"\nits log ends with:\n{tail}" if tail else " (its log is empty)")
 
 
+def tries(result: dict) -> dict | None:
+    """Which try at each exercise of ``result`` this grading is, from the learner's progress file before it is
+    recorded (module -> 1 for the first): the hint ladder's rungs follow it (:data:`.report.LADDER`). None when
+    the file cannot be read: every rung shows."""
+    from .. import progress
+
+    try:
+        done = progress.load().get("exercises", {})
+    except (OSError, ValueError, progress.ProgressError):
+        return None
+    return {e["module"]: done.get(e["module"], {}).get("attempts", 0) + 1 for e in result["exercises"]}
+
+
 def record_progress(result: dict) -> str:
     """Record each graded exercise's score in the learner's progress file; a note if that failed, else ``""``.
 

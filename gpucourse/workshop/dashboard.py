@@ -25,7 +25,7 @@ from tornado import ioloop, web
 
 from .folder import Workshop
 from .hub import request
-from .report import ago, class_report, tries
+from .report import ago, class_report, rung, tries
 
 REFRESH_S = 10
 STYLE = """
@@ -98,7 +98,7 @@ def render(report: dict, modules: list[str]) -> str:
         elif s["stuck"]:
             st = s["stuck"]
             stuck = (f"<b>{_e(st['exercise'])}</b>" + (f": {_e(st['check'])}" if st["check"] else "")
-                     + f" ({tries(st['attempts'])})" + (f'<div class="hint">hint: {_e(st["hint"])}</div>'
+                     + f" ({tries(st['attempts'])}; {rung(st['attempts'])})" + (f'<div class="hint">hint: {_e(st["hint"])}</div>'
                                                        if st["hint"] else ""))
         else:
             stuck = "—"

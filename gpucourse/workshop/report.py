@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..grading import catalog
-from ..grading.report import first_line
+from ..grading.report import LADDER, first_line
 from .errors import WorkshopError
 from .folder import REPO, Workshop
 from .kernels import seat_kernels
@@ -44,6 +44,13 @@ def course_points() -> int:
 def tries(n: int) -> str:
     """``"1 try"``, ``"3 tries"``."""
     return f"{n} {'try' if n == 1 else 'tries'}"
+
+
+def rung(n: int) -> str:
+    """How far up the hint ladder (:data:`gpucourse.grading.report.LADDER`) a learner's last of ``n`` tries saw:
+    ``"sees the idea"``, ``"sees where it is taught"`` or ``"sees the fix"``."""
+    return "sees " + ("the fix" if n >= LADDER["fix"] else "where it is taught" if n >= LADDER["section"]
+                      else "the idea")
 
 
 def _when(text: str | None) -> datetime | None:
@@ -233,7 +240,7 @@ def format_report(report: dict) -> str:
             stuck = f"grading broken: {', '.join(s['grading_broken'])} (see below)"
         elif s["stuck"]:
             stuck = f"{s['stuck']['exercise']}" + (f": {s['stuck']['check']}" if s["stuck"]["check"] else "") + \
-                f" ({tries(s['stuck']['attempts'])})"
+                f" ({tries(s['stuck']['attempts'])}; {rung(s['stuck']['attempts'])})"
         rows.append((s["name"], s["resources"], *((s["job"],) if on_slurm else ()), s["server"],
                      s["kernels"]["state"], ago(s["last_activity"]),
                      f"{s['passed']}/{s['exercises_total']}",

@@ -11,7 +11,11 @@ EXERCISE = Exercise("ex01_ring_allreduce", "Ring all-reduce from send/recv", "no
                     forbidden_collectives=("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
                                            "gather", "scatter", "all_to_all"),
                     refusal=("ring_all_reduce called {op}, which this exercise switches off: build the sum from "
-                             "point-to-point messages (send/recv, isend/irecv) only"))
+                             "point-to-point messages (send/recv, isend/irecv) only"),
+                    concept=("a ring all-reduce is a reduce-scatter then an all-gather, n − 1 steps each: in every "
+                             "step each rank sends one chunk to one neighbour and receives one from the other, so "
+                             "every rank ends with the sum of every chunk"),
+                    section="§3 (the ring, step by step) and §4 (2(n−1)/n)")
 
 # What every caller relies on besides the sum (gpucourse.grading.contracts): a new tensor comes back, the one passed
 # in is left bit for bit as it was, the result has its dtype, and it may be a view with any strides.

@@ -21,7 +21,10 @@ EXERCISE = Exercise("ex02_data_parallel", "Data-parallel gradient averaging", "n
                                      "torch.nn.parallel.distributed.DistributedDataParallel"),
                     refusal=("this exercise switches off {op}: average the gradients yourself, with "
                              "torch.distributed's collectives"),
-                    rank_imports=("torch._dynamo",))  # the checks' SGD steps import it
+                    rank_imports=("torch._dynamo",),  # the checks' SGD steps import it
+                    concept=("after the exchange every rank must hold the same gradients, those of one device on the "
+                             "whole global batch, whatever the world size"),
+                    section="§2 (data parallelism from scratch) and §3 (the equality proof)")
 
 BATCH, LR = 6, 0.5  # 6 rows: 2 and 3 ranks both divide it
 TRAINABLE = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")  # the parameters a forward gives a gradient

@@ -23,7 +23,11 @@ EXERCISE = Exercise("ex03_gradient_buckets", "Gradient buckets overlapped with b
                     forbidden_names=("torch.nn.parallel.DistributedDataParallel",
                                      "torch.nn.parallel.distributed.DistributedDataParallel"),
                     refusal=("this exercise switches off {op}: bucket the gradients and launch their "
-                             "all-reduces yourself"))
+                             "all-reduces yourself"),
+                    concept=("gradients become ready during backward, last layers first; buckets group them so that "
+                             "their communication starts while backward runs, and every gradient is reduced exactly "
+                             "once a step"),
+                    section="§4 (where the time goes, and buckets that overlap it)")
 
 FROZEN = ("2.weight",)  # the middle layer's weight
 HOLD_S = 0.5            # how late the last rank comes to its first all-reduce, in the overlap check

@@ -25,7 +25,10 @@ EXERCISE = Exercise(
                      "torch.distributed.fsdp.fully_shard", "torch.distributed._composable.fsdp.fully_shard"),
     refusal=("{op} is switched off in this exercise: build the sharded step yourself, from a "
              "torch.optim.Adam over this rank's shard and dist.all_gather"),
-    rank_imports=("torch._dynamo",))  # every Adam step imports it
+    rank_imports=("torch._dynamo",),  # every Adam step imports it
+    concept=("each rank keeps the optimizer state of its own shard only, yet after the step every rank holds the "
+             "same full parameters the unsharded optimizer gives"),
+    section="§1 (sixteen bytes per parameter) and §2 (ZeRO-1 and ZeRO-2 from scratch)")
 
 LR, STEPS = 1e-2, 3
 TINY = 1e-8  # a gradient this small is comparable to Adam's eps: its update depends on its scale

@@ -13,7 +13,11 @@ from ...parallel import schedules
 from ...parallel.schedules import B, F, PARTNER, PEER, RECV_B, SEND_B, SEND_F, Op, ScheduleError
 from ..core import Exercise, Fail
 
-EXERCISE = Exercise("ex05_one_f_one_b", "The 1F1B pipeline schedule", "notebooks/04_pipeline_parallelism.ipynb")
+EXERCISE = Exercise("ex05_one_f_one_b", "The 1F1B pipeline schedule", "notebooks/04_pipeline_parallelism.ipynb",
+                    concept=("1F1B warms a stage up with forwards, then alternates one forward and one backward, then "
+                             "drains the backwards; each send meets its neighbour's receive, in the same order on "
+                             "both sides"),
+                    section="§3 (1F1B) and §4 (a schedule is data); §6 shows a schedule that deadlocks")
 
 # Fixed cases, so that each mistake is caught on every seed: one stage; one microbatch; fewer microbatches
 # than stages (the warm-up capped at m, no steady state on the first stages: (4, 2), (5, 1), (8, 3)); m = pp;

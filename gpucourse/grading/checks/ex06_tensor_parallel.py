@@ -24,7 +24,10 @@ EXERCISE = Exercise(
                      "torch.distributed.tensor.parallel.style.ColwiseParallel",
                      "torch.distributed.tensor.parallel.style.RowwiseParallel"),
     refusal=("{op} is switched off in this exercise: cut the weights yourself and carry the communication in "
-             "two torch.autograd.Functions"))
+             "two torch.autograd.Functions"),
+    concept=("a column-parallel layer splits a weight's output features, a row-parallel one its input features; the "
+             "pair is equal to the whole layer with one all-reduce forward and one backward (f and g)"),
+    section="§1 (one linear layer, split two ways) and §2 (f and g)")
 
 BATCH = 3
 COLUMN, ROW = "ColumnParallelLinear", "RowParallelLinear"

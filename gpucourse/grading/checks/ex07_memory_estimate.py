@@ -17,7 +17,10 @@ from ...model import MODELS, build_model
 from ...optim import MasterWeightsAdamW, make_optimizer
 from ..core import Exercise, Fail
 
-EXERCISE = Exercise("ex07_memory_estimate", "Memory estimate", "notebooks/07_memory_batch.ipynb")
+EXERCISE = Exercise("ex07_memory_estimate", "Memory estimate", "notebooks/07_memory_batch.ipynb",
+                    concept=("training memory is the model states, bytes per parameter by precision and by what ZeRO "
+                             "shards, plus the activations each layer keeps for backward"),
+                    section="§1 to §4, with notebook 03's §1 (sixteen bytes per parameter)")
 
 KEYS = ("weights", "gradients", "optimizer")
 

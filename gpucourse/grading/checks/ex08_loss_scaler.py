@@ -26,7 +26,10 @@ EXERCISE = Exercise("ex08_loss_scaler", "Dynamic loss scaler", "notebooks/07_mem
                                      "torch._amp_update_scale_", "torch._amp_foreach_non_finite_check_and_unscale_"),
                     refusal=("the code used {op}, which this exercise switches off: write the scaler yourself "
                              "(compare yours with torch.amp.GradScaler outside the grader, once it passes)"),
-                    rank_imports=("torch._dynamo",))  # the checks' optimizer steps import it
+                    rank_imports=("torch._dynamo",),  # the checks' optimizer steps import it
+                    concept=("a dynamic loss scaler multiplies the loss so that small fp16 gradients survive, skips a "
+                             "step whose gradients overflowed, and moves the scale by its own rules"),
+                    section="§2 (fp16 and loss scaling)")
 
 S = 1024.0  # a power of two: dividing by it is exact, so the checks can compare bit for bit
 LR, MOMENTUM = 0.1, 0.9

@@ -13,7 +13,10 @@ import torch
 from ... import profiling
 from ..core import Exercise, Fail
 
-EXERCISE = Exercise("ex09_profile_analysis", "Reading a profile", "notebooks/08_profiling.ipynb")
+EXERCISE = Exercise("ex09_profile_analysis", "Reading a profile", "notebooks/08_profiling.ipynb",
+                    concept=("a profile's time splits, per rank, into compute, communication and idle; communication "
+                             "is exposed where no compute hides it"),
+                    section="§3 (compute, communication, idle, and MFU)")
 
 KINDS = ("compute", "comm", "idle")
 TOL = 1e-9

@@ -24,7 +24,10 @@ from ...runtime.collective_status import diagnose_hang, waiting_in
 from .. import host
 from ..core import Exercise, Fail, derive_seed, describe_mismatch
 
-EXERCISE = Exercise("ex10_fix_deadlock", "Fix a hanging trainer", "notebooks/09_troubleshooting.ipynb")
+EXERCISE = Exercise("ex10_fix_deadlock", "Fix a hanging trainer", "notebooks/09_troubleshooting.ipynb",
+                    concept=("every rank must call the same collectives in the same order; a decision only some ranks "
+                             "can see makes them part ways"),
+                    section="§2 (a hang, caught by the launcher's timeout) and §3 (DETAIL turns it into an error)")
 
 ROWS, FEATURES, STEPS, LR, NOISE = 24, 3, 8, 0.1, 2.0  # 24 rows: 2 and 3 ranks both divide them
 MARGIN = 0.02   # how far every loss of the one-device run stays from target_loss (relative)

@@ -21,7 +21,10 @@ EXERCISE = Exercise("ex11_ring_attention", "Ring attention", "notebooks/12_seque
                     forbidden_collectives=("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
                                            "gather", "scatter", "all_to_all"),
                     refusal=("ring attention called {op}, which this exercise switches off: K and V travel "
-                             "round the ring by point-to-point messages (isend/irecv) only"))
+                             "round the ring by point-to-point messages (isend/irecv) only"),
+                    concept=("each rank attends its queries to one K/V block at a time as the blocks travel round the "
+                             "ring, and merges the partial results with the online softmax (log-sum-exp)"),
+                    section="§2 (context parallelism) and §3 (the ring on the timeline)")
 
 B, H, D = 1, 2, 8
 

@@ -21,7 +21,10 @@ EXERCISE = Exercise("ex12_expert_dispatch", "Expert-parallel dispatch", "noteboo
                     forbidden_collectives=("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
                                            "gather", "scatter", "send", "recv"),
                     refusal=("the expert dispatch called {op}, which this exercise switches off: rows travel by "
-                             "all-to-all only, each to the rank that holds its expert"))
+                             "all-to-all only, each to the rank that holds its expert"),
+                    concept=("tokens travel to the rank that holds their expert and come back in their own order: the "
+                             "counts first, then the tokens in one all-to-all, then the combine"),
+                    section="§4 (expert parallelism) and §5 (one all-to-all)")
 
 C, H = 6, 5          # a token's width; an expert's hidden width
 ATOL, RTOL = 1e-5, 1e-4

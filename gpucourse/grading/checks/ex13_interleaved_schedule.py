@@ -15,7 +15,10 @@ from ...parallel.schedules import B, F, Op, ScheduleError
 from ..core import Exercise, Fail
 
 EXERCISE = Exercise("ex13_interleaved_schedule", "Interleaved 1F1B: virtual pipeline stages",
-                    "notebooks/04b_pipeline_schedules.ipynb")
+                    "notebooks/04b_pipeline_schedules.ipynb",
+                    concept=("with v chunks per rank a microbatch passes through every chunk in turn; the schedule "
+                             "keeps every data dependency and interleaved 1F1B's warm-up depth"),
+                    section="§2 (interleaving: v chunks per rank)")
 
 # (pp, m, v), m a multiple of pp, with pp >= 2 and v >= 2 (one rank or one chunk is the edge check's): m = pp,
 # where rank 0's warm-up 2(pp − 1) + (v − 1)·pp is more than the m·v forwards there are once pp >= 3 (the cap);

@@ -15,7 +15,11 @@ from .. import contracts
 from ..core import Exercise, Fail, expect_close
 
 EXERCISE = Exercise("ex14_paged_attention", "Paged KV memory: block tables and paged attention",
-                    "notebooks/14_serving.ipynb")
+                    "notebooks/14_serving.ipynb",
+                    concept=("a sequence's keys and values live in fixed-size blocks that its block table names in "
+                             "order; attention reads them in table order, and the blocks go back to the pool when the "
+                             "sequence ends"),
+                    section="§5 (paged KV memory)")
 
 ATTENTION = contracts.Contract("paged_attention", ("q", "k_cache", "v_cache", "tables", "lengths", "block_size"),
                                unchanged=("q", "k_cache", "v_cache"), dtype_of="q", strided=("k_cache", "v_cache"))
