@@ -7,7 +7,9 @@ the system found free, so two clusters (two test runs) on one machine do not mee
 processes are tracked through their parents (proctrack/linuxproc) and tasks are not bound to CPUs (task/none).
 
 SLURM's commands find this cluster through ``SLURM_CONF`` (:attr:`Cluster.env`). Every daemon, and so every job
-step and task they start, carries that variable, which is how :meth:`Cluster.stop` checks that nothing is left.
+step and task they start, carries that variable, which is how :meth:`Cluster.stop` checks that nothing is left —
+but so does the shell a person exported it in, and whatever that shell runs (``make slurm-down`` itself): a
+process is the cluster's only if it also descends from a daemon or a job step, or runs a job's task.
 
     python tests/slurm_cluster.py up      # prints the export line for SLURM_CONF (make slurm-up)
     python tests/slurm_cluster.py down    # stops it and checks that no process is left (make slurm-down)
@@ -31,7 +33,8 @@ from gpucourse.workshop.processes import end, identity, wait_until
 from procs import REPO, environment, free_port, processes_with
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
-POINTER = REPO / ".slurm-cluster"  # where `up` notes the cluster's folder for `down`
+# Where `up` notes the cluster's folder for `down` ($GPUCOURSE_SLURM_POINTER moves it, for a test of its own).
+POINTER = Path(os.environ.get("GPUCOURSE_SLURM_POINTER", REPO / ".slurm-cluster"))
 START_S = 30  # how long the daemons may take until every node is idle
 STOP_S = 15   # how long jobs and daemons may take to end
 
@@ -105,8 +108,18 @@ class Cluster:
         return {name for name, state in (line.split() for line in out.splitlines()) if state == "idle"}
 
     def processes(self) -> list[int]:
-        """Every process of this cluster: its daemons, and the job steps and tasks they started."""
-        return processes_with(f"SLURM_CONF={self.conf}")
+        """Every process of this cluster: its daemons and what they started, the job steps (slurmstepd leaves the
+        daemons' tree: its parent is init) and the jobs' tasks. Never this process or one it runs under."""
+        daemons = self.folder / "daemons.json"
+        roots = {pid for pid, _ in json.loads(daemons.read_text()).values()} if daemons.exists() else set()
+        callers = _ancestors(os.getpid())
+
+        def ours(pid: int) -> bool:
+            if any(e.startswith(b"SLURM_JOB_ID=") for e in environment(pid)) or _session(pid) in roots:
+                return True  # a job's task, or in a daemon's session (each daemon starts one of its own)
+            return any(p in roots or _command(p).startswith("slurmstepd") for p in _ancestors(pid))
+
+        return [pid for pid in processes_with(f"SLURM_CONF={self.conf}") if pid not in callers and ours(pid)]
 
     def job_processes(self, job_id: str, node: str) -> list[int]:
         """The processes job ``job_id`` runs on ``node`` (its torchrun and ranks there)."""
@@ -128,6 +141,40 @@ class Cluster:
         if left:
             raise RuntimeError(f"the test cluster in {self.folder} left processes running: {left}")
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _stat(pid: int, field: int) -> int:
+    """A number of /proc/PID/stat, counted from the state after the command's name (0: ppid, 2: session)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[field + 1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _parent(pid: int) -> int:
+    return _stat(pid, 0)
+
+
+def _session(pid: int) -> int:
+    return _stat(pid, 2)
+
+
+def _ancestors(pid: int) -> set[int]:
+    """``pid`` and every process it runs under, up to init."""
+    found = set()
+    while pid > 1 and pid not in found:
+        found.add(pid)
+        pid = _parent(pid)
+    return found
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _daemon(cluster: Cluster, name: str, *argv: str) -> list:
@@ -196,7 +243,15 @@ def main(argv: list[str]) -> int:
             print("no test cluster is up.", file=sys.stderr)
             return 0
         folder = Path(POINTER.read_text().strip())
-        Cluster(folder, []).stop()
+        if not (folder / "daemons.json").exists():  # its folder is gone (a reboot cleans /tmp): nothing to stop
+            POINTER.unlink()
+            print(f"the test cluster in {folder} is gone already; forgot it.", file=sys.stderr)
+            return 0
+        try:
+            Cluster(folder, []).stop()
+        except RuntimeError as e:
+            print(f"slurm-down: {e}; run `make slurm-down` again to retry.", file=sys.stderr)
+            return 1
         POINTER.unlink()
         print(f"SLURM test cluster in {folder} stopped; no process of it is left.")
         return 0

@@ -162,3 +162,36 @@ def test_time_limits_read_as_slurm_reads_them(text, seconds):
     assert slurm.parse_time(text) == seconds
     if seconds:
         assert slurm.parse_time(slurm.format_time(seconds)) == seconds
+
+
+def test_slurm_down_from_a_shell_that_exported_slurm_conf_stops_the_cluster_alone(tmp_path):
+    """`make slurm-down` from the shell that ran the `export SLURM_CONF=...` slurm-up printed ended every process
+    whose environment held it, make and that shell included, and left .slurm-cluster behind."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import slurm_cluster
+    from browsers import needed
+    from procs import clean_env
+
+    needed(True if slurm_cluster.installed() and shutil.which("make") else None,
+           "no SLURM (or make) for the SLURM tests: run scripts/install-slurm")
+    pointer = tmp_path / "slurm-cluster"
+    env = clean_env(GPUCOURSE_SLURM_POINTER=str(pointer))
+    up = subprocess.run([sys.executable, "tests/slurm_cluster.py", "up"], cwd=REPO, env=env, capture_output=True,
+                        text=True, timeout=90)
+    assert up.returncode == 0, up.stderr
+    conf = re.search(r"export SLURM_CONF=(\S+)", up.stdout).group(1)
+    try:
+        shell = subprocess.run(["bash", "-c", f"export SLURM_CONF={conf}; sleep 300 & "
+                                              f"make -s slurm-down PY={sys.executable}; echo shell lives: $?; "
+                                              f"kill %1 && echo its other job lives too"],
+                               cwd=REPO, env=env, capture_output=True, text=True, timeout=90)
+        assert "shell lives: 0" in shell.stdout and "its other job lives too" in shell.stdout, (shell.stdout,
+                                                                                                 shell.stderr)
+        assert "stopped; no process of it is left" in shell.stdout and not pointer.exists()
+    finally:
+        if pointer.exists():
+            slurm_cluster.Cluster(Path(pointer.read_text().strip()), []).stop()
