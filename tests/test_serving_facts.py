@@ -1,7 +1,10 @@
 """Every figure notebook 14 (serving) and its questions state, recomputed with the course's own functions: the KV
 cache's bytes, the roofline's ridge and intensities, the modeled decode and prefill times, the schedulers on the
 bench's trace, paged slots, chunked prefill's chunks, parallel decode's all-reduces and GQA's replicated heads,
-quantized bytes, and the sizing of a deployment. The questions are also held to the bank's rules against guessing."""
+quantized bytes, and the sizing of a deployment; and those of the questions on what the notebook does not run:
+speculative decoding's tokens per pass, prefix caching's block keys and eviction order, split-KV attention's thread
+blocks, the KV transfer of disaggregated serving, SmoothQuant's scales and block-scaled formats' bytes. The questions
+are also held to the bank's rules against guessing."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import math
 from collections import Counter
 
 import pytest
+import torch
 
 from gpucourse import quiz, serve_plan
 from gpucourse.comm import RING_FACTOR
@@ -460,6 +464,271 @@ def test_the_tool_statements_match_the_notebooks_table():
     assert "whole requests grouped into a batch, for stateless models" in text
 
 
+# --- speculative decoding -------------------------------------------------------------------------------------------
+
+def accepted_tokens(alpha: float, gamma: int) -> float:
+    """Tokens one target pass yields: the run of accepted drafts (each kept with probability alpha, the run stopping
+    at the first rejection) plus the target's own token, summed over every length the run can have."""
+    return sum(alpha**k * (1 - alpha) * (k + 1) for k in range(gamma)) + alpha**gamma * (gamma + 1)
+
+
+def speculative_speedup(alpha: float, gamma: int, c: float) -> float:
+    """Leviathan et al.'s expected speed-up: tokens a pass over its cost, gamma draft steps of cost c plus one."""
+    return accepted_tokens(alpha, gamma) / (gamma * c + 1)
+
+
+def test_speculative_decoding_figures():
+    # srv-spec-expected-tokens: the sum over run lengths is the closed form, 3.36; the distractors' counts.
+    assert accepted_tokens(0.8, 4) == pytest.approx((1 - 0.8**5) / 0.2) == pytest.approx(3.3616)
+    assert right("srv-spec-expected-tokens").startswith("about 3.36 tokens")
+    for wrong in (4 * 0.8, 4 * 0.8 + 1, accepted_tokens(0.8, 4) - 1):
+        assert sum(c.startswith(f"about {wrong:.2f} tokens") for c in choices("srv-spec-expected-tokens")) == 1
+    # srv-spec-draft-length: gamma = 3 is the fastest of 1, 3, 5 and 8; each choice quotes its own figure.
+    speedups = {g: speculative_speedup(0.6, g, 0.1) for g in (1, 3, 5, 8)}
+    assert max(speedups, key=speedups.get) == 3 == max(range(1, 9), key=lambda g: speculative_speedup(0.6, g, 0.1))
+    for g, v in speedups.items():
+        assert f"about {v:.2f} times plain decoding, with γ = {g}" in choices("srv-spec-draft-length")
+    assert right("srv-spec-draft-length").endswith("γ = 3")
+    assert [f"{1 - 0.6**(g + 1):.4f}" for g in (3, 5, 8)] == ["0.8704", "0.9533", "0.9899"] and round(0.6**5, 2) == 0.08
+    # srv-spec-large-batch: a weight matmul does 2 FLOPs per weight and token on 2-byte weights, one FLOP a byte per
+    # position: 5 positions at batch 1 sit far under the ridge, 256 × 5 = 1,280 above it, 256 alone still under.
+    ridge = serve_plan.ridge_point(H100)
+    assert round(ridge) == 295 and 2 / serve_plan.ELEM["bf16"] == 1
+    assert 1 * (4 + 1) < ridge < 256 * (4 + 1) == 1280 and 256 < ridge
+    assert "each verified position costs compute" in right("srv-spec-large-batch")
+    assert "medium-to-low QPS, memory-bound" in BY_ID["srv-spec-large-batch"]["explanation"]
+
+
+def test_speculative_sampling_keeps_the_targets_distribution():
+    """srv-spec-lossless: accepting with min(1, p/q), resampling from max(0, p − q), emits exactly p, whatever q."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        p, q = (torch.rand(11, generator=gen, dtype=torch.float64).softmax(0) for _ in range(2))
+        accepted = torch.minimum(p, q)  # q(x) · min(1, p(x)/q(x))
+        residual = (p - q).clamp(min=0)
+        assert residual.sum() == pytest.approx(1 - accepted.sum())
+        emitted = accepted + (1 - accepted.sum()) * residual / residual.sum()
+        assert torch.allclose(emitted, p)
+        # A draft that is accepted less often changes the speed, not the distribution: the same holds for any q.
+        assert accepted.sum() < 1
+    assert right("srv-spec-lossless").startswith("it is the target's own")
+
+
+def test_speculative_method_questions_say_what_each_drafter_is():
+    # srv-spec-eagle: the feature-level drafter is EAGLE; the other three descriptions are Medusa, prompt lookup and
+    # a fine-tuned target.
+    assert "second-to-top-layer features" in right("srv-spec-eagle")
+    assert "arxiv.org/abs/2401.15077" in BY_ID["srv-spec-eagle"]["explanation"]
+    # srv-spec-ngram: the method that adds no model work at peak is prompt lookup.
+    assert right("srv-spec-ngram").startswith("n-gram prompt lookup")
+    assert "without increasing the workload during peak traffic" in BY_ID["srv-spec-ngram"]["explanation"]
+
+
+# --- prefix caching ------------------------------------------------------------------------------------------------
+
+def block_hashes(tokens, block_size: int, extra=()) -> list[int]:
+    """vLLM's prefix-cache keys: one per full block, each hashing its parent's key, its own tokens and the extra keys
+    (a LoRA ID, a cache salt); a partial block gets none (docs.vllm.ai/en/latest/design/prefix_caching.html)."""
+    keys, parent = [], None
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash((parent, tuple(tokens[start:start + block_size]), tuple(extra)))
+        keys.append(parent)
+    return keys
+
+
+def cached_tokens(first, second, block_size: int = 16, extra_first=(), extra_second=()) -> int:
+    """Tokens of ``second`` served from the blocks ``first`` left in the cache: its leading blocks whose keys match."""
+    cached = set(block_hashes(first, block_size, extra_first))
+    hits = 0
+    for key in block_hashes(second, block_size, extra_second):
+        if key not in cached:
+            break
+        hits += 1
+    return hits * block_size
+
+
+def test_prefix_cache_hits_with_a_shared_system_prompt():
+    system = list(range(1000))
+    user = [list(range(10_000 + 200 * i, 10_000 + 200 * (i + 1))) for i in range(2)]
+    hit = cached_tokens(system + user[0], system + user[1])
+    # srv-prefix-hit-rate: 62 full blocks of the system prompt, 992 of 1,200 tokens; block 63 mixes in the user text.
+    assert hit == 992 == 62 * 16 == 1000 // 16 * 16 and 63 * 16 == 1008
+    assert [f"{n / 1200:.0%}" for n in (992, 1000, 1008, 1200)] == ["83%", "83%", "84%", "100%"]
+    assert right("srv-prefix-hit-rate").startswith("992 of them (83%): the 62 full blocks")
+    # srv-prefix-timestamp: a changed first line changes every key after it; after the fixed text only the last
+    # blocks change. A larger block still starts with the changed line.
+    stamp = [[90_000 + i] * 10 for i in range(2)]
+    assert cached_tokens(stamp[0] + system + user[0], stamp[1] + system + user[1]) == 0
+    assert cached_tokens(stamp[0] + system + user[0], stamp[1] + system + user[1], block_size=64) == 0
+    assert cached_tokens(system + stamp[0] + user[0], system + stamp[1] + user[1]) == 992
+    assert right("srv-prefix-timestamp").startswith("move the time line after the fixed instructions")
+    # srv-prefix-lora: 2,000 tokens are 125 full blocks, none shared across adapters.
+    prompt = list(range(2000))
+    assert len(block_hashes(prompt, 16)) == 125
+    assert cached_tokens(prompt, prompt, extra_first=("support-v3",), extra_second=("sales-v1",)) == 0
+    assert cached_tokens(prompt, prompt, extra_first=("support-v3",), extra_second=("support-v3",)) == 2000
+    assert right("srv-prefix-lora").startswith("none of it")
+    # srv-prefix-salt: a salt per customer keeps customers apart and reuse within one; the gap it hides is 560 ms.
+    document = list(range(4000))
+    assert cached_tokens(document, document, extra_first=("acme",), extra_second=("globex",)) == 0
+    assert cached_tokens(document, document, extra_first=("acme",), extra_second=("acme",)) == 4000
+    assert 600 - 40 == 560 and "the 560 ms gap remains" in BY_ID["srv-prefix-salt"]["explanation"]
+    assert right("srv-prefix-salt").startswith("a per-customer cache_salt")
+
+
+class FreeQueue:
+    """vLLM's free block queue and reference counts, as its design document describes them: a finished request's
+    blocks with no other user join the tail in reverse order, and allocation pops the head, evicting a cached block."""
+
+    def __init__(self, free):
+        self.queue, self.refs, self.cached = list(free), {}, set()
+
+    def take(self, blocks):
+        for b in blocks:
+            self.refs[b] = self.refs.get(b, 0) + 1
+            self.cached.add(b)
+
+    def finish(self, blocks):
+        for b in reversed(blocks):
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.queue.append(b)
+
+    def allocate(self, n: int) -> list[int]:
+        out, self.queue = self.queue[:n], self.queue[n:]
+        self.cached -= set(out)
+        return out
+
+
+def test_prefix_cache_eviction_order():
+    pool = FreeQueue(free=[10, 11])
+    pool.take([0, 1, 2, 3, 4, 5, 6, 7])  # R1: the shared prompt, then its own blocks
+    pool.take([0, 1, 2, 3, 4, 8, 9])     # R2 hits the prompt's blocks
+    pool.finish([0, 1, 2, 3, 4, 5, 6, 7])
+    assert pool.queue == [10, 11, 7, 6, 5]
+    assert pool.allocate(3) == [10, 11, 7] and {5, 6} <= pool.cached and not {0, 1, 2, 3, 4} & set(pool.queue)
+    assert right("srv-prefix-eviction").startswith("10, 11 and 7")
+
+
+# --- split-KV decode attention (Flash-Decoding) ---------------------------------------------------------------------
+
+def test_split_kv_figures():
+    s = get_shape("llama3-8b")
+    assert (s.heads, s.kv, s.head_dim) == (32, 8, 128) and H100.sm_count == 132
+    # srv-splitkv-grid: 1 × 32 × 1 blocks; 16 chunks a head make 512.
+    assert 1 * s.heads * 1 == 32 < H100.sm_count <= 32 * 16 == 512
+    assert right("srv-splitkv-grid").startswith("at most 32 of 132 SMs: 16 chunks per head make 512 blocks")
+    # srv-splitkv-when: 256 sequences × 32 heads already fill the GPU many times over.
+    assert 256 * 32 == 8192 and 8192 / H100.sm_count > 60
+    assert right("srv-splitkv-when").startswith("in X")
+    # srv-splitkv-profile: 64k tokens × 128 KiB is 8 GiB a token; in 28 ms that is about 9% of 3.35 TB/s.
+    read = 65_536 * serve_plan.kv_bytes_per_token(s)
+    assert serve_plan.kv_bytes_per_token(s) == 128 * KiB and read == 8 * GiB and H100.hbm_GBps == 3350
+    assert round(read / 28e-3 / 1e9) == 307 and round(100 * read / 28e-3 / (H100.hbm_GBps * 1e9)) == 9
+    assert right("srv-splitkv-profile").startswith("it reads 8 GiB at about 9% of HBM bandwidth")
+    # srv-splitkv-benchmark: the blog's table (pytorch.org/blog/flash-decoding/), the same 65,536 keys in each row.
+    assert 256 * 256 == 1 * 65_536
+    assert round(2300.6 / 390.5, 1) == 5.9 and round(2300.6 / 64.4) == 36 and 63.4 < 64.4 < 1.02 * 63.4
+    assert "≈ 5.9" in BY_ID["srv-splitkv-benchmark"]["explanation"] and "about 36 times" in \
+        BY_ID["srv-splitkv-benchmark"]["explanation"]
+
+
+def test_split_kv_partials_merge_into_full_attention():
+    """What each split writes, its partial output and log-sum-exp, is all the reduction needs."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, 64, generator=gen, dtype=torch.float64) for n in (1, 1024, 1024))
+    scores = q @ k.T / 8
+    full = scores.softmax(-1) @ v
+    parts = [(scores[:, i:i + 64].softmax(-1) @ v[i:i + 64], scores[:, i:i + 64].logsumexp(-1, keepdim=True))
+             for i in range(0, 1024, 64)]
+    lse = torch.cat([l for _, l in parts], -1).logsumexp(-1, keepdim=True)
+    merged = sum(out * (l - lse).exp() for out, l in parts)
+    assert len(parts) == 16 and torch.allclose(merged, full)
+    assert not torch.allclose(sum(out for out, _ in parts) / len(parts), full)
+
+
+# --- disaggregated prefill and decode -------------------------------------------------------------------------------
+
+def test_disaggregation_figures():
+    s = get_shape("llama3-70b")
+    per_token = serve_plan.kv_bytes_per_token(s)
+    assert (s.layers, s.kv, s.head_dim) == (80, 8, 128) and per_token == 2 * 80 * 8 * 128 * 2 == 320 * KiB
+    whole, share = 8192 * per_token, 8192 * serve_plan.kv_bytes_per_token(s, 8)
+    assert whole == 2.5 * GiB and share == whole / 8 == 320 * MiB and round(share / 1e6, 1) == 335.5
+    assert (H100.inter_node_GBps, H100.intra_node_GBps) == (50, 450)
+    ms = {"nic": share / 50e9 * 1e3, "one link": whole / 50e9 * 1e3, "nvlink": share / 450e9 * 1e3,
+          "keys only": share / 2 / 50e9 * 1e3}
+    assert [round(ms[k], 2) for k in ms] == [6.71, 53.69, 0.75, 3.36]
+    q = BY_ID["srv-disagg-kv-transfer"]
+    assert right("srv-disagg-kv-transfer").startswith("about 6.7 ms")
+    for text in ("about 54 ms", "about 0.75 ms", "about 3.4 ms"):
+        assert sum(c.startswith(text) for c in q["choices"]) == 1
+    # srv-disagg-ttft: the transfer is the 10 ms rise in median TTFT; decode's p99 fell from 90 to 35 ms.
+    assert 610 - 600 == 10 and 35 < 50 < 90
+    assert right("srv-disagg-ttft").startswith("in the time to first token only")
+    # srv-disagg-throughput and srv-disagg-conditional: what vLLM's page and Dynamo's design say.
+    assert "does not improve throughput" in BY_ID["srv-disagg-throughput"]["explanation"]
+    assert right("srv-disagg-throughput").startswith("prefill and decode in separate instances")
+    assert right("srv-disagg-conditional").startswith("long prompts go to prefill workers")
+    assert 60 * per_token < 20 * MiB < 20_000 * per_token
+
+
+# --- quantization methods and formats -------------------------------------------------------------------------------
+
+def test_smoothquant_moves_the_outlier_into_the_weights():
+    s = 64**0.5 / 0.25**0.5
+    assert s == 16 and 64 / s == 4 == 0.25 * s
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, 6, generator=gen, dtype=torch.float64), torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    x[:, 2] *= 64 / x[:, 2].abs().max()
+    w[2] *= 0.25 / w[2].abs().max()
+    scale = torch.ones(6, dtype=torch.float64)
+    scale[2] = x[:, 2].abs().max() ** 0.5 / w[2].abs().max() ** 0.5
+    xs, ws = x / scale, w * scale[:, None]
+    assert torch.allclose(xs @ ws, x @ w)
+    assert xs[:, 2].abs().max() == pytest.approx(4) and ws[2].abs().max() == pytest.approx(4)
+    assert right("srv-quant-smoothquant").startswith("divides X's channel j by 16")
+
+
+def test_quantization_method_choices():
+    # srv-quant-awq: the activation-aware, backprop-free method is AWQ; GPTQ is the one that updates weights.
+    assert right("srv-quant-awq").startswith("AWQ")
+    # srv-quant-batch-choice: batches of 32 to 64 are past the guide's 16; its MMLU losses on LLaMA-v2-70B.
+    assert 32 >= 16 and round(100 * (69.1 - 68.5) / 69.1, 2) == 0.87 and round(100 * (69.1 - 67.2) / 69.1, 2) == 2.75
+    assert right("srv-quant-batch-choice").startswith("FP8")
+    # srv-quant-blackwell-formats: Transformer Engine's support matrix, by compute capability.
+    support = {(8, 0): set(), (8, 9): {"fp8"}, (9, 0): {"fp8", "fp8 block"},
+               (10, 0): {"fp8", "fp8 block", "mxfp8", "nvfp4"}}
+    gpus = {"A100": (8, 0), "L4": (8, 9), "H100": (9, 0), "B200": (10, 0)}
+    assert {g for g, cc in gpus.items() if {"mxfp8", "nvfp4"} <= support[cc]} == {"B200"}
+    from gpucourse.runtime.devices import PLATFORMS
+    assert [PLATFORMS[p].devices.gpus[0].capability for p in ("cloud-8xa100", "cloud-l4", "cloud-8xh100")] \
+        == [gpus["A100"], gpus["L4"], gpus["H100"]]
+    assert right("srv-quant-blackwell-formats").startswith("only the B200")
+    # srv-quant-kv-int8-fp8: both are one byte a number; the cache holds twice bf16's sequences, not four times.
+    s = get_shape("llama3-8b")
+    assert serve_plan.ELEM["fp8"] == 1 == serve_plan.ELEM["bf16"] / 2
+    assert serve_plan.largest_batch(s, H100, 32_768, kv="fp8") in (2 * serve_plan.largest_batch(s, H100, 32_768),
+                                                                   2 * serve_plan.largest_batch(s, H100, 32_768) + 1)
+    assert right("srv-quant-kv-int8-fp8").startswith("FP8: one byte like INT8")
+
+
+def test_block_scaled_weight_bytes():
+    params = get_shape("llama3-70b").params()
+    assert round(params / 1e9, 2) == 70.55 and round(serve_plan.weight_bytes(get_shape("llama3-70b")) / 1e9) == 141
+    gb = {name: round(params * per_value / 1e9) for name, per_value in {
+        "nvfp4": 0.5 + 1 / 16, "mxfp8": 1 + 1 / 32,            # one 1-byte scale per 16 and per 32 values
+        "nvfp4 bare": 0.5, "mxfp8 bare": 1,                     # no scales
+        "nvfp4 fp32": 0.5 + 4 / 16, "mxfp8 fp32": 1 + 4 / 32,   # 4-byte scales
+        "nvfp4 /32": 0.5 + 1 / 32, "mxfp8 /16": 1 + 1 / 16}.items()}  # block sizes swapped
+    assert gb == {"nvfp4": 40, "mxfp8": 73, "nvfp4 bare": 35, "mxfp8 bare": 71, "nvfp4 fp32": 53, "mxfp8 fp32": 79,
+                  "nvfp4 /32": 37, "mxfp8 /16": 75}
+    assert right("srv-quant-block-bytes") == "about 40 GB as NVFP4 and about 73 GB as MXFP8"
+    for a, b in ((35, 71), (53, 79), (37, 75)):
+        assert f"about {a} GB as NVFP4 and about {b} GB as MXFP8" in choices("srv-quant-block-bytes")
+    assert f"{0.5625 * params / 1e9:.1f}" == "39.7" and f"{1.03125 * params / 1e9:.1f}" == "72.8"
+
+
 # --- the questions ----------------------------------------------------------------------------------------------------
 
 def test_serving_questions_are_many_scenarios_and_not_gameable():
@@ -472,7 +741,7 @@ def test_serving_questions_are_many_scenarios_and_not_gameable():
     assert kinds["numeric"] == 0 and 2 <= kinds["multiple"] <= 4
     assert sum(scenario_detail(q["question"]) is not None for q in QS) >= 0.8 * len(QS)
     assert sum(len(q["question"]) > 150 for q in QS) >= 0.8 * len(QS)
-    assert {q["topic"] for q in QS} == {"memory-batch", "parallelism", "profiling-troubleshooting"}
+    assert {q["topic"] for q in QS} == set(quiz.TOPICS)
     assert_not_gameable(QS, letters=4)
 
 
