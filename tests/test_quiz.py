@@ -2119,3 +2119,108 @@ def test_figures_of_the_second_top_up():
     assert f"{algbw:.2f}" == "0.33" and f"{algbw * bus_factor('all_reduce', 8):.2f}" == "0.57"
     assert f"{8192 / 480e9 * 1e6:.3f}" == "0.017"
     assert round(Cluster(get_gpu("h100"), 8).bus_bandwidth("all_reduce", 8 << 30, 8) / 1e9) == 480
+
+
+# --- LoRA memory and 2:4 sparsity -------------------------------------------------------------------------------------
+
+from gpucourse.shapes import get_shape  # noqa: E402
+
+# The questions of these topics, by group: each group is held to the bank's rules against guessing, and each
+# question cites where its facts come from (a documentation page or a paper).
+PLATFORM_QUESTIONS = {
+    ("07_memory_batch", "memory-batch"): ["mem-lora-params", "mem-lora-memory", "mem-lora-rank", "mem-lora-step-cost",
+                                          "mem-lora-merge", "mem-sparse-pattern", "mem-sparse-what-speeds"],
+    ("08_profiling", "profiling-troubleshooting"): ["prof-sparse-peak"],
+}
+SOURCE = re.compile(r"arxiv\.org/abs/|docs\.|nvidia\.github\.io/|developer\.nvidia\.com/|huggingface\.co/docs/|"
+                    r"pytorch\.org/")
+
+
+def right_choice_of(qid: str) -> str:
+    q = BY_ID[qid]
+    return q["choices"][q["answer"]]
+
+
+def test_platform_questions_are_scenarios_cite_sources_and_are_not_gameable():
+    qs = []
+    for (notebook, topic), ids in PLATFORM_QUESTIONS.items():
+        for qid in ids:
+            q = BY_ID[qid]
+            assert (q["notebook"], q["topic"]) == (notebook, topic), qid
+            qs.append(q)
+    assert len(qs) == 8 and all(q["kind"] != "numeric" for q in qs)
+    assert all(scenario_detail(q["question"]) is not None and len(q["question"]) > 150 for q in qs)
+    assert [q["id"] for q in qs if not SOURCE.search(q["explanation"])] == []
+    assert_not_gameable(qs, letters=4)
+
+
+def test_lora_figures():
+    s = get_shape("llama3-8b")
+    assert (s.layers, s.hidden, s.kv * s.head_dim) == (32, 4096, 1024) and round(s.params() / 1e9, 2) == 8.03
+    r, d, kv = 16, s.hidden, s.kv * s.head_dim
+    shapes = {"q": (d, d), "k": (d, kv), "v": (d, kv), "o": (d, d)}  # (d_in, d_out)
+    adapters = {name: (torch.zeros(r, d_in), torch.zeros(d_out, r)) for name, (d_in, d_out) in shapes.items()}
+    per_layer = sum(a.numel() + b.numel() for a, b in adapters.values())
+    lora = per_layer * s.layers
+    assert per_layer == 425_984 and lora == 13_631_488 and f"{100 * lora / s.params():.2f}" == "0.17"
+    # mem-lora-params: the right count and the distractors' (MHA shapes; A alone; B alone).
+    counts = {"right": lora, "mha": 4 * 2 * r * d * s.layers, "a only": sum(r * i for i, _ in shapes.values()) * 32,
+              "b only": sum(r * o for _, o in shapes.values()) * 32}
+    assert {k: round(v / 1e6, 1) for k, v in counts.items()} == {"right": 13.6, "mha": 16.8, "a only": 8.4,
+                                                                  "b only": 5.2}
+    assert right_choice_of("mem-lora-params").startswith("about 13.6 M")
+    # mem-lora-memory: frozen bf16 weights, 16 bytes a trainable parameter.
+    per_trainable = sum(estimate_params(1, 1, 0, "bf16", True, scratch_padding=False).values())
+    frozen, states = s.params() * 2 / 1e9, lora * per_trainable / 1e9
+    assert per_trainable == 16 and round(frozen, 2) == 16.06 and round(states, 2) == 0.22
+    assert round(frozen + states, 1) == 16.3 and round(s.params() * 16 / 1e9) == 128
+    assert round(s.params() * 4 / 1e9) == 32 and round(s.params() * 6 / 1e9) == 48
+    assert right_choice_of("mem-lora-memory").startswith("about 16.3 GB")
+    # mem-lora-rank: r = 32 doubles the adapters; a fourfold count would add 0.65 GB; doubling all would be 32.6 GB.
+    assert round(2 * lora / 1e6, 1) == 27.3 and round(frozen + 2 * states, 1) == 16.5
+    assert round(3 * lora * 16 / 1e9, 2) == 0.65 and round(2 * (frozen + states), 1) == 32.6
+    assert right_choice_of("mem-lora-rank").startswith("parameters double; the model states grow by about 0.22 GB")
+    # mem-lora-step-cost: 6N → 4N; the fraction trained is about 1/600.
+    assert (2 + 2) / (2 + 2 + 2) == pytest.approx(2 / 3) and round(s.params() / lora, -2) == 600
+    assert right_choice_of("mem-lora-step-cost").startswith("about 2/3 of the FLOPs")
+
+
+def test_lora_frozen_weights_get_no_gradient_and_the_adapter_merges():
+    gen = torch.Generator().manual_seed(0)
+    # Backward reaches an adapter below a frozen layer, and the frozen weights get no gradient of their own.
+    base, top = torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False)
+    for p in (base.weight, top.weight):
+        p.requires_grad_(False)
+    a, b = torch.randn(2, 8, generator=gen, requires_grad=True), torch.randn(8, 2, generator=gen, requires_grad=True)
+    x = torch.randn(4, 8, generator=gen)
+    top(base(x) + x @ a.T @ b.T).sum().backward()
+    assert base.weight.grad is None and top.weight.grad is None and a.grad is not None and b.grad is not None
+    # mem-lora-merge: W + (alpha/r)·BA gives the adapter's outputs; without the scale it does not.
+    r, alpha = 16, 32
+    w, a, b = (torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in ((64, 48), (r, 48), (64, r)))
+    x = torch.randn(5, 48, generator=gen, dtype=torch.float64)
+    unmerged = x @ w.T + alpha / r * (x @ a.T @ b.T)
+    assert alpha / r == 2 and torch.allclose(x @ (w + alpha / r * b @ a).T, unmerged)
+    assert not torch.allclose(x @ (w + b @ a).T, unmerged)
+    assert right_choice_of("mem-lora-merge").startswith("merge W + (32/16)·BA")
+
+
+def test_two_four_sparsity_figures():
+    def rows(qid):
+        return {c: [float(v) for v in c.strip("[]").replace("|", ",").split(",")] for c in BY_ID[qid]["choices"]}
+
+    def two_four(values):  # at least two zeros in each group of four consecutive values
+        return all(sum(v == 0 for v in values[i:i + 4]) >= 2 for i in range(0, len(values), 4))
+
+    candidates = rows("mem-sparse-pattern")
+    assert [c for c, v in candidates.items() if two_four(v)] == [right_choice_of("mem-sparse-pattern")]
+    assert any(sum(v == 0 for v in values) == 4 and not two_four(values) for values in candidates.values())
+    assert "2:4 sparsity" in " ".join(torch.sparse.SparseSemiStructuredTensor.__doc__.split())
+    assert right_choice_of("mem-sparse-what-speeds").startswith("the matmuls whose pruned weight operand")
+    # prof-sparse-peak: the datasheet's 1,979 is twice the dense 989 the course uses.
+    dense = get_gpu("h100").peak_flops("bf16") / 1e12
+    assert dense == 989 and 1979 == pytest.approx(2 * dense, rel=1e-3) and 3958 == 2 * 1979
+    mfu = {"dense": 742 / dense, "sparse": 742 / 1979, "fp8 sparse": 742 / 3958, "recompute": 742 * 8 / 6 / 1979}
+    assert {k: round(100 * v, 1) for k, v in mfu.items()} == {"dense": 75.0, "sparse": 37.5, "fp8 sparse": 18.7,
+                                                               "recompute": 50.0}
+    assert right_choice_of("prof-sparse-peak").startswith("1,979 assumes 2:4 sparsity")
