@@ -2121,8 +2121,9 @@ def test_figures_of_the_second_top_up():
     assert round(Cluster(get_gpu("h100"), 8).bus_bandwidth("all_reduce", 8 << 30, 8) / 1e9) == 480
 
 
-# --- LoRA memory and 2:4 sparsity -------------------------------------------------------------------------------------
+# --- LoRA memory, 2:4 sparsity, NCCL's network variables, GPUDirect Storage, Grace Hopper and GB200 NVL72 -----------
 
+from gpucourse import serve_plan  # noqa: E402
 from gpucourse.shapes import get_shape  # noqa: E402
 
 # The questions of these topics, by group: each group is held to the bank's rules against guessing, and each
@@ -2131,9 +2132,18 @@ PLATFORM_QUESTIONS = {
     ("07_memory_batch", "memory-batch"): ["mem-lora-params", "mem-lora-memory", "mem-lora-rank", "mem-lora-step-cost",
                                           "mem-lora-merge", "mem-sparse-pattern", "mem-sparse-what-speeds"],
     ("08_profiling", "profiling-troubleshooting"): ["prof-sparse-peak"],
+    ("01_collectives", "distributed-setups"): ["setup-nccl-socket-ifname", "setup-nccl-ib-hca-prefix",
+                                               "setup-nccl-gdr-level", "setup-nccl-conf-file", "setup-c2c-offload",
+                                               "setup-c2c-coherent", "setup-nvl72-tp16", "setup-nvl72-disagg",
+                                               "setup-nvl72-aggregate"],
+    ("10_accelerate_scaling", "distributed-setups"): ["ft-gds-direct-path", "ft-gds-torch-api", "ft-gds-filesystem"],
+    ("10_accelerate_scaling", "profiling-troubleshooting"): ["ft-gds-compat-mode"],
 }
 SOURCE = re.compile(r"arxiv\.org/abs/|docs\.|nvidia\.github\.io/|developer\.nvidia\.com/|huggingface\.co/docs/|"
                     r"pytorch\.org/")
+INFERENCE_SERVING_PREFIXES = ("srv-spec-", "srv-prefix-", "srv-splitkv-", "srv-disagg-", "srv-quant-smoothquant",
+                              "srv-quant-awq", "srv-quant-batch-choice", "srv-quant-blackwell-formats",
+                              "srv-quant-block-bytes", "srv-quant-kv-int8-fp8")
 
 
 def right_choice_of(qid: str) -> str:
@@ -2148,10 +2158,26 @@ def test_platform_questions_are_scenarios_cite_sources_and_are_not_gameable():
             q = BY_ID[qid]
             assert (q["notebook"], q["topic"]) == (notebook, topic), qid
             qs.append(q)
-    assert len(qs) == 8 and all(q["kind"] != "numeric" for q in qs)
+    assert len(qs) == 21 and all(q["kind"] != "numeric" for q in qs)
     assert all(scenario_detail(q["question"]) is not None and len(q["question"]) > 150 for q in qs)
     assert [q["id"] for q in qs if not SOURCE.search(q["explanation"])] == []
     assert_not_gameable(qs, letters=4)
+
+
+def test_new_topics_reach_mastery_and_the_mock_exam():
+    """The serving and platform questions count in each exam topic's mastery and can be drawn by a mock exam."""
+    from gpucourse.quiz.exam import _exam_pool
+    from gpucourse.quiz.review import mastery
+
+    new = [qid for ids in PLATFORM_QUESTIONS.values() for qid in ids]
+    new += [q["id"] for q in BANK if q["id"].startswith(INFERENCE_SERVING_PREFIXES)]
+    assert len(new) >= 45 and len(set(new)) == len(new)
+    pool = {q["id"] for qs in _exam_pool().values() for q in qs}
+    assert set(new) <= pool
+    record = {"questions": {qid: {"box": 0, "due": 1, "last_right": True} for qid in new}}
+    topics = mastery(record)["topics"]
+    assert {t: v["total"] for t, v in topics.items()} == Counter(q["topic"] for q in BANK)
+    assert {t: v["mastered"] for t, v in topics.items() if v["mastered"]} == Counter(BY_ID[qid]["topic"] for qid in new)
 
 
 def test_lora_figures():
@@ -2224,3 +2250,76 @@ def test_two_four_sparsity_figures():
     assert {k: round(100 * v, 1) for k, v in mfu.items()} == {"dense": 75.0, "sparse": 37.5, "fp8 sparse": 18.7,
                                                                "recompute": 50.0}
     assert right_choice_of("prof-sparse-peak").startswith("1,979 assumes 2:4 sparsity")
+
+
+def nccl_match(value: str, names: list[str]) -> list[str]:
+    """The names an NCCL_SOCKET_IFNAME or NCCL_IB_HCA value selects, by NCCL's documented rules: a comma-separated
+    list of prefixes; a leading ^ excludes, a leading = (after any ^) asks for exact names."""
+    exclude = value.startswith("^")
+    value = value.removeprefix("^")
+    exact = value.startswith("=")
+    tokens = value.removeprefix("=").split(",")
+    hit = [n for n in names if any(n == t if exact else n.startswith(t) for t in tokens)]
+    return [n for n in names if n not in hit] if exclude else hit
+
+
+def test_nccl_network_variable_figures():
+    interfaces = ["lo", "docker0", "eth0", "ens1f0", "ens1f1"]
+    chosen = {v: nccl_match(v, interfaces) for v in ("ens1", "^eth", "=ens1f0", "^=eth0")}
+    assert chosen == {"ens1": ["ens1f0", "ens1f1"], "^eth": ["lo", "docker0", "ens1f0", "ens1f1"],
+                      "=ens1f0": ["ens1f0"], "^=eth0": ["lo", "docker0", "ens1f0", "ens1f1"]}
+    assert right_choice_of("setup-nccl-socket-ifname").startswith("NCCL_SOCKET_IFNAME==ens1f0")
+    hcas = [f"mlx5_{i}" for i in range(12)]
+    assert nccl_match("mlx5_0,mlx5_1", hcas) == ["mlx5_0", "mlx5_1", "mlx5_10", "mlx5_11"]
+    assert nccl_match("=mlx5_0,mlx5_1", hcas) == ["mlx5_0", "mlx5_1"]
+    assert "use =mlx5_0,mlx5_1" in right_choice_of("setup-nccl-ib-hca-prefix")
+    # setup-nccl-gdr-level: the levels in order of distance; PIX stops short of PXB.
+    levels = ["LOC", "PIX", "PXB", "PHB", "SYS"]
+    def gdr(path, level): return levels.index(path) <= levels.index(level) and level != "LOC"
+    assert not gdr("PXB", "PIX") and gdr("PXB", "PXB") and gdr("PXB", "SYS") and not gdr("PIX", "LOC")
+    assert right_choice_of("setup-nccl-gdr-level").startswith("PIX allows GPUDirect RDMA under one switch only")
+    # setup-nccl-conf-file: system configuration against debugging, as NCCL's documentation files them.
+    system, debugging = {"NCCL_SOCKET_IFNAME", "NCCL_IB_HCA"}, {"NCCL_P2P_DISABLE", "NCCL_BUFFSIZE"}
+    q = BY_ID["setup-nccl-conf-file"]
+    assert {q["choices"][i].split("=")[0] for i in q["answer"]} == system
+    assert {c.split("=")[0] for i, c in enumerate(q["choices"]) if i not in q["answer"]} == debugging
+    assert 4 * 2**20 == 4_194_304 == 4 * 1_048_576
+
+
+def test_gpudirect_storage_figures():
+    from torch.cuda.gds import GdsFile
+
+    doc = " ".join(GdsFile.__doc__.split())
+    assert "cuFile" in doc and "os.O_DIRECT`` will be added automatically" in doc
+    assert all(hasattr(GdsFile, m) for m in ("load_storage", "save_storage"))
+    assert right_choice_of("ft-gds-torch-api").startswith("torch.cuda.gds.GdsFile(f, flags).load_storage(")
+    s = get_shape("llama3-70b")
+    assert round(serve_plan.weight_bytes(s) / 1e9) == 141 and round(s.params() * 2 / 8 / 1e9, 1) == 17.6
+    assert right_choice_of("ft-gds-direct-path").startswith("storage DMAs straight into GPU memory")
+    assert right_choice_of("ft-gds-compat-mode").startswith("cuFile falls back to POSIX reads")
+    assert right_choice_of("ft-gds-filesystem").startswith("Lustre over InfiniBand")
+
+
+def test_grace_hopper_and_nvl72_figures():
+    h100, b200 = get_gpu("h100"), get_gpu("b200")
+    # setup-c2c-offload: one direction of each link; 900/128 is about 7.
+    seconds = {"c2c": 64 / 450, "pcie": 64 / h100.pcie_GBps, "c2c both": 64 / 900, "pcie both": 64 / 128,
+               "c2c bits": 64 / (450 / 8), "pcie bits": 64 / (64 / 8), "hbm": 64 / h100.hbm_GBps}
+    assert {k: round(v, 2) for k, v in seconds.items()} == {"c2c": 0.14, "pcie": 1.0, "c2c both": 0.07,
+                                                            "pcie both": 0.5, "c2c bits": 1.14, "pcie bits": 8.0,
+                                                            "hbm": 0.02}
+    assert h100.pcie_GBps == 64 and round(900 / 128) == 7
+    assert right_choice_of("setup-c2c-offload") == "about 0.14 s on the GH200 against 1.0 s on PCIe Gen5"
+    assert right_choice_of("setup-c2c-coherent").startswith("nothing special")
+    # setup-nvl72-tp16 and setup-nvl72-aggregate: 1.8 TB/s a GPU counts both directions; 72 of them make ~130 TB/s.
+    assert b200.intra_node_GBps == 900 == 1800 / 2 and 72 * 1.8 == pytest.approx(129.6) and round(72 * 1.8, -1) == 130
+    assert 900 / h100.inter_node_GBps == 18 and round(130 / 16) == 8 and round(130 / 64) == 2
+    assert right_choice_of("setup-nvl72-tp16").startswith("900 GB/s, 18 times")
+    assert right_choice_of("setup-nvl72-aggregate").startswith("900 GB/s: 130 TB/s is 72 GPUs × 1.8 TB/s")
+    # setup-nvl72-disagg: a 320 MiB share through a 50 GB/s NIC and over 900 GB/s of NVLink.
+    share = 8192 * serve_plan.kv_bytes_per_token(get_shape("llama3-70b"), 8)
+    ms = {"nic": share / 50e9, "nvlink": share / 900e9, "both ways": share / 1.8e12, "whole": 8 * share / 900e9,
+          "whole nic": 8 * share / 50e9}
+    assert share == 320 * 2**20 and {k: round(v * 1e3, 2) for k, v in ms.items()} == {
+        "nic": 6.71, "nvlink": 0.37, "both ways": 0.19, "whole": 2.98, "whole nic": 53.69}
+    assert right_choice_of("setup-nvl72-disagg").startswith("about 6.7 ms through the NIC, about 0.37 ms")
