@@ -483,8 +483,8 @@ def format_estimate(est: dict) -> str:
                     + (f", {cfg.virtual_stages} chunks a rank" if cfg.schedule == "interleaved-1f1b" else "")
                     + "): " + ", ".join(f"{h:.3g}" for h in est["in_flight"]) if "in_flight" in est and cfg.pp > 1
                     else ""))
-    lines.append("  buffers and workspaces (NCCL, cuBLAS, the allocator's slack) are not counted: they are the "
-                 "reserve a GPU's usable memory leaves out")
+    lines.append("  buffers and workspaces (NCCL, cuBLAS, the allocator's slack) are not counted:")
+    lines.append("  they are the reserve a GPU's usable memory leaves out")
     paper = korthikanti_layer_bytes(cfg.seq_len // cfg.cp, cfg.batch_size // _forwards(cfg), mc.n_embd, mc.n_head,
                                     cfg.tp, cfg.sequence_parallel, cfg.recompute)
     lines.append(f"  Korthikanti et al.'s count for one layer at this shape (16-bit activations, per GPU): "
