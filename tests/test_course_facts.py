@@ -899,3 +899,42 @@ def test_what_notebook_08_counts_for_a_fused_chain():
     text = prose("08_profiling")
     assert "9 full-size reads and writes against the fused kernel's 3, so at most 3× faster" in text
     assert "eager PyTorch runs it as four kernels" in text
+
+
+def test_what_notebook_07_says_the_loss_scaler_did_at_the_fp16_spike():
+    """07 §2, the notebook's full fp16 run on CPU ranks read row by row, as its prose reads it: the record gives the
+    scale of every step, halved after each skip and never grown in 20 steps; the first step is skipped (the flat
+    start); the spike's first high loss follows a step that was taken; the steps after it are skipped until the
+    scale fits; the largest distance from fp32 is the first step taken again, and the next loss falls more than half
+    the way back."""
+    base = dict(steps=20, seq_len=64, device="cpu")  # the notebook's BASE outside smoke mode
+    fp32 = run(TrainConfig(dp=2, **base))
+    fp16 = run(TrainConfig(dp=2, precision="fp16", master_weights=True, **base))
+    p = fp16.extras["precision"]
+    scales, skipped = p["step_scales"], p["skipped_at"]
+    assert len(scales) == len(fp16.losses) and p["skipped_steps"] == len(skipped)
+    assert scales[0] == 2**16
+    for i, scale in enumerate(scales):
+        after = scale / 2 if i in skipped else scale
+        assert (scales[i + 1] if i + 1 < len(scales) else p["loss_scale"]) == after, f"step {i}"
+    assert 0 in skipped, "the flat start"
+
+    gaps = [a - b for a, b in zip(fp16.losses, fp32.losses)]
+    worst = max(range(len(gaps)), key=gaps.__getitem__)
+    first = worst
+    while first - 1 in skipped:
+        first -= 1
+    assert worst not in skipped and first < worst, "the largest distance is the first step taken after skips"
+    assert first - 1 not in skipped, "the spike's first high loss follows a step the scaler let through"
+    assert gaps[first] > 0.5 * gaps[worst] and gaps[first] > 2 * max(gaps[1:first - 1]), "the spike comes first"
+    assert gaps[worst + 1] < gaps[worst] / 2, "the next loss falls most of the way back"
+    from gpucourse.parallel.precision import DynamicLossScaler
+
+    assert DynamicLossScaler().growth_interval == 200 > len(fp16.losses), "the scale never grows back"
+
+    text = prose("07_memory_batch")
+    for said in ("The first high loss follows a step the scaler let through (no `*`)",
+                 "the largest distance from fp32 is the first step taken again",
+                 "the next loss falls most of the way back towards fp32's",
+                 "doubling needs 200 good steps in a row"):
+        assert said in text, said

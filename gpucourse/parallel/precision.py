@@ -44,9 +44,11 @@ class DynamicLossScaler:
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
         self.good_steps = 0
         self.skipped = 0
+        self.history: list[tuple[float, bool]] = []  # each step of this run: the scale its backward used, overflowed?
 
     def update(self, found_inf: bool) -> None:
         """Call once per step with whether any gradient overflowed."""
+        self.history.append((self.scale, found_inf))
         if found_inf:
             self.scale *= self.backoff_factor
             self.good_steps = 0
@@ -99,5 +101,7 @@ class Precision:
     def extras(self) -> dict:
         out = {"precision": self.name, "master_weights": self.master_weights}
         if self.scaler:
-            out.update(skipped_steps=self.scaler.skipped, loss_scale=self.scaler.scale)
+            out.update(skipped_steps=self.scaler.skipped, loss_scale=self.scaler.scale,
+                       step_scales=[scale for scale, _ in self.scaler.history],
+                       skipped_at=[i for i, (_, overflow) in enumerate(self.scaler.history) if overflow])
         return out
