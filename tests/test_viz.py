@@ -9,6 +9,7 @@ The live view runs in a real notebook kernel under nbclient.
 """
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -451,6 +452,18 @@ def test_ring_animation_follows_the_blocks_of_a_real_ring_run():
     # Each rank sent K and V once per hop in every block's forward: 4 blocks × 2 hops × 2 tensors.
     assert all(len(times) == 4 * 2 * 2 and min(times) > 0 for times in fig.layout.meta["send_s"].values())
     assert {t.type for t in fig.data} <= DRAWN_TYPES
+    # Readable: a one-line title clear of the toolbar, the play button below the ring beside the slider, each label
+    # outside its circle, and the arrows (arcs of the ring) clear of every circle.
+    from gpucourse.viz.gantt import RING_NODE_PX, RING_UNIT_PX
+
+    title, (labels, numbers, arcs) = fig.layout.title.text, fig.data
+    assert "<br>" not in title and len(title) <= 40, title
+    assert (fig.layout.updatemenus[0].y, fig.layout.updatemenus[0].yanchor) == (0, "top") == (
+        fig.layout.sliders[0].y, fig.layout.sliders[0].yanchor)
+    assert "middle center" not in labels.textposition and numbers.textposition == "middle center"
+    centres = list(zip(labels.x, labels.y))
+    on_arcs = [(x, y) for x, y in zip(arcs.x, arcs.y) if x is not None]
+    assert min(math.dist(p, c) for p in on_arcs for c in centres) > RING_NODE_PX / 2 / RING_UNIT_PX
     with pytest.raises(ValueError, match="cp_algo='ring'"):
         viz.ring(run(TrainConfig(cp=2, cp_algo="allgather", **QUICK), timeout=120, quiet=True))
 

@@ -14,6 +14,8 @@ from .style import PALETTE, fit_title, kind_color, load_result, rank_color, rank
 
 LANE = 0.7          # height of a span bar, in lanes
 STEP_LANE = 0.1     # the thin bar under each lane that marks a rank's whole step
+RING_NODE_PX = 40  # a rank's circle in viz.ring, in pixels
+RING_UNIT_PX = 100  # viz.ring's scale: pixels per unit of its ring's radius (at least 1)
 KIND_ORDER = ("forward", "backward", "comm", "optimizer", "idle", "step")
 OP_WORDS = {"F": "forward", "B": "backward", "W": "weight gradient", "SEND_F": "send activation",
             "RECV_F": "receive activation", "SEND_B": "send gradient", "RECV_B": "receive gradient"}
@@ -400,15 +402,23 @@ def _hop_text(sends: list[float], hop: int, hops: int) -> str:
     return f"sent K, V on: {1e3 * max(sends[2 * hop:2 * hop + 2]):.2f} ms"
 
 
+def _label_side(x: float, y: float) -> str:
+    """Where a node's label goes so that it points away from the ring: above the top, right of the right side..."""
+    vertical = "top" if y > 0.5 else "bottom" if y < -0.5 else "middle"
+    horizontal = "center" if vertical != "middle" and abs(x) < 0.5 else "right" if x > 0 else "left"
+    return f"{vertical} {horizontal}"
+
+
 def ring(result, step: int | None = None):
     """Ring attention, hop by hop, from a context-parallel run: which rank holds whose K/V block, and for how long.
 
     ``result``: a run with ``cp_algo="ring"``. One frame per hop of the first
     layer's forward in ``step`` (the last by default): the cp ranks on a circle,
-    each labelled with the block it attends to at that hop (its own first,
-    then its neighbours', passed along the arrows), and the hop's measured
-    transfer time on each rank — the span of its K/V send in the run's timeline.
-    A slider and a play button step through the hops.
+    each circle coloured and numbered by the block it attends to at that hop
+    (its own first, then its neighbours', passed along the arrows), and beside
+    it, outside the ring, the rank and the hop's measured transfer time — the
+    span of its K/V send in the run's timeline. A slider and a play button
+    below the ring step through the hops.
     """
     import math
 
@@ -424,31 +434,55 @@ def ring(result, step: int | None = None):
     for s in sorted(r.timeline, key=lambda s: s["start_s"]):
         if s["step"] == step and s["kind"] == "comm" and s["name"] == "cp send K/V":
             sends.setdefault(s["rank"], []).append(s["end_s"] - s["start_s"])
+    # The ring grows with cp so that an arrow of some length fits between neighbouring circles, and the figure with it,
+    # so that a data unit stays about RING_UNIT_PX pixels and a circle and its label keep their room.
+    radius = max(1.0, 0.2 * cp)
     angle = [math.pi / 2 - 2 * math.pi * k / cp for k in range(cp)]
-    xs, ys = [math.cos(a) for a in angle], [math.sin(a) for a in angle]
+    xs, ys = [radius * math.cos(a) for a in angle], [radius * math.sin(a) for a in angle]
+    sides = [_label_side(math.cos(a), math.sin(a)) for a in angle]
 
     def frame(hop: int) -> list:
         owners = [(rank - hop) % cp for rank in range(cp)]
         text = [f"rank {rank}<br>holds block {owners[rank]}<br>" + _hop_text(sends.get(rank, []), hop, hops)
                 for rank in range(cp)]
-        return [go.Scatter(x=xs, y=ys, mode="markers+text", text=text, textposition="middle center",
-                           marker=dict(size=90, color=[rank_color(o) for o in owners]),
-                           hoverinfo="text", showlegend=False)]
+        return [go.Scatter(x=xs, y=ys, mode="markers+text", text=text, textposition=sides,
+                           marker=dict(size=RING_NODE_PX, color=[rank_color(o) for o in owners]),
+                           hovertext=text, hoverinfo="text", cliponaxis=False, showlegend=False),
+                go.Scatter(x=xs, y=ys, mode="text", text=[str(o) for o in owners], textposition="middle center",
+                           textfont=dict(color="white", size=15), hoverinfo="skip", cliponaxis=False,
+                           showlegend=False)]
 
-    arrows = [dict(x=xs[(k + 1) % cp] * 0.72, y=ys[(k + 1) % cp] * 0.72, ax=xs[k] * 0.72, ay=ys[k] * 0.72,
-                   xref="x", yref="y", axref="x", ayref="y", showarrow=True, arrowhead=3, arrowwidth=2)
-              for k in range(cp)]
-    frames = [go.Frame(data=frame(h), name=str(h)) for h in range(cp)]
-    fig = go.Figure(data=frame(0), frames=frames)
+    # Each arrow is an arc of the ring from one circle to the next, stopping short of both.
+    gap = (RING_NODE_PX / 2 + 10) / RING_UNIT_PX / radius  # radians: a circle's radius and some air
+    arc_x, arc_y, heads = [], [], []
+    for k in range(cp):
+        a, b = angle[k] - gap, angle[k] - 2 * math.pi / cp + gap
+        points = [a + (b - a) * i / 24 for i in range(25)]
+        arc_x += [radius * math.cos(t) for t in points] + [None]
+        arc_y += [radius * math.sin(t) for t in points] + [None]
+        heads.append(dict(x=radius * math.cos(b), y=radius * math.sin(b), ax=radius * math.cos(points[-3]),
+                          ay=radius * math.sin(points[-3]), xref="x", yref="y", axref="x", ayref="y", text="",
+                          showarrow=True, arrowhead=3, arrowwidth=2, arrowcolor="#555"))
+    ring_line = go.Scatter(x=arc_x, y=arc_y, mode="lines", line=dict(color="#555", width=2), hoverinfo="skip",
+                           showlegend=False)
+    frames = [go.Frame(data=frame(h), name=str(h), traces=[0, 1]) for h in range(cp)]
+    fig = go.Figure(data=frame(0) + [ring_line], frames=frames)
+    reach = radius + 0.85  # room for a label above the top circle and below the bottom one
+    top, bottom = 50, 110  # the title; the slider and the play button
     fig.update_layout(
-        title=fit_title(f"ring attention on {cp} ranks: the K/V blocks travel one hop per step (step {step}, first "
-                        f"layer)"),
-        xaxis=dict(visible=False, range=[-1.6, 1.6]), yaxis=dict(visible=False, range=[-1.5, 1.5], scaleanchor="x"),
-        height=420, margin=dict(t=50), annotations=arrows,
-        sliders=[dict(steps=[dict(method="animate", label=f"hop {h}", args=[[str(h)], dict(mode="immediate")])
+        title=fit_title(f"Ring attention on {cp} ranks, hop by hop"),
+        xaxis=dict(visible=False, range=[-reach - 1.6, reach + 1.6]),
+        yaxis=dict(visible=False, range=[-reach, reach], scaleanchor="x"),
+        height=round(top + bottom + 2 * reach * RING_UNIT_PX), margin=dict(t=top, b=bottom, l=10, r=10),
+        annotations=heads, plot_bgcolor="white",
+        sliders=[dict(active=0, x=0.1, len=0.9, y=0, yanchor="top", pad=dict(t=50),
+                      currentvalue=dict(prefix=f"step {step}, first layer's forward: "),
+                      steps=[dict(method="animate", label=f"hop {h}", args=[[str(h)], dict(mode="immediate")])
                              for h in range(cp)])],
-        updatemenus=[dict(type="buttons", showactive=False, buttons=[dict(label="Play", method="animate",
-                                                                          args=[None, dict(frame=dict(duration=900))])])],
+        updatemenus=[dict(type="buttons", showactive=False, x=0.1, y=0, xanchor="right", yanchor="top",
+                          pad=dict(t=65, r=10),
+                          buttons=[dict(label="▶ play", method="animate",
+                                        args=[None, dict(frame=dict(duration=900), fromcurrent=True)])])],
         meta={"hops": hops, "send_s": sends})
     return fig
 
