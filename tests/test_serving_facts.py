@@ -1,7 +1,7 @@
 """Every figure notebook 14 (serving) and its questions state, recomputed with the course's own functions: the KV
 cache's bytes, the roofline's ridge and intensities, the modeled decode and prefill times, the schedulers on the
 bench's trace, paged slots, chunked prefill's chunks, parallel decode's all-reduces and GQA's replicated heads,
-quantized bytes, and the sizing of a deployment; and those of the questions on what the notebook does not run:
+quantized bytes, and the sizing of a deployment; and those of notebook 15's questions (inference optimisations):
 speculative decoding's tokens per pass, prefix caching's block keys and eviction order, split-KV attention's thread
 blocks, the KV transfer of disaggregated serving, SmoothQuant's scales and block-scaled formats' bytes. The questions
 are also held to the bank's rules against guessing."""
@@ -30,7 +30,8 @@ from procs import REPO
 
 NOTEBOOK = "14_serving"
 QS = quiz.load_bank(notebook=NOTEBOOK)
-BY_ID = {q["id"]: q for q in QS}
+INFERENCE = quiz.load_bank(notebook="15_inference_optimization")
+BY_ID = {q["id"]: q for q in QS + INFERENCE}
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 H100 = get_gpu("h100")
 
@@ -478,29 +479,29 @@ def speculative_speedup(alpha: float, gamma: int, c: float) -> float:
 
 
 def test_speculative_decoding_figures():
-    # srv-spec-expected-tokens: the sum over run lengths is the closed form, 3.36; the distractors' counts.
+    # inf-spec-expected-tokens: the sum over run lengths is the closed form, 3.36; the distractors' counts.
     assert accepted_tokens(0.8, 4) == pytest.approx((1 - 0.8**5) / 0.2) == pytest.approx(3.3616)
-    assert right("srv-spec-expected-tokens").startswith("about 3.36 tokens")
+    assert right("inf-spec-expected-tokens").startswith("about 3.36 tokens")
     for wrong in (4 * 0.8, 4 * 0.8 + 1, accepted_tokens(0.8, 4) - 1):
-        assert sum(c.startswith(f"about {wrong:.2f} tokens") for c in choices("srv-spec-expected-tokens")) == 1
-    # srv-spec-draft-length: gamma = 3 is the fastest of 1, 3, 5 and 8; each choice quotes its own figure.
+        assert sum(c.startswith(f"about {wrong:.2f} tokens") for c in choices("inf-spec-expected-tokens")) == 1
+    # inf-spec-draft-length: gamma = 3 is the fastest of 1, 3, 5 and 8; each choice quotes its own figure.
     speedups = {g: speculative_speedup(0.6, g, 0.1) for g in (1, 3, 5, 8)}
     assert max(speedups, key=speedups.get) == 3 == max(range(1, 9), key=lambda g: speculative_speedup(0.6, g, 0.1))
     for g, v in speedups.items():
-        assert f"about {v:.2f} times plain decoding, with γ = {g}" in choices("srv-spec-draft-length")
-    assert right("srv-spec-draft-length").endswith("γ = 3")
+        assert f"about {v:.2f} times plain decoding, with γ = {g}" in choices("inf-spec-draft-length")
+    assert right("inf-spec-draft-length").endswith("γ = 3")
     assert [f"{1 - 0.6**(g + 1):.4f}" for g in (3, 5, 8)] == ["0.8704", "0.9533", "0.9899"] and round(0.6**5, 2) == 0.08
-    # srv-spec-large-batch: a weight matmul does 2 FLOPs per weight and token on 2-byte weights, one FLOP a byte per
+    # inf-spec-large-batch: a weight matmul does 2 FLOPs per weight and token on 2-byte weights, one FLOP a byte per
     # position: 5 positions at batch 1 sit far under the ridge, 256 × 5 = 1,280 above it, 256 alone still under.
     ridge = serve_plan.ridge_point(H100)
     assert round(ridge) == 295 and 2 / serve_plan.ELEM["bf16"] == 1
     assert 1 * (4 + 1) < ridge < 256 * (4 + 1) == 1280 and 256 < ridge
-    assert "each verified position costs compute" in right("srv-spec-large-batch")
-    assert "medium-to-low QPS, memory-bound" in BY_ID["srv-spec-large-batch"]["explanation"]
+    assert "each verified position costs compute" in right("inf-spec-large-batch")
+    assert "medium-to-low QPS, memory-bound" in BY_ID["inf-spec-large-batch"]["explanation"]
 
 
 def test_speculative_sampling_keeps_the_targets_distribution():
-    """srv-spec-lossless: accepting with min(1, p/q), resampling from max(0, p − q), emits exactly p, whatever q."""
+    """inf-spec-lossless: accepting with min(1, p/q), resampling from max(0, p − q), emits exactly p, whatever q."""
     gen = torch.Generator().manual_seed(0)
     for _ in range(20):
         p, q = (torch.rand(11, generator=gen, dtype=torch.float64).softmax(0) for _ in range(2))
@@ -511,17 +512,17 @@ def test_speculative_sampling_keeps_the_targets_distribution():
         assert torch.allclose(emitted, p)
         # A draft that is accepted less often changes the speed, not the distribution: the same holds for any q.
         assert accepted.sum() < 1
-    assert right("srv-spec-lossless").startswith("it is the target's own")
+    assert right("inf-spec-lossless").startswith("it is the target's own")
 
 
 def test_speculative_method_questions_say_what_each_drafter_is():
-    # srv-spec-eagle: the feature-level drafter is EAGLE; the other three descriptions are Medusa, prompt lookup and
+    # inf-spec-eagle: the feature-level drafter is EAGLE; the other three descriptions are Medusa, prompt lookup and
     # a fine-tuned target.
-    assert "second-to-top-layer features" in right("srv-spec-eagle")
-    assert "arxiv.org/abs/2401.15077" in BY_ID["srv-spec-eagle"]["explanation"]
-    # srv-spec-ngram: the method that adds no model work at peak is prompt lookup.
-    assert right("srv-spec-ngram").startswith("n-gram prompt lookup")
-    assert "without increasing the workload during peak traffic" in BY_ID["srv-spec-ngram"]["explanation"]
+    assert "second-to-top-layer features" in right("inf-spec-eagle")
+    assert "arxiv.org/abs/2401.15077" in BY_ID["inf-spec-eagle"]["explanation"]
+    # inf-spec-ngram: the method that adds no model work at peak is prompt lookup.
+    assert right("inf-spec-ngram").startswith("n-gram prompt lookup")
+    assert "without increasing the workload during peak traffic" in BY_ID["inf-spec-ngram"]["explanation"]
 
 
 # --- prefix caching ------------------------------------------------------------------------------------------------
@@ -551,29 +552,29 @@ def test_prefix_cache_hits_with_a_shared_system_prompt():
     system = list(range(1000))
     user = [list(range(10_000 + 200 * i, 10_000 + 200 * (i + 1))) for i in range(2)]
     hit = cached_tokens(system + user[0], system + user[1])
-    # srv-prefix-hit-rate: 62 full blocks of the system prompt, 992 of 1,200 tokens; block 63 mixes in the user text.
+    # inf-prefix-hit-rate: 62 full blocks of the system prompt, 992 of 1,200 tokens; block 63 mixes in the user text.
     assert hit == 992 == 62 * 16 == 1000 // 16 * 16 and 63 * 16 == 1008
     assert [f"{n / 1200:.0%}" for n in (992, 1000, 1008, 1200)] == ["83%", "83%", "84%", "100%"]
-    assert right("srv-prefix-hit-rate").startswith("992 of them (83%): the 62 full blocks")
-    # srv-prefix-timestamp: a changed first line changes every key after it; after the fixed text only the last
+    assert right("inf-prefix-hit-rate").startswith("992 of them (83%): the 62 full blocks")
+    # inf-prefix-timestamp: a changed first line changes every key after it; after the fixed text only the last
     # blocks change. A larger block still starts with the changed line.
     stamp = [[90_000 + i] * 10 for i in range(2)]
     assert cached_tokens(stamp[0] + system + user[0], stamp[1] + system + user[1]) == 0
     assert cached_tokens(stamp[0] + system + user[0], stamp[1] + system + user[1], block_size=64) == 0
     assert cached_tokens(system + stamp[0] + user[0], system + stamp[1] + user[1]) == 992
-    assert right("srv-prefix-timestamp").startswith("move the time line after the fixed instructions")
-    # srv-prefix-lora: 2,000 tokens are 125 full blocks, none shared across adapters.
+    assert right("inf-prefix-timestamp").startswith("move the time line after the fixed instructions")
+    # inf-prefix-lora: 2,000 tokens are 125 full blocks, none shared across adapters.
     prompt = list(range(2000))
     assert len(block_hashes(prompt, 16)) == 125
     assert cached_tokens(prompt, prompt, extra_first=("support-v3",), extra_second=("sales-v1",)) == 0
     assert cached_tokens(prompt, prompt, extra_first=("support-v3",), extra_second=("support-v3",)) == 2000
-    assert right("srv-prefix-lora").startswith("none of it")
-    # srv-prefix-salt: a salt per customer keeps customers apart and reuse within one; the gap it hides is 560 ms.
+    assert right("inf-prefix-lora").startswith("none of it")
+    # inf-prefix-salt: a salt per customer keeps customers apart and reuse within one; the gap it hides is 560 ms.
     document = list(range(4000))
     assert cached_tokens(document, document, extra_first=("acme",), extra_second=("globex",)) == 0
     assert cached_tokens(document, document, extra_first=("acme",), extra_second=("acme",)) == 4000
-    assert 600 - 40 == 560 and "the 560 ms gap remains" in BY_ID["srv-prefix-salt"]["explanation"]
-    assert right("srv-prefix-salt").startswith("a per-customer cache_salt")
+    assert 600 - 40 == 560 and "the 560 ms gap remains" in BY_ID["inf-prefix-salt"]["explanation"]
+    assert right("inf-prefix-salt").startswith("a per-customer cache_salt")
 
 
 class FreeQueue:
@@ -607,7 +608,7 @@ def test_prefix_cache_eviction_order():
     pool.finish([0, 1, 2, 3, 4, 5, 6, 7])
     assert pool.queue == [10, 11, 7, 6, 5]
     assert pool.allocate(3) == [10, 11, 7] and {5, 6} <= pool.cached and not {0, 1, 2, 3, 4} & set(pool.queue)
-    assert right("srv-prefix-eviction").startswith("10, 11 and 7")
+    assert right("inf-prefix-eviction").startswith("10, 11 and 7")
 
 
 # --- split-KV decode attention (Flash-Decoding) ---------------------------------------------------------------------
@@ -615,22 +616,22 @@ def test_prefix_cache_eviction_order():
 def test_split_kv_figures():
     s = get_shape("llama3-8b")
     assert (s.heads, s.kv, s.head_dim) == (32, 8, 128) and H100.sm_count == 132
-    # srv-splitkv-grid: 1 × 32 × 1 blocks; 16 chunks a head make 512.
+    # inf-splitkv-grid: 1 × 32 × 1 blocks; 16 chunks a head make 512.
     assert 1 * s.heads * 1 == 32 < H100.sm_count <= 32 * 16 == 512
-    assert right("srv-splitkv-grid").startswith("at most 32 of 132 SMs: 16 chunks per head make 512 blocks")
-    # srv-splitkv-when: 256 sequences × 32 heads already fill the GPU many times over.
+    assert right("inf-splitkv-grid").startswith("at most 32 of 132 SMs: 16 chunks per head make 512 blocks")
+    # inf-splitkv-when: 256 sequences × 32 heads already fill the GPU many times over.
     assert 256 * 32 == 8192 and 8192 / H100.sm_count > 60
-    assert right("srv-splitkv-when").startswith("in X")
-    # srv-splitkv-profile: 64k tokens × 128 KiB is 8 GiB a token; in 28 ms that is about 9% of 3.35 TB/s.
+    assert right("inf-splitkv-when").startswith("in X")
+    # inf-splitkv-profile: 64k tokens × 128 KiB is 8 GiB a token; in 28 ms that is about 9% of 3.35 TB/s.
     read = 65_536 * serve_plan.kv_bytes_per_token(s)
     assert serve_plan.kv_bytes_per_token(s) == 128 * KiB and read == 8 * GiB and H100.hbm_GBps == 3350
     assert round(read / 28e-3 / 1e9) == 307 and round(100 * read / 28e-3 / (H100.hbm_GBps * 1e9)) == 9
-    assert right("srv-splitkv-profile").startswith("it reads 8 GiB at about 9% of HBM bandwidth")
-    # srv-splitkv-benchmark: the blog's table (pytorch.org/blog/flash-decoding/), the same 65,536 keys in each row.
+    assert right("inf-splitkv-profile").startswith("it reads 8 GiB at about 9% of HBM bandwidth")
+    # inf-splitkv-benchmark: the blog's table (pytorch.org/blog/flash-decoding/), the same 65,536 keys in each row.
     assert 256 * 256 == 1 * 65_536
     assert round(2300.6 / 390.5, 1) == 5.9 and round(2300.6 / 64.4) == 36 and 63.4 < 64.4 < 1.02 * 63.4
-    assert "≈ 5.9" in BY_ID["srv-splitkv-benchmark"]["explanation"] and "about 36 times" in \
-        BY_ID["srv-splitkv-benchmark"]["explanation"]
+    assert "≈ 5.9" in BY_ID["inf-splitkv-benchmark"]["explanation"] and "about 36 times" in \
+        BY_ID["inf-splitkv-benchmark"]["explanation"]
 
 
 def test_split_kv_partials_merge_into_full_attention():
@@ -659,17 +660,17 @@ def test_disaggregation_figures():
     ms = {"nic": share / 50e9 * 1e3, "one link": whole / 50e9 * 1e3, "nvlink": share / 450e9 * 1e3,
           "keys only": share / 2 / 50e9 * 1e3}
     assert [round(ms[k], 2) for k in ms] == [6.71, 53.69, 0.75, 3.36]
-    q = BY_ID["srv-disagg-kv-transfer"]
-    assert right("srv-disagg-kv-transfer").startswith("about 6.7 ms")
+    q = BY_ID["inf-disagg-kv-transfer"]
+    assert right("inf-disagg-kv-transfer").startswith("about 6.7 ms")
     for text in ("about 54 ms", "about 0.75 ms", "about 3.4 ms"):
         assert sum(c.startswith(text) for c in q["choices"]) == 1
-    # srv-disagg-ttft: the transfer is the 10 ms rise in median TTFT; decode's p99 fell from 90 to 35 ms.
+    # inf-disagg-ttft: the transfer is the 10 ms rise in median TTFT; decode's p99 fell from 90 to 35 ms.
     assert 610 - 600 == 10 and 35 < 50 < 90
-    assert right("srv-disagg-ttft").startswith("in the time to first token only")
-    # srv-disagg-throughput and srv-disagg-conditional: what vLLM's page and Dynamo's design say.
-    assert "does not improve throughput" in BY_ID["srv-disagg-throughput"]["explanation"]
-    assert right("srv-disagg-throughput").startswith("prefill and decode in separate instances")
-    assert right("srv-disagg-conditional").startswith("long prompts go to prefill workers")
+    assert right("inf-disagg-ttft").startswith("in the time to first token only")
+    # inf-disagg-throughput and inf-disagg-conditional: what vLLM's page and Dynamo's design say.
+    assert "does not improve throughput" in BY_ID["inf-disagg-throughput"]["explanation"]
+    assert right("inf-disagg-throughput").startswith("prefill and decode in separate instances")
+    assert right("inf-disagg-conditional").startswith("long prompts go to prefill workers")
     assert 60 * per_token < 20 * MiB < 20_000 * per_token
 
 
@@ -687,16 +688,16 @@ def test_smoothquant_moves_the_outlier_into_the_weights():
     xs, ws = x / scale, w * scale[:, None]
     assert torch.allclose(xs @ ws, x @ w)
     assert xs[:, 2].abs().max() == pytest.approx(4) and ws[2].abs().max() == pytest.approx(4)
-    assert right("srv-quant-smoothquant").startswith("divides X's channel j by 16")
+    assert right("inf-quant-smoothquant").startswith("divides X's channel j by 16")
 
 
 def test_quantization_method_choices():
-    # srv-quant-awq: the activation-aware, backprop-free method is AWQ; GPTQ is the one that updates weights.
-    assert right("srv-quant-awq").startswith("AWQ")
-    # srv-quant-batch-choice: batches of 32 to 64 are past the guide's 16; its MMLU losses on LLaMA-v2-70B.
+    # inf-quant-awq: the activation-aware, backprop-free method is AWQ; GPTQ is the one that updates weights.
+    assert right("inf-quant-awq").startswith("AWQ")
+    # inf-quant-batch-choice: batches of 32 to 64 are past the guide's 16; its MMLU losses on LLaMA-v2-70B.
     assert 32 >= 16 and round(100 * (69.1 - 68.5) / 69.1, 2) == 0.87 and round(100 * (69.1 - 67.2) / 69.1, 2) == 2.75
-    assert right("srv-quant-batch-choice").startswith("FP8")
-    # srv-quant-blackwell-formats: Transformer Engine's support matrix, by compute capability.
+    assert right("inf-quant-batch-choice").startswith("FP8")
+    # inf-quant-blackwell-formats: Transformer Engine's support matrix, by compute capability.
     support = {(8, 0): set(), (8, 9): {"fp8"}, (9, 0): {"fp8", "fp8 block"},
                (10, 0): {"fp8", "fp8 block", "mxfp8", "nvfp4"}}
     gpus = {"A100": (8, 0), "L4": (8, 9), "H100": (9, 0), "B200": (10, 0)}
@@ -704,13 +705,13 @@ def test_quantization_method_choices():
     from gpucourse.runtime.devices import PLATFORMS
     assert [PLATFORMS[p].devices.gpus[0].capability for p in ("cloud-8xa100", "cloud-l4", "cloud-8xh100")] \
         == [gpus["A100"], gpus["L4"], gpus["H100"]]
-    assert right("srv-quant-blackwell-formats").startswith("only the B200")
-    # srv-quant-kv-int8-fp8: both are one byte a number; the cache holds twice bf16's sequences, not four times.
+    assert right("inf-quant-blackwell-formats").startswith("only the B200")
+    # inf-quant-kv-int8-fp8: both are one byte a number; the cache holds twice bf16's sequences, not four times.
     s = get_shape("llama3-8b")
     assert serve_plan.ELEM["fp8"] == 1 == serve_plan.ELEM["bf16"] / 2
     assert serve_plan.largest_batch(s, H100, 32_768, kv="fp8") in (2 * serve_plan.largest_batch(s, H100, 32_768),
                                                                    2 * serve_plan.largest_batch(s, H100, 32_768) + 1)
-    assert right("srv-quant-kv-int8-fp8").startswith("FP8: one byte like INT8")
+    assert right("inf-quant-kv-int8-fp8").startswith("FP8: one byte like INT8")
 
 
 def test_block_scaled_weight_bytes():
@@ -723,9 +724,9 @@ def test_block_scaled_weight_bytes():
         "nvfp4 /32": 0.5 + 1 / 32, "mxfp8 /16": 1 + 1 / 16}.items()}  # block sizes swapped
     assert gb == {"nvfp4": 40, "mxfp8": 73, "nvfp4 bare": 35, "mxfp8 bare": 71, "nvfp4 fp32": 53, "mxfp8 fp32": 79,
                   "nvfp4 /32": 37, "mxfp8 /16": 75}
-    assert right("srv-quant-block-bytes") == "about 40 GB as NVFP4 and about 73 GB as MXFP8"
+    assert right("inf-quant-block-bytes") == "about 40 GB as NVFP4 and about 73 GB as MXFP8"
     for a, b in ((35, 71), (53, 79), (37, 75)):
-        assert f"about {a} GB as NVFP4 and about {b} GB as MXFP8" in choices("srv-quant-block-bytes")
+        assert f"about {a} GB as NVFP4 and about {b} GB as MXFP8" in choices("inf-quant-block-bytes")
     assert f"{0.5625 * params / 1e9:.1f}" == "39.7" and f"{1.03125 * params / 1e9:.1f}" == "72.8"
 
 
@@ -741,11 +742,29 @@ def test_serving_questions_are_many_scenarios_and_not_gameable():
     assert kinds["numeric"] == 0 and 2 <= kinds["multiple"] <= 4
     assert sum(scenario_detail(q["question"]) is not None for q in QS) >= 0.8 * len(QS)
     assert sum(len(q["question"]) > 150 for q in QS) >= 0.8 * len(QS)
-    assert {q["topic"] for q in QS} == set(quiz.TOPICS)
+    assert {q["topic"] for q in QS} == {"memory-batch", "parallelism", "profiling-troubleshooting"}
     assert_not_gameable(QS, letters=4)
+
+
+def test_inference_optimisation_questions_are_scenarios_cite_sources_and_are_not_gameable():
+    """Notebook 15's questions: speculative decoding, prefix caching, split-KV attention, disaggregated prefill and
+    decode, quantisation methods; each explanation names the page or paper its facts come from."""
+    from gpucourse.bench.quiz_figures import scenario_detail
+    from test_quiz import SOURCE, assert_not_gameable
+
+    qs = INFERENCE
+    assert len(qs) >= 25 and all(q["id"].startswith("inf-") for q in qs)
+    assert [q for q in quiz.load_bank() if q["id"].startswith("inf-")] == qs
+    groups = Counter(q["id"].split("-")[1] for q in qs)
+    assert groups == {"spec": 6, "prefix": 5, "splitkv": 4, "disagg": 4, "quant": 6}
+    assert {q["kind"] for q in qs} == {"single"}
+    assert all(scenario_detail(q["question"]) is not None and len(q["question"]) > 150 for q in qs)
+    assert [q["id"] for q in qs if not SOURCE.search(q["explanation"])] == []
+    assert {q["topic"] for q in qs} == set(quiz.TOPICS)
+    assert_not_gameable(qs, letters=4)
 
 
 def test_every_serving_question_is_pinned_here():
     """Each question's figures are recomputed by a test of this file, which names its id."""
     source = (REPO / "tests" / "test_serving_facts.py").read_text(encoding="utf-8")
-    assert [q["id"] for q in QS if q["id"] not in source] == []
+    assert [q["id"] for q in QS + INFERENCE if q["id"] not in source] == []

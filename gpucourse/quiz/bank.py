@@ -40,7 +40,8 @@ TOPICS = {
 NOTEBOOKS = ("01_collectives", "02_data_parallelism", "03_zero_fsdp", "04_pipeline_parallelism",
              "05_tensor_parallelism", "06_hybrid_planning", "07_memory_batch", "08_profiling",
              "09_troubleshooting", "10_accelerate_scaling", "12_sequence_context_parallel",
-             "13_mixture_of_experts", "04b_pipeline_schedules", "14_serving")
+             "13_mixture_of_experts", "04b_pipeline_schedules", "14_serving",
+             "15_inference_optimization")
 
 KINDS = ("single", "multiple", "numeric")
 
