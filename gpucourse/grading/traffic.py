@@ -22,8 +22,7 @@ asked (not Linux, no inet_diag, a rank's descriptors closed to this process),
 with a warning in the grade.
 
 **What gloo puts on the wire** (torch 2.13's gloo, TCP transport, measured on
-loopback by ``tests/test_grading.py::test_gloo_framing_is_what_the_wire_model_says``):
-every operation on a pair starts with a preamble of six 64-bit fields, 48
+loopback by ``tests/test_traffic.py``): every operation on a pair starts with a preamble of six 64-bit fields, 48
 bytes. A message of k bytes from x to y is three of them: x tells y it has
 something to send, y tells x it is ready to receive, and x sends a preamble and
 the k bytes. So it costs k + 96 bytes from x to y and 48 from y to x, whatever k
@@ -47,9 +46,6 @@ import time
 HEADER = 48                  # bytes of one gloo preamble
 FORWARD = 2 * HEADER         # a message's overhead from its sender to its receiver
 BACKWARD = HEADER            # and from its receiver back to its sender
-
-# Operations whose messages :func:`expected` knows (the in-rank recorder's names).
-MODELLED = ("send", "recv", "all_to_all", "barrier")
 
 # linux/netlink.h, linux/sock_diag.h, linux/inet_diag.h
 _NETLINK_SOCK_DIAG, _SOCK_DIAG_BY_FAMILY = 4, 20
@@ -251,8 +247,8 @@ class Meter:
 
 def expected(records: dict[int, list[dict]]) -> tuple[dict[tuple[int, int], int], list[str]]:
     """The bytes each pair of ranks puts on the wire for the operations the ranks recorded (rank -> its
-    records), by the framing above; and the operations it cannot account for (not in :data:`MODELLED`, or a
-    receive from any source)."""
+    records), by the framing above; and the operations it cannot account for (any but sends, receives from a
+    named rank, all-to-alls and barriers)."""
     wire: dict[tuple[int, int], int] = {}
     unknown = []
 
