@@ -86,10 +86,12 @@ def cluster():
     started.stop()  # fails if any process of the cluster or its jobs is left
 
 
-@pytest.fixture
+@pytest.fixture(scope="session", autouse=True)
 def one_thread():
-    """Torch on one thread for the test: a tiny model's decode steps are matmuls of a few rows, and on a busy
-    machine two threads waiting on each other made them twenty times slower than one."""
+    """Torch on one thread in the test process, as in every rank it forks: the tests' models are tiny, their
+    matmuls a few rows, and on a busy machine two threads waiting on each other made a tiny model's decode steps
+    twenty times slower than one, and 40 training steps of it burn ten times the CPU. (The launcher's test of the
+    fork-after-threads trap sets two threads itself.)"""
     import torch
 
     threads = torch.get_num_threads()
