@@ -1,8 +1,8 @@
 """Pipeline parallelism equals the single-device run, moves exactly its activations, and records its schedule.
 
-Oracle: fp32, dropout 0, the same seed and global batch, 10 steps; losses within
-1e-5 relative and the exported weights within 1e-5 absolute of ``TrainConfig()``
-with the same batch.
+Oracle: fp32, dropout 0, the same seed and global batch, 4 steps (the forward at the starting weights, then three
+AdamW updates from the state each layout keeps; a later step runs the same code again); losses within 1e-5 relative
+and the exported weights within 1e-5 absolute of ``TrainConfig()`` with the same batch.
 
 Bytes: per optimizer step, each pipeline sends one activation forward and one
 gradient backward per microbatch over each of its pp − 1 stage boundaries,
@@ -27,7 +27,7 @@ from gpucourse.model import MODELS, build_model
 from gpucourse.parallel.pipeline import GPTStage, stage_blocks
 from gpucourse.parallel.schedules import build
 
-BASE = dict(steps=10, seq_len=32, batch_size=8, model="tiny", seed=0, dropout=0.0)
+BASE = dict(steps=4, seq_len=32, batch_size=8, model="tiny", seed=0, dropout=0.0)
 
 LAYOUTS = {
     "pp2-naive": dict(pp=2, schedule="naive", microbatches=8),
