@@ -1,6 +1,8 @@
 """Tensor parallel equals one device: the sharded linears, f and g, whole runs, and the bytes they move.
 
-Rank functions live at the top of this module so that ``launch`` can start them.
+Whole runs train 4 steps: the forward at the starting weights, then three AdamW updates from the state each layout
+keeps (a later step runs the same code again). Rank functions live at the top of this module so that ``launch`` can
+start them.
 """
 
 import re
@@ -21,7 +23,7 @@ from gpucourse.parallel.tensor_parallel import (ColumnParallelLinear, CopyToTens
 from gpucourse.train import build_mesh
 
 TP = 2
-BASE = dict(model="tiny", steps=10, seq_len=32, batch_size=8, dropout=0.0, precision="fp32")
+BASE = dict(model="tiny", steps=4, seq_len=32, batch_size=8, dropout=0.0, precision="fp32")
 
 
 def _max_diff(a, b) -> float:
