@@ -312,8 +312,10 @@ def test_untouched_exercises_score_zero_and_solutions_full_marks(marked):
 
 @pytest.fixture(scope="module")
 def mutant_results() -> dict[str, dict]:
-    """Every mutant graded under one seed, in two grading processes at once (each starts its grader and sandbox
-    once for half the mutants; while one starts ranks, the other's checks run)."""
+    """Every mutant graded under one seed, drawn afresh each run, in four grading processes at once (each starts its
+    grader and sandbox once for a quarter of the mutants; while one starts ranks, the others' checks run). That no
+    verdict depends on the seed, scripts/mutant-stability checks under 20 seeds (`scripts/mutant-stability ex14`
+    for the newest exercise)."""
     seed = secrets.randbelow(2**31)
     runs = [(name[:4], str(MUTANTS / f"{name}.py"), seed) for name in sorted(WRONG_ANSWERS)]
     halves = [runs[k::4] for k in range(4)]
@@ -614,20 +616,6 @@ def test_grade_runs_grades_files_under_their_own_seeds_in_one_process(marked):
 
 def test_timing_helpers_for_the_benchmarks(marked):
     assert grading.time_grade_one_exercise("ex05") > 0
-
-
-def test_every_wrong_answer_of_exercise_14_fails_the_same_checks_under_twenty_seeds(marked):
-    """What scripts/mutant-stability does for every exercise (about 10 minutes here), for the newest one: no
-    verdict depends on the seed."""
-    from gpucourse.grading.runner import grade_runs
-
-    wrong = sorted((MUTANTS / "ex14_paged_attention").glob("*.py"))
-    runs = [("ex14", str(p), seed) for p in wrong for seed in range(1, 21)]
-    seen = defaultdict(set)
-    for (_, path, _), r in zip(runs, grade_runs(runs)):
-        seen[Path(path).stem].add(tuple(sorted(c["name"] for c in r["checks"] if c["status"] != "passed")))
-    assert len(seen) == len(wrong) >= 8
-    assert all(len(verdicts) == 1 and () not in verdicts for verdicts in seen.values()), dict(seen)
 
 
 def test_the_catalog_names_every_exercise_and_a_kernel_asks_for_a_grade_without_torch():
