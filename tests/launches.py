@@ -1,8 +1,9 @@
 """Several layouts of one world size trained in one launch, one after the other, and compared with one device.
 
 Starting ranks is most of what a short run costs on CPU: a launch per world size, each rank training every
-config in turn (``rankfns.train_several``), keeps equality tests cheap. Used by the tests of context parallelism,
-experts and the newer pipeline schedules.
+config in turn (``rankfns.train_several``), keeps equality tests cheap; a torch-impl rank also pays DTensor's and
+pipelining's first-use set-up once, not once a layout. Used by the tests of pipelines (both kinds of schedule),
+context parallelism and experts.
 """
 
 from __future__ import annotations

@@ -22,12 +22,15 @@ from collections import defaultdict
 import pytest
 import torch
 
-from gpucourse import TrainConfig, run
+from gpucourse import TrainConfig
 from gpucourse.model import MODELS, build_model
 from gpucourse.parallel.pipeline import GPTStage, stage_blocks
 from gpucourse.parallel.schedules import build
 
+from launches import train_launches
+
 BASE = dict(steps=4, seq_len=32, batch_size=8, model="tiny", seed=0, dropout=0.0)
+pytestmark = pytest.mark.timeout(600)
 
 LAYOUTS = {
     "pp2-naive": dict(pp=2, schedule="naive", microbatches=8),
@@ -64,18 +67,28 @@ LAYOUTS = {
     "dp2×pp2-gpipe-ga2-torch": dict(dp=2, pp=2, schedule="gpipe", microbatches=2, grad_accum=2, impl="torch"),
 }
 
+
+def _by_world_size(layouts: dict[str, dict]) -> dict[int, dict[str, dict]]:
+    """``{world size: {name: layout}}``: what one launch trains (tests/launches.py)."""
+    groups = defaultdict(dict)
+    for name, kw in layouts.items():
+        groups[TrainConfig(**BASE, **kw).world_size][name] = kw
+    return dict(groups)
+
+
+LAUNCHES = _by_world_size({"single": {}, **LAYOUTS})
 _RUNS: dict = {}
 
 
 def _run(name: str, tmp_path_factory):
-    """Each layout runs once per test session; its tests share the result (or the error) and the weights."""
+    """The layouts of one world size train in one launch, once per test session (tests/launches.py); the tests
+    share each result (or the launch's error) and the weights."""
     if name not in _RUNS:
-        path = tmp_path_factory.mktemp("weights") / f"{name}.pt"
-        cfg = TrainConfig(**BASE, **LAYOUTS.get(name, {}))
+        world, layouts = next((w, group) for w, group in LAUNCHES.items() if name in group)
         try:
-            _RUNS[name] = (cfg, run(cfg, timeout=120, export_weights=path, quiet=True), torch.load(path))
-        except Exception as e:  # a failed layout fails each of its tests once, not after one launch each
-            _RUNS[name] = e
+            _RUNS.update(train_launches(tmp_path_factory.mktemp("weights"), BASE, {world: layouts}))
+        except Exception as e:  # a failed launch fails each test of its layouts once, not after one launch each
+            _RUNS.update(dict.fromkeys(layouts, e))
     if isinstance(_RUNS[name], Exception):
         raise _RUNS[name]
     return _RUNS[name]
