@@ -22,8 +22,11 @@ from gpucourse.parallel.tensor_parallel import (ColumnParallelLinear, CopyToTens
                                                 RowParallelLinear)
 from gpucourse.train import build_mesh
 
+from launches import train_launches
+
 TP = 2
 BASE = dict(model="tiny", steps=4, seq_len=32, batch_size=8, dropout=0.0, precision="fp32")
+pytestmark = pytest.mark.timeout(600)
 
 
 def _max_diff(a, b) -> float:
@@ -122,12 +125,15 @@ _RUNS: dict = {}
 
 
 def train(tmp_path_factory, **layout):
-    """Run BASE with ``layout`` once per session; its RunResult and exported weights."""
+    """BASE with ``layout`` (the single device or one of LAYOUTS): its RunResult and exported weights. The first
+    call trains every one of them of the same world size, in one launch (tests/launches.py)."""
     key = tuple(sorted(layout.items()))
     if key not in _RUNS:
-        path = tmp_path_factory.mktemp("tp") / "weights.pt"
-        result = gpucourse.run(TrainConfig(**BASE, **layout), timeout=120, export_weights=path, quiet=True)
-        _RUNS[key] = result, torch.load(path)
+        world = TrainConfig(**BASE, **layout).world_size
+        same = {name: kw for name, kw in {"single": {}, **LAYOUTS}.items()
+                if TrainConfig(**BASE, **kw).world_size == world}
+        runs = train_launches(tmp_path_factory.mktemp("tp"), BASE, {world: same})
+        _RUNS.update({tuple(sorted(kw.items())): runs[name][1:] for name, kw in same.items()})
     return _RUNS[key]
 
 
