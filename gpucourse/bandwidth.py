@@ -41,6 +41,7 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 KB, MB = 1 << 10, 1 << 20
 SIZES = tuple(KB * 4 ** i for i in range(9))  # 1 KB, 4 KB, ... 64 MB
 QUICK_SIZES = (KB, 64 * KB, 4 * MB, 64 * MB)
+MOST_BYTES = 4 << 30  # the largest message timed
 _UNITS = {"": 1, "B": 1, "K": KB, "KB": KB, "KIB": KB, "M": MB, "MB": MB, "MIB": MB, "G": 1 << 30, "GB": 1 << 30,
           "GIB": 1 << 30}
 
@@ -54,9 +55,12 @@ def parse_size(text: str) -> int:
         value = float(digits)
     except ValueError:
         value = -1
-    if unit not in _UNITS or not value > 0:
+    if unit not in _UNITS or not value * _UNITS.get(unit, 1) >= 1:  # NaN is not: nor is under a byte
         raise ValueError(f"size {text!r} must be a positive number of bytes, optionally with K, KB, M, MB or G "
                          f"(1 KB = 1024 bytes).")
+    if value * _UNITS[unit] > MOST_BYTES:  # infinity too: every size is allocated, on each rank
+        raise ValueError(f"size {text!r} is more than {human_bytes(MOST_BYTES, binary=True)}, where every link's bus "
+                         f"bandwidth has long levelled off; give a smaller one.")
     return int(value * _UNITS[unit])
 
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from .model import MODELS, GPTConfig
 from .readable import ConfigError
-from .values import NON_NEGATIVE, NON_NEGATIVE_NUMBER, POSITIVE, POSITIVE_NUMBER, PROBABILITY, SEED, Name, among
+from .values import (NON_NEGATIVE, NON_NEGATIVE_NUMBER, POSITIVE, POSITIVE_NUMBER, PROBABILITY, RANKS, SEED, Name,
+                     among, whole)
 
 __all__ = ["ConfigError", "TrainConfig"]
 
@@ -79,10 +80,10 @@ class TrainConfig:
     """
 
     model: str = setting("tiny", "model size: " + ", ".join(MODELS), allowed=Name(MODELS))
-    dp: int = layout(1, "data-parallel degree", allowed=POSITIVE)
-    tp: int = layout(1, "tensor-parallel degree", allowed=POSITIVE)
-    pp: int = layout(1, "pipeline-parallel degree (stages)", allowed=POSITIVE)
-    cp: int = layout(1, "context-parallel degree: seq_len / cp tokens of every sequence per rank", allowed=POSITIVE)
+    dp: int = layout(1, "data-parallel degree", allowed=RANKS)
+    tp: int = layout(1, "tensor-parallel degree", allowed=RANKS)
+    pp: int = layout(1, "pipeline-parallel degree (stages)", allowed=RANKS)
+    cp: int = layout(1, "context-parallel degree: seq_len / cp tokens of every sequence per rank", allowed=RANKS)
     zero: int = layout(0, "ZeRO stage 0-3", allowed=among((0, 1, 2, 3), "a ZeRO stage: 0, 1, 2 or 3"))
     schedule: str = layout("1f1b", "pipeline schedule (with --pp > 1; default 1f1b)", cli_default=None,
                            allowed=Name(_schedules))
@@ -105,7 +106,7 @@ class TrainConfig:
     zigzag: bool = layout(False, "context parallel: 2·cp chunks, rank i holding i and 2·cp-1-i (causal load balance)")
     # Mixture of experts (model.MoE): E experts per MoE block; None keeps the model's own setting.
     moe_experts: int = setting(0, "mixture of experts: E expert MLPs in place of each MoE block's MLP (0: dense)",
-                               allowed=NON_NEGATIVE)
+                               allowed=whole(0, 1024, why="the course model holds every expert's weights"))
     moe_top_k: int | None = setting(None, "mixture of experts: experts per token (2)", allowed=POSITIVE)
     moe_every: int | None = setting(None, "mixture of experts in every block (1) or every n-th block (n)",
                                     allowed=POSITIVE)
@@ -114,7 +115,7 @@ class TrainConfig:
         allowed=POSITIVE_NUMBER)
     moe_aux: float | None = setting(None, "weight of the load-balancing loss (0.01)", allowed=NON_NEGATIVE_NUMBER)
     # Not a layout field yet: a resume does not spread a checkpoint's experts over another ep.
-    ep: int = setting(1, "expert-parallel degree: experts spread over ep dp ranks", allowed=POSITIVE)
+    ep: int = setting(1, "expert-parallel degree: experts spread over ep dp ranks", allowed=RANKS)
     impl: str = layout("scratch", "scratch (gpucourse's own), torch (PyTorch's) or accelerate (Hugging Face "
                                   "Accelerate)", allowed=Name(IMPLS))
     bucket_mb: float | None = layout(
@@ -215,6 +216,7 @@ class TrainConfig:
             kind, value = f.metadata.get("allowed"), getattr(self, f.name)
             if kind is not None and not (value is None and f.default is None):
                 kind.check(value, f.name)
+        RANKS.check(self.world_size, "pp × dp × cp × tp")  # each may be allowed and their product not
         if self.straggler is not None:
             self.straggler_delay()  # refused here, in one sentence, if it does not parse or names no rank
         mc = self.model_config()

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import textwrap
 from dataclasses import dataclass
 
@@ -56,7 +57,7 @@ from .offload import offload_memory, offload_time
 from .readable import human_bytes
 from . import shapes
 from .shapes import Shape, ShapeError, for_params, get_shape
-from .values import POSITIVE, Name, number
+from .values import GPUS_PER_NODE, RANKS, SEQUENCES, TOKENS, Name, number
 
 
 def shape_for_params(num_params: float) -> dict:
@@ -72,7 +73,8 @@ SHAPES = shapes.SHAPES
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def candidates(shape: Shape, gpus: int, gpus_per_node: int, batch_size: int, seq_len: int, precision: str,
@@ -575,9 +577,9 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
     ``offload``: also try each layout with its optimizer on the CPU (:mod:`gpucourse.offload`; rows say
     ``"offload": True``), as DeepSpeed's ``offload_optimizer`` or Megatron-Core's ``--optimizer-cpu-offload`` run it.
     """
-    for name, value in (("gpus", gpus), ("gpus_per_node", gpus_per_node), ("batch_size", batch_size),
-                        ("seq_len", seq_len)):
-        POSITIVE.check(value, name)
+    for name, value, kind in (("gpus", gpus, RANKS), ("gpus_per_node", gpus_per_node, GPUS_PER_NODE),
+                              ("batch_size", batch_size, SEQUENCES), ("seq_len", seq_len, TOKENS)):
+        kind.check(value, name)
     Name(PRECISIONS).check(precision, "precision")
     if efficiency is not None:
         EFFICIENCY.check(efficiency, "efficiency")

@@ -44,7 +44,7 @@ import warnings
 from .clock import Task
 from .clock import run as run_clock
 from .cluster import Cluster
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig
 from .measure import RunResult
 from .memory import active_params, num_params, stage_params
 from .parallel.schedule_table import get as get_schedule
@@ -178,7 +178,10 @@ def replay(result, on: str = "h100", gpus_per_node: int = 8, nodes: int | None =
     if given, returns the seconds to use instead of the model's for a span (a test can
     give every forward 1 and every backward 2 to compare with the schedule simulator).
     """
-    r = RunResult.load(result)
+    try:
+        r = RunResult.load(result).check()
+    except ConfigError as e:
+        raise ReplayError(str(e)) from None
     cfg = TrainConfig.from_dict(r.config)
     spans = [s for s in r.timeline if 0 <= s["step"] < len(r.losses)]
     if not spans:

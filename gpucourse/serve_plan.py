@@ -34,7 +34,7 @@ from .gpus import get_gpu
 from .serving.speculative import expected_tokens
 from .serving.split_kv import num_splits
 from .shapes import ShapeError, get_shape
-from .values import POSITIVE, POSITIVE_NUMBER, Name
+from .values import GPUS_PER_NODE, POSITIVE, POSITIVE_NUMBER, RANKS, TOKENS, Name
 
 ELEM = {"fp32": 4, "bf16": 2, "fp8": 1}  # bytes a weight or a cached number is stored in
 FORMAT = Name(ELEM)  # a stored number's format: the weights' or the KV cache's
@@ -219,7 +219,7 @@ def memory(shape, context: int = CONTEXT, tp: int = 1, pp: int = 1, weights: str
     except ShapeError as e:
         raise ConfigError(str(e)) from None
     _check(shape, tp, pp, weights, kv)
-    POSITIVE.check(context, "context")
+    TOKENS.check(context, "context")
     if budget is not None:
         POSITIVE_NUMBER.check(budget, "budget")
     spec = get_gpu(gpu)
@@ -257,8 +257,9 @@ def plan(shape, gpus: int, gpu: str = "h100", context: int = CONTEXT, tpot_s: fl
         shape = get_shape(shape)
     except ShapeError as e:
         raise ConfigError(str(e)) from None
-    for name, value in (("gpus", gpus), ("context", context), ("gpus_per_node", gpus_per_node)):
-        POSITIVE.check(value, name)
+    for name, value, kind in (("gpus", gpus, RANKS), ("context", context, TOKENS),
+                              ("gpus_per_node", gpus_per_node, GPUS_PER_NODE)):
+        kind.check(value, name)
     POSITIVE_NUMBER.check(tpot_s, "tpot_s")
     spec = get_gpu(gpu)
     _check(shape, 1, 1, weights, kv)

@@ -94,9 +94,6 @@ def whole(least: int | None = None, most: int | None = None, why: str = "") -> K
     def problem(value) -> str | None:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             return f"must be {what}"
-        if (least is not None and value < least or most is not None and value > most) and least is not None \
-                and most is not None:
-            return f"must be from {least} to {most}{reason}"
         if least is not None and value < least:
             return f"must be at least {least}"
         if most is not None and value > most:
@@ -201,7 +198,8 @@ def json_value(text: str):
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError("it is empty" if not text.strip() else f"it is not JSON ({e.msg} at line {e.lineno})") from None
+        why = "it is empty" if not text.strip() else f"it is not JSON ({e.msg} at line {e.lineno})"
+        raise ValueError(why) from None
 
 
 def ordered(pair, name: str) -> tuple:
@@ -220,3 +218,8 @@ POSITIVE_NUMBER = number(above=0)
 NON_NEGATIVE_NUMBER = number(least=0)
 FRACTION = number(above=0, most=1, why="a share of the whole")
 PROBABILITY = number(least=0, below=1, why="a probability that drops everything would train nothing")
+# Bounds a planner's loops and a layout's ranks run into: past them no machine or model is, and the work grows.
+RANKS = whole(least=1, most=1 << 20, why="more GPUs than any cluster holds")
+GPUS_PER_NODE = whole(least=1, most=1024, why="more than any server or NVLink domain holds")
+TOKENS = whole(least=1, most=1 << 24, why="longer than any model's context")
+SEQUENCES = whole(least=1, most=1 << 24, why="more sequences than any run's batch")

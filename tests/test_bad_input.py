@@ -34,8 +34,10 @@ def refused(capsys, argv: list[str]) -> str:
     (POSITIVE_NUMBER, math.nan, "n=nan must be a finite number more than 0."),
     (POSITIVE_NUMBER, -math.inf, "n=-inf must be a finite number more than 0."),
     (FRACTION, 7, "n=7 must be at most 1 (a share of the whole)."),
-    (SEED, -1, "n=-1 must be from 0 to 4294967295 (what every random generator takes)."),
-    (whole(2, 4), 5, "n=5 must be from 2 to 4."),
+    (SEED, -1, "n=-1 must be at least 0."),
+    (SEED, 2**40, f"n={2**40} must be at most 4294967295 (what every random generator takes)."),
+    (SEED, "7", "n='7' must be a whole number from 0 to 4294967295."),
+    (whole(2, 4), 5, "n=5 must be at most 4."),
     (Name(("h100", "a100")), "h900", "n='h900' is not one of h100, a100 (did you mean h100?)."),
     (Name(("h100", "a100")), 3, "n=3 is not one of h100, a100."),
 ])
@@ -184,9 +186,9 @@ def test_memory_serve_defaults_to_bf16_weights_and_a_serving_context(capsys):
 
 # --- serve-bench ------------------------------------------------------------------------------------------------------
 
-def _trace(tmp_path, requests, name="trace.json") -> str:
+def _json_file(tmp_path, value, name="trace.json") -> str:
     path = tmp_path / name
-    path.write_text(json.dumps(requests))
+    path.write_text(json.dumps(value))
     return str(path)
 
 
@@ -197,13 +199,13 @@ def _request(**changed) -> dict:
 @pytest.mark.parametrize("clock", ["modeled", "wall"])
 def test_a_request_that_asks_for_no_token_is_refused(tmp_path, capsys, clock):
     """max_new_tokens 0: a RuntimeError on the modeled clock ("planned nothing"), an IndexError on the wall clock."""
-    path = _trace(tmp_path, [_request(max_new_tokens=0)])
+    path = _json_file(tmp_path, [_request(max_new_tokens=0)])
     assert refused(capsys, ["serve-bench", "--trace", path, "--clock", clock, "--quiet"]) == \
         f"--trace {path} is not a request trace: request 0's max_new_tokens=0 must be at least 1."
 
 
 def test_a_token_outside_the_vocabulary_is_refused_before_the_model_sees_it(tmp_path, capsys):
-    path = _trace(tmp_path, [_request(prompt=[1, 2000])])
+    path = _json_file(tmp_path, [_request(prompt=[1, 2000])])
     assert refused(capsys, ["serve-bench", "--trace", path, "--clock", "wall", "--quiet"]) == \
         "request 0's prompt holds token 2000, outside the model's vocabulary of 64 (token ids 0 to 63)."
 
@@ -211,7 +213,7 @@ def test_a_token_outside_the_vocabulary_is_refused_before_the_model_sees_it(tmp_
 def test_an_empty_trace_is_refused(tmp_path, capsys):
     from gpucourse.serving import simulate
 
-    path = _trace(tmp_path, [])
+    path = _json_file(tmp_path, [])
     assert refused(capsys, ["serve-bench", "--trace", path]).endswith(
         "is not a request trace: a trace is a JSON list of one or more requests; this one is empty.")
     with pytest.raises(ValueError, match="the trace holds no requests"):
@@ -263,10 +265,10 @@ def test_serve_bench_has_no_tp_flag_to_take_for_tpot_ms(capsys):
 @pytest.mark.parametrize("clock", ["modeled", "wall"])
 def test_the_modeled_clock_holds_requests_to_the_models_context_as_the_wall_clock_does(tmp_path, capsys, clock):
     """The modeled clock served a 200-token prompt for a 128-token model, and an empty prompt."""
-    long = _trace(tmp_path, [_request(prompt=[1] * 200)], "long.json")
+    long = _json_file(tmp_path, [_request(prompt=[1] * 200)], "long.json")
     assert refused(capsys, ["serve-bench", "--trace", long, "--clock", clock, "--quiet"]) == \
         "request 0 of 200 tokens is longer than the model's context of 128 tokens (block_size)."
-    empty = _trace(tmp_path, [_request(prompt=[])], "empty.json")
+    empty = _json_file(tmp_path, [_request(prompt=[])], "empty.json")
     assert refused(capsys, ["serve-bench", "--trace", empty, "--clock", clock]).endswith(
         "request 0's prompt must be a list of at least one token id (a model continues a prompt).")
 
@@ -274,7 +276,7 @@ def test_the_modeled_clock_holds_requests_to_the_models_context_as_the_wall_cloc
 def test_a_trace_of_one_token_answers_reports_its_kv_memory(tmp_path, capsys):
     """Found by the fuzzer: every request done in its first iteration left no KV slot held, and the waste shares
     divided 0 by 0."""
-    path = _trace(tmp_path, [_request(max_new_tokens=1)])
+    path = _json_file(tmp_path, [_request(max_new_tokens=1)])
     assert cli.main(["serve-bench", "--trace", path, "--quiet"]) == 0
     assert "0.0% of paged slots empty" in capsys.readouterr().out
 
@@ -300,3 +302,98 @@ def test_parallel_decode_runs_without_a_recorder(kind):
     finally:
         dist.destroy_process_group()
     assert torch.equal(got, want)
+
+
+# --- found by the fuzzer (tests/test_fuzz_cli.py) ------------------------------------------------------------------
+
+def test_plan_refuses_more_gpus_than_any_cluster_holds_instead_of_counting_their_divisors(capsys):
+    """--gpus 10**30 listed the divisors of 10**30 one number at a time: the command never ended."""
+    assert refused(capsys, ["plan", "--params", "1e9", "--gpus", str(10**30)]) == \
+        f"--gpus {10**30} must be at most 1048576 (more GPUs than any cluster holds)."
+    from gpucourse import plan
+
+    with pytest.raises(ConfigError, match="gpus_per_node=2000 must be at most 1024"):
+        plan.plan(1e9, 8, gpus_per_node=2000)
+
+
+def test_a_layout_of_more_ranks_than_any_cluster_is_refused_before_its_ranks_are_counted(capsys):
+    """memory --dp 10**30 --batch-size 10**30 sized every one of 10**30 ranks."""
+    assert refused(capsys, ["memory", "--dp", "1048576", "--tp", "2", "--batch-size", "1048576"]) == \
+        "pp × dp × cp × tp=2097152 must be at most 1048576 (more GPUs than any cluster holds)."
+
+
+def test_schedule_refuses_a_clock_it_cannot_lay_out_in_seconds(capsys):
+    """64 stages of 1024 microbatches took half a minute and half a gigabyte; a million took the fuzzer's hour."""
+    assert refused(capsys, ["schedule", "--pp", "64", "--microbatches", "1024"]) == \
+        "--pp 64 × --microbatches 1024 × 1 chunk(s) a rank = 65536 forwards on the clock, more than it lays out " \
+        "quickly (at most 8192); use fewer."
+
+
+def test_batch_size_says_in_one_sentence_on_stderr_that_nothing_fits(capsys):
+    """It exited 1 with its answer on stdout and nothing on stderr."""
+    assert cli.main(["batch-size", "--budget-gb", "1e-9"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err == "gpucourse: not even one sequence per microbatch fits in 1e-09 GiB (estimated).\n"
+
+
+def test_memory_serve_checks_the_model_as_training_does(capsys):
+    """memory --serve --moe-experts 1 built a shape whose top-2 routing had one expert: a ShapeError traceback."""
+    assert refused(capsys, ["memory", "--serve", "--moe-experts", "1"]) == \
+        "moe_experts=1: a mixture needs at least 2 experts."
+    assert refused(capsys, ["memory", "--serve", "--seq-len", "500"]) == \
+        "seq_len=500 is longer than model 'tiny''s block_size=128."
+
+
+def test_schedule_costs_stay_within_what_its_clock_adds_up(capsys):
+    """--cost-comm 1e308 made the makespan infinite, and rounding it an OverflowError."""
+    assert refused(capsys, ["schedule", "--cost-comm", "1e308"]) == "--cost-comm 1e308 must be at most 1e+06."
+
+
+def test_bandwidth_refuses_sizes_it_could_not_allocate(capsys):
+    """--sizes inf was an OverflowError; 1e15 bytes would have been allocated on every rank."""
+    assert refused(capsys, ["bandwidth", "--sizes", "inf"]) == \
+        "size 'inf' is more than 4 GiB, where every link's bus bandwidth has long levelled off; give a smaller one."
+
+
+def test_serve_bench_refuses_a_pool_it_could_not_hold(capsys):
+    """--blocks 10**30 listed every block (an OverflowError); a pool of 100000 blocks decoded on the wall clock would
+    have allocated 3 GiB of keys and values."""
+    assert refused(capsys, ["serve-bench", "--blocks", str(10**30)]).startswith(f"--blocks {10**30} must be at most")
+    assert refused(capsys, ["serve-bench", "--clock", "wall", "--blocks", "100000"]) == \
+        "--blocks 100000 of --block-size 16 tokens hold 3.05 GiB of keys and values for model 'tiny', more than " \
+        "--clock wall allocates here (1 GiB); use fewer."
+    assert refused(capsys, ["serve-bench", "--requests", str(10**30)]).startswith(f"--requests {10**30} must be")
+
+
+def one_rank_run() -> dict:
+    """A one-rank run as ``gpucourse train --json`` saves it: two steps of forward, backward and optimizer spans."""
+    from gpucourse.config import TrainConfig
+
+    spans, t = [], 0.0
+    for step in range(2):
+        spans.append({"rank": 0, "step": step, "kind": "step", "name": "step", "microbatch": None,
+                      "start_s": t, "end_s": t + 0.06})
+        for kind, length in (("forward", 0.01), ("backward", 0.02), ("optimizer", 0.01)):
+            spans.append({"rank": 0, "step": step, "kind": kind, "name": kind,
+                          "microbatch": None if kind == "optimizer" else 0, "start_s": t, "end_s": t + length})
+            t += length
+        t += 0.02
+    return {"config": TrainConfig(precision="fp32").to_dict(), "world_size": 1, "device": "cpu", "backend": "gloo",
+            "losses": [4.1, 3.9], "step_times_s": [0.06, 0.06], "tokens_per_s": 8 * 64 / 0.06, "timeline": spans,
+            "comm_bytes": {}, "comm": [], "memory": {}, "extras": {}, "start_step": 0}
+
+
+
+def test_a_saved_run_spoilt_in_a_field_is_refused_saying_which(tmp_path, capsys):
+    """A saved run with a NaN loss, a span on a rank the run has not, or a layout the model cannot take went on into
+    the replay and ended in a TypeError, a KeyError or 'nan' in the table."""
+    for change, says in (({"losses": [math.nan, 3.9]}, "losses[0]=nan must be a finite number."),
+                         ({"timeline": [{**one_rank_run()["timeline"][0], "rank": 3}]},
+                          "timeline[0].rank=3 must be at most 0 (the run has 1 rank)."),
+                         ({"config": {**one_rank_run()["config"], "moe_experts": 10**30}},
+                          f"moe_experts={10**30} must be at most 1024 (the course model holds every expert's "
+                          f"weights)."),
+                         ({"world_size": 2}, "a saved run's world_size=2 is not its layout's 1 ranks.")):
+        path = _json_file(tmp_path, {**one_rank_run(), **change}, "run.json")
+        assert refused(capsys, ["replay", path]) == \
+            f"{path} is not a run saved with 'gpucourse train --json FILE': {says}"

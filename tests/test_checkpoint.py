@@ -206,7 +206,7 @@ def test_resuming_another_model_or_setting_is_refused_before_any_rank_starts(tmp
 @pytest.mark.parametrize("args, words", [
     (["--save-every", "2"], "no save folder is set"),
     (["--save", "{}/a-file"], "is a file"),
-    (["--save", "{}/ckpt", "--save-every", "-1"], "must be 0"),
+    (["--save", "{}/ckpt", "--save-every", "-1"], "--save-every -1 must be at least 0"),
     (["--resume", "{}/nothing-here"], "holds no complete checkpoint"),
 ], ids=["every without save", "save into a file", "negative every", "resume from nothing"])
 def test_bad_checkpoint_options_are_refused_in_one_line(tmp_path, capsys, monkeypatch, args, words):

@@ -156,7 +156,7 @@ def test_lab_refuses_a_bad_port_in_one_line(capsys, monkeypatch):
     monkeypatch.setattr("os.execv", lambda *a: (_ for _ in ()).throw(AssertionError("the server was started")))
     assert cli.main(["lab", "--port", "70000"]) == 2
     [line] = capsys.readouterr().err.splitlines()
-    assert line == "gpucourse: error: --port 70000 must be from 0 to 65535 (a port number; 0 picks a free one).", line
+    assert line == "gpucourse: error: --port 70000 must be at most 65535 (a port number; 0 picks a free one).", line
 
 
 def test_lab_serves_the_notebooks_on_localhost_behind_a_token(monkeypatch, capsys):
@@ -215,7 +215,7 @@ def test_a_wrong_flag_gets_one_sentence_and_a_schedule_needs_a_pipeline(capsys):
     assert cli.main(["train", "--schedule", "1f1b"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and not any("usage:" in line for line in err)
-    assert err[0] == "gpucourse: error: --dp two must be a whole number of at least 1."
+    assert err[0] == "gpucourse: error: --dp two must be a whole number from 1 to 1048576."
     assert "give --pp 2 or more" in err[1]
 
 

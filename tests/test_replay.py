@@ -245,7 +245,7 @@ def test_the_replay_command_prints_the_modeled_step_and_refuses_bad_input_in_one
     out = capsys.readouterr().out
     assert "replayed on 1 × 8 A100" in out and "modeled" in out and "MFU" in out
     assert json.loads((tmp_path / "modeled.json").read_text())["device"] == "modeled a100"
-    for argv, words in ((["replay", str(tmp_path / "none.json")], "is not a file"),
+    for argv, words in ((["replay", str(tmp_path / "none.json")], "none.json does not exist"),
                         (["replay", str(saved), "--on", "v100"], "known: "),
                         (["replay", str(saved), "--gpus-per-node", "2", "--nodes", "1"], "hold only 2")):
         assert cli.main(argv) == 2
@@ -255,7 +255,7 @@ def test_the_replay_command_prints_the_modeled_step_and_refuses_bad_input_in_one
 
 def test_tensor_parallelism_across_servers_is_replayed_but_warned(runs):
     d = runs["dp8"].to_dict()
-    d["config"] = {**d["config"], "dp": 1, "tp": 8, "bucket_mb": None}
+    d["config"] = {**d["config"], "dp": 1, "tp": 8, "bucket_mb": None, "overrides": {"n_head": 8}}  # 8 heads to split
     with pytest.warns(UserWarning, match="crosses servers"):
         modeled = replay(d, gpus_per_node=4, nodes=2)
     assert modeled.extras["modeled"]["notes"]

@@ -7,6 +7,7 @@ sentence on stderr and exit status 2, and no file is half-written.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..config import ConfigError
@@ -46,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("gpucourse: interrupted; every rank was stopped.", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the output piped into a reader that stopped reading (| head): no more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit, when Python flushes
+        return 141
 
 
 if __name__ == "__main__":

@@ -45,7 +45,13 @@ def _saved_run(text: str) -> RunResult:
     found = json_value(text)
     if not isinstance(found, dict):
         raise ValueError(f"a saved run is a JSON object, not {type(found).__name__}")
-    return RunResult.from_dict(found)
+    try:
+        run = RunResult.from_dict(found)
+    except TypeError:  # from_dict names none of the fields it lacks
+        missing = [f.name for f in dataclasses.fields(RunResult) if f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING and f.name not in found]
+        raise ValueError(f"it lacks {', '.join(missing)}") from None
+    return run.check()
 
 
 SAVED_RUN = ReadableFile(_saved_run, "a run saved with 'gpucourse train --json FILE'")
@@ -92,7 +98,8 @@ class Parser(argparse.ArgumentParser):
                 flag = word.split("=", 1)[0]
                 near = [f for f in flags if f.startswith(flag)]
                 near += [f for f in difflib.get_close_matches(flag, flags, n=3, cutoff=0.7) if f not in near]
-                return f"{flag} is not a flag of {self.prog}" + (f"; the nearest: {', '.join(near[:3])}" if near else "")
+                nearest = f"; the nearest: {', '.join(near[:3])}" if near else ""
+                return f"{flag} is not a flag of {self.prog}{nearest}"
         return f"{self.prog} does not take {extras[0]!r}"
 
 

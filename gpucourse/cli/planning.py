@@ -15,10 +15,11 @@ from ..serve_config import TOOLS as SERVE_TOOLS
 from ..config import TrainConfig, allowed
 from ..serve_plan import CONTEXT as SERVE_CONTEXT, ELEM, FORMAT
 from ..shapes import PART_KINDS, SHAPE
-from ..values import NON_NEGATIVE_NUMBER, POSITIVE, POSITIVE_NUMBER, Name
+from ..values import GPUS_PER_NODE, POSITIVE, POSITIVE_NUMBER, RANKS, SEQUENCES, TOKENS, Name, number
 from .common import SAVED_RUN, UsageError, add_layout_args, check_writable, config_from, write_json
 
 TRAIN = TrainConfig()  # the training defaults, which memory --serve does not take
+LAID_OUT = 1 << 13  # forwards `schedule` lays out: 64 stages of 128 microbatches take seconds, a million minutes
 SERVE_WEIGHTS = "bf16"  # how a served model's weights are stored unless told
 MEMORY_PRECISION = Name(dict.fromkeys([*allowed("precision").names(), *ELEM]))  # training's or serving's
 
@@ -36,9 +37,11 @@ def cmd_schedule(args) -> int:
     problem = record.problem(args.pp, args.microbatches, args.virtual_stages)
     if problem:
         raise UsageError(problem)
-    if args.pp * args.microbatches > 1 << 20:
-        raise UsageError(f"--pp {args.pp} × --microbatches {args.microbatches} is over a million "
-                         f"microbatch-stages, too many to simulate quickly; use fewer.")
+    per_rank = record.chunks_per_rank(args.virtual_stages)
+    if args.pp * args.microbatches * per_rank > LAID_OUT:
+        raise UsageError(f"--pp {args.pp} × --microbatches {args.microbatches} × {per_rank} chunk(s) a rank = "
+                         f"{args.pp * args.microbatches * per_rank} forwards on the clock, more than it lays out "
+                         f"quickly (at most {LAID_OUT}); use fewer.")
     if args.json:
         check_writable(args.json, "--json")
     pp, m = args.pp, args.microbatches
@@ -110,13 +113,15 @@ def _serve_memory(args) -> int:
 
     weights = FORMAT.check(args.precision or SERVE_WEIGHTS, "--precision")
     if args.shape:
-        shape, context = args.shape, SERVE_CONTEXT
+        shape, context = args.shape, args.seq_len or SERVE_CONTEXT
     else:
-        model = config_from(args).model_config()
-        shape, context = dataclasses.replace(Shape.of_model(model), name=args.model), min(SERVE_CONTEXT,
-                                                                                           model.block_size)
+        cfg = config_from(args)
+        context = args.seq_len or min(SERVE_CONTEXT, cfg.model_config().block_size)
+        # The model's own rules, as training checks them (a mixture of one expert is none), and its context.
+        cfg = dataclasses.replace(cfg, precision=TRAIN.precision, seq_len=context).validate(runnable=False)
+        shape = dataclasses.replace(Shape.of_model(cfg.model_config()), name=args.model)
     budget = None if args.budget_gb is None else args.budget_gb * 2**30
-    est = serve_plan.memory(shape, args.seq_len or context, args.tp, args.pp, weights, args.kv, budget=budget)
+    est = serve_plan.memory(shape, context, args.tp, args.pp, weights, args.kv, budget=budget)
     print(serve_plan.format_memory(est))
     write_json(args.json, est)
     return 0
@@ -207,8 +212,9 @@ def cmd_batch_size(args) -> int:
             return max(m.get("device_peak", 0) for m in result.memory.values()) <= budget
     found = memory.largest_microbatch(cfg, budget, fits=fits)
     how = "measured on CUDA" if measured else "estimated"
-    if not found["microbatch"]:
-        print(f"not even one sequence per microbatch fits in {args.budget_gb:g} GiB ({how}).")
+    if not found["microbatch"]:  # an answer, but no result: said as a failure is, on stderr
+        print(f"gpucourse: not even one sequence per microbatch fits in {args.budget_gb:g} GiB ({how}).",
+              file=sys.stderr)
         return 1
     m = found["microbatch"]
     accum = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
@@ -243,11 +249,12 @@ def cmd_replay(args) -> int:
     for note in info["notes"]:
         print(f"gpucourse: note: {note}", file=sys.stderr)
     steps = lambda r: statistics.median(r.step_times_s[1:] or r.step_times_s)  # noqa: E731
-    print(f"{measured.world_size} rank(s) of {measured.config['model']}, replayed on {info['cluster']} (modeled)")
+    cfg = TrainConfig.from_dict(measured.config)  # a saved config may leave its defaults out
+    print(f"{measured.world_size} rank(s) of {cfg.model}, replayed on {info['cluster']} (modeled)")
     print(f"step time       measured {1e3 * steps(measured):.3f} ms on {measured.device}, "
           f"modeled {1e3 * steps(modeled):.3f} ms")
     print(profiling.format_summary(profiling.summarize(modeled, peak_flops=get_gpu(args.on).peak_flops(
-        measured.config.get("precision", "fp32"))), peak_name=f"{args.on} {measured.config.get('precision', 'fp32')}"))
+        cfg.precision)), peak_name=f"{args.on} {cfg.precision}"))
     if args.json:
         modeled.save(args.json)
         print(f"  the modeled run written to {args.json}")
@@ -263,11 +270,12 @@ def add_commands(sub) -> None:
     p.add_argument("--schedule", type=Name(SCHEDULES), default="1f1b",
                    help="; ".join(f"{name}: {s.summary}" for name, s in SCHEDULES.items()))
     p.add_argument("--virtual-stages", type=POSITIVE, default=2, help="interleaved-1f1b: model chunks per rank")
-    p.add_argument("--cost-f", type=POSITIVE_NUMBER, default=1.0,
+    # The costs are in units of the clock's own: a million of them is a transfer no schedule is drawn for.
+    p.add_argument("--cost-f", type=number(above=0, most=1e6), default=1.0,
                    help="time of one stage's forward of one microbatch")
-    p.add_argument("--cost-b", type=POSITIVE_NUMBER, default=2.0,
+    p.add_argument("--cost-b", type=number(above=0, most=1e6), default=2.0,
                    help="time of one stage's backward of one microbatch")
-    p.add_argument("--cost-comm", type=NON_NEGATIVE_NUMBER, default=0.0,
+    p.add_argument("--cost-comm", type=number(least=0, most=1e6), default=0.0,
                    help="time of one activation or gradient transfer")
     p.add_argument("--json", metavar="FILE", help="write the schedule, timeline and figures as JSON")
     p.set_defaults(func=cmd_schedule)
@@ -310,12 +318,12 @@ def add_commands(sub) -> None:
     p.add_argument("--framework", type=FRAMEWORK, default=None,
                    help="whose overlap of communication with compute to assume: megatron-core (default), "
                         "megatron-core-tp-overlap, megatron-2021, fsdp, ddp")
-    p.add_argument("--gpus", type=POSITIVE, required=True, help="number of GPUs")
+    p.add_argument("--gpus", type=RANKS, required=True, help="number of GPUs")
     p.add_argument("--gpu", type=GPU, default="h100", help="GPU kind from the table (gpucourse.gpus), e.g. h100, a100")
-    p.add_argument("--gpus-per-node", type=POSITIVE, default=8,
+    p.add_argument("--gpus-per-node", type=GPUS_PER_NODE, default=8,
                    help="GPUs per server (tensor parallelism stays inside)")
-    p.add_argument("--batch-size", type=POSITIVE, default=1024, help="global batch in sequences")
-    p.add_argument("--seq-len", type=POSITIVE, default=4096, help="tokens per sequence")
+    p.add_argument("--batch-size", type=SEQUENCES, default=1024, help="global batch in sequences")
+    p.add_argument("--seq-len", type=TOKENS, default=4096, help="tokens per sequence")
     p.add_argument("--precision", type=Name(PLAN_PRECISIONS), default="bf16",
                    help="bf16 (with fp32 master weights), fp8 (fp8 matmuls, the rest as bf16) or fp32")
     p.add_argument("--efficiency", type=EFFICIENCY, default=None,
@@ -324,7 +332,7 @@ def add_commands(sub) -> None:
     p.add_argument("--serve", action="store_true",
                    help="plan serving instead of training: tp × pp layouts (replicas over the rest) ranked by modeled "
                         "output tokens per second under --tpot-ms, each at the largest batch that fits and meets it")
-    p.add_argument("--context", type=POSITIVE, default=SERVE_CONTEXT,
+    p.add_argument("--context", type=TOKENS, default=SERVE_CONTEXT,
                    help=f"with --serve: tokens each sequence holds (prompt + answer; default {SERVE_CONTEXT})")
     p.add_argument("--tpot-ms", type=POSITIVE_NUMBER, default=50.0,
                    help="with --serve: the time-per-output-token target")
@@ -358,7 +366,7 @@ def add_commands(sub) -> None:
     p.add_argument("run", metavar="RUN.json", type=SAVED_RUN, help="a run saved with 'gpucourse train --json FILE'")
     p.add_argument("--on", type=GPU, default="h100",
                    help="GPU kind from the table (gpucourse.gpus): a100, h100, h200, b200, l4")
-    p.add_argument("--gpus-per-node", type=POSITIVE, default=8, help="GPUs per server (default 8)")
-    p.add_argument("--nodes", type=POSITIVE, default=None, help="servers (default: as many as the run's ranks need)")
+    p.add_argument("--gpus-per-node", type=GPUS_PER_NODE, default=8, help="GPUs per server (default 8)")
+    p.add_argument("--nodes", type=RANKS, default=None, help="servers (default: as many as the run's ranks need)")
     p.add_argument("--json", metavar="FILE", help="also write the modeled run as JSON")
     p.set_defaults(func=cmd_replay)

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from ..model import MODELS
 from ..serving.trace import parse_trace
-from ..values import POSITIVE, POSITIVE_NUMBER, SEED, Name, ReadableFile, ordered
+from ..readable import human_bytes
+from ..values import POSITIVE, POSITIVE_NUMBER, SEED, TOKENS, Name, ReadableFile, ordered, whole
 from .common import ProgressBar, UsageError, check_writable, write_json
 
 TRACE = ReadableFile(parse_trace, "a request trace")
+REQUESTS = whole(1, 10_000, why="a larger trace takes minutes to serve here")
+BLOCKS = whole(1, 1 << 20, why="more KV blocks than any GPU's memory holds")
+WALL_POOL_BYTES = 1 << 30  # what --clock wall sets aside for its KV pool: the course models in fp32 on this machine
 
 
 def cmd_serve_bench(args) -> int:
@@ -36,6 +40,11 @@ def cmd_serve_bench(args) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     if args.clock == "wall":  # the course model really decodes, timed on this machine
+        pool = 2 * cfg.n_layer * cfg.n_embd * 4 * args.blocks * args.block_size  # keys and values, fp32
+        if pool > WALL_POOL_BYTES:
+            raise UsageError(f"--blocks {args.blocks} of --block-size {args.block_size} tokens hold "
+                             f"{human_bytes(pool, binary=True)} of keys and values for model {args.model!r}, more than "
+                             f"--clock wall allocates here ({human_bytes(WALL_POOL_BYTES, binary=True)}); use fewer.")
         runner, clock = ModelRunner(build_model(cfg, args.seed), scheduler.blocks), wall_clock
     else:  # no model: the schedule alone, each iteration's seconds modeled
         runner, clock = Simulated(eos=-1, cfg=cfg), LinearCost()  # the requests must fit the model's context
@@ -81,7 +90,7 @@ def add_commands(sub) -> None:
                        description="A seeded Poisson trace (or --trace FILE, as gpucourse.serving.save_trace writes "
                                    "it) through the iteration-level scheduler and a paged KV cache.")
     p.add_argument("--trace", type=TRACE, help="a JSON trace file instead of the generated one")
-    p.add_argument("--requests", type=POSITIVE, default=64, help="requests in the generated trace")
+    p.add_argument("--requests", type=REQUESTS, default=64, help="requests in the generated trace")
     p.add_argument("--rate", type=POSITIVE_NUMBER, default=4.0, help="arrivals a second (Poisson)")
     p.add_argument("--burst", type=POSITIVE, default=1, help="requests arriving together")
     p.add_argument("--prompt-lens", type=POSITIVE, nargs=2, default=(16, 64), metavar=("MIN", "MAX"),
@@ -94,8 +103,8 @@ def add_commands(sub) -> None:
     p.add_argument("--clock", choices=("modeled", "wall"), default="modeled",
                    help="modeled: no model, each iteration's seconds from a 7 B model on one H100; wall: the model "
                         "decodes here and this machine's clock times it")
-    p.add_argument("--blocks", type=POSITIVE, default=64, help="KV blocks in the pool")
-    p.add_argument("--block-size", type=POSITIVE, default=16, help="tokens a KV block holds")
+    p.add_argument("--blocks", type=BLOCKS, default=64, help="KV blocks in the pool")
+    p.add_argument("--block-size", type=TOKENS, default=16, help="tokens a KV block holds")
     p.add_argument("--static", action="store_true", help="static batching instead of continuous")
     p.add_argument("--token-budget", type=POSITIVE, default=None, help="chunked prefill: tokens an iteration feeds")
     p.add_argument("--ttft-s", type=POSITIVE_NUMBER, default=2.0, help="goodput's time-to-first-token target")
