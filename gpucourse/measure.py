@@ -27,11 +27,8 @@ from typing import Any
 import torch
 
 from .files import write_atomic
-from .readable import ConfigError
 
 SPAN_KINDS = ("forward", "backward", "comm", "optimizer", "idle", "step")
-# The collectives gpucourse.comm records, by the names a span's op holds.
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send", "recv")
 
 
 class ActivationMeter:
@@ -317,65 +314,6 @@ class RunResult:
     def from_dict(cls, d: dict) -> "RunResult":
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
-
-    def check(self) -> "RunResult":
-        """This run, if it holds what a saved run holds, else :class:`ConfigError` in one sentence saying what it
-        lacks: a config that validates, its world of ranks, a finite loss and a step time for each step, and spans of
-        known kinds on its ranks with finite times (a collective with its op, bytes and group). A file cut short or
-        edited by hand is refused here, before a replay or a comparison reads it."""
-        from .config import TrainConfig
-        from .values import NON_NEGATIVE, NON_NEGATIVE_NUMBER, RANKS, Name, number, whole
-
-        for name, kind in (("config", dict), ("device", str), ("backend", str), ("losses", list),
-                           ("step_times_s", list), ("timeline", list), ("comm_bytes", dict), ("comm", list),
-                           ("memory", dict), ("extras", dict)):
-            if not isinstance(getattr(self, name), kind):
-                raise ConfigError(f"a saved run's {name} is a {'JSON object' if kind is dict else kind.__name__}, "
-                                  f"not {type(getattr(self, name)).__name__}.")
-        try:
-            cfg = TrainConfig.from_dict(self.config).validate(runnable=False)
-        except (TypeError, KeyError, AttributeError) as e:  # a field of the wrong type, which validate cannot name
-            raise ConfigError(f"a saved run's config does not describe a run ({type(e).__name__}: {e}).") from None
-        if RANKS.check(self.world_size, "world_size") != cfg.world_size:
-            raise ConfigError(f"a saved run's world_size={self.world_size} is not its layout's {cfg.world_size} ranks.")
-        NON_NEGATIVE.check(self.start_step, "start_step")
-        NON_NEGATIVE_NUMBER.check(self.tokens_per_s, "tokens_per_s")
-        if not self.losses or len(self.step_times_s) != len(self.losses):
-            raise ConfigError(f"a saved run has a loss and a step time for each step; this one has "
-                              f"{len(self.losses)} losses and {len(self.step_times_s)} step times.")
-        for i, (loss, seconds) in enumerate(zip(self.losses, self.step_times_s)):
-            number().check(loss, f"losses[{i}]")
-            NON_NEGATIVE_NUMBER.check(seconds, f"step_times_s[{i}]")
-        rank = whole(0, self.world_size - 1, why=f"the run has {self.world_size} rank{'s' * (self.world_size > 1)}")
-        kinds, ops = Name(SPAN_KINDS), Name(COLLECTIVES)
-        for i, span in enumerate(self.timeline):
-            where = f"timeline[{i}]"
-            missing = [k for k in ("rank", "step", "kind", "name", "start_s", "end_s") if not isinstance(span, dict)
-                       or k not in span] + (["op", "bytes"] if isinstance(span, dict) and span.get("kind") == "comm"
-                                            and not {"op", "bytes"} <= set(span) else [])
-            if missing:
-                raise ConfigError(f"{where}, a span, lacks {', '.join(missing)}.")
-            rank.check(span["rank"], f"{where}.rank")
-            whole(least=-1).check(span["step"], f"{where}.step")  # -1: before the first step (set-up)
-            kinds.check(span["kind"], f"{where}.kind")
-            if not isinstance(span["name"], str):
-                raise ConfigError(f"{where}.name={span['name']!r} must be text.")
-            if span.get("microbatch") is not None:
-                NON_NEGATIVE.check(span["microbatch"], f"{where}.microbatch")
-            for key in ("start_s", "end_s", "waited_s", "wait_s", "delay_s"):
-                if key in span:
-                    number().check(span[key], f"{where}.{key}")
-            if span["end_s"] < span["start_s"]:
-                raise ConfigError(f"{where} ends at {span['end_s']} s, before it starts at {span['start_s']} s.")
-            if span["kind"] == "comm":
-                ops.check(span["op"], f"{where}.op")
-                NON_NEGATIVE_NUMBER.check(span["bytes"], f"{where}.bytes")
-                group = span.get("group", [])
-                if not isinstance(group, list):
-                    raise ConfigError(f"{where}.group={group!r} must be a list of ranks.")
-                for peer in group + ([span["peer"]] if "peer" in span else []):
-                    rank.check(peer, f"{where}'s group or peer")
-        return self
 
     @classmethod
     def load(cls, path_or_result) -> "RunResult":

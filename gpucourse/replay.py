@@ -45,12 +45,17 @@ from .clock import Task
 from .clock import run as run_clock
 from .cluster import Cluster
 from .config import ConfigError, TrainConfig
-from .measure import RunResult
+from .measure import SPAN_KINDS, RunResult
 from .memory import active_params, num_params, stage_params
 from .parallel.schedule_table import get as get_schedule
+from .values import NON_NEGATIVE, NON_NEGATIVE_NUMBER, RANKS, Name, number, whole
 
 COMPUTE = ("forward", "backward", "optimizer")
 KERNELS_PER_BLOCK = 14        # one block's forward: 2 LayerNorms, 4 matmuls, attention's few, GELU, 2 adds
+
+
+# The collectives gpucourse.comm records, by the names a span's op holds.
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send", "recv")
 
 
 class ReplayError(ValueError):
@@ -171,6 +176,63 @@ def _rank_tasks(spans: list[dict], tasks: list[Task], seconds, counters: dict) -
             barrier = i   # the rank waited in this call: nothing after it could start before it ended
 
 
+def check_run(run: RunResult) -> RunResult:
+    """``run``, if it holds what a saved run holds, else :class:`ConfigError` in one sentence saying what it
+    lacks: a config that validates, its world of ranks, a finite loss and a step time for each step, and spans of
+    known kinds on its ranks with finite times (a collective with its op, bytes and group). A file cut short or
+    edited by hand is refused here, before a replay or a comparison reads it."""
+    for name, kind in (("config", dict), ("device", str), ("backend", str), ("losses", list),
+                       ("step_times_s", list), ("timeline", list), ("comm_bytes", dict), ("comm", list),
+                       ("memory", dict), ("extras", dict)):
+        if not isinstance(getattr(run, name), kind):
+            raise ConfigError(f"a saved run's {name} is a {'JSON object' if kind is dict else kind.__name__}, "
+                              f"not {type(getattr(run, name)).__name__}.")
+    try:
+        cfg = TrainConfig.from_dict(run.config).validate(runnable=False)
+    except (TypeError, KeyError, AttributeError) as e:  # a field of the wrong type, which validate cannot name
+        raise ConfigError(f"a saved run's config does not describe a run ({type(e).__name__}: {e}).") from None
+    if RANKS.check(run.world_size, "world_size") != cfg.world_size:
+        raise ConfigError(f"a saved run's world_size={run.world_size} is not its layout's {cfg.world_size} ranks.")
+    NON_NEGATIVE.check(run.start_step, "start_step")
+    NON_NEGATIVE_NUMBER.check(run.tokens_per_s, "tokens_per_s")
+    if not run.losses or len(run.step_times_s) != len(run.losses):
+        raise ConfigError(f"a saved run has a loss and a step time for each step; this one has "
+                          f"{len(run.losses)} losses and {len(run.step_times_s)} step times.")
+    for i, (loss, seconds) in enumerate(zip(run.losses, run.step_times_s)):
+        number().check(loss, f"losses[{i}]")
+        NON_NEGATIVE_NUMBER.check(seconds, f"step_times_s[{i}]")
+    rank = whole(0, run.world_size - 1, why=f"the run has {run.world_size} rank{'s' * (run.world_size > 1)}")
+    kinds, ops = Name(SPAN_KINDS), Name(COLLECTIVES)
+    for i, span in enumerate(run.timeline):
+        where = f"timeline[{i}]"
+        missing = [k for k in ("rank", "step", "kind", "name", "start_s", "end_s") if not isinstance(span, dict)
+                   or k not in span] + (["op", "bytes"] if isinstance(span, dict) and span.get("kind") == "comm"
+                                        and not {"op", "bytes"} <= set(span) else [])
+        if missing:
+            raise ConfigError(f"{where}, a span, lacks {', '.join(missing)}.")
+        rank.check(span["rank"], f"{where}.rank")
+        whole(least=-1).check(span["step"], f"{where}.step")  # -1: before the first step (set-up)
+        kinds.check(span["kind"], f"{where}.kind")
+        if not isinstance(span["name"], str):
+            raise ConfigError(f"{where}.name={span['name']!r} must be text.")
+        if span.get("microbatch") is not None:
+            NON_NEGATIVE.check(span["microbatch"], f"{where}.microbatch")
+        for key in ("start_s", "end_s", "waited_s", "wait_s", "delay_s"):
+            if key in span:
+                number().check(span[key], f"{where}.{key}")
+        if span["end_s"] < span["start_s"]:
+            raise ConfigError(f"{where} ends at {span['end_s']} s, before it starts at {span['start_s']} s.")
+        if span["kind"] == "comm":
+            ops.check(span["op"], f"{where}.op")
+            NON_NEGATIVE_NUMBER.check(span["bytes"], f"{where}.bytes")
+            group = span.get("group", [])
+            if not isinstance(group, list):
+                raise ConfigError(f"{where}.group={group!r} must be a list of ranks.")
+            for peer in group + ([span["peer"]] if "peer" in span else []):
+                rank.check(peer, f"{where}'s group or peer")
+    return run
+
+
 def replay(result, on: str = "h100", gpus_per_node: int = 8, nodes: int | None = None, cost=None) -> RunResult:
     """``result`` (a RunResult or its JSON path) replayed on a modeled cluster of ``on`` GPUs.
 
@@ -179,7 +241,7 @@ def replay(result, on: str = "h100", gpus_per_node: int = 8, nodes: int | None =
     give every forward 1 and every backward 2 to compare with the schedule simulator).
     """
     try:
-        r = RunResult.load(result).check()
+        r = check_run(RunResult.load(result))
     except ConfigError as e:
         raise ReplayError(str(e)) from None
     cfg = TrainConfig.from_dict(r.config)

@@ -15,6 +15,7 @@ from ..config import TrainConfig
 from ..files import write_atomic
 from ..measure import RunResult
 from ..readable import ConfigError
+from ..replay import check_run
 from ..values import Kind, ReadableFile, json_value
 from ..parallel.context_parallel import ATTENTIONS
 from ..parallel.schedule_table import SCHEDULES
@@ -51,7 +52,7 @@ def _saved_run(text: str) -> RunResult:
         missing = [f.name for f in dataclasses.fields(RunResult) if f.default is dataclasses.MISSING
                    and f.default_factory is dataclasses.MISSING and f.name not in found]
         raise ValueError(f"it lacks {', '.join(missing)}") from None
-    return run.check()
+    return check_run(run)
 
 
 SAVED_RUN = ReadableFile(_saved_run, "a run saved with 'gpucourse train --json FILE'")
