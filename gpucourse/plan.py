@@ -755,5 +755,6 @@ def format_plan(result: dict, top: int = 10, explained: bool = False) -> str:
         best = min(result["layouts"], key=lambda r: r["memory_total"]) if result["layouts"] else None
         lines.append("  none fits" + (f": the smallest needs {human_bytes(best['memory_total'])} per GPU"
                                       if best else ""))
-    lines += [f"  note: {note}" for note in result.get("notes", [])]
+    lines += [textwrap.fill(note, 110, initial_indent="  note: ", subsequent_indent="        ")
+              for note in result.get("notes", [])]
     return "\n".join(lines)

@@ -28,6 +28,8 @@ modeled: the same GPU table and links as the training planner (``gpucourse/clust
 
 from __future__ import annotations
 
+import textwrap
+
 from .cluster import Cluster
 from .config import ConfigError
 from .gpus import get_gpu
@@ -317,5 +319,6 @@ def format_plan(result: dict, top: int = 10) -> str:
         lines.append(f"  {r['tp']:>3} {r['pp']:>3} {r['replicas']:>8} {human_bytes(r['weights_per_gpu']):>12} "
                      f"{human_bytes(r['kv_per_token']):>9} {r['max_batch']:>6} {r['batch']:>6} {ms:>9} "
                      f"{r['tokens_per_s']:>10,.0f}")
-    lines += [f"  note: {note}" for note in result.get("notes", [])]
+    lines += [textwrap.fill(note, 110, initial_indent="  note: ", subsequent_indent="        ")
+              for note in result.get("notes", [])]
     return "\n".join(lines)
