@@ -68,6 +68,7 @@ class Kind:
         return value
 
     def __call__(self, text: str):
+        """As an argparse ``type`` of a parser other than gpucourse's, which names the flag itself."""
         return self.from_text(text, "the value")
 
     def from_text(self, text: str, name: str):
