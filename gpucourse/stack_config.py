@@ -81,12 +81,13 @@ def translate(cfg: TrainConfig, tool: str, gpus_per_node: int | None = None) -> 
     return StackConfig(tool, settings, _WRITERS[tool](cfg, settings, nodes), notes)
 
 
-def torchrun(nodes: Nodes) -> str:
-    """The torchrun launch for ``nodes``: one server, or the same command on each server with its rank."""
+def torchrun(nodes: Nodes) -> list[str]:
+    """The torchrun launch for ``nodes``, in parts a line each: one server, or the same command on each server
+    with its rank."""
     if nodes.count == 1:
-        return f"torchrun --nproc-per-node {nodes.gpus}"
-    return (f"torchrun --nnodes {nodes.count} --nproc-per-node {nodes.gpus} --node-rank $NODE_RANK "
-            f"--master-addr $MASTER_ADDR --master-port 29500")
+        return [f"torchrun --nproc-per-node {nodes.gpus}"]
+    return [f"torchrun --nnodes {nodes.count} --nproc-per-node {nodes.gpus}",
+            "--node-rank $NODE_RANK --master-addr $MASTER_ADDR --master-port 29500"]
 
 
 # --- the numbers every tool needs ------------------------------------------------------------------------
@@ -208,12 +209,13 @@ def megatron(cfg: TrainConfig, nodes: Nodes) -> tuple[dict, list[str]]:
 
 
 def _write_megatron(cfg: TrainConfig, args: dict, nodes: Nodes) -> str:
-    head = [f"# Megatron-LM (pretrain_gpt.py) for {cfg.layout()}: {_gpus(cfg, nodes)}, "
-            f"data parallel = world / (tp × pp × cp) = {cfg.dp}",
-            "# (add your --data-path and --tokenizer-type" + ("" if nodes.count == 1 else
-             f"; run it on each of the {nodes.count} servers, NODE_RANK 0 to {nodes.count - 1}, MASTER_ADDR the "
-             f"first one's address") + ")"]
-    command = [f"{torchrun(nodes)} pretrain_gpt.py"]
+    head = [f"# Megatron-LM (pretrain_gpt.py) for {cfg.layout()}: {_gpus(cfg, nodes)},",
+            f"# data parallel = world / (tp × pp × cp) = {cfg.dp} (add your --data-path and --tokenizer-type)"]
+    if nodes.count > 1:
+        head.append(f"# on each of the {nodes.count} servers: NODE_RANK 0 to {nodes.count - 1}, MASTER_ADDR the "
+                    f"first one's address")
+    *launch, last = torchrun(nodes)
+    command = [*launch, f"{last} pretrain_gpt.py"]
     command += [flag if value is None else f"{flag} {_shell_word(value)}" for flag, value in args.items()]
     return "\n".join(head) + "\n" + " \\\n    ".join(command) + "\n"
 
@@ -613,8 +615,10 @@ def _write_yaml(tool: str):
 
 def _write_toml(cfg: TrainConfig, data: dict, nodes: Nodes) -> str:
     # torchtitan's job file holds no server count: its launcher, torchrun, does.
-    lines = _comments(cfg, "torchtitan", nodes) + [f"# launch: {torchrun(nodes)} -m torchtitan.train "
-                                                    f"--job.config_file <this file>"]
+    *launch, last = torchrun(nodes)
+    lines = _comments(cfg, "torchtitan", nodes) + [f"# launch: {launch[0]}" if launch else f"# launch: {last}"] \
+        + [f"#     {part}" for part in (launch[1:] + [last] if launch else [])] \
+        + ["#     -m torchtitan.train --job.config_file <this file>"]
     for section, table in data.items():
         lines += ["", f"[{section}]", *(f"{key} = {_scalar(value, toml=True)}" for key, value in table.items())]
     return "\n".join(lines) + "\n"

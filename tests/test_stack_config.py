@@ -343,12 +343,15 @@ def test_every_tool_places_the_layout_on_its_servers(nodes):
     cfg = TrainConfig(dp=8, tp=4, pp=2, microbatches=8, batch_size=64)  # 64 GPUs
     per_node = 64 // nodes
     out = {tool: translate(cfg, tool, gpus_per_node=per_node) for tool in TOOLS}
-    launch = shlex.split(out["megatron"].text.split("\n", 2)[2].split(" pretrain_gpt.py")[0])
+    command = "\n".join(line for line in out["megatron"].text.splitlines() if not line.startswith("#"))
+    launch = shlex.split(command.replace("\\\n", " ").split(" pretrain_gpt.py")[0])
     expected = ["torchrun", "--nproc-per-node", str(per_node)] if nodes == 1 else \
         ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(per_node), "--node-rank", "$NODE_RANK",
          "--master-addr", "$MASTER_ADDR", "--master-port", "29500"]
     assert launch == expected, launch
-    assert " ".join(expected) in out["torchtitan"].text
+    titan = " ".join(line.lstrip("#").strip().removeprefix("launch: ") for line in out["torchtitan"].text.splitlines()
+                     if line.startswith("#"))
+    assert " ".join(expected) + " -m torchtitan.train" in titan, titan
     trainer = out["nemo"].settings["trainer"]
     assert (trainer["devices"], trainer["num_nodes"]) == (per_node, nodes)
     acc = out["accelerate"].settings
