@@ -545,7 +545,7 @@ def test_cli_finds_exercises_here_and_says_what_fails(tmp_path, monkeypatch, mar
     assert cli.main(["grade", "5"]) == 1
     text = capsys.readouterr().out
     assert str(tmp_path / "exercises") in text and "8/10" in text
-    assert "FAIL bubble_fraction" in text and "hint:" in text
+    assert "FAIL bubble_fraction" in text and "the idea:" in text and "hint:" not in text  # the first try
     from gpucourse import progress
 
     assert progress.load()["exercises"]["ex05_one_f_one_b"]["score"] == 8  # your own exercises: recorded
