@@ -2,7 +2,7 @@
 
 Taught in notebooks/07_memory_batch.ipynb; check your work with
 ``from gpucourse import check; check("ex07")`` or ``gpucourse grade ex07``.
-Compare with the reference, gpucourse/memory.py (``estimate_params`` and
+Compare with the reference, gpucourse/modeled/memory.py (``estimate_params`` and
 ``largest_microbatch``), once yours passes.
 
 Training a model of P parameters with Adam keeps four things per parameter:

@@ -1,7 +1,7 @@
 """One clock for work with dependencies: tasks on ranks, collectives that start together, messages that meet.
 
 Both the pipeline simulator (:mod:`gpucourse.parallel.schedules`) and the replay of
-a recorded run on a modeled cluster (:mod:`gpucourse.replay`) lay their work out
+a recorded run on a modeled cluster (:mod:`gpucourse.modeled.replay`) lay their work out
 here. A :class:`Task` is something one rank does for a known number of seconds:
 
 - it starts when every task in its ``deps`` has ended (on its own rank: the

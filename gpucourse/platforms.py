@@ -3,7 +3,7 @@
 Everything here is a function of a :class:`~gpucourse.runtime.devices.DeviceSet`, the description of a machine's GPUs
 (:func:`gpucourse.runtime.devices.visible` for this one, :data:`~gpucourse.runtime.devices.PLATFORMS` for the ones
 learners have). :func:`course_advice` says it in the plain sentences ``gpucourse doctor`` prints; :func:`model_fit`
-sizes every course model for the smallest GPU with the batch-size search of :mod:`gpucourse.memory` (what
+sizes every course model for the smallest GPU with the batch-size search of :mod:`gpucourse.modeled.memory` (what
 ``gpucourse batch-size`` runs), on the memory estimate; :func:`readme_table` is the table of README's "Which GPU you
 have", and a test holds the README to it.
 """
@@ -11,8 +11,8 @@ have", and a test holds the README to it.
 from __future__ import annotations
 
 from .config import TrainConfig
-from .gpus import RESERVED_BYTES
-from .memory import estimate, largest_microbatch, num_params, with_microbatch
+from .modeled.gpus import RESERVED_BYTES
+from .modeled.memory import estimate, largest_microbatch, num_params, with_microbatch
 from .model import MODELS
 from .readable import human_bytes
 from .runtime import devices

@@ -261,7 +261,7 @@ def summarize(result, peak_flops: float | None = None, baseline=None, n_params: 
         mfu = achieved / (world * peak_flops)
     else:
         notes.append("MFU needs the peak FLOP/s of one device: pass --peak-tflops or --gpu NAME "
-                     "(see gpucourse.gpus).")
+                     "(see gpucourse.modeled.gpus).")
     efficiency = base_per_rank = None
     if baseline is not None:
         base = RunResult.load(baseline)

@@ -22,7 +22,7 @@ def needed(found, message: str):
 
 def chromium() -> str:
     """Headless Chromium's executable (Debian's package; scripts/install-chromium installs it)."""
-    from gpucourse import lab
+    from gpucourse.course import lab
 
     return needed(lab.find_chromium(),
                   "no Chromium for the browser test: run scripts/install-chromium (Debian: apt-get install chromium)")

@@ -59,13 +59,13 @@ def marked(monkeypatch):
 
 @pytest.fixture
 def short_tmp(monkeypatch):
-    """A short folder under /tmp for kernels' private socket folders (gpucourse.kernel_sockets puts them in
+    """A short folder under /tmp for kernels' private socket folders (gpucourse.course.kernel_sockets puts them in
     ``<it>/gpucourse-<uid>/``): pytest's own folders are too deep for a Unix socket's path."""
     import shutil
     import tempfile
     from pathlib import Path
 
-    from gpucourse import kernel_sockets
+    from gpucourse.course import kernel_sockets
 
     base = Path(tempfile.mkdtemp(dir="/tmp", prefix="g"))  # short: an ordinary user's uid has more digits than 0
     monkeypatch.setattr(kernel_sockets, "_base", lambda: base)

@@ -6,7 +6,7 @@ import pytest
 
 from gpucourse import TrainConfig, run
 from gpucourse.model import build_model
-from gpucourse.memory import stage_units
+from gpucourse.modeled.memory import stage_units
 from gpucourse.parallel.zero import memory_formula
 from gpucourse.parallel.zero3 import memory_formula as zero3_formula
 

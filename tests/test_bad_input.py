@@ -113,7 +113,7 @@ def test_plan_refuses_a_gpu_the_table_does_not_hold(capsys):
         f"--gpu 'h900' {known} (did you mean h200 or h100?)")
     assert refused(capsys, ["plan", "--serve", "--shape", "llama3-8b", "--gpus", "8", "--gpu", "nosuch"]).startswith(
         f"--gpu 'nosuch' {known}")
-    from gpucourse import plan, serve_plan
+    from gpucourse.modeled import plan, serve_plan
 
     for call in (lambda: plan.plan(7e9, 8, gpu="h900"), lambda: serve_plan.plan("llama3-8b", 8, gpu="nosuch")):
         with pytest.raises(ConfigError, match="is not in the GPU table"):
@@ -128,7 +128,7 @@ def test_plan_refuses_a_gpu_the_table_does_not_hold(capsys):
 ])
 def test_plan_refuses_a_batch_a_sequence_or_an_efficiency_that_is_no_run(capsys, flag, value, says):
     assert refused(capsys, ["plan", "--params", "7e9", "--gpus", "8", flag, value]) == says
-    from gpucourse import plan
+    from gpucourse.modeled import plan
 
     name = flag[2:].replace("-", "_")
     value = float(value) if name == "efficiency" else int(value)
@@ -143,7 +143,7 @@ def test_plan_refuses_a_batch_a_sequence_or_an_efficiency_that_is_no_run(capsys,
 ])
 def test_plan_refuses_shape_parts_no_model_has(capsys, flag, value, says):
     assert refused(capsys, ["plan", "--shape", "llama3-8b", "--gpus", "8", flag, value]) == says
-    from gpucourse import plan
+    from gpucourse.modeled import plan
 
     name = flag[2:].replace("-", "_")
     with pytest.raises(ConfigError, match=f"{name}={value} must be at least"):
@@ -310,7 +310,7 @@ def test_plan_refuses_more_gpus_than_any_cluster_holds_instead_of_counting_their
     """--gpus 10**30 listed the divisors of 10**30 one number at a time: the command never ended."""
     assert refused(capsys, ["plan", "--params", "1e9", "--gpus", str(10**30)]) == \
         f"--gpus {10**30} must be at most 1048576 (more GPUs than any cluster holds)."
-    from gpucourse import plan
+    from gpucourse.modeled import plan
 
     with pytest.raises(ConfigError, match="gpus_per_node=2000 must be at most 1024"):
         plan.plan(1e9, 8, gpus_per_node=2000)

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from gpucourse import bandwidth, cli
+from gpucourse import cli
+from gpucourse.course import bandwidth
 from gpucourse.readable import human_bytes
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leftover_children")]

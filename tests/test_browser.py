@@ -14,7 +14,7 @@ import re
 import pytest
 
 import browsers
-from gpucourse import lab
+from gpucourse.course import lab
 
 pytestmark = pytest.mark.timeout(1500)
 

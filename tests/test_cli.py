@@ -161,7 +161,7 @@ def test_lab_refuses_a_bad_port_in_one_line(capsys, monkeypatch):
 
 def test_lab_serves_the_notebooks_on_localhost_behind_a_token(monkeypatch, capsys):
     """What make lab runs: this interpreter's JupyterLab on notebooks/, 127.0.0.1 only, no token switched off."""
-    from gpucourse import lab
+    from gpucourse.course import lab
 
     started, defaults = [], []
     monkeypatch.setattr("os.execv", lambda path, argv: started.append(argv))
@@ -178,7 +178,7 @@ def test_lab_serves_the_notebooks_on_localhost_behind_a_token(monkeypatch, capsy
 
 
 def test_lab_moves_its_kernels_sockets_out_of_a_runtime_folder_too_deep_for_them(monkeypatch, tmp_path, short_tmp):
-    from gpucourse import lab
+    from gpucourse.course import lab
 
     monkeypatch.setattr("os.execv", lambda path, argv: None)
     monkeypatch.setattr(lab, "install_course_defaults", lambda: None)
@@ -199,7 +199,7 @@ def test_each_supported_rows_command_describes_that_rows_config():
 
 
 def test_the_course_defaults_turn_off_jupyterlabs_news_and_keep_a_learners_own_choice(tmp_path):
-    from gpucourse import lab
+    from gpucourse.course import lab
 
     path = lab.install_course_defaults(tmp_path)
     plugin = "@jupyterlab/apputils-extension:notification"

@@ -9,10 +9,10 @@ import pytest
 
 from gpucourse import ConfigError, TrainConfig
 from gpucourse.cli import main
-from gpucourse.cluster import Cluster
-from gpucourse.gpus import get_gpu
-from gpucourse.plan import FRAMEWORKS, explain, format_plan, get_framework, plan, step_time
-from gpucourse.shapes import SHAPES, Shape, ShapeError, get_shape
+from gpucourse.modeled.cluster import Cluster
+from gpucourse.modeled.gpus import get_gpu
+from gpucourse.modeled.plan import FRAMEWORKS, explain, format_plan, get_framework, plan, step_time
+from gpucourse.modeled.shapes import SHAPES, Shape, ShapeError, get_shape
 
 H100 = Cluster(get_gpu("h100"))
 
@@ -156,7 +156,7 @@ def test_full_recomputation_costs_one_more_forward_of_the_blocks():
 def test_selective_recomputation_costs_attentions_forward_and_frees_the_scores_of_unfused_attention():
     """Unfused attention (Megatron-LM 2021) keeps a·s/h more per token than a fused kernel: selective recomputation
     frees it for one more forward of attention alone; full recomputation costs the whole forward."""
-    from gpucourse.plan import activation_bytes, candidates
+    from gpucourse.modeled.plan import activation_bytes, candidates
 
     kw = dict(dp=8, batch_size=64, grad_accum=8, precision="bf16", master_weights=True, attention="math")
     times = {rc: step_time(_cfg(**kw, checkpoint_activations=rc), int(5e9), get_gpu("a100"), 8,
@@ -234,7 +234,7 @@ def test_an_interleaved_pipeline_sends_once_per_chunk_a_rank_holds():
 def test_megatron_2021_pipelines_split_the_blocks_evenly_and_tensor_parallelism_stays_in_a_server():
     """Megatron-LM's argument checks (2021): pp divides the layers, pp·v too when interleaved, which needs more than
     two stages. Any framework: a tp group that straddled two servers would all-reduce every block over the network."""
-    from gpucourse.plan import candidates
+    from gpucourse.modeled.plan import candidates
 
     shape = get_shape({"layers": 60, "hidden": 9216, "heads": 96, "vocab": 51200})
     even = list(candidates(shape, 1536, 8, 1536, 2048, "bf16", even_split=True))
@@ -258,7 +258,7 @@ def test_a_context_parallel_ring_that_spans_servers_goes_at_its_network_hop():
 
 def test_a_layout_fits_the_memory_nvidia_smi_shows_less_a_reserve():
     """An "80 GB" card holds 80 GiB (nvidia-smi: 81559 MiB on an H100): 85.9e9 bytes, not 80e9."""
-    from gpucourse.gpus import RESERVED_BYTES
+    from gpucourse.modeled.gpus import RESERVED_BYTES
 
     h100 = get_gpu("h100")
     assert h100.usable_bytes() == 80 * 2**30 - RESERVED_BYTES > 83e9
@@ -279,7 +279,7 @@ def test_explain_names_every_part_and_the_framework():
 def test_three_pp_microbatches_reach_an_interleaved_pipelines_peak_in_flight():
     """The planner lays an interleaved schedule out with at most 3·pp microbatches to find its peak activations:
     more never change it."""
-    from gpucourse.memory import in_flight
+    from gpucourse.modeled.memory import in_flight
 
     for pp in (2, 4, 8):
         for v in (2, 4):
@@ -316,7 +316,7 @@ def test_step_time_refuses_a_tp_the_heads_cannot_take_in_one_sentence():
 
 def test_calibrate_times_a_blocks_kernels_here_beside_the_model():
     """What scripts/gpu-check prints on a GPU box, run here on the CPU against the 'cpu' entry."""
-    from gpucourse.calibrate import format_ratios, gpu_entry, kernel_ratios
+    from gpucourse.modeled.calibrate import format_ratios, gpu_entry, kernel_ratios
 
     rows = kernel_ratios("cpu", "cpu", model="tiny", tokens=64, seq_len=32, precision="fp32", repeats=2)
     assert [r["kernel"] for r in rows] == ["qkv", "out", "attention", "mlp_up", "mlp_down"]
@@ -328,10 +328,10 @@ def test_calibrate_times_a_blocks_kernels_here_beside_the_model():
 
 def test_calibrate_times_prefill_and_cached_decode_here_beside_the_serving_model():
     """gpu-check's serving lines (prefill, then decode steps through the KV cache at two batches), run here."""
-    from gpucourse.calibrate import serving_ratios
+    from gpucourse.modeled.calibrate import serving_ratios
     from gpucourse.model import MODELS
-    from gpucourse.serve_plan import decode_step, prefill
-    from gpucourse.shapes import Shape
+    from gpucourse.modeled.serve_plan import decode_step, prefill
+    from gpucourse.modeled.shapes import Shape
 
     rows = serving_ratios("cpu", "cpu", model="tiny", prompt_len=16, prompts=2, batches=(1, 4), new_tokens=3,
                           precision="fp32", repeats=1)
@@ -347,7 +347,7 @@ def test_calibrate_times_prefill_and_cached_decode_here_beside_the_serving_model
 # --- CPU offload of the optimizer ----------------------------------------------------------------------------------------
 
 def test_offload_times_pcie_both_ways_and_a_cpu_adam_step_by_their_formulas():
-    from gpucourse.offload import HOST_EFFICIENCY, PCIE_EFFICIENCY, offload_time
+    from gpucourse.modeled.offload import HOST_EFFICIENCY, PCIE_EFFICIENCY, offload_time
 
     h100 = get_gpu("h100")
     assert (h100.pcie_GBps, h100.host_GBps) == (64, 2 * 307.2 / 8)  # Gen5 x16; 2 sockets × 8 channels DDR5-4800
@@ -366,7 +366,7 @@ def test_offload_times_pcie_both_ways_and_a_cpu_adam_step_by_their_formulas():
 def test_offload_moves_the_optimizer_to_the_host_and_shrinks_with_zero_over_dp():
     """Llama 3 8B on one A100 does not fit (its 12 bytes of Adam state a parameter alone are 96 GB); with the
     optimizer on the CPU it does, at the price of a CPU step. With ZeRO-2 over 8 GPUs each offloads an eighth."""
-    from gpucourse.plan import memory_of
+    from gpucourse.modeled.plan import memory_of
 
     shape = get_shape("llama3-8b")
     result = plan(None, 1, "a100", shape="llama3-8b", batch_size=16, offload=True)

@@ -148,7 +148,7 @@ def test_each_context_parallel_attention_is_one_record_read_everywhere():
     read: their names, and the names they give the other tools, are the records'."""
     from gpucourse.parallel.context_parallel import ALGORITHMS, ATTENTIONS
     from gpucourse.parallel.context_parallel_torch import TORCH_ROTATE
-    from gpucourse.stack_config import translate
+    from gpucourse.interop.stack_config import translate
 
     assert ALGORITHMS == ("ring", "allgather", "ulysses") and all(a.name == n for n, a in ATTENTIONS.items())
     assert TORCH_ROTATE == {"ring": "alltoall", "allgather": "allgather"}

@@ -13,9 +13,10 @@ import subprocess
 
 import pytest
 
-from gpucourse import ConfigError, TrainConfig, memory, quiz, run
+from gpucourse import ConfigError, TrainConfig, quiz, run
+from gpucourse.modeled import memory
 from gpucourse.comm import RING_FACTOR
-from gpucourse.gpus import get_gpu
+from gpucourse.modeled.gpus import get_gpu
 from gpucourse.parallel import schedules, schedules_virtual
 from procs import BIN, REPO, clean_env, free_port
 from schedule_peaks import awaiting_b
@@ -309,8 +310,8 @@ def test_korthikanti_numbers_printed_in_the_review():
 
 def test_mfu_range_is_what_published_h100_runs_report():
     """Notebook 08 and prof-mfu quote the MFU of the largest published H100 runs the course holds its model to
-    (gpucourse.published): Llama 3 405B's and Megatron-LM's weak-scaling table's, model FLOP/s over the bf16 peak."""
-    from gpucourse import published
+    (gpucourse.modeled.published): Llama 3 405B's and Megatron-LM's weak-scaling table's, model FLOP/s over the bf16 peak."""
+    from gpucourse.modeled import published
 
     peak = get_gpu("h100").peak_flops("bf16")
     llama = [r for r in published.RUNS if r.name.startswith("Llama 3 405B")]
@@ -347,7 +348,7 @@ def test_mfu_range_is_what_published_h100_runs_report():
 
 def test_fp8_tensor_cores_from_ada_on():
     """FP8 tensor cores came with Ada (the L4, in the course's GPU table) and Hopper (the H100), not the H100 alone."""
-    from gpucourse import tensor_cores
+    from gpucourse.modeled import tensor_cores
 
     for gpu in (get_gpu("l4"), get_gpu("h100")):  # the datasheets: FP8 twice BF16, dense
         assert gpu.peak_flops("fp8") == pytest.approx(2 * gpu.peak_flops("bf16"), rel=0.01)
@@ -406,7 +407,7 @@ def test_the_default_timeout_of_a_process_group_by_backend():
     import torch
     from torch.distributed import constants
 
-    from gpucourse import doctor, troubleshoot
+    from gpucourse.course import doctor, troubleshoot
 
     gloo = constants.default_pg_timeout.total_seconds() / 60
     if constants.default_pg_nccl_timeout is not None:
@@ -577,7 +578,7 @@ def test_how_many_kv_blocks_the_ring_holds_at_once():
 
 def test_a_prediction_is_printed_beside_the_formula_and_the_run(capsys):
     """The Change cells' check: within 5 % of the measured value or not; empty or not a number, no verdict."""
-    from gpucourse.predict import check_prediction
+    from gpucourse.course.predict import check_prediction
 
     assert check_prediction("bytes", "1,040", 1000.0, 1000.0, "B") is True
     assert check_prediction("bytes", "1100", 1000.0, 1000.0, "B") is False
@@ -592,8 +593,8 @@ def test_notebook_06_says_how_the_planner_times_compute():
     """06: the H100's 132 SMs, its large GEMMs at 0.80 of the peak times 0.85 sustained, 4.2 million tokens a
     step; the held-out check and the planner's agreement with the sources, the 39 B disagreement's figures, and
     the memory in GiB that lets Llama 3 405B's layout fit."""
-    from gpucourse import plan, published
-    from gpucourse.gpus import get_gpu
+    from gpucourse.modeled import plan, published
+    from gpucourse.modeled.gpus import get_gpu
 
     text = " ".join(prose("06_hybrid_planning").split())
     h100 = get_gpu("h100")
@@ -623,7 +624,7 @@ def test_notebook_06_says_how_the_planner_times_compute():
 
 
 def test_notebook_13_quotes_mixtrals_own_counts():
-    from gpucourse.shapes import SHAPES
+    from gpucourse.modeled.shapes import SHAPES
 
     shape = SHAPES["mixtral-8x7b"]
     assert (round(shape.params() / 1e9, 1), round(shape.active_params() / 1e9, 1)) == (46.7, 12.9)
@@ -657,10 +658,10 @@ def test_notebook_07_compares_none_selective_and_full_recomputation_on_gpt3():
     """07: the scores keep 2 of Korthikanti et al.'s 5 bytes without dropout; on GPT-3 175B (tp 8 with SP, pp 8,
     unfused attention, A100) selective recomputation frees about a third of the activations for under a tenth of
     full recomputation's time, and full recomputation makes the step about a third longer."""
-    from gpucourse import plan
-    from gpucourse.gpus import get_gpu
-    from gpucourse.memory import korthikanti_layer_bytes
-    from gpucourse.shapes import get_shape
+    from gpucourse.modeled import plan
+    from gpucourse.modeled.gpus import get_gpu
+    from gpucourse.modeled.memory import korthikanti_layer_bytes
+    from gpucourse.modeled.shapes import get_shape
 
     text = " ".join(prose("07_memory_batch").split())
     s, b, h, a = 2048, 1, 12288, 96
@@ -776,8 +777,8 @@ def test_notebook_08_times_each_overlap_knob_on_the_cluster_model():
     step; --overlap-grad-reduce hides all of a tp 2 × dp 32 step's gradient reduction."""
     import dataclasses
 
-    from gpucourse import plan
-    from gpucourse.shapes import get_shape
+    from gpucourse.modeled import plan
+    from gpucourse.modeled.shapes import get_shape
 
     text = " ".join(prose("08_profiling").split())
     llama = get_shape("llama3-70b")
@@ -802,8 +803,8 @@ def test_notebook_08_times_each_overlap_knob_on_the_cluster_model():
 def test_notebook_06_compares_hsdp_with_full_sharding_and_names_mig_and_mps():
     """06: a 13 B model on 8 × 8 H100s: HSDP's network carries 0.14 s a step instead of FSDP's 0.24 s, for 26 GB
     of model states a GPU instead of 3.25; MIG's up to 7 instances and its A100 profiles."""
-    from gpucourse.cluster import Cluster
-    from gpucourse.memory import estimate_params
+    from gpucourse.modeled.cluster import Cluster
+    from gpucourse.modeled.memory import estimate_params
 
     text = " ".join(prose("06_hybrid_planning").split())
     cluster, payload, every = Cluster(get_gpu("h100"), 8, 8), 2 * 13e9, range(64)
@@ -856,8 +857,8 @@ def test_notebook_06_says_which_gpus_have_mig_and_what_must_be_idle_to_change_it
 def test_what_notebook_07_says_offload_moves_and_costs():
     """Llama 3 8B's Adam state (fp32 masters and two moments) is 96 GB; the CPU step moves 28 bytes a parameter;
     ZeRO-2 over eight GPUs gives each an eighth of the CPU's work."""
-    from gpucourse import offload, plan
-    from gpucourse.shapes import get_shape
+    from gpucourse.modeled import offload, plan
+    from gpucourse.modeled.shapes import get_shape
 
     text = prose("07_memory_batch")
     llama8 = get_shape("llama3-8b")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpucourse import doctor
+from gpucourse.course import doctor
 
 REPO = Path(__file__).resolve().parents[1]
 TORCH_REQUIREMENT = REPO / "scripts" / "torch-requirement"

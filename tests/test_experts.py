@@ -14,7 +14,7 @@ import torch
 
 from gpucourse import ConfigError, TrainConfig, launch
 from gpucourse.measure import merge
-from gpucourse.memory import estimate
+from gpucourse.modeled.memory import estimate
 from gpucourse.model import GPTConfig, MoE, build_model
 
 import rankfns

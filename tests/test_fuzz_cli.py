@@ -55,14 +55,14 @@ DEFAULT_EXAMPLES = 6
 BASE = {"plan": ["--params", "1e9"], "batch-size": ["--budget-gb", "4"]}
 
 # What each command would start, replaced by a stand-in: the command's parsing and checks run, the start does not.
-STARTS = ["gpucourse.train.run", "gpucourse.slurm.submit", "gpucourse.slurm.check", "gpucourse.slurm.job",
-          "gpucourse.slurm.wait", "gpucourse.slurm.cancel", "gpucourse.bench.main", "gpucourse.tour.main",
-          "gpucourse.bandwidth.measure", "gpucourse.troubleshoot.run", "gpucourse.grading.runner.grade",
+STARTS = ["gpucourse.train.run", "gpucourse.course.slurm.submit", "gpucourse.course.slurm.check", "gpucourse.course.slurm.job",
+          "gpucourse.course.slurm.wait", "gpucourse.course.slurm.cancel", "gpucourse.bench.main", "gpucourse.course.tour.main",
+          "gpucourse.course.bandwidth.measure", "gpucourse.course.troubleshoot.run", "gpucourse.grading.runner.grade",
           "gpucourse.grading.runner.grade_class", "gpucourse.quiz.terminal.run_quiz",
           "gpucourse.quiz.terminal.run_exam", "gpucourse.workshop.hub.start", "gpucourse.workshop.hub.stop",
           "gpucourse.workshop.hub.remove_users", "gpucourse.workshop.kernels.check",
           "gpucourse.workshop.collect.collect", "gpucourse.workshop.report.status",
-          "gpucourse.lab.install_course_defaults", "os.execv"]
+          "gpucourse.course.lab.install_course_defaults", "os.execv"]
 
 EDGES = ["0", "-1", "", "nan", "inf", str(10**30)]  # the edges most values meet, drawn more often than the rest
 EDGE_TEXT = EDGES + ["-inf", "1e308", "1e999", " ", "abc", "1.5", "0x10", "nosuch", "H100", "ä", "1e-320", "-0"]
@@ -453,7 +453,7 @@ def notebook_settings(examples: int):
        shape=_either([None, "llama3-8b"], [{"layers": -1, "hidden": 64, "heads": 2}, "nosuch", 5]))
 def test_the_training_planner_takes_any_value_or_refuses_it(params, gpus, batch_size, seq_len, efficiency, gpu,
                                                              shape):
-    from gpucourse import plan
+    from gpucourse.modeled import plan
 
     refuses_in_one_sentence(lambda: plan.plan(params, gpus, gpu=gpu, batch_size=batch_size, seq_len=seq_len,
                                               efficiency=efficiency, shape=shape))
@@ -464,7 +464,7 @@ def test_the_training_planner_takes_any_value_or_refuses_it(params, gpus, batch_
        context=_either([512, 4096]), tpot_s=_either([0.05]), weights=_either(["bf16", "fp8"], ["fp4", None]),
        gpu=_either(["h100"], ["nosuch"]))
 def test_the_serving_planner_takes_any_value_or_refuses_it(shape, gpus, context, tpot_s, weights, gpu):
-    from gpucourse import serve_plan
+    from gpucourse.modeled import serve_plan
 
     refuses_in_one_sentence(lambda: serve_plan.plan(shape, gpus, gpu=gpu, context=context, tpot_s=tpot_s,
                                                     weights=weights))
@@ -477,7 +477,7 @@ def test_the_serving_planner_takes_any_value_or_refuses_it(shape, gpus, context,
        num=_either([1e6, 7e9]))
 def test_the_memory_estimates_take_any_value_or_refuse_it(dp, pp, microbatches, batch_size, seq_len, zero, precision,
                                                            num):
-    from gpucourse import memory
+    from gpucourse.modeled import memory
     from gpucourse.config import TrainConfig
 
     refuses_in_one_sentence(lambda: memory.estimate(TrainConfig(dp=dp, pp=pp, microbatches=microbatches, zero=zero,

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import rankfns
-from gpucourse import TrainConfig, doctor, launch, platforms, train
+from gpucourse import TrainConfig, launch, platforms, train
+from gpucourse.course import doctor
 from gpucourse.runtime import LaunchError, devices, launcher, notebook_device, plan_device, visible_gpus
 from gpucourse.runtime.devices import FAKE_ENV, GPU, PLATFORMS, DescriptionError, DeviceSet
 from procs import REPO
@@ -153,7 +154,7 @@ def test_a_run_too_big_for_the_smallest_gpu_is_told_the_microbatch_that_fits(mon
     assert platforms.memory_note(TrainConfig(**MEDIUM), mig).endswith(
         "not even one sequence a microbatch fits: a smaller model or seq_len, or more ranks (zero, tp, pp).")
     # The advice holds: the microbatch it names is the largest the estimate fits.
-    from gpucourse import memory
+    from gpucourse.modeled import memory
 
     budget = platforms.run_budget(t4)[0]
     assert memory.estimate(TrainConfig(**{**MEDIUM, "batch_size": 4}))["max_total"] <= budget

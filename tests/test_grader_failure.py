@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from gpucourse import cli, grading, progress
+from gpucourse import cli, grading
+from gpucourse.course import progress
 from gpucourse.grading import catalog, host, runner
 from gpucourse.workshop import dashboard, plan, processes, report
 from gpucourse.workshop.folder import Workshop

@@ -365,7 +365,7 @@ def test_the_terminal_shows_the_checks_of_a_file_that_raises_nothing():
 def test_hints_climb_a_ladder_with_the_learners_tries(tmp_path, monkeypatch):
     """First try: what was seen and the idea, no fix; from the second, where the notebook teaches it; from the
     fourth, each check's fix. The tries come from the learner's progress file; the instructor's view has them all."""
-    from gpucourse import progress
+    from gpucourse.course import progress
 
     for ex in grading.exercises().values():  # every exercise has both rungs, and neither is one of its fixes
         assert ex.concept and ex.section and not any(c.hint in ex.concept for c in ex.checks), ex.module
@@ -546,7 +546,7 @@ def test_cli_finds_exercises_here_and_says_what_fails(tmp_path, monkeypatch, mar
     text = capsys.readouterr().out
     assert str(tmp_path / "exercises") in text and "8/10" in text
     assert "FAIL bubble_fraction" in text and "the idea:" in text and "hint:" not in text  # the first try
-    from gpucourse import progress
+    from gpucourse.course import progress
 
     assert progress.load()["exercises"]["ex05_one_f_one_b"]["score"] == 8  # your own exercises: recorded
     assert cli.main(["grade", "5", "--path", str(REPO / "solutions")]) == 0
@@ -581,7 +581,7 @@ def test_notebook_check_rereads_the_file_and_leaves_the_kernel_alone(tmp_path, m
     text = capsys.readouterr().out
     assert "10/10" in text and "ok   bubble_fraction" in text
     assert "ex05_one_f_one_b" not in sys.modules and not torch.cuda.is_initialized()
-    from gpucourse import progress
+    from gpucourse.course import progress
     from gpucourse.quiz import review
 
     entry = progress.load()["exercises"]["ex05_one_f_one_b"]

@@ -118,7 +118,7 @@ from gpucourse.parallel.schedules import validate
 
 def one_f_one_b(pp, m):
     secret = sorted(n for n in sys.modules if n.startswith(("solutions", "gpucourse.grading.checks",
-                                                            "gpucourse.grading.host", "gpucourse.memory"))
+                                                            "gpucourse.grading.host", "gpucourse.modeled.memory"))
                     or n.startswith("gpucourse.parallel.") and n != "gpucourse.parallel.schedules")
     names = sorted(k for k in validate.__globals__ if k in ("one_f_one_b", "gpipe", "naive", "formula_bubble"))
     import os
@@ -188,7 +188,7 @@ def test_verdicts_do_not_depend_on_load(marked):
 
 
 def test_an_untouched_stub_is_not_an_attempt(tmp_path, monkeypatch, marked):
-    from gpucourse import progress
+    from gpucourse.course import progress
 
     folder = tmp_path / "exercises"
     shutil.copytree(REPO / "exercises", folder)

@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from gpucourse import serve_plan
-from gpucourse.cluster import Cluster
-from gpucourse.gpus import get_gpu
+from gpucourse.modeled import serve_plan
+from gpucourse.modeled.cluster import Cluster
+from gpucourse.modeled.gpus import get_gpu
 from gpucourse.serving import BlockAllocator, LinearCost, Scheduler, Simulated, poisson_trace, serve
 from gpucourse.serving.prefix_cache import PrefixCachingAllocator, with_prefix
-from gpucourse.shapes import get_shape
+from gpucourse.modeled.shapes import get_shape
 from procs import REPO
 
 H100 = get_gpu("h100")

@@ -1,4 +1,4 @@
-"""Kernels reached over Unix sockets (gpucourse.kernel_sockets): the path arithmetic against a real ZeroMQ bind,
+"""Kernels reached over Unix sockets (gpucourse.course.kernel_sockets): the path arithmetic against a real ZeroMQ bind,
 the private folder's refusals, and a real kernel run over IPC the way the course's notebooks are run."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import nbformat
 import pytest
 import zmq
 
-from gpucourse import kernel_sockets, lab
+from gpucourse.course import kernel_sockets, lab
 
 
 def test_fits_is_exactly_what_zeromq_can_bind(short_tmp):

@@ -360,7 +360,7 @@ def cell_text(cell) -> str:
 
 @pytest.mark.timeout(240)
 def test_launch_from_a_notebook_cell(tmp_path):
-    from gpucourse import lab
+    from gpucourse.course import lab
 
     # A kernel spec of our own makes the kernel this venv's python, whatever python3 means elsewhere.
     spec = tmp_path / "kernels" / "python3"

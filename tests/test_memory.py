@@ -11,12 +11,12 @@ import torch
 
 from gpucourse import TrainConfig, run
 from gpucourse.measure import Recorder
-from gpucourse.memory import estimate, in_flight, largest_microbatch, num_params
+from gpucourse.modeled.memory import estimate, in_flight, largest_microbatch, num_params
 from gpucourse.model import MODELS, build_model
 from gpucourse.parallel.precision import DynamicLossScaler, Precision
 from gpucourse.parallel.schedules import SCHEDULES, simulate
 from gpucourse.parallel.single import Trainer
-from gpucourse.plan import plan
+from gpucourse.modeled.plan import plan
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -67,7 +67,7 @@ def test_selective_recomputation_frees_the_scores_korthikanti_counts_and_changes
     """Attention written out keeps the softmax's output (Korthikanti et al.'s 5·a·s/h term is softmax 2, dropout
     mask 1 and dropout output 2 bytes a score; without dropout, its 2 of 5) and the causal mask; selective
     recomputation keeps neither, and the losses stay bit for bit. In bf16 weights, as their count assumes."""
-    from gpucourse.memory import korthikanti_layer_bytes
+    from gpucourse.modeled.memory import korthikanti_layer_bytes
 
     base = dict(steps=2, seq_len=32, precision="bf16", master_weights=True, attention="math")
     none, selective, flash = (run(TrainConfig(**{**base, **kw}), timeout=120, quiet=True)
@@ -144,7 +144,7 @@ def test_plan_agrees_with_memory_and_never_ranks_a_misfit_as_fitting():
     result = plan(70e9, 64, "h100", gpus_per_node=8)
     rows = result["layouts"]
     assert rows and any(r["fits"] for r in rows) and not all(r["fits"] for r in rows)
-    from gpucourse.gpus import get_gpu
+    from gpucourse.modeled.gpus import get_gpu
 
     limit = get_gpu("h100").usable_bytes()
     seen_misfit = False
@@ -176,7 +176,7 @@ def test_for_long_sequences_the_planner_also_tries_context_and_sequence_parallel
 @pytest.mark.parametrize("params", [1.3e9, 7e9, 13e9, 70e9, 175e9, 405e9])
 def test_the_planners_shapes_let_tensor_parallelism_split_the_heads(params):
     """From 1 B on, the assumed width is a whole number of 8 heads, so tp = 2, 4 and 8 are all tried."""
-    from gpucourse.plan import shape_for_params
+    from gpucourse.modeled.plan import shape_for_params
 
     shape = shape_for_params(params)
     assert shape["n_head"] % 8 == 0 and shape["n_embd"] == 128 * shape["n_head"], shape
@@ -201,7 +201,7 @@ def test_plan_takes_a_real_models_shape():
 
 
 def test_korthikanti_per_layer_formulas():
-    from gpucourse.memory import korthikanti_layer_bytes as layer
+    from gpucourse.modeled.memory import korthikanti_layer_bytes as layer
 
     s, b, h, a, t = 2048, 1, 12288, 96, 8          # a GPT-3 175B layer on tp = 8
     sbh = s * b * h
@@ -215,7 +215,7 @@ def test_korthikanti_per_layer_formulas():
 def test_plan_a_mixtral_like_mixture_of_experts_on_64_gpus():
     """Mixtral 8x7B by its own shape (SwiGLU experts of 14336, 8 K/V heads): 46.7 B parameters, 12.9 B active per
     token, as its paper says."""
-    from gpucourse.plan import SHAPES
+    from gpucourse.modeled.plan import SHAPES
 
     result = plan(None, gpus=64, shape="mixtral-8x7b")
     assert round(result["model_params"] / 1e9, 1) == 46.7 and round(result["active_params"] / 1e9, 1) == 12.9
@@ -237,8 +237,8 @@ def test_plan_a_mixtral_like_mixture_of_experts_on_64_gpus():
 
 
 def test_the_planner_counts_attentions_flops_which_rule_long_sequences():
-    from gpucourse.plan import attention_flops, step_time
-    from gpucourse.gpus import get_gpu
+    from gpucourse.modeled.plan import attention_flops, step_time
+    from gpucourse.modeled.gpus import get_gpu
 
     # PaLM's count: 6·N + 12·L·C·T per token. At 4 k tokens a 70 B model's attention adds a few per cent; at
     # 128 k it is several times the weights' FLOPs.
@@ -254,7 +254,7 @@ def test_the_planner_counts_attentions_flops_which_rule_long_sequences():
     want = (6 * n + 12 * L * C * 8192) * 64 * 8192 / (64 * gpu.peak_flops("bf16") * 0.5)
     assert t["compute_s"] == pytest.approx(want)
     # Notebook 06: "at 4096 tokens attention adds about 8 % for this 70 B shape" (the planner's shape for 70e9).
-    from gpucourse.plan import shape_for_params
+    from gpucourse.modeled.plan import shape_for_params
     shape = shape_for_params(70e9)
     assert round(100 * attention_flops(shape["n_layer"], shape["n_embd"], 4096) / (6 * 70e9)) == 8
 
@@ -268,9 +268,9 @@ def _layout(**layout):
 
 def test_context_parallelism_divides_what_tensor_and_pipeline_parallelism_move_by_cp():
     """Each context-parallel rank holds T/cp tokens: its tp all-reduces and pp sends carry T/cp, not T."""
-    from gpucourse.cluster import Cluster
-    from gpucourse.gpus import get_gpu
-    from gpucourse.plan import step_time
+    from gpucourse.modeled.cluster import Cluster
+    from gpucourse.modeled.gpus import get_gpu
+    from gpucourse.modeled.plan import step_time
 
     gpu, n = get_gpu("h100"), int(70e9)
     one = step_time(_layout(tp=8, pp=2, microbatches=4, batch_size=4, sequence_parallel=True), n, gpu, 8)
@@ -293,8 +293,8 @@ def test_context_parallelism_divides_what_tensor_and_pipeline_parallelism_move_b
 def test_the_planners_bubble_is_the_schedule_commands(schedule, v, tmp_path, capsys):
     """plan.step_time charges the bubble `gpucourse schedule` lays out for the same schedule, pp and m."""
     from gpucourse import cli
-    from gpucourse.gpus import get_gpu
-    from gpucourse.plan import step_time
+    from gpucourse.modeled.gpus import get_gpu
+    from gpucourse.modeled.plan import step_time
 
     pp, m = 4, 8
     cfg = _layout(tp=8, pp=pp, microbatches=m, batch_size=m, schedule=schedule, virtual_stages=max(v, 2))
@@ -313,9 +313,9 @@ def test_a_plans_step_is_the_sum_of_its_parts_and_explain_prints_them(capsys):
     """Compute, recompute, bubble, each kind of communication and the optimizer add up to the step; recomputation
     is one more forward (2·N + 4·L·C·T of the 8·N + 16·L·C·T a token); Adam moves 28 bytes a parameter it updates."""
     from gpucourse import cli
-    from gpucourse.cluster import ADAM_BYTES_PER_PARAM, Cluster
-    from gpucourse.gpus import get_gpu
-    from gpucourse.plan import step_time
+    from gpucourse.modeled.cluster import ADAM_BYTES_PER_PARAM, Cluster
+    from gpucourse.modeled.gpus import get_gpu
+    from gpucourse.modeled.plan import step_time
 
     gpu, n = get_gpu("h100"), int(70e9)
     for ckpt, zero in ((False, 0), (True, 1)):

@@ -1,4 +1,4 @@
-"""Memory against layouts that ran: every training run of gpucourse.published fits its GPU by the memory model, term
+"""Memory against layouts that ran: every training run of gpucourse.modeled.published fits its GPU by the memory model, term
 by term as its framework keeps it, and the terms reproduce the papers' own figures (ZeRO's Table 1, Korthikanti et
 al.'s per-layer count)."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from gpucourse import published
+from gpucourse.modeled import published
 from gpucourse.config import TrainConfig
-from gpucourse.memory import estimate_params, korthikanti_layer_bytes
-from gpucourse.plan import activation_bytes, memory_of, memory_parts
-from gpucourse.shapes import get_shape
+from gpucourse.modeled.memory import estimate_params, korthikanti_layer_bytes
+from gpucourse.modeled.plan import activation_bytes, memory_of, memory_parts
+from gpucourse.modeled.shapes import get_shape
 
 GiB = 2**30
 RUNS = [r for r in published.RUNS if r.metric != "bus_bandwidth"]
@@ -118,7 +118,7 @@ def test_fp8_keeps_a_copy_and_a_transpose_of_every_block_matmul_weight():
 def test_the_course_block_unframed_is_still_the_course_runtimes_estimate():
     """With no framework named the planner sizes the course's own block by gpucourse memory (what its runtime
     keeps), so small layouts known not to fit still do not."""
-    from gpucourse.memory import estimate
+    from gpucourse.modeled.memory import estimate
 
     cfg = TrainConfig(model="gpt2-small", overrides={"n_layer": 80, "n_embd": 8192, "n_head": 64,
                                                      "vocab_size": 32000, "block_size": 4096}, seq_len=4096,

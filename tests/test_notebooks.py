@@ -1,7 +1,7 @@
 """Every notebook runs top to bottom in a real kernel, and is committed clean.
 
 The kernel is this test's own interpreter (the venv's), started from a
-kernelspec written to a temporary folder (:func:`gpucourse.lab.execute`), so
+kernelspec written to a temporary folder (:func:`gpucourse.course.lab.execute`), so
 the notebooks import the gpucourse being tested and not whatever another
 Jupyter on the machine has. GPUCOURSE_SMOKE=1 asks each notebook for its short
 version.
@@ -15,7 +15,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from gpucourse import lab
+from gpucourse.course import lab
 
 NOTEBOOKS = lab.course_notebooks()
 CELL_TIMEOUT = 240  # seconds for one cell; a hung rank must fail the cell, not the suite
@@ -215,7 +215,7 @@ def test_a_wide_printed_line_is_found_but_printed_source_and_cli_diagnostics_kee
 # --- predict, then run: the Change cells' check and the numbers their text gives ----------------------------
 
 def test_a_prediction_can_have_its_own_tolerance_and_a_percent_sign(capsys):
-    from gpucourse.predict import WIDTH, check_prediction, parse
+    from gpucourse.course.predict import WIDTH, check_prediction, parse
 
     assert parse(" 33.3 % ") == 33.3 and parse("1,024") == 1024 and parse("") is None
     assert check_prediction("bubble", "33%", 33.3, 36.0, "%", tolerance=5, against="simulated") is True
@@ -271,7 +271,7 @@ def test_what_to_predict_the_all_to_all_from():
     with ep, and does not give the default's answer."""
     from gpucourse import TrainConfig
     from gpucourse.comm import RING_FACTOR
-    from gpucourse.memory import all_to_all_bytes
+    from gpucourse.modeled.memory import all_to_all_bytes
 
     cfg = TrainConfig(dp=4, ep=2, moe_experts=4, seq_len=64)
     mc = cfg.model_config()

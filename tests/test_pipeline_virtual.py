@@ -85,7 +85,7 @@ def test_memory_estimate_follows_the_chunks_and_the_split_backward(tmp_path_fact
     """Weights, gradients and optimizer state per rank equal `gpucourse memory`'s; activations (the simulator's
     peak of microbatch-chunks held, each 1/v of a stage's; a W keeps its chunk's until it runs) within 5 % of
     the scratch engine's."""
-    from gpucourse.memory import estimate
+    from gpucourse.modeled.memory import estimate
 
     for name, (cfg, result, _) in _results(tmp_path_factory).items():
         est = estimate(cfg)

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from gpucourse import cli, profiling
-from gpucourse.gpus import GPUS, GPUSpec, get_gpu, gpus
+from gpucourse.modeled.gpus import GPUS, GPUSpec, get_gpu, gpus
 from gpucourse.measure import RunResult
 from gpucourse.model import MODELS, build_model
 

@@ -9,7 +9,8 @@ from collections import Counter
 
 import pytest
 
-from gpucourse import cli, progress, quiz
+from gpucourse import cli, quiz
+from gpucourse.course import progress
 from gpucourse.quiz import bank as quiz_bank
 from gpucourse.quiz.exam import EXAM_WEIGHTS
 from gpucourse.quiz import review

@@ -1,4 +1,4 @@
-"""The cost model against published runs (gpucourse.published): a table split into a fitting and a held-out set
+"""The cost model against published runs (gpucourse.modeled.published): a table split into a fitting and a held-out set
 before any constant was tuned, each run within its set's bound, the constants the fit's own best point, and the
 planner's advice against the layouts the sources chose."""
 
@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from gpucourse import gpus, published
+from gpucourse.modeled import gpus, published
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "modeled-timing.md"
 ROWS = published.compare()
@@ -100,7 +100,7 @@ def test_the_readme_states_the_range_of_errors_the_model_has():
 def test_the_docs_agreement_table_and_what_it_says_of_the_disagreements():
     """docs/modeled-timing.md prints the planner against the sources' choices; each figure its discussion quotes is
     recomputed here."""
-    from gpucourse.cluster import Cluster
+    from gpucourse.modeled.cluster import Cluster
 
     rows = published.agreement()
     text = DOC.read_text()
@@ -140,7 +140,7 @@ def test_the_docs_quote_the_errors_and_the_table_size_the_model_has():
 
 
 def test_the_docs_say_the_nvls_figure_was_measured_on_h200_and_held_against_h100():
-    """nvls_efficiency comes from nccl-tests on 8 × H200 (gpucourse/gpus.py); the H100, with the same NVLink and
+    """nvls_efficiency comes from nccl-tests on 8 × H200 (gpucourse/modeled/gpus.py); the H100, with the same NVLink and
     NVSwitch, takes it, and the docs' table holds it against the published 8 × H100 bus bandwidth."""
     h100, h200 = gpus.get_gpu("h100"), gpus.get_gpu("h200")
     assert h100.nvls_efficiency == h200.nvls_efficiency == 0.61 and h100.intra_node_GBps == h200.intra_node_GBps

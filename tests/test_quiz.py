@@ -17,13 +17,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gpucourse import ConfigError, cli, progress, quiz
-from gpucourse.bandwidth import bus_factor
+from gpucourse import ConfigError, cli, quiz
+from gpucourse.course import progress
+from gpucourse.course.bandwidth import bus_factor
 from gpucourse.comm import RING_FACTOR
 from gpucourse.config import TrainConfig
 from gpucourse.data import context_positions
-from gpucourse.gpus import get_gpu
-from gpucourse.memory import estimate_params, korthikanti_layer_bytes, with_microbatch
+from gpucourse.modeled.gpus import get_gpu
+from gpucourse.modeled.memory import estimate_params, korthikanti_layer_bytes, with_microbatch
 from gpucourse.model import GPTConfig, MoE, balance_loss, build_model
 from gpucourse.parallel import expert_parallel, schedules
 from gpucourse.parallel.precision import DynamicLossScaler
@@ -1344,13 +1345,14 @@ def test_no_guessing_heuristic_beats_chance_on_select_all_questions():
 
 import inspect  # noqa: E402
 
-from gpucourse import plan, stack_config  # noqa: E402
-from gpucourse.cluster import Cluster  # noqa: E402
-from gpucourse.memory import estimate  # noqa: E402
+from gpucourse.interop import stack_config  # noqa: E402
+from gpucourse.modeled import plan  # noqa: E402
+from gpucourse.modeled.cluster import Cluster  # noqa: E402
+from gpucourse.modeled.memory import estimate  # noqa: E402
 from gpucourse.parallel import tensor_parallel  # noqa: E402
 from gpucourse.parallel import data_parallel_buckets  # noqa: E402
 from gpucourse.parallel.data_parallel_buckets import assign_buckets  # noqa: E402
-from gpucourse.published import RUNS  # noqa: E402
+from gpucourse.modeled.published import RUNS  # noqa: E402
 from gpucourse.train import MESH_DIMS  # noqa: E402
 
 MiB = 2**20
@@ -1679,7 +1681,7 @@ def test_every_notebook_has_questions_enough():
 
 import dataclasses  # noqa: E402
 
-from gpucourse import tensor_cores, topology  # noqa: E402
+from gpucourse.modeled import tensor_cores, topology  # noqa: E402
 from gpucourse.bench.quiz_figures import scenario_detail  # noqa: E402
 from gpucourse.measure import nvtx_label  # noqa: E402
 from gpucourse.model import MODELS  # noqa: E402
@@ -2123,8 +2125,8 @@ def test_figures_of_the_second_top_up():
 
 # --- LoRA memory, 2:4 sparsity, NCCL's network variables, GPUDirect Storage, Grace Hopper and GB200 NVL72 -----------
 
-from gpucourse import serve_plan  # noqa: E402
-from gpucourse.shapes import get_shape  # noqa: E402
+from gpucourse.modeled import serve_plan  # noqa: E402
+from gpucourse.modeled.shapes import get_shape  # noqa: E402
 
 # The questions of these topics, by group: each group is held to the bank's rules against guessing, and each
 # question cites where its facts come from (a documentation page or a paper).

@@ -12,10 +12,10 @@ import pathlib
 import pytest
 
 from gpucourse import ConfigError, TrainConfig, clock, profiling, viz
-from gpucourse.cluster import BASE_LATENCY, LL_BANDWIDTH, LL_LATENCY, TREE_BANDWIDTH, Cluster
-from gpucourse.gpus import get_gpu
+from gpucourse.modeled.cluster import BASE_LATENCY, LL_BANDWIDTH, LL_LATENCY, TREE_BANDWIDTH, Cluster
+from gpucourse.modeled.gpus import get_gpu
 from gpucourse.parallel import schedules
-from gpucourse.replay import ReplayError, replay
+from gpucourse.modeled.replay import ReplayError, replay
 
 from launches import train_launches
 
@@ -60,7 +60,7 @@ def test_replay_schedule_and_planner_report_the_same_bubble(runs, name):
     """One schedule model: a recorded run replayed with a forward 1 and a backward 2 (a zero-bubble split: B 1 and
     W 1), transfers free, idles exactly as ``gpucourse schedule`` lays the schedule out, and ``plan.step_time``
     charges that bubble (idle over compute)."""
-    from gpucourse.plan import bubble_ratio, lay_out_schedule
+    from gpucourse.modeled.plan import bubble_ratio, lay_out_schedule
 
     cfg = runs[name].config
     m = cfg["microbatches"]

@@ -313,7 +313,7 @@ def test_every_schedule_has_one_record_and_what_it_names_exists():
 def test_looped_bfs_has_interleavings_bubble_at_gpipes_memory():
     """Added as a builder and one record: every microbatch through chunk 0, then chunk 1 — the bubble of interleaved
     1F1B once m ≥ p, with all m·v microbatch-chunks held at the peak (interleaved 1F1B holds far fewer)."""
-    from gpucourse.memory import in_flight
+    from gpucourse.modeled.memory import in_flight
     from gpucourse.parallel import schedules_virtual
 
     for pp, m, v in ((2, 4, 2), (4, 8, 2), (4, 8, 3)):

@@ -10,8 +10,8 @@ import shlex
 import pytest
 
 from gpucourse.readable import ConfigError
-from gpucourse.serve_config import TOOLS, layout_from_plan, render
-from gpucourse.serve_plan import plan
+from gpucourse.interop.serve_config import TOOLS, layout_from_plan, render
+from gpucourse.modeled.serve_plan import plan
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,11 +8,11 @@ import pytest
 
 from gpucourse import ConfigError
 from gpucourse.cli import main
-from gpucourse.cluster import Cluster
-from gpucourse.gpus import get_gpu
-from gpucourse.serve_plan import (decode_step, kv_bytes_per_token, largest_batch, plan, prefill, ridge_point,
+from gpucourse.modeled.cluster import Cluster
+from gpucourse.modeled.gpus import get_gpu
+from gpucourse.modeled.serve_plan import (decode_step, kv_bytes_per_token, largest_batch, plan, prefill, ridge_point,
                                   weight_bytes)
-from gpucourse.shapes import get_shape
+from gpucourse.modeled.shapes import get_shape
 
 pytestmark = pytest.mark.timeout(120)
 LLAMA70 = get_shape("llama3-70b")
@@ -41,7 +41,7 @@ def test_decode_is_memory_bound_so_a_bigger_batch_costs_little_and_prefill_is_co
 
 
 def test_a_pipeline_sums_its_stages_and_tensor_parallelism_adds_all_reduces():
-    from gpucourse.serve_plan import STEP_OVERHEAD_S
+    from gpucourse.modeled.serve_plan import STEP_OVERHEAD_S
 
     piped = decode_step(LLAMA70, H100, 4, 4096, tp=2, pp=4)
     assert piped["token_s"] == pytest.approx(4 * piped["stage_s"] + piped["pp_send_s"] + STEP_OVERHEAD_S)
@@ -98,8 +98,8 @@ def test_memory_serve_from_the_command_line(capsys):
                  "--budget-gb", "16"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("serving gpt2-small with tp=2") and "(2 × 12 layers × 6 K/V heads × 64 × 2 bytes)" in out
-    from gpucourse.serve_plan import memory
-    from gpucourse.shapes import Shape
+    from gpucourse.modeled.serve_plan import memory
+    from gpucourse.modeled.shapes import Shape
     from gpucourse import TrainConfig
 
     shape = Shape.of_model(TrainConfig(model="gpt2-small").model_config())

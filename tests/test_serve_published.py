@@ -1,4 +1,4 @@
-"""The serving model against published serving measurements (gpucourse.serve_published): every row cited and
+"""The serving model against published serving measurements (gpucourse.modeled.serve_published): every row cited and
 set out in full, each modeled value recomputed from serve_plan, the table in docs/modeled-timing.md the function's
 own, and where the model is off named."""
 
@@ -9,9 +9,9 @@ import pathlib
 
 import pytest
 
-from gpucourse import cluster, serve_published as sp
-from gpucourse.serve_plan import decode_step, prefill
-from gpucourse.shapes import get_shape
+from gpucourse.modeled import cluster, serve_published as sp
+from gpucourse.modeled.serve_plan import decode_step, prefill
+from gpucourse.modeled.shapes import get_shape
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "modeled-timing.md"
 ROWS = sp.compare()
@@ -74,7 +74,7 @@ def test_large_batches_are_close_and_a_cost_of_each_step_fitted_on_the_fitting_r
     """Throughput of static batches within 12 %; serve_plan's one serving constant (1.4 ms an iteration) is the value
     on a 0.1 ms grid that makes the largest fitting error smallest; without it every latency-bound row (one
     request's tokens, a 128-token prompt) came out 16-33 % too fast."""
-    from gpucourse import serve_plan
+    from gpucourse.modeled import serve_plan
 
     assert all(abs(r["error"]) <= 0.12 for r in ROWS if r["metric"] == "output_tokens_per_s_per_gpu")
     assert sp.errors(ROWS)["max"] <= 0.22 and serve_plan.STEP_OVERHEAD_S == 1.4e-3

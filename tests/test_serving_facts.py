@@ -16,16 +16,17 @@ from collections import Counter
 import pytest
 import torch
 
-from gpucourse import quiz, serve_plan
+from gpucourse import quiz
+from gpucourse.modeled import serve_plan
 from gpucourse.comm import RING_FACTOR
-from gpucourse.gpus import RESERVED_BYTES, get_gpu
+from gpucourse.modeled.gpus import RESERVED_BYTES, get_gpu
 from gpucourse.model import MODELS, build_model
 from gpucourse.serving import (BlockAllocator, LinearCost, Request, Scheduler, Sequence, generate, poisson_trace,
                                simulate)
 from gpucourse.serving.metrics import Report
 from gpucourse.serving.parallel_decode import Layout, kv_heads_per_rank, step_bytes
 from gpucourse.serving.quantize import stored_bytes
-from gpucourse.shapes import get_shape
+from gpucourse.modeled.shapes import get_shape
 from procs import REPO
 
 NOTEBOOK = "14_serving"

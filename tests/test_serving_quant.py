@@ -10,7 +10,7 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpucourse import tensor_cores as tc
+from gpucourse.modeled import tensor_cores as tc
 from gpucourse.data import global_batch
 from gpucourse.model import MODELS, GPTConfig, build_model
 from gpucourse.optim import make_optimizer

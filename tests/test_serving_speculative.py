@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from gpucourse import serve_plan
+from gpucourse.modeled import serve_plan
 from gpucourse.model import MODELS, GPTConfig, build_model
 from gpucourse.serving import generate
 from gpucourse.serving.speculative import (ModelDraft, PromptLookupDraft, decode_rounds, expected_tokens,

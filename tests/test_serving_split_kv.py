@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpucourse import serve_plan
+from gpucourse.modeled import serve_plan
 from gpucourse.model import MODELS, build_model
 from gpucourse.serving import KVCache
 from gpucourse.serving.kv_cache import attend_positions, inference

@@ -16,7 +16,8 @@ import signal
 import pytest
 import torch
 
-from gpucourse import TrainConfig, run, slurm
+from gpucourse import TrainConfig, run
+from gpucourse.course import slurm
 from gpucourse.cli import build_parser, config_from, main
 from gpucourse.cli.common import layout_flags
 from gpucourse.measure import RunResult

@@ -13,7 +13,7 @@ import pytest
 import gpucourse.train
 from gpucourse import cli
 from gpucourse.config import ConfigError, TrainConfig
-from gpucourse.stack_config import TOOLS, batch, translate
+from gpucourse.interop.stack_config import TOOLS, batch, translate
 
 # Megatron-LM, megatron/training/arguments.py at tag core_v0.14.0 (each an add_argument there).
 MEGATRON_FLAGS = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpucourse import tensor_cores as tc
+from gpucourse.modeled import tensor_cores as tc
 from gpucourse.model import MODELS
 
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 import gpucourse
 from gpucourse import ConfigError, TrainConfig, data
 from gpucourse.measure import Recorder
-from gpucourse.memory import estimate
+from gpucourse.modeled.memory import estimate
 from gpucourse.model import build_model
 from gpucourse.parallel import parallelize
 from gpucourse.parallel.tensor_parallel import (ColumnParallelLinear, CopyToTensorParallel, ReduceFromTensorParallel,

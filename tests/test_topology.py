@@ -7,8 +7,8 @@ import pathlib
 
 import pytest
 
-from gpucourse import topology
-from gpucourse.cluster import (LL128_BANDWIDTH, LL128_LATENCY, LL_BANDWIDTH, LL_LATENCY, NVLS_LATENCY_S,
+from gpucourse.modeled import topology
+from gpucourse.modeled.cluster import (LL128_BANDWIDTH, LL128_LATENCY, LL_BANDWIDTH, LL_LATENCY, NVLS_LATENCY_S,
                                TREE_BANDWIDTH, Cluster)
 
 NOTEBOOK_01 = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "01_collectives.ipynb"
@@ -96,7 +96,7 @@ def test_ring_tree_and_nvls_all_reduce_as_notebook_01_tables_them():
     # The quarter is tuning.cc's ring LL factor up to NCCL 2.20 (busBw × 1/4 for an all-reduce); from 2.21 it is
     # busBw × 0.5. The notebook's protocol list gives today's half, the model's paragraph its quarter, and the
     # package and the docs say which is which.
-    from gpucourse import cluster
+    from gpucourse.modeled import cluster
 
     docs = " ".join((NOTEBOOK_01.parent.parent / "docs" / "modeled-timing.md").read_text().split())
     assert "(NCCL's figure for a ring's LL up to 2.20; from 2.21 NCCL gives it half, and the model keeps the "\

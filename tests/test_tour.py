@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gpucourse import tour
+from gpucourse.course import tour
 from gpucourse.runtime import visible_gpus
 
 from procs import REPO, clean_env

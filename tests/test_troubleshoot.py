@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gpucourse import cli, troubleshoot
+from gpucourse import cli
+from gpucourse.course import troubleshoot
 from gpucourse.runtime import collective_status
 from gpucourse.runtime.collective_status import diagnose_hang
 

@@ -19,7 +19,8 @@ import time
 import nbformat
 import pytest
 
-from gpucourse import TrainConfig, bench, lab, run, viz
+from gpucourse import TrainConfig, bench, run, viz
+from gpucourse.course import lab
 from gpucourse.parallel.schedules import SCHEDULES, build, simulate
 from gpucourse.viz import PALETTE
 from gpucourse.viz.live import MIME, LiveView
@@ -436,7 +437,7 @@ def test_live_view_overhead_is_measurable():
 
 
 def test_viz_imports_no_plotly_until_drawing():
-    code = ("import sys, gpucourse, gpucourse.viz, gpucourse.tour, gpucourse.cli;"
+    code = ("import sys, gpucourse, gpucourse.viz, gpucourse.course.tour, gpucourse.cli;"
             "from gpucourse.viz import simulate_collective; simulate_collective('all_reduce', 3);"
             "bad = [m for m in ('plotly', 'ipywidgets', 'IPython') if m in sys.modules]; print(bad); assert not bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

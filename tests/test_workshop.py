@@ -30,7 +30,8 @@ import nbformat
 import pytest
 
 import browsers
-from gpucourse import cli, grading, lab, progress
+from gpucourse import cli, grading
+from gpucourse.course import lab, progress
 from gpucourse.workshop import auth, dashboard, hub, kernels, plan, processes, report, spawner
 from gpucourse.workshop.errors import WorkshopError
 from gpucourse.workshop.folder import Workshop
@@ -285,7 +286,7 @@ def test_a_kernel_folder_too_deep_or_open_to_others_is_refused_before_anything_s
                                                                                        short_tmp):
     """Kernels' sockets go under /tmp/gpucourse-<uid>/: a base too deep for a socket's path, or a folder other
     accounts can open, is refused in one sentence and nothing starts."""
-    from gpucourse import kernel_sockets
+    from gpucourse.course import kernel_sockets
 
     monkeypatch.setenv("GPUCOURSE_PROXY", shutil.which("true"))
     root = tmp_path / "ws"

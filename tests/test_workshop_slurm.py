@@ -25,7 +25,8 @@ import nbformat
 import pytest
 
 import browsers
-from gpucourse import cli, lab, slurm
+from gpucourse import cli
+from gpucourse.course import lab, slurm
 from gpucourse.workshop import hub, processes
 from gpucourse.workshop.errors import WorkshopError
 from procs import BIN, free_port, processes_with, wait_for

@@ -1,6 +1,6 @@
 """Benchmarks: gpucourse's runtime and strategies against their PyTorch and Accelerate counterparts.
 
-``gpucourse bench`` measures a list of *figures* (see :mod:`gpucourse.readings`
+``gpucourse bench`` measures a list of *figures* (see :mod:`gpucourse.course.readings`
 for what a figure is and how two sides are timed in turns). Adding a figure is
 one function::
 
@@ -35,7 +35,7 @@ import torch
 
 from ..files import write_atomic
 from ..runtime.launcher import plan_device, preimport, visible_gpus
-from ..readings import FIGURES, WARMUP_STEPS, Figure, Reading, figure, interleave, parse_target, passed, ratio
+from ..course.readings import FIGURES, WARMUP_STEPS, Figure, Reading, figure, interleave, parse_target, passed, ratio
 from .harness import RANKS, RUN_TIMEOUT_S, bench_config, compare_runs
 
 

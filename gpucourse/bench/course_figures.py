@@ -24,14 +24,14 @@ from ..config import TrainConfig
 from ..runtime import launch
 from ..runtime.launcher import plan_device
 from ..train import run
-from ..readings import WARMUP_STEPS, Reading, figure, interleave, ratio
+from ..course.readings import WARMUP_STEPS, Reading, figure, interleave, ratio
 from .harness import RANKS, RUN_TIMEOUT_S
 
 
 @figure("allreduce_busbw_vs_copy", quick=dict(reps=2), full=dict(reps=5))
 def allreduce_busbw_vs_copy(reps: int) -> Reading:
     """All-reduce bus bandwidth at 64 MB on 2 ranks over a same-size memory copy: the ceiling on one host."""
-    from ..bandwidth import allreduce_busbw_vs_copy as measure_busbw
+    from ..course.bandwidth import allreduce_busbw_vs_copy as measure_busbw
 
     return measure_busbw(reps=reps)
 
@@ -107,7 +107,7 @@ def live_view_overhead(reps: int, steps: int, interval_s: float = 0.75) -> Readi
 @figure("tour_quick_s", quick=dict(), full=dict())
 def tour_quick_s() -> Reading:
     """Wall time of ``gpucourse tour --quick`` (every layout, checked against one device) on this machine."""
-    from .. import tour
+    from ..course import tour
 
     out = tempfile.mkdtemp(prefix="gpucourse-tour-")
     try:
@@ -122,7 +122,7 @@ def tour_quick_s() -> Reading:
 @figure("course_smoke_s", target="< 600", quick=dict(), full=dict())
 def course_smoke_s() -> Reading:
     """Wall time to execute every notebook in smoke mode (GPUCOURSE_SMOKE=1), one fresh kernel each."""
-    from .. import lab
+    from ..course import lab
 
     start = time.perf_counter()
     seconds = lab.run_course(smoke=True, stream=sys.stdout)
@@ -136,7 +136,7 @@ def course_smoke_s() -> Reading:
 def first_check_s() -> Reading:
     """From the course's JupyterLab being up to ``check("ex01")`` answering in notebook 01, in headless Chromium
     (started first: a learner's browser is open before the lab is)."""
-    from .. import lab
+    from ..course import lab
 
     with tempfile.TemporaryDirectory(prefix="gpucourse-lab-") as tmp:
         root = lab.course_copy(tmp)

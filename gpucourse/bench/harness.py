@@ -7,7 +7,7 @@ import statistics
 
 from ..config import TrainConfig
 from ..train import run
-from ..readings import WARMUP_STEPS, interleave
+from ..course.readings import WARMUP_STEPS, interleave
 
 # Ranks of every figure: the smallest group that communicates.
 RANKS = 2

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from ..readable import human_bytes
 from ..train import run
-from ..readings import Reading, figure, ratio
+from ..course.readings import Reading, figure, ratio
 from .harness import RANKS, RUN_TIMEOUT_S, bench_config, memory_ratios, worst_ratio
 
 
 @figure("zero_memory_vs_formula", target="== 1.0", quick=dict(), full=dict())
 def zero_memory_vs_formula() -> Reading:
     """Measured weights, gradients and optimizer bytes per rank of scratch ZeRO-1/2 over the ZeRO formula."""
-    from ..memory import num_params
+    from ..modeled.memory import num_params
     from ..parallel.zero import memory_formula
 
     n = num_params(bench_config().model_config())
@@ -25,7 +25,7 @@ def zero_memory_vs_formula() -> Reading:
 @figure("zero3_memory_vs_formula", target="== 1.0", quick=dict(), full=dict())
 def zero3_memory_vs_formula() -> Reading:
     """Measured weights, gradients, optimizer state and peak gathered bytes of scratch ZeRO-3 over its formula."""
-    from ..memory import stage_units
+    from ..modeled.memory import stage_units
     from ..parallel.zero3 import memory_formula
 
     configs = [bench_config(impl="scratch", dp=d, zero=3, batch_size=12, steps=1, **kw)
@@ -57,7 +57,7 @@ def sp_activation_ratio() -> Reading:
 @figure("memory_estimate_vs_measured", target="== 1.0", quick=dict(), full=dict())
 def memory_estimate_vs_measured() -> Reading:
     """Measured weights, gradients and optimizer bytes over ``gpucourse memory``'s estimate, several layouts."""
-    from ..memory import estimate
+    from ..modeled.memory import estimate
 
     configs = [bench_config(impl="scratch", steps=1, **kw) for kw in
                (dict(dp=1), dict(dp=2), dict(dp=2, zero=2), dict(dp=1, tp=2), dict(dp=1, pp=2, microbatches=2))]
@@ -84,7 +84,7 @@ def selective_activation_ratio() -> Reading:
     """Saved activation bytes with selective recomputation over none, attention written out (tiny model, bf16
     weights, as Korthikanti et al. count), beside their formula's ratio for one layer at this shape (with dropout,
     which the run has not: its scores are 2 of the formula's 5 bytes)."""
-    from ..memory import korthikanti_layer_bytes
+    from ..modeled.memory import korthikanti_layer_bytes
 
     sizes = {}
     for recompute in ("none", "selective"):
@@ -105,9 +105,9 @@ def selective_activation_ratio() -> Reading:
 
 @figure("published_layouts_fit", target="== 1.0", quick=dict(), full=dict())
 def published_layouts_fit() -> Reading:
-    """The share of the published training runs (:mod:`gpucourse.published`) whose memory estimate, as their
+    """The share of the published training runs (:mod:`gpucourse.modeled.published`) whose memory estimate, as their
     framework keeps it, fits their GPU: each of them ran, so each should."""
-    from ..published import memory_fits
+    from ..modeled.published import memory_fits
 
     rows = memory_fits()
     misfits = {r["name"]: r["max_total"] for r in rows if not r["fits"]}

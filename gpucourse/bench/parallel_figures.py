@@ -11,7 +11,7 @@ import torch
 from ..config import TrainConfig
 from ..readable import human_bytes
 from ..train import run
-from ..readings import WARMUP_STEPS, Reading, figure, interleave, ratio
+from ..course.readings import WARMUP_STEPS, Reading, figure, interleave, ratio
 from .harness import RANKS, RUN_TIMEOUT_S, bench_config, compare_runs
 
 
@@ -366,7 +366,7 @@ def cp_scratch_vs_torch(reps: int, steps: int) -> Reading:
 @figure("moe_a2a_bytes_vs_formula", target="== 1.0", quick=dict(), full=dict())
 def moe_a2a_bytes_vs_formula() -> Reading:
     """Expert parallelism's all-to-all bytes per step, measured over ``memory.all_to_all_bytes``, ep = 2."""
-    from ..memory import all_to_all_bytes
+    from ..modeled.memory import all_to_all_bytes
 
     cfg = bench_config(impl="scratch", moe_experts=4, ep=RANKS, steps=3)
     result = run(cfg, timeout=RUN_TIMEOUT_S, quiet=True)

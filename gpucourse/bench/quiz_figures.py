@@ -33,7 +33,7 @@ import statistics
 from typing import Callable
 
 from ..quiz.bank import load_bank
-from ..readings import Reading, figure
+from ..course.readings import Reading, figure
 
 # Where the situation ends and the asking begins: after ., :, ;, ! or ? followed by a space.
 CLAUSE_END = re.compile(r"(?<=[.:;!?])\s+")

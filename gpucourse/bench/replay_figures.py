@@ -7,13 +7,13 @@ import time
 
 from ..config import TrainConfig
 from ..train import run
-from ..readings import Reading, figure
+from ..course.readings import Reading, figure
 
 
 @figure("model_vs_published_max_error", target="<= 0.30", quick=dict(), full=dict())
 def model_vs_published_max_error() -> Reading:
-    """The largest relative error of the cost model over the published runs of gpucourse.published."""
-    from ..published import compare
+    """The largest relative error of the cost model over the published runs of gpucourse.modeled.published."""
+    from ..modeled.published import compare
 
     rows = compare()
     worst = max(rows, key=lambda r: abs(r["error"]))
@@ -24,25 +24,25 @@ def model_vs_published_max_error() -> Reading:
 
 @figure("model_fit_max_error", target="<= 0.15", quick=dict(), full=dict())
 def model_fit_max_error() -> Reading:
-    """The largest relative error of the cost model over the fitting set of gpucourse.published (the runs its
+    """The largest relative error of the cost model over the fitting set of gpucourse.modeled.published (the runs its
     fitted constants were tuned on)."""
     return _split_reading("fit", "fit_max")
 
 
 @figure("model_heldout_max_error", target="<= 0.25", quick=dict(), full=dict())
 def model_heldout_max_error() -> Reading:
-    """The largest relative error over the held-out set of gpucourse.published (never used to tune anything)."""
+    """The largest relative error over the held-out set of gpucourse.modeled.published (never used to tune anything)."""
     return _split_reading("heldout", "heldout_max")
 
 
 @figure("model_heldout_median_error", target="<= 0.10", quick=dict(), full=dict())
 def model_heldout_median_error() -> Reading:
-    """The median relative error over the held-out set of gpucourse.published."""
+    """The median relative error over the held-out set of gpucourse.modeled.published."""
     return _split_reading("heldout", "heldout_median")
 
 
 def _split_reading(split: str, key: str) -> Reading:
-    from ..published import compare, errors
+    from ..modeled.published import compare, errors
 
     rows = compare()
     value = errors(rows)[key]
@@ -56,8 +56,8 @@ def _split_reading(split: str, key: str) -> Reading:
 @figure("planner_agrees_with_published", target=">= 0.8", quick=dict(), full=dict())
 def planner_agrees_with_published() -> Reading:
     """The share of published runs whose source chose a layout at scale where `gpucourse plan` puts that layout
-    first or within 5 % of its first (gpucourse.published.agreement)."""
-    from ..published import agreement
+    first or within 5 % of its first (gpucourse.modeled.published.agreement)."""
+    from ..modeled.published import agreement
 
     rows = agreement()
     share = sum(r["agrees"] for r in rows) / len(rows)

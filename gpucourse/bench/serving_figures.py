@@ -8,7 +8,7 @@ import statistics
 import time
 
 from ..model import MODELS, build_model
-from ..readings import Reading, figure, interleave, ratio
+from ..course.readings import Reading, figure, interleave, ratio
 from ..serving import generate, poisson_trace, simulate
 
 # A bursty trace: bursts of 16 requests, 4 bursts a second, more than the server keeps up with. The KV budget,

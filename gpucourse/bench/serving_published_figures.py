@@ -1,16 +1,16 @@
-"""Figure of the serving model against published serving measurements (gpucourse.serve_published)."""
+"""Figure of the serving model against published serving measurements (gpucourse.modeled.serve_published)."""
 
 from __future__ import annotations
 
-from ..readings import Reading, figure
+from ..course.readings import Reading, figure
 
 
 @figure("serve_model_vs_published_max_error", target="<= 0.30", quick=dict(), full=dict())
 def serve_model_vs_published_max_error() -> Reading:
-    """The largest relative error of the modeled decode and prefill (gpucourse.serve_plan) over the published
-    serving measurements of Llama-class models on H100 in gpucourse.serve_published; the details list each row's
+    """The largest relative error of the modeled decode and prefill (gpucourse.modeled.serve_plan) over the published
+    serving measurements of Llama-class models on H100 in gpucourse.modeled.serve_published; the details list each row's
     setting, published and modeled value (modeled)."""
-    from ..serve_published import compare, errors
+    from ..modeled.serve_published import compare, errors
 
     rows = compare()
     e = errors(rows)

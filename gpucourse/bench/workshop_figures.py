@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from ..workshop import collect, hub
-from ..readings import Reading, figure
+from ..course.readings import Reading, figure
 
 SEATS = 3
 

@@ -15,7 +15,7 @@ from ..config import TrainConfig
 from ..files import write_atomic
 from ..measure import RunResult
 from ..readable import ConfigError
-from ..replay import check_run
+from ..modeled.replay import check_run
 from ..values import Kind, ReadableFile, json_value
 from ..parallel.context_parallel import ATTENTIONS
 from ..parallel.schedule_table import SCHEDULES

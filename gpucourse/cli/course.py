@@ -37,7 +37,7 @@ def _say_not_graded(not_graded: dict, who: str) -> int:
 
 
 def cmd_lab(args) -> int:
-    from .. import lab
+    from ..course import lab
 
     if not lab.NOTEBOOKS.is_dir():
         raise UsageError(f"the course's notebooks are not at {lab.NOTEBOOKS}: run this from a checkout "
@@ -128,7 +128,7 @@ def cmd_quiz(args) -> int:
     from ..quiz import terminal
 
     if args.review:
-        from .. import progress
+        from ..course import progress
         from ..quiz import review
 
         try:
@@ -155,7 +155,7 @@ def cmd_quiz(args) -> int:
 
 
 def cmd_progress(args) -> int:
-    from .. import progress
+    from ..course import progress
     from ..quiz import review
 
     try:

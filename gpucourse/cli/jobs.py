@@ -1,4 +1,4 @@
-"""``gpucourse submit``: a training run as a SLURM job over several nodes, and what became of it (gpucourse.slurm)."""
+"""``gpucourse submit``: a training run as a SLURM job over several nodes, and what became of it (gpucourse.course.slurm)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 import re
 import sys
 
-from .. import slurm
+from ..course import slurm
 from ..config import TrainConfig
 from ..values import NON_NEGATIVE, POSITIVE
 from .common import UsageError, add_layout_args, check_writable, config_from, layout_flags

@@ -7,14 +7,14 @@ import sys
 import textwrap
 
 from ..files import write_atomic
-from ..gpus import GPU
+from ..modeled.gpus import GPU
 from ..parallel.schedule_table import SCHEDULES
-from ..plan import EFFICIENCY, FRAMEWORK, PARAMS, PRECISIONS as PLAN_PRECISIONS
+from ..modeled.plan import EFFICIENCY, FRAMEWORK, PARAMS, PRECISIONS as PLAN_PRECISIONS
 from ..runtime.launcher import WorkerError
-from ..serve_config import TOOLS as SERVE_TOOLS
+from ..interop.serve_config import TOOLS as SERVE_TOOLS
 from ..config import TrainConfig, allowed
-from ..serve_plan import CONTEXT as SERVE_CONTEXT, ELEM, FORMAT
-from ..shapes import PART_KINDS, SHAPE
+from ..modeled.serve_plan import CONTEXT as SERVE_CONTEXT, ELEM, FORMAT
+from ..modeled.shapes import PART_KINDS, SHAPE
 from ..values import GPUS_PER_NODE, POSITIVE, POSITIVE_NUMBER, RANKS, SEQUENCES, TOKENS, Name, number
 from .common import SAVED_RUN, UsageError, add_layout_args, check_writable, config_from, write_json
 
@@ -25,7 +25,7 @@ MEMORY_PRECISION = Name(dict.fromkeys([*allowed("precision").names(), *ELEM]))  
 
 
 def cmd_schedule(args) -> int:
-    from .. import plan
+    from ..modeled import plan
     from ..parallel import schedules, schedules_virtual
 
     record = SCHEDULES[args.schedule]
@@ -81,7 +81,7 @@ def cmd_schedule(args) -> int:
 
 
 def cmd_memory(args) -> int:
-    from .. import memory
+    from ..modeled import memory
 
     if args.json:
         check_writable(args.json, "--json")
@@ -108,8 +108,8 @@ def _serve_memory(args) -> int:
     """``memory --serve``: what serving the model (or ``--shape``) holds on each GPU."""
     import dataclasses
 
-    from .. import serve_plan
-    from ..shapes import Shape
+    from ..modeled import serve_plan
+    from ..modeled.shapes import Shape
 
     weights = FORMAT.check(args.precision or SERVE_WEIGHTS, "--precision")
     if args.shape:
@@ -128,7 +128,7 @@ def _serve_memory(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from .. import plan
+    from ..modeled import plan
 
     if args.json:
         check_writable(args.json, "--json")
@@ -156,7 +156,8 @@ def cmd_plan(args) -> int:
 
 def _serve_plan(args, shape) -> int:
     """``plan --serve``: the serving layouts of a shape (a parameter count alone does not say its KV heads)."""
-    from .. import serve_config, serve_plan
+    from ..interop import serve_config
+    from ..modeled import serve_plan
 
     if shape is None:
         raise UsageError("plan --serve needs --shape or the shape's parts: a KV cache's size depends on its heads.")
@@ -182,7 +183,8 @@ def _serve_plan(args, shape) -> int:
 
 
 def cmd_batch_size(args) -> int:
-    from .. import memory, platforms
+    from .. import platforms
+    from ..modeled import memory
     from ..runtime import devices
     from ..runtime.launcher import visible_gpus
 
@@ -235,8 +237,8 @@ def cmd_replay(args) -> int:
     import statistics
 
     from .. import profiling
-    from ..gpus import get_gpu
-    from ..replay import ReplayError, replay
+    from ..modeled.gpus import get_gpu
+    from ..modeled.replay import ReplayError, replay
 
     measured = args.run  # read as the flag was parsed
     if args.json:
@@ -296,7 +298,7 @@ def add_commands(sub) -> None:
     p.add_argument("--serve", action="store_true",
                    help="serving instead of training: weights per GPU, KV cache bytes per token and the largest batch "
                         "of --seq-len-token sequences that fits --budget-gb (under --tp, --pp, --precision)")
-    p.add_argument("--shape", type=SHAPE, help="with --serve: a named public shape (gpucourse.shapes) instead of "
+    p.add_argument("--shape", type=SHAPE, help="with --serve: a named public shape (gpucourse.modeled.shapes) instead of "
                                                 "--model")
     p.add_argument("--kv", type=FORMAT, default="bf16", help="with --serve: the KV cache's number format: bf16, fp8 or fp32")
     p.add_argument("--budget-gb", type=POSITIVE_NUMBER, default=None,
@@ -306,7 +308,7 @@ def add_commands(sub) -> None:
 
     p = sub.add_parser("plan", help="rank the layouts of a large model on many GPUs, on paper")
     p.add_argument("--params", type=PARAMS, help="parameters, e.g. 70e9 (a plausible dense GPT shape is assumed)")
-    p.add_argument("--shape", type=SHAPE, help="a named public shape instead (gpucourse.shapes.SHAPES: gpt3-175b, megatron-1t, "
+    p.add_argument("--shape", type=SHAPE, help="a named public shape instead (gpucourse.modeled.shapes.SHAPES: gpt3-175b, megatron-1t, "
                                    "llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, deepseek-v3-like, ...); "
                                    "the flags below change its parts")
     for flag, text in (("--layers", "transformer blocks"), ("--hidden", "model width"), ("--heads", "attention heads"),
@@ -319,7 +321,7 @@ def add_commands(sub) -> None:
                    help="whose overlap of communication with compute to assume: megatron-core (default), "
                         "megatron-core-tp-overlap, megatron-2021, fsdp, ddp")
     p.add_argument("--gpus", type=RANKS, required=True, help="number of GPUs")
-    p.add_argument("--gpu", type=GPU, default="h100", help="GPU kind from the table (gpucourse.gpus), e.g. h100, a100")
+    p.add_argument("--gpu", type=GPU, default="h100", help="GPU kind from the table (gpucourse.modeled.gpus), e.g. h100, a100")
     p.add_argument("--gpus-per-node", type=GPUS_PER_NODE, default=8,
                    help="GPUs per server (tensor parallelism stays inside)")
     p.add_argument("--batch-size", type=SEQUENCES, default=1024, help="global batch in sequences")
@@ -365,7 +367,7 @@ def add_commands(sub) -> None:
                                    "model over the link it crosses (docs/modeled-timing.md).")
     p.add_argument("run", metavar="RUN.json", type=SAVED_RUN, help="a run saved with 'gpucourse train --json FILE'")
     p.add_argument("--on", type=GPU, default="h100",
-                   help="GPU kind from the table (gpucourse.gpus): a100, h100, h200, b200, l4")
+                   help="GPU kind from the table (gpucourse.modeled.gpus): a100, h100, h200, b200, l4")
     p.add_argument("--gpus-per-node", type=GPUS_PER_NODE, default=8, help="GPUs per server (default 8)")
     p.add_argument("--nodes", type=RANKS, default=None, help="servers (default: as many as the run's ranks need)")
     p.add_argument("--json", metavar="FILE", help="also write the modeled run as JSON")

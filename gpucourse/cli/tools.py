@@ -12,7 +12,7 @@ from .common import UsageError, check_writable, write_json
 
 
 def cmd_bandwidth(args) -> int:
-    from .. import bandwidth
+    from ..course import bandwidth
 
     ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops is not None else list(bandwidth.OPS)
     bad = [o for o in ops if o not in bandwidth.OPS]
@@ -34,7 +34,7 @@ def cmd_bandwidth(args) -> int:
 
 
 def cmd_troubleshoot(args) -> int:
-    from .. import troubleshoot
+    from ..course import troubleshoot
 
     if args.list or not args.name:
         width = max(len(n) for n in troubleshoot.SCENARIOS)
@@ -50,7 +50,7 @@ def cmd_troubleshoot(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from .. import doctor
+    from ..course import doctor
 
     info = doctor.collect()
     print(json.dumps(info, indent=2) if args.json else doctor.format_text(info))
@@ -79,7 +79,7 @@ def cmd_tour(args) -> int:
     if args.out:
         check_writable(args.out, "--out")
     plan_device(args.device, 1)  # a bad --device is refused before anything runs
-    from .. import tour
+    from ..course import tour
 
     return tour.main(quick=args.quick, out=args.out, device=args.device, only=args.only)
 

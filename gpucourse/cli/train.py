@@ -8,8 +8,8 @@ import sys
 from ..config import TrainConfig, supported_table
 from ..readable import human_bytes
 from ..runtime.launcher import check_in_place_world, in_place, plan_device
-from ..gpus import GPU
-from ..stack_config import TOOLS as STACKS
+from ..modeled.gpus import GPU
+from ..interop.stack_config import TOOLS as STACKS
 from ..values import POSITIVE_NUMBER, Name
 from .common import SAVED_RUN, ProgressBar, UsageError, add_layout_args, check_writable, config_from
 
@@ -100,7 +100,7 @@ def cmd_train(args) -> int:
 
 def _print_stack_config(cfg: TrainConfig, tool: str, gpus_per_node: int | None = None) -> int:
     """Print ``cfg`` as ``tool``'s settings on stdout; what the tool cannot express, one note a line, on stderr."""
-    from .. import stack_config
+    from ..interop import stack_config
 
     if tool not in stack_config.TOOLS:
         raise UsageError(f"--print-config {tool!r} is not one of {', '.join(stack_config.TOOLS)}.")
@@ -135,7 +135,7 @@ def _profile_options(args, cfg: TrainConfig):
     if args.peak_tflops is not None:
         peak, name = args.peak_tflops * 1e12, "--peak-tflops"
     elif args.gpu:
-        from ..gpus import get_gpu
+        from ..modeled.gpus import get_gpu
 
         spec = get_gpu(args.gpu)
         peak, name = spec.peak_flops(cfg.precision), f"{spec.name} {'fp32' if cfg.precision == 'fp32' else 'bf16'} peak"

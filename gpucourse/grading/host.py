@@ -376,9 +376,9 @@ class Sandbox:
 # Never importable by learner code, whatever the exercise.
 HIDDEN_MODULES = ("solutions", "tests", "gpucourse.grading.checks", "gpucourse.grading.host",
                   "gpucourse.grading.runner", "gpucourse.grading.core", "gpucourse.grading.results",
-                  "gpucourse.grading.timing", "gpucourse.parallel", "gpucourse.train", "gpucourse.memory",
-                  "gpucourse.plan", "gpucourse.profiling", "gpucourse.measure", "gpucourse.comm",
-                  "gpucourse.troubleshoot", "gpucourse.bench", "gpucourse.tour", "gpucourse.serving")
+                  "gpucourse.grading.timing", "gpucourse.parallel", "gpucourse.train", "gpucourse.modeled.memory",
+                  "gpucourse.modeled.plan", "gpucourse.profiling", "gpucourse.measure", "gpucourse.comm",
+                  "gpucourse.course.troubleshoot", "gpucourse.bench", "gpucourse.course.tour", "gpucourse.serving")
 
 
 def _peer_pid(conn: socket.socket, said: int) -> int:

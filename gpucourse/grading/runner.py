@@ -242,7 +242,7 @@ def tries(result: dict) -> dict | None:
     """Which try at each exercise of ``result`` this grading is, from the learner's progress file before it is
     recorded (module -> 1 for the first): the hint ladder's rungs follow it (:data:`.report.LADDER`). None when
     the file cannot be read: every rung shows."""
-    from .. import progress
+    from ..course import progress
 
     try:
         done = progress.load().get("exercises", {})
@@ -257,12 +257,12 @@ def record_progress(result: dict) -> str:
     An untouched stub (every check "not written yet", as a notebook's Run All
     grades it) is not an attempt and is not recorded. Nor is an exercise the
     grader could not run (:func:`grader_failed`): that is recorded apart, as
-    the grader's failure (:func:`gpucourse.progress.record_grader_failure`), for
+    the grader's failure (:func:`gpucourse.course.progress.record_grader_failure`), for
     the workshop's dashboard to show, until a grading that runs clears it. A
     grade is never lost to the progress file: a file that cannot be written (or
     a broken one) is reported in one sentence and the grade stands.
     """
-    from .. import progress
+    from ..course import progress
 
     try:
         for e in result["exercises"]:

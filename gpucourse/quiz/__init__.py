@@ -15,7 +15,7 @@ From a terminal: ``gpucourse quiz [--topic T] [--count N] [--seed S]``,
 ``gpucourse quiz --exam``, ``gpucourse quiz --review`` (the questions you
 missed, spaced over sessions: :mod:`gpucourse.quiz.review`) and ``gpucourse
 quiz --export FILE``. Scores and each answer go to your progress file
-(:mod:`gpucourse.progress`).
+(:mod:`gpucourse.course.progress`).
 """
 
 from .bank import NOTEBOOKS, TOPICS, BankError, ask, export_bank, grade, load_bank, parse_response

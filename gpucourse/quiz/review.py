@@ -5,22 +5,22 @@ session n), and each question answered in it is filed in a Leitner box:
 
 - a question you miss goes to box 1 and comes back in the next session;
 - each right answer moves a missed question up one box, and boxes 1, 2, 3, 4, 5 wait 1, 2, 4, 8, 16 sessions
-  (:data:`gpucourse.progress.INTERVALS`) before it comes back;
+  (:data:`gpucourse.course.progress.INTERVALS`) before it comes back;
 - a question you have never missed is in no box: it is not reviewed.
 
 ``gpucourse quiz --review`` (or :func:`draw`) asks the questions that are due. *Mastery* of a topic is the share
 of the bank's questions in that topic whose last answer was right, so an unanswered question counts as not yet
 mastered.
 
-This module reads a progress record (:func:`gpucourse.progress.load`); the progress module stores it and files
-each answer into its box (:func:`gpucourse.progress.file_answers`).
+This module reads a progress record (:func:`gpucourse.course.progress.load`); the progress module stores it and files
+each answer into its box (:func:`gpucourse.course.progress.file_answers`).
 """
 
 from __future__ import annotations
 
 import random
 
-from .. import progress
+from ..course import progress
 from .bank import NOTEBOOKS, TOPICS, load_bank, shuffled
 from .exam import EXAM_WEIGHTS
 
@@ -129,7 +129,7 @@ def format_mastery(m: dict) -> list[str]:
 
 
 def summary(path=None) -> dict:
-    """:func:`gpucourse.progress.summary` of the progress file at ``path`` (default: yours) with ``"mastery"`` per
+    """:func:`gpucourse.course.progress.summary` of the progress file at ``path`` (default: yours) with ``"mastery"`` per
     exam topic, from the answers recorded per question (:func:`mastery`)."""
     return {**progress.summary(path), "mastery": mastery(progress.load(path))}
 

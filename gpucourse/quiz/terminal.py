@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import textwrap
 
-from .. import progress
+from ..course import progress
 from .bank import grade, letter, parse_response
 from .exam import Exam, format_report, score_exam
 

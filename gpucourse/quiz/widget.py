@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import html
 
-from .. import progress
+from ..course import progress
 from .bank import ask, grade, letter, parse_response
 from .exam import format_report, mock_exam
 

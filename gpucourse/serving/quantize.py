@@ -10,7 +10,7 @@ compute, which weight-only quantization leaves as it was: the weight is dequanti
 (or fp32 here) like before, plus the work of dequantizing.
 
 **The weight schemes** (weight-only: activations stay in full precision). A Linear's weight (out, in) is stored
-as small numbers and a *scale*; as in :mod:`gpucourse.tensor_cores`, the scale multiplies a weight into the
+as small numbers and a *scale*; as in :mod:`gpucourse.modeled.tensor_cores`, the scale multiplies a weight into the
 stored range and divides it back out: ŵ = stored / scale. Symmetric absmax: the largest magnitude (amax) of a
 row or a group lands on the largest stored value, so nothing saturates. Scales are fp32 here (GPTQ and AWQ
 checkpoints keep them in fp16: half their bytes).
@@ -84,7 +84,7 @@ def check_scheme(scheme: str, group: int = 32, fmt: str = "e4m3", layers=()) -> 
 
 def to_fp8(x: torch.Tensor, fmt: str, scale) -> torch.Tensor:
     """``x`` times ``scale``, saturated at the format's largest value and rounded to FP8 (to nearest, ties to even):
-    the stored half of :func:`gpucourse.tensor_cores.quantize`, whose other half is ``.float() / scale``."""
+    the stored half of :func:`gpucourse.modeled.tensor_cores.quantize`, whose other half is ``.float() / scale``."""
     top = torch.finfo(FP8_FORMATS[fmt]).max
     return (x.float() * scale).clamp(-top, top).to(FP8_FORMATS[fmt])
 

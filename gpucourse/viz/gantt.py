@@ -128,16 +128,16 @@ def timeline(result, steps=None, title: str | None = None, on: str | None = None
     including the part of a communication span in which the rank only waited
     for another rank.
 
-    ``on="h100"`` (any GPU of :mod:`gpucourse.gpus`) also replays the run on a
+    ``on="h100"`` (any GPU of :mod:`gpucourse.modeled.gpus`) also replays the run on a
     modeled cluster of those GPUs, ``gpus_per_node`` to a server
-    (:func:`gpucourse.replay.replay`), and draws that timeline under the measured
+    (:func:`gpucourse.modeled.replay.replay`), and draws that timeline under the measured
     one, labelled as modeled.
     """
     if on is None:
         return _timeline(result, steps, title)
     from plotly.subplots import make_subplots
 
-    from ..replay import replay
+    from ..modeled.replay import replay
 
     r = load_result(result)
     modeled = replay(r, on=on, gpus_per_node=gpus_per_node, nodes=nodes)

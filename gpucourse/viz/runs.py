@@ -163,7 +163,7 @@ def scaling(results, title: str | None = None, on: str | None = None, gpus_per_n
     layout kind and impl; the baseline starts every line.
 
     ``on="h100"``: a second row, the same runs replayed on a modeled cluster of
-    those GPUs (:func:`gpucourse.replay.replay`) — what the same work scales like
+    those GPUs (:func:`gpucourse.modeled.replay.replay`) — what the same work scales like
     where ranks do not share two cores.
     """
     from plotly.subplots import make_subplots
@@ -173,7 +173,7 @@ def scaling(results, title: str | None = None, on: str | None = None, gpus_per_n
         raise ValueError("give at least one run.")
     rows = [("this machine", runs)]
     if on is not None:
-        from ..replay import replay
+        from ..modeled.replay import replay
 
         modeled = [replay(r, on=on, gpus_per_node=gpus_per_node) for r in runs]
         rows.append((f"modeled {on.upper()}, {gpus_per_node} per server", modeled))

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from .. import kernel_sockets, lab
+from ..course import kernel_sockets, lab
 from . import accounts, processes, slurm_seats
 from .errors import WorkshopError
 from .folder import Workshop, copy_course, write_private
@@ -127,7 +127,7 @@ def config_values(ws: Workshop, settings: dict, *, port: int, public: bool, prox
         "Authenticator.allowed_users": set(settings["seats"]),
         "Authenticator.admin_users": {settings["admin"]},
         "Spawner.cmd": [python, "-m", "jupyterhub.singleuser"],
-        # Kernels over Unix sockets: seats' servers never race for the same TCP port (gpucourse.kernel_sockets).
+        # Kernels over Unix sockets: seats' servers never race for the same TCP port (gpucourse.course.kernel_sockets).
         "Spawner.args": (["--allow-root"] if as_root and not (system or seat_users) else [])
         + kernel_sockets.SERVER_ARGS,
         "Spawner.default_url": "/lab",

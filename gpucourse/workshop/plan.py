@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..kernel_sockets import private_folder, private_folder_path
+from ..course.kernel_sockets import private_folder, private_folder_path
 from .errors import WorkshopError
 
 INSTRUCTOR = "instructor"  # the hub's admin user when seats are generated
@@ -184,7 +184,7 @@ def kernel_folder(workshop_id: str, seat: str, system: bool = False, make: bool 
     """Where a seat's server keeps its kernels' connection files and sockets (its ``JUPYTER_RUNTIME_DIR``).
 
     Kernels talk to their server over Unix sockets, so that no two seats can
-    race for a TCP port (:mod:`gpucourse.kernel_sockets`); a socket's path must
+    race for a TCP port (:mod:`gpucourse.course.kernel_sockets`); a socket's path must
     be short, so the folder is under /tmp, private to the account the server
     runs as: with real accounts (``system``) the learner's own, and with a seat
     ``account`` the seat's, whose folder is its alone; else the hub's account,

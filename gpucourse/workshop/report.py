@@ -85,7 +85,7 @@ def seat_progress(progress_file: Path) -> dict:
     could not run when this seat last asked: the instructor's to see to, so
     such an exercise is not where the seat is stuck.
     """
-    from .. import progress
+    from ..course import progress
 
     try:
         s = progress.summary(progress_file)

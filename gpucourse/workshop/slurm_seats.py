@@ -9,7 +9,7 @@ must see at the same path (a shared file system), as they must see the course's 
 
 Each seat's job is named ``gpucourse-<workshop id>-<seat>``: that name is how the dashboard finds the seat's job in
 ``squeue`` (pending, running, on which node) and how ``stop`` makes sure that no job of the workshop is left.
-This module asks SLURM only through :mod:`gpucourse.slurm` and imports neither JupyterHub nor batchspawner, so the
+This module asks SLURM only through :mod:`gpucourse.course.slurm` and imports neither JupyterHub nor batchspawner, so the
 class report can use it anywhere.
 """
 
@@ -20,7 +20,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from .. import slurm
+from ..course import slurm
 from .errors import WorkshopError
 from .plan import Plan, make_plan
 from .processes import wait_until

@@ -1,7 +1,7 @@
-"""Checks of exercise 7: bytes of model state per rank, and the largest microbatch, against gpucourse.memory.
+"""Checks of exercise 7: bytes of model state per rank, and the largest microbatch, against gpucourse.modeled.memory.
 
-The learner's functions run in the sandbox, where gpucourse.memory cannot be imported (the host's
-HIDDEN_MODULES); the expected values are computed here, with gpucourse.memory and a real AdamW step.
+The learner's functions run in the sandbox, where gpucourse.modeled.memory cannot be imported (the host's
+HIDDEN_MODULES); the expected values are computed here, with gpucourse.modeled.memory and a real AdamW step.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from ...config import TrainConfig
 from ...measure import optimizer_state_bytes, tensor_bytes
-from ...memory import estimate, estimate_params, largest_microbatch, with_microbatch
+from ...modeled.memory import estimate, estimate_params, largest_microbatch, with_microbatch
 from ...model import MODELS, build_model
 from ...optim import MasterWeightsAdamW, make_optimizer
 from ..core import Exercise, Fail
@@ -263,11 +263,11 @@ def microbatch(ctx):
         for k in (0, 1, int(torch.randint(2, 200, (1,), generator=g))):
             for budget in (fixed + k * per, fixed + k * per + int(torch.randint(1, per, (1,), generator=g))):
                 want = largest_microbatch(cfg, budget)["microbatch"]
-                why = f"gpucourse.memory finds {want} for {cfg.model} {cfg.layout()}, zero {cfg.zero}"
+                why = f"gpucourse.modeled.memory finds {want} for {cfg.model} {cfg.layout()}, zero {cfg.zero}"
                 cases.append((budget, fixed, per, want, why))
         budget = 0.5 * 2**30
         want = largest_microbatch(cfg, budget)["microbatch"]
-        cases.append((budget, fixed, per, want, f"gpucourse.memory finds {want} in 0.5 GiB"))
+        cases.append((budget, fixed, per, want, f"gpucourse.modeled.memory finds {want} in 0.5 GiB"))
     for budget, fixed, per, want, why in cases:
         got = ctx.call("largest_microbatch", budget, fixed, per).value
         if isinstance(got, int) and not isinstance(got, bool) and got == want:

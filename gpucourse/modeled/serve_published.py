@@ -1,4 +1,4 @@
-"""Published serving measurements the serving model (:mod:`gpucourse.serve_plan`) is checked against.
+"""Published serving measurements the serving model (:mod:`gpucourse.modeled.serve_plan`) is checked against.
 
 Each :class:`ServeRun` is one number a source printed for Llama-class models — the model, GPUs, tensor-parallel
 degree, precision of the weights and of the KV cache, batch (or concurrency), prompt and output lengths — and what
@@ -56,8 +56,8 @@ class ServeRun:
     name: str
     source: str       # the citation: document, table, version
     url: str
-    gpu: str          # a name of gpucourse.gpus
-    shape: object     # a name of gpucourse.shapes.SHAPES, or a Shape
+    gpu: str          # a name of gpucourse.modeled.gpus
+    shape: object     # a name of gpucourse.modeled.shapes.SHAPES, or a Shape
     metric: str       # one of METRICS
     reported: float   # the figure the source prints, in METRICS' unit (seconds, not ms)
     batch: int        # sequences served together: the static batch, or the concurrency

@@ -3,7 +3,7 @@
 Profiling (MFU: model FLOP/s over the peak) and planning (does a layout fit,
 how long does its communication take) need the same few numbers per GPU::
 
-    from gpucourse.gpus import get_gpu
+    from gpucourse.modeled.gpus import get_gpu
     h100 = get_gpu("h100")
     h100.peak_flops("bf16")      # 9.89e14 FLOP/s, dense (no 2:4 sparsity)
     h100.memory_gb               # 80
@@ -34,8 +34,8 @@ import json
 import os
 from dataclasses import dataclass
 
-from .readable import ConfigError
-from .values import Name
+from ..readable import ConfigError
+from ..values import Name
 
 ENV_VAR = "GPUCOURSE_GPUS"
 
@@ -45,15 +45,15 @@ class GPUSpec:
     """One accelerator: peak compute (FLOP/s), memory (GB and GB/s) and links (GB/s one direction, latency µs).
 
     ``achievable`` is the share of the peak that a transformer's training step reaches on large
-    matrices (what :mod:`gpucourse.cluster` times a replayed span with); ``bus_efficiency`` the share of a
+    matrices (what :mod:`gpucourse.modeled.cluster` times a replayed span with); ``bus_efficiency`` the share of a
     link's bandwidth that NCCL's ring reaches (nccl-tests' bus bandwidth over the link's).
 
-    The planner times kernels by their shape (:meth:`gpucourse.cluster.Cluster.kernel_s`) with: ``sm_count``
+    The planner times kernels by their shape (:meth:`gpucourse.modeled.cluster.Cluster.kernel_s`) with: ``sm_count``
     (streaming multiprocessors), ``gemm_efficiency`` (the share of the peak the best large bf16 GEMM reaches),
     ``attention_efficiency`` and ``attention_bwd_efficiency`` (FlashAttention's forward and backward, long
     sequences), ``flash2_share`` (FlashAttention-2 against that kernel), ``hbm_efficiency`` (the share of the memory
     bandwidth a streaming kernel reaches) — measurements, cited in the table below — and two numbers fitted on the
-    fitting set of :mod:`gpucourse.published` and nothing else: ``sustained`` (the clock a GPU holds through a
+    fitting set of :mod:`gpucourse.modeled.published` and nothing else: ``sustained`` (the clock a GPU holds through a
     whole training step, against the benchmarks' short bursts) and ``gemm_overhead_k`` (a GEMM tile's fixed cost,
     as that much more of its K).
     """
@@ -134,12 +134,12 @@ RESERVED_BYTES = 2 * 2**30
 #   network/README.md, nccl-tests on 8 × H200, 16 GiB: NVLS 480 GB/s bus bandwidth, 274 GB/s algorithm bandwidth,
 #   0.61 of 450; on 8 × B200 838 GB/s, 479 of 900, 0.53). The H200's NVLink and NVSwitch are the H100's, so the
 #   H100 takes its figure; A100 has no NVLS (NCCL's nvlsEfficiency is 0 for Ampere).
-# Host links (CPU offload, gpucourse.offload): pcie_GBps, one direction of the datasheets' PCIe figure (H100, H200
+# Host links (CPU offload, gpucourse.modeled.offload): pcie_GBps, one direction of the datasheets' PCIe figure (H100, H200
 # and HGX B200 SXM "PCIe Gen5: 128 GB/s", A100 SXM "PCIe Gen4: 64 GB/s", L4 "PCIe Gen4 x16 64 GB/s"); host_GBps, the
 # DGX server's CPU memory bandwidth shared by its 8 GPUs: DGX A100, 2 × AMD EPYC 7742 with 8 channels of DDR4-3200
 # (2 × 204.8 GB/s); DGX H100 and H200, 2 × Xeon Platinum 8480C with 8 channels of DDR5-4800 (2 × 307.2 GB/s); DGX
 # B200, 2 × Xeon Platinum 8570 with 8 channels of DDR5-5600 (2 × 358.4 GB/s). The L4 keeps the defaults.
-# Fitted on the fitting set of gpucourse.published (published.fit, tests/test_published.py): sustained and
+# Fitted on the fitting set of gpucourse.modeled.published (published.fit, tests/test_published.py): sustained and
 # gemm_overhead_k, A100 0.80 and 128, H100 0.85 and 1024 (H200 and B200, with no fitting runs, take the H100's). The
 # H100's 1024 agrees with measured GEMM tables: a 2048³ GEMM at 0.82 of a 4096³ one (XLA's
 # default_matmul_perf_table for sm_90: 641 against 780 TFLOP/s), k/(k + 1024) giving 0.83.

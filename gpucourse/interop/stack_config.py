@@ -7,7 +7,7 @@ side by side with the config: the tool's name on the left of each line, gpucours
 right. What a tool cannot express comes back as a *note*, one sentence each, never a silent drop::
 
     from gpucourse.config import TrainConfig
-    from gpucourse.stack_config import translate
+    from gpucourse.interop.stack_config import translate
     out = translate(TrainConfig(dp=4, zero=3, precision="bf16"), "torchtitan")
     print(out.text)      # the TOML file
     print(out.notes)     # what torchtitan does differently, or cannot do
@@ -26,9 +26,9 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from .config import TrainConfig
-from .parallel.context_parallel import ATTENTIONS
-from .parallel.schedule_table import get as get_schedule
+from ..config import TrainConfig
+from ..parallel.context_parallel import ATTENTIONS
+from ..parallel.schedule_table import get as get_schedule
 
 TOOLS = ("megatron", "nemo", "deepspeed", "torchtitan", "accelerate")
 

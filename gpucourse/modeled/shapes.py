@@ -20,7 +20,7 @@ so :meth:`Shape.flops_per_token` counts T/2 keys with ``causal=True`` (what the 
 ``causal=False`` (PaLM's and Megatron-LM's MFU formulas count the whole square). Backward is twice the forward.
 
 :meth:`Shape.kernels` lists one block's matmuls for one rank of a layout — each as the (m, n, k) the GPU multiplies —
-with its attention and its memory-bound work, which :meth:`gpucourse.cluster.Cluster.kernel_s` times one by one.
+with its attention and its memory-bound work, which :meth:`gpucourse.modeled.cluster.Cluster.kernel_s` times one by one.
 
 ``SHAPES`` holds public shapes by name, each with its source; :func:`get_shape` takes a name, a dict of parts, or
 an existing Shape.
@@ -32,8 +32,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from .readable import ConfigError
-from .values import NON_NEGATIVE, POSITIVE, Name
+from ..readable import ConfigError
+from ..values import NON_NEGATIVE, POSITIVE, Name
 
 MLPS = ("gelu", "swiglu")
 
@@ -251,7 +251,7 @@ class Shape:
     @property
     def is_course_block(self) -> bool:
         """Whether this is the course's own block (multi-head attention, a 4×-wide GELU MLP): then the course's
-        memory model (:func:`gpucourse.memory.estimate`, checked against runs) sizes it exactly."""
+        memory model (:func:`gpucourse.modeled.memory.estimate`, checked against runs) sizes it exactly."""
         return self.kv == self.heads and self.mlp == "gelu" and self.width == 4 * self.hidden \
             and not self.shared_experts and not self.dense_layers and self.expert_width == self.width
 

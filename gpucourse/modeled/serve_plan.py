@@ -23,7 +23,7 @@ On several GPUs (``tp`` × ``pp`` per replica, ``gpus / (tp·pp)`` replicas):
 
 :func:`decode_step` and :func:`prefill` time one step of a layout; :func:`plan` sizes and ranks every layout by
 modeled tokens per second under a time-per-output-token target (``gpucourse plan --serve``). Every figure is
-modeled: the same GPU table and links as the training planner (``gpucourse/cluster.py``).
+modeled: the same GPU table and links as the training planner (``gpucourse/modeled/cluster.py``).
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from __future__ import annotations
 import textwrap
 
 from .cluster import Cluster
-from .config import ConfigError
+from ..config import ConfigError
 from .gpus import get_gpu
-from .serving.speculative import expected_tokens
-from .serving.split_kv import num_splits
+from ..serving.speculative import expected_tokens
+from ..serving.split_kv import num_splits
 from .shapes import ShapeError, get_shape
-from .values import GPUS_PER_NODE, POSITIVE, POSITIVE_NUMBER, RANKS, TOKENS, Name
+from ..values import GPUS_PER_NODE, POSITIVE, POSITIVE_NUMBER, RANKS, TOKENS, Name
 
 ELEM = {"fp32": 4, "bf16": 2, "fp8": 1}  # bytes a weight or a cached number is stored in
 FORMAT = Name(ELEM)  # a stored number's format: the weights' or the KV cache's
@@ -44,7 +44,7 @@ CONTEXT = 4096  # tokens a served sequence holds (prompt and answer) unless told
 ACTIVATIONS = "bf16"  # what flows between layers and ranks (all-reduces, pipeline sends), whatever the weights
 # What an engine spends on each iteration besides the kernels the model times: the host's scheduling, sampling and
 # bookkeeping, and the gaps between launches. One constant, fitted on the fitting rows of
-# gpucourse.serve_published (TensorRT-LLM's and NIM's published H100 runs): the value, on a grid of 0.1 ms, that
+# gpucourse.modeled.serve_published (TensorRT-LLM's and NIM's published H100 runs): the value, on a grid of 0.1 ms, that
 # makes the largest fitting error smallest; the held-out rows check it. Without it every latency-bound row came out
 # 16-33 % too fast (2-3 ms short a step).
 STEP_OVERHEAD_S = 1.4e-3
@@ -235,7 +235,7 @@ def memory(shape, context: int = CONTEXT, tp: int = 1, pp: int = 1, weights: str
 
 def format_memory(m: dict) -> str:
     """The lines ``gpucourse memory --serve`` prints."""
-    from .readable import human_bytes
+    from ..readable import human_bytes
 
     s = m["shape"]
     return "\n".join([
@@ -307,7 +307,7 @@ def plan(shape, gpus: int, gpu: str = "h100", context: int = CONTEXT, tpot_s: fl
 
 def format_plan(result: dict, top: int = 10) -> str:
     """The table ``gpucourse plan --serve`` prints."""
-    from .readable import human_bytes
+    from ..readable import human_bytes
 
     lines = [f"serving {result['shape']['name'] or 'the shape'} on {result['gpus']} × {result['gpu']}, "
              f"{result['context']} tokens a sequence, time per output token ≤ {result['tpot_s'] * 1e3:g} ms "

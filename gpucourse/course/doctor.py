@@ -31,8 +31,8 @@ from importlib import metadata
 import torch
 import torch.distributed as dist
 
-from . import platforms
-from .runtime import devices
+from .. import platforms
+from ..runtime import devices
 
 PACKAGES = ("jupyterlab", "ipywidgets", "plotly", "accelerate", "nbclient")
 ENV_VARS = (

@@ -1,8 +1,8 @@
 """Published runs the cost model is checked against: configurations from papers and official pages, and what
 they measured.
 
-Each :class:`Published` names its source, the layout (on paper: :func:`gpucourse.plan.step_time` times it
-with the same :class:`~gpucourse.cluster.Cluster` that replays recorded runs), the framework whose overlap it
+Each :class:`Published` names its source, the layout (on paper: :func:`gpucourse.modeled.plan.step_time` times it
+with the same :class:`~gpucourse.modeled.cluster.Cluster` that replays recorded runs), the framework whose overlap it
 ran with, the figure the source reports, how to turn the model's step time into that figure, and the set it
 belongs to. The table was split into a fitting and a held-out set before any constant was tuned: :func:`fit`
 tunes a GPU's fitted constants (:data:`FITTED`) on its fitting runs alone; :func:`compare` predicts every run,
@@ -20,7 +20,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from .cluster import Cluster
-from .config import TrainConfig
+from ..config import TrainConfig
 from .gpus import GPUSpec, get_gpu
 from .plan import RECOMPUTE_NOTE, step_time
 
@@ -38,8 +38,8 @@ class Published:
     gpus_per_node: int = 8
     metric: str = "tokens_per_gpu"   # how the step time becomes ``reported`` (see predict)
     collective: tuple = ()           # for a bus-bandwidth figure: (op, bytes, ranks)
-    shape: str = ""                  # the model's own shape (gpucourse.shapes.SHAPES); "": the layout's course GPT
-    framework: str = ""              # whose overlap of communication (gpucourse.plan.FRAMEWORKS); "": the default
+    shape: str = ""                  # the model's own shape (gpucourse.modeled.shapes.SHAPES); "": the layout's course GPT
+    framework: str = ""              # whose overlap of communication (gpucourse.modeled.plan.FRAMEWORKS); "": the default
     split: str = "heldout"           # "fit": constants may be tuned on it; "heldout": only ever checked
     choice: str = ""                 # where the source compared layouts: the one it chose, and against what
     chosen: tuple = ()               # that choice as (field, value) pairs a planned row must match (see agreement)
@@ -353,7 +353,7 @@ def predict(run: Published, gpu: GPUSpec | None = None) -> float:
 
 def memory(run: Published) -> dict:
     """What each GPU of ``run`` holds by the memory model, as the run's framework keeps it
-    (:func:`gpucourse.plan.memory_of`), beside what the card leaves a run (``usable``) and whether it fits."""
+    (:func:`gpucourse.modeled.plan.memory_of`), beside what the card leaves a run (``usable``) and whether it fits."""
     from .plan import DEFAULT_FRAMEWORK, memory_of
     from .shapes import get_shape
 

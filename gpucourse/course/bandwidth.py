@@ -33,9 +33,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from .comm import RING_FACTOR, all_gather_flat, reduce_scatter_flat
-from .readable import human_bytes
-from .runtime import current, launch
+from ..comm import RING_FACTOR, all_gather_flat, reduce_scatter_flat
+from ..readable import human_bytes
+from ..runtime import current, launch
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 KB, MB = 1 << 10, 1 << 20
@@ -184,7 +184,7 @@ def measure(world_size: int = 2, ops=OPS, sizes=None, *, quick: bool = False, de
     with ``quick``, which also warms up once and times about 0.05 s per point
     instead of 0.25 s.
     """
-    from .runtime.launcher import plan_device
+    from ..runtime.launcher import plan_device
 
     for op in ops:
         if op not in OPS:
@@ -205,7 +205,7 @@ def fit_alpha_beta(rows: list[dict], op: str, world_size: int) -> dict:
 
     A least-squares line through (bytes, time): its intercept is the latency of the ``steps`` the ring takes
     (2(n−1) for an all-reduce, n−1 for the others), its slope the bus bandwidth — the same two numbers
-    :class:`gpucourse.cluster.Cluster` holds for real GPUs, so the fit can be set beside a modeled NVLink or
+    :class:`gpucourse.modeled.cluster.Cluster` holds for real GPUs, so the fit can be set beside a modeled NVLink or
     InfiniBand. Returns ``{"alpha_s", "busbw_GBps", "steps"}``.
     """
     points = [(r["bytes"], r["time_s"]) for r in rows if r["op"] == op]

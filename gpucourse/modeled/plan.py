@@ -1,16 +1,16 @@
 """Plan a layout on paper: which dp × tp × pp × cp (× ep, ZeRO stage, schedule) fits, and how fast it would be.
 
-For a model's shape (:mod:`gpucourse.shapes`: a public one by name, one's own parts, or a plausible one for a
+For a model's shape (:mod:`gpucourse.modeled.shapes`: a public one by name, one's own parts, or a plausible one for a
 parameter count) on G GPUs of a stated kind, every layout with dp·cp·tp·pp = G (tp within one server and
 splitting the heads, pp no more than the blocks), every ZeRO stage the framework offers, 1F1B and interleaved
-1F1B, with and without activation checkpointing, is sized — by :func:`gpucourse.memory.estimate` (checked against
+1F1B, with and without activation checkpointing, is sized — by :func:`gpucourse.modeled.memory.estimate` (checked against
 real runs) for the course's own block, by :func:`activation_bytes` and the shape's own parameters for others —
 and timed by :func:`step_time`, the sum of these parts:
 
 - **compute**: one microbatch on the pipeline stage that sets the pace (the most blocks, the head on the last),
   kernel by kernel — each matmul of a block as its own (m, n, k) on a roofline with tile and wave quantization,
   attention as a fused kernel (or unfused, as Megatron-LM ran it in 2021), element-wise work by the bytes it
-  moves (:meth:`gpucourse.cluster.Cluster.kernel_s`); backward is each matmul's two gradients and attention's
+  moves (:meth:`gpucourse.modeled.cluster.Cluster.kernel_s`); backward is each matmul's two gradients and attention's
   backward; times the microbatches m;
 - **recompute**: with activation checkpointing, the blocks' forward once more;
 - **bubble**: the share of that compute the schedule leaves idle, as ``gpucourse schedule`` lays it out
@@ -32,8 +32,8 @@ Which communication hides behind compute is the **framework's** setting (:class:
 each named after what it copies): Megatron-LM 2021 all-reduced the gradients after the pipeline flush, Megatron-Core
 overlaps them with the last backward, FSDP prefetches its gathers, ``--tp-comm-overlap`` splits tensor-parallel
 collectives beside their matmuls, the cp ring sends beside attention. Only what is left over counts (``*_exposed_s``;
-``*_comm_s`` is the whole). Each transfer is timed by :class:`gpucourse.cluster.Cluster`'s α–β model over the links
-its group crosses — the same model that replays recorded runs (:mod:`gpucourse.replay`). ``gpucourse.published``
+``*_comm_s`` is the whole). Each transfer is timed by :class:`gpucourse.modeled.cluster.Cluster`'s α–β model over the links
+its group crosses — the same model that replays recorded runs (:mod:`gpucourse.modeled.replay`). ``gpucourse.modeled.published``
 holds the model against published runs; ``docs/modeled-timing.md`` prints the table. A layout that does not fit in
 the GPU's memory is never ranked as fitting.
 
@@ -50,19 +50,19 @@ import textwrap
 from dataclasses import dataclass
 
 from .cluster import Cluster
-from .config import ConfigError, TrainConfig
+from ..config import ConfigError, TrainConfig
 from .gpus import get_gpu
 from .memory import estimate, estimate_params
 from .offload import offload_memory, offload_time
-from .readable import human_bytes
+from ..readable import human_bytes
 from . import shapes
 from .shapes import Shape, ShapeError, for_params, get_shape
-from .values import GPUS_PER_NODE, RANKS, SEQUENCES, TOKENS, Name, number
+from ..values import GPUS_PER_NODE, RANKS, SEQUENCES, TOKENS, Name, number
 
 
 def shape_for_params(num_params: float) -> dict:
     """A plausible GPT shape (n_layer, n_embd, n_head, vocab_size) with about ``num_params`` parameters
-    (:func:`gpucourse.shapes.for_params`)."""
+    (:func:`gpucourse.modeled.shapes.for_params`)."""
     return for_params(num_params).overrides()
 
 
@@ -81,7 +81,7 @@ def candidates(shape: Shape, gpus: int, gpus_per_node: int, batch_size: int, seq
                sequence_parallel: bool = False, zero_stages=(0, 1, 2, 3), even_split: bool = False,
                attention: str = "flash", left_out: dict | None = None):
     """Every layout worth sizing, as TrainConfigs (not necessarily runnable in this build). ``shape``: anything
-    :func:`gpucourse.shapes.get_shape` takes. ``sequence_parallel``: with tensor parallelism, always (as
+    :func:`gpucourse.modeled.shapes.get_shape` takes. ``sequence_parallel``: with tensor parallelism, always (as
     Megatron-Core runs it); else only from ``LONG_SEQUENCE`` on. ``even_split``: only pipelines whose stages (and
     interleaved chunks) hold equal blocks, interleaving only past two stages (:attr:`Overlap.even_split`).
     ``attention``: the framework's kernel as the model's ``attention`` ("math": the scores kept, which selective
@@ -141,7 +141,7 @@ def activation_bytes(cfg: TrainConfig, shape: Shape, stage: int) -> float:
     (÷ tp under sequence parallelism), Q, K and V (K and V only kv_heads wide), attention's output, the MLP's
     hidden values (GELU: its input and output, 4·F bytes; SwiGLU: gate, up and their product, 6·F), all ÷ tp;
     with full recomputation only each layer's input, 2·C (÷ tp under sequence parallelism). Times the
-    microbatches the schedule keeps in flight on that stage (:func:`gpucourse.memory.in_flight`), plus the fp32
+    microbatches the schedule keeps in flight on that stage (:func:`gpucourse.modeled.memory.in_flight`), plus the fp32
     logits of the loss on the last stage."""
     return _activation_terms(cfg, shape, stage)["total"]
 
@@ -182,7 +182,7 @@ def _enough(cfg: TrainConfig) -> int:
 def memory_of(cfg: TrainConfig, shape: Shape, offload: bool = False, framework=None, fp8: bool = False) -> dict:
     """Memory per GPU of ``cfg`` training ``shape``, on the worst pipeline stage.
 
-    The course's own block with no ``framework`` named: :func:`gpucourse.memory.estimate` (``gpucourse memory``,
+    The course's own block with no ``framework`` named: :func:`gpucourse.modeled.memory.estimate` (``gpucourse memory``,
     what the course's runtime keeps, checked against its runs). Otherwise what ``framework`` (:data:`FRAMEWORKS`;
     None: ``DEFAULT_FRAMEWORK``) keeps, from the shape's own parameters (GQA, SwiGLU, its vocabulary, experts over
     ep) and Korthikanti et al.'s activations (:func:`activation_bytes`), term by term:
@@ -198,8 +198,8 @@ def memory_of(cfg: TrainConfig, shape: Shape, offload: bool = False, framework=N
       the schedule keeps in flight.
 
     Buffers and workspaces (NCCL's, cuBLAS's, the allocator's slack) are not counted here: they are the reserve
-    :meth:`gpucourse.gpus.GPUSpec.usable_bytes` keeps out of the card. ``offload``: the optimizer's state on the
-    host (:func:`gpucourse.offload.offload_memory`; ``host_bytes`` says how much). ``parts`` says what each term
+    :meth:`gpucourse.modeled.gpus.GPUSpec.usable_bytes` keeps out of the card. ``offload``: the optimizer's state on the
+    host (:func:`gpucourse.modeled.offload.offload_memory`; ``host_bytes`` says how much). ``parts`` says what each term
     is made of (:func:`memory_parts`)."""
     if offload:
         held = memory_of(cfg, shape, framework=framework, fp8=fp8)
@@ -254,7 +254,7 @@ def memory_parts(cfg: TrainConfig, shape: Shape, stage: int, framework=None, fp8
 
 
 def _stage_ids(shape: Shape, pp: int, stage: int) -> range:
-    from .parallel.pipeline import stage_blocks
+    from ..parallel.pipeline import stage_blocks
 
     return stage_blocks(shape.layers, pp, stage)
 
@@ -275,8 +275,8 @@ def lay_out_schedule(schedule: str, pp: int, m: int, v: int = 2, cost_f: float =
     are the op costs used: the zero-bubble schedules split a backward into B and W of ``cost_b / 2`` each, the
     others' B is the whole backward. What ``gpucourse schedule`` prints and the planner's bubble both come from here.
     """
-    from .parallel import schedules, schedules_virtual
-    from .parallel.schedule_table import get
+    from ..parallel import schedules, schedules_virtual
+    from ..parallel.schedule_table import get
 
     record = get(schedule)
     if not record.virtual:
@@ -301,7 +301,7 @@ def bubble_ratio(schedule: str, pp: int, m: int, v: int = 2) -> float:
     (p−1)/(v·m) (tests/test_schedules.py lays them out on many shapes), so those are used as they are: a
     planner sizes hundreds of layouts. The others are laid out on the clock, once per shape.
     """
-    from .parallel import schedules, schedules_virtual
+    from ..parallel import schedules, schedules_virtual
 
     if pp == 1:
         return 0.0
@@ -395,7 +395,7 @@ def _stage_compute(cfg: TrainConfig, shape: Shape, cluster: Cluster, m: int, ove
                    matmuls: str) -> dict:
     """One microbatch on the pipeline stage that sets the pace: forward, backward and recomputed forward seconds,
     and its attention's and matmuls' shares (what cp and tp communication may hide behind)."""
-    from .parallel.pipeline import stage_blocks
+    from ..parallel.pipeline import stage_blocks
 
     tokens = cfg.batch_size / (cfg.dp * m) * cfg.seq_len / cfg.cp  # one rank's tokens of one microbatch
     sp = cfg.sequence_parallel and cfg.tp > 1
@@ -439,14 +439,14 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
 
     Compute is timed kernel by kernel on the model's ``shape`` (default: the course GPT of ``cfg``'s sizes) on
     the pipeline stage that sets the pace; ``efficiency`` instead spreads the step's FLOPs evenly over the GPUs
-    at that share of the peak. Every transfer is timed by :class:`gpucourse.cluster.Cluster`'s α–β model over
-    the link its group crosses — the same model that replays a recorded run (:mod:`gpucourse.replay`). Ranks are
+    at that share of the peak. Every transfer is timed by :class:`gpucourse.modeled.cluster.Cluster`'s α–β model over
+    the link its group crosses — the same model that replays a recorded run (:mod:`gpucourse.modeled.replay`). Ranks are
     placed as the runtime places them (pp, dp, cp, tp, tensor-parallel ranks adjacent), ``gpus_per_node`` to a
     server. ``framework``: which communication overlaps compute (:data:`FRAMEWORKS`; default
     ``DEFAULT_FRAMEWORK``). ``matmuls``: the precision the matmuls run in, when not ``cfg.precision``:
     ``"fp8"`` times them at the GPU's fp8 peak (Transformer Engine's recipe: fp8 matmuls, bf16 attention and the
     rest, bf16 weights with fp32 master weights in memory). ``offload``: the optimizer steps on the CPU
-    (:mod:`gpucourse.offload`): its part is the step's wait for PCIe and the CPU instead of the GPU's Adam.
+    (:mod:`gpucourse.modeled.offload`): its part is the step's wait for PCIe and the CPU instead of the GPU's Adam.
     """
     mc = cfg.model_config()
     try:
@@ -571,10 +571,10 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
          shape: Shape | dict | str | None = None, framework: str | None = None, offload: bool = False) -> dict:
     """Size and time every layout; return them ranked (fitting ones first, fastest first).
 
-    ``shape``: a model's shape — a name from ``SHAPES``, a dict of parts (:func:`gpucourse.shapes.get_shape`) or
-    a :class:`~gpucourse.shapes.Shape` — instead of the one :func:`shape_for_params` picks for ``num_params``.
+    ``shape``: a model's shape — a name from ``SHAPES``, a dict of parts (:func:`gpucourse.modeled.shapes.get_shape`) or
+    a :class:`~gpucourse.modeled.shapes.Shape` — instead of the one :func:`shape_for_params` picks for ``num_params``.
     ``framework``: whose overlap of communication and compute to assume (:data:`FRAMEWORKS`).
-    ``offload``: also try each layout with its optimizer on the CPU (:mod:`gpucourse.offload`; rows say
+    ``offload``: also try each layout with its optimizer on the CPU (:mod:`gpucourse.modeled.offload`; rows say
     ``"offload": True``), as DeepSpeed's ``offload_optimizer`` or Megatron-Core's ``--optimizer-cpu-offload`` run it.
     """
     for name, value, kind in (("gpus", gpus, RANKS), ("gpus_per_node", gpus_per_node, GPUS_PER_NODE),

@@ -1,11 +1,11 @@
 """The modeled cluster's kernels against this machine's: each matmul of a model's block and its attention, timed here
-and by :meth:`gpucourse.cluster.Cluster.kernel_s`, side by side.
+and by :meth:`gpucourse.modeled.cluster.Cluster.kernel_s`, side by side.
 
 ``scripts/gpu-check`` runs it on a GPU box (gpt2-small's kernels on the GPU it finds, against that GPU's entry in
-:mod:`gpucourse.gpus`), and the ratios it prints go into ``docs/gpu-results.md``: the model's constants are public
+:mod:`gpucourse.modeled.gpus`), and the ratios it prints go into ``docs/gpu-results.md``: the model's constants are public
 measurements and a fit to published runs, and this is the check on the card at hand::
 
-    from gpucourse.calibrate import kernel_ratios, format_ratios
+    from gpucourse.modeled.calibrate import kernel_ratios, format_ratios
     print(format_ratios(kernel_ratios("cuda", "h200")))
 """
 
@@ -17,15 +17,15 @@ import time
 import torch
 
 from .cluster import Cluster
-from .model import MODELS
+from ..model import MODELS
 from .shapes import Shape
 
-# What torch.cuda.get_device_name() says, and the entry of gpucourse.gpus it is.
+# What torch.cuda.get_device_name() says, and the entry of gpucourse.modeled.gpus it is.
 NAMES = (("H200", "h200"), ("H100", "h100"), ("B200", "b200"), ("A100", "a100"), ("L4", "l4"))
 
 
 def gpu_entry(device_name: str) -> str | None:
-    """The :mod:`gpucourse.gpus` entry for a device name ("NVIDIA H100 80GB HBM3" → "h100"), or None."""
+    """The :mod:`gpucourse.modeled.gpus` entry for a device name ("NVIDIA H100 80GB HBM3" → "h100"), or None."""
     for token, entry in NAMES:
         if token in device_name:
             return entry
@@ -83,13 +83,13 @@ def kernel_ratios(device: str, gpu: str, model: str = "gpt2-small", tokens: int 
 
 def serving_ratios(device: str, gpu: str, model: str = "gpt2-small", prompt_len: int = 512, prompts: int = 8,
                    batches=(1, 16), new_tokens: int = 32, precision: str = "bf16", repeats: int = 3) -> list[dict]:
-    """``model`` serving on ``device`` beside :mod:`gpucourse.serve_plan`'s model of ``gpu``: a prefill of
+    """``model`` serving on ``device`` beside :mod:`gpucourse.modeled.serve_plan`'s model of ``gpu``: a prefill of
     ``prompts`` prompts of ``prompt_len`` tokens (tokens/s), and decode with the KV cache at each batch of
     ``batches`` (``new_tokens`` tokens after a prompt of ``prompt_len``: tokens/s). Rows as :func:`kernel_ratios`'
     (``ratio``: modeled over measured time)."""
-    from .model import build_model
+    from ..model import build_model
     from .serve_plan import decode_step, prefill
-    from .serving import KVCache
+    from ..serving import KVCache
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
     cfg = MODELS[model]

@@ -5,7 +5,7 @@ decode together, the chunked-prefill token budget, the number formats and the KV
 command or a TensorRT-LLM ``LLM(...)`` call a learner can paste, and says in one sentence each what the tool cannot
 express or does differently (a *note*), never dropping a setting silently::
 
-    from gpucourse.serve_config import render
+    from gpucourse.interop.serve_config import render
     text, notes = render("vllm", {"model": "meta-llama/Llama-3.1-70B-Instruct", "tp": 4, "replicas": 2,
                                   "context": 8192, "batch": 64, "token_budget": 2048, "kv": "fp8"})
 
@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import re
 
-from .readable import ConfigError
+from ..readable import ConfigError
 
 TOOLS = ("vllm", "trtllm")
 VLLM_RELEASE = "vLLM 0.33.0"
@@ -74,8 +74,8 @@ def render(tool: str, layout: dict) -> tuple[str, list[str]]:
     replica holds at once) are required; ``model`` (name or path), ``tp``, ``pp``, ``replicas``, ``token_budget``
     (tokens an iteration feeds: chunked prefill; None feeds whole prompts), ``weights`` and ``kv`` ("bf16" or
     "fp8"), ``block_size`` (tokens a KV block holds), ``gpu_memory_fraction`` (share of each GPU the server may
-    fill: weights, activations and cache) are optional; ``shape`` (a :mod:`gpucourse.shapes` name or dict) checks
-    tp and pp against the model, and with ``gpu`` (a :mod:`gpucourse.gpus` name) sizes TensorRT-LLM's cache
+    fill: weights, activations and cache) are optional; ``shape`` (a :mod:`gpucourse.modeled.shapes` name or dict) checks
+    tp and pp against the model, and with ``gpu`` (a :mod:`gpucourse.modeled.gpus` name) sizes TensorRT-LLM's cache
     fraction. A bad tool or layout raises :class:`~gpucourse.readable.ConfigError` (one sentence)."""
     if tool not in TOOLS:
         raise ConfigError(f"tool {tool!r} is not one of {', '.join(TOOLS)}.")
@@ -84,7 +84,7 @@ def render(tool: str, layout: dict) -> tuple[str, list[str]]:
 
 
 def layout_from_plan(result: dict, row: dict, model: str = DEFAULTS["model"]) -> dict:
-    """The layout of one row of :func:`gpucourse.serve_plan.plan`'s ``result["layouts"]``. The plan's batch is one
+    """The layout of one row of :func:`gpucourse.modeled.serve_plan.plan`'s ``result["layouts"]``. The plan's batch is one
     pipeline microbatch, and pp of them are in flight, so a replica holds pp × batch sequences."""
     return {"model": model, "tp": row["tp"], "pp": row["pp"], "replicas": row["replicas"],
             "context": result["context"], "batch": row["pp"] * row["batch"], "weights": result["weights"],
@@ -123,7 +123,7 @@ def _checked(layout: dict) -> dict:
 
 
 def _check_shape(lay: dict) -> None:
-    from .shapes import ShapeError, get_shape
+    from ..modeled.shapes import ShapeError, get_shape
 
     try:
         shape = get_shape(lay["shape"])
@@ -141,9 +141,9 @@ def _check_shape(lay: dict) -> None:
 
 def _memory(lay: dict) -> tuple[float, float, float]:
     """(a GPU's memory, the weights it holds, the bytes ``gpu_memory_fraction`` leaves for the cache)."""
-    from .gpus import get_gpu
-    from .serve_plan import weight_bytes
-    from .shapes import get_shape
+    from ..modeled.gpus import get_gpu
+    from ..modeled.serve_plan import weight_bytes
+    from ..modeled.shapes import get_shape
 
     total = get_gpu(lay["gpu"]).memory_gb * 2**30
     weights = weight_bytes(get_shape(lay["shape"]), lay["tp"], lay["pp"], lay["weights"])

@@ -10,7 +10,7 @@ keeps that *record* and throws away its *clock*:
 1. **Work.** Each forward, backward and optimizer span gets its FLOPs and bytes,
    counted from the model's shapes and the rank's place in the layout (its
    stage, its 1/tp of the weights, its tokens); each collective keeps its
-   payload and group. :class:`~gpucourse.cluster.Cluster` turns them into
+   payload and group. :class:`~gpucourse.modeled.cluster.Cluster` turns them into
    seconds on the chosen GPUs (a roofline for compute, α–β for collectives).
 2. **Order.** What each rank did, in the order it did it, with what it waited
    for: a collective needs the computation before it (its data) and holds up
@@ -27,7 +27,7 @@ The result is a :class:`~gpucourse.measure.RunResult` whose device says
 :func:`gpucourse.profiling.summarize` (shares, MFU, scaling efficiency) — reads
 the modeled one too::
 
-    from gpucourse.replay import replay
+    from gpucourse.modeled.replay import replay
     modeled = replay(result, on="h100", gpus_per_node=8)
     modeled.step_times_s, modeled.tokens_per_s
 
@@ -41,14 +41,14 @@ from __future__ import annotations
 
 import warnings
 
-from .clock import Task
-from .clock import run as run_clock
+from ..clock import Task
+from ..clock import run as run_clock
 from .cluster import Cluster
-from .config import ConfigError, TrainConfig
-from .measure import SPAN_KINDS, RunResult
+from ..config import ConfigError, TrainConfig
+from ..measure import SPAN_KINDS, RunResult
 from .memory import active_params, num_params, stage_params
-from .parallel.schedule_table import get as get_schedule
-from .values import NON_NEGATIVE, NON_NEGATIVE_NUMBER, RANKS, Name, number, whole
+from ..parallel.schedule_table import get as get_schedule
+from ..values import NON_NEGATIVE, NON_NEGATIVE_NUMBER, RANKS, Name, number, whole
 
 COMPUTE = ("forward", "backward", "optimizer")
 KERNELS_PER_BLOCK = 14        # one block's forward: 2 LayerNorms, 4 matmuls, attention's few, GELU, 2 adds

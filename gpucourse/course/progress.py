@@ -25,7 +25,7 @@ import os
 from datetime import datetime
 from pathlib import Path
 
-from .files import write_atomic
+from ..files import write_atomic
 
 ENV_VAR = "GPUCOURSE_PROGRESS"
 FORMAT = 1

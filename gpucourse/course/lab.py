@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 from . import kernel_sockets
-from .files import write_atomic
+from ..files import write_atomic
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
 
 # The server says where it listens in one log line; the token in it is masked.
@@ -83,7 +83,7 @@ def server_argv(root: str | os.PathLike = NOTEBOOKS, port: int = 8888, token: st
                 open_browser: bool | None = None) -> list[str]:
     """The command that serves ``root``: 127.0.0.1 only, a token always (made up by Jupyter unless given), and
     kernels reached over Unix sockets, which no other server on this machine can take (see
-    :mod:`gpucourse.kernel_sockets`)."""
+    :mod:`gpucourse.course.kernel_sockets`)."""
     argv = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={root}", "--ServerApp.ip=127.0.0.1",
             f"--ServerApp.port={port}", *kernel_sockets.SERVER_ARGS]
     if token is not None:

@@ -1,10 +1,10 @@
 """A modeled GPU cluster: how long a piece of work would take on real hardware.
 
-A :class:`Cluster` is a GPU kind from :mod:`gpucourse.gpus` (its peak FLOP/s, memory
+A :class:`Cluster` is a GPU kind from :mod:`gpucourse.modeled.gpus` (its peak FLOP/s, memory
 bandwidth, NVLink and network bandwidths and latencies), ``gpus_per_node`` GPUs in
 each server and ``nodes`` servers. Rank r sits on node ``r // gpus_per_node``: the
 layouts put tensor-parallel ranks next to each other, so tensor parallelism stays
-inside a server first, as :mod:`gpucourse.plan` assumes.
+inside a server first, as :mod:`gpucourse.modeled.plan` assumes.
 
 **Compute** of a recorded span (:meth:`Cluster.compute_s`, what a replay uses) is a roofline plus launches: the
 slower of ``flops ÷ (peak × achievable)`` and ``bytes ÷ memory bandwidth``, plus ``kernels × LAUNCH_S`` (a GPU
@@ -12,7 +12,7 @@ kernel costs a few microseconds however small it is: tiny models are launch-boun
 worse on GPUs than a big one).
 
 **Kernels by shape** (:meth:`Cluster.kernel_s`, what the planner uses, one kernel of
-:meth:`gpucourse.shapes.Shape.kernels` at a time):
+:meth:`gpucourse.modeled.shapes.Shape.kernels` at a time):
 
 - a **matmul** of m×k by k×n is cut into output tiles (256×128, 128×256, 128×128 or 64×128: the kernel takes
   whichever finishes first) that the GPU's ``sm_count`` SMs work through in *waves*: ⌈tiles ÷ SMs⌉ waves, each
@@ -28,8 +28,8 @@ worse on GPUs than a big one).
 - **element-wise** work (norms, activations, residual adds) moves its bytes at the memory bandwidth.
 
 ``gemm_efficiency``, ``attention_*`` and ``hbm_efficiency`` are public measurements (cited in
-:mod:`gpucourse.gpus`); ``sustained`` (the clock a GPU holds through a training step) and ``gemm_overhead_k`` are
-fitted on the fitting set of :mod:`gpucourse.published` only.
+:mod:`gpucourse.modeled.gpus`); ``sustained`` (the clock a GPU holds through a training step) and ``gemm_overhead_k`` are
+fitted on the fitting set of :mod:`gpucourse.modeled.published` only.
 
 **Collectives** follow the α–β model: each algorithm takes some steps of latency
 α and moves some bytes at bandwidth β, the *slowest link* the group crosses —
@@ -102,7 +102,7 @@ ALGORITHMS = ("ring", "tree", "nvls")
 SHARE = {"Simple": 1.0, "LL": LL_BANDWIDTH, "LL128": LL128_BANDWIDTH}
 # Kernels by shape (Cluster.gemm_s, attention_s): the output tiles a GEMM kernel may use (cuBLAS picks per shape;
 # NVIDIA's Matrix Multiplication Background guide: tile and wave quantization) and FlashAttention's block of
-# queries. What a tile's prologue and epilogue cost is the GPU's ``gemm_overhead_k`` (gpucourse.gpus).
+# queries. What a tile's prologue and epilogue cost is the GPU's ``gemm_overhead_k`` (gpucourse.modeled.gpus).
 TILES = ((256, 128), (128, 256), (128, 128), (64, 128))
 ATTENTION_BLOCK = 128
 RING_OPS = ("all_gather", "reduce_scatter", "all_to_all")  # n − 1 steps, (n−1)/n of the payload each rank
@@ -116,7 +116,7 @@ class Cluster:
 
     @classmethod
     def of(cls, gpu: str | GPUSpec, gpus_per_node: int = 8, nodes: int = 1) -> "Cluster":
-        """A cluster of ``gpu`` (a name from :mod:`gpucourse.gpus`, any case, or a GPUSpec)."""
+        """A cluster of ``gpu`` (a name from :mod:`gpucourse.modeled.gpus`, any case, or a GPUSpec)."""
         if gpus_per_node < 1 or nodes < 1:
             raise ValueError(f"a cluster needs at least one GPU per node and one node, not "
                              f"{gpus_per_node} per node on {nodes}.")
@@ -205,7 +205,7 @@ class Cluster:
         return math.ceil(blocks / g.sm_count) * per_block / (g.peak_bf16_flops * share * g.sustained / g.sm_count) + LAUNCH_S
 
     def kernel_s(self, kernel: dict, precision: str = "bf16", backward: bool = False, attention: str = "flash") -> float:
-        """Seconds of one kernel of :meth:`gpucourse.shapes.Shape.kernels` (its forward, or ``backward``: a
+        """Seconds of one kernel of :meth:`gpucourse.modeled.shapes.Shape.kernels` (its forward, or ``backward``: a
         matmul's input and weight gradients, attention's backward, element-wise work twice)."""
         kind = kernel["kind"]
         if kind == "gemm":

@@ -38,12 +38,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .config import TrainConfig
-from .readable import human_bytes
-from .runtime import LaunchTimeout, WorkerError, current, launch, report
-from .runtime.collective_status import diagnose_hang
-from .runtime.launcher import plan_device, visible_gpus
-from .train import NonFiniteLoss, check_finite  # noqa: F401 (the loop's own check; the scenarios use it too)
+from ..config import TrainConfig
+from ..readable import human_bytes
+from ..runtime import LaunchTimeout, WorkerError, current, launch, report
+from ..runtime.collective_status import diagnose_hang
+from ..runtime.launcher import plan_device, visible_gpus
+from ..train import NonFiniteLoss, check_finite  # noqa: F401 (the loop's own check; the scenarios use it too)
 
 WORLD = 2
 HANG_TIMEOUT_S = 6      # the desync scenario's launch timeout: short, so the hang is over quickly
@@ -101,11 +101,11 @@ def _plant(fault: str, step: int, rank: int, model: torch.nn.Module, local_batch
 
 def _trainer(cfg: TrainConfig, budget_bytes: int | None = None):
     """This rank's model and trainer for ``cfg``, as ``train`` builds them; and a batch function."""
-    from . import data
-    from .measure import Recorder
-    from .model import build_model
-    from .parallel import parallelize
-    from .train import build_mesh
+    from .. import data
+    from ..measure import Recorder
+    from ..model import build_model
+    from ..parallel import parallelize
+    from ..train import build_mesh
 
     ctx = current()
     if budget_bytes and ctx.device.type == "cuda":
@@ -441,7 +441,7 @@ def format_report(found: dict) -> str:
 
 def _overhead_rank(cfg_dict: dict, rounds: int, block: int) -> dict:
     """Step times of one training, switching tracking off and on every ``block`` steps."""
-    from .runtime import collective_status
+    from ..runtime import collective_status
 
     cfg = TrainConfig.from_dict(cfg_dict)
     _, trainer, batch = _trainer(cfg)
@@ -467,7 +467,7 @@ def _overhead_rank(cfg_dict: dict, rounds: int, block: int) -> dict:
 
 def _per_call_cost(calls: int = 20000) -> float:
     """Seconds the tracking adds to one collective call (a wrapped no-op against a bare one)."""
-    from .runtime import collective_status
+    from ..runtime import collective_status
 
     def bare(*args, **kwargs):
         return None

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ConfigError, TrainConfig, supported
-from .files import write_atomic
-from .runtime import LaunchError, LaunchTimeout, WorkerError, plan_device, visible_gpus
-from .runtime.launcher import preimport
+from ..config import ConfigError, TrainConfig, supported
+from ..files import write_atomic
+from ..runtime import LaunchError, LaunchTimeout, WorkerError, plan_device, visible_gpus
+from ..runtime.launcher import preimport
 
 TOLERANCE = 1e-5                        # relative, per step, fp32
 QUICK = dict(steps=3, seq_len=32)       # the tiny model's global batch of 8 sequences stays
@@ -79,7 +79,7 @@ def _check(row: TourRow) -> bool:
 
 
 def _train(row: TourRow, baseline, timeout: float) -> None:
-    from .train import run
+    from ..train import run
 
     start = time.perf_counter()
     try:
@@ -109,7 +109,7 @@ TABLE_HEADER = ["layout", "impl", "world size", "final loss", "max difference", 
 
 def table_rows(rows: list[TourRow]) -> list[list[str]]:
     """The tour's table, one list of cells per layout that ran or failed."""
-    from .viz.style import human_bytes, layout_label
+    from ..viz.style import human_bytes, layout_label
 
     out = []
     for row in rows:
@@ -187,10 +187,10 @@ def _pick(rows: list[TourRow], *tests):
 
 def figures(rows: list[TourRow], bandwidth_rows) -> list[tuple[str, str, str, object]]:
     """The report's figures as ``(id, heading, note, figure)``: the runs' first, then the simulations."""
-    from . import viz
-    from .model import build_model
-    from .parallel.zero import memory_formula
-    from .viz.style import run_label
+    from .. import viz
+    from ..model import build_model
+    from ..parallel.zero import memory_formula
+    from ..viz.style import run_label
 
     out = []
     done = [r for r in rows if r.result is not None]
@@ -233,7 +233,7 @@ def figures(rows: list[TourRow], bandwidth_rows) -> list[tuple[str, str, str, ob
 
 def report_html(rows: list[TourRow], bandwidth_rows, quick: bool, seconds: float) -> str:
     """The whole report as one self-contained HTML page."""
-    from .viz.report import html_report, table_html
+    from ..viz.report import html_report, table_html
 
     ran = [r for r in rows if r.result is not None]
     bad = [r for r in rows if r.status in ("DIFFERS", "failed")]

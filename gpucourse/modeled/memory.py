@@ -41,11 +41,11 @@ import functools
 import math
 from dataclasses import dataclass
 
-from .config import TrainConfig, allowed
-from .model import GPTConfig
-from .parallel.pipeline import stage_blocks
-from .readable import human_bytes
-from .values import NON_NEGATIVE_NUMBER
+from ..config import TrainConfig, allowed
+from ..model import GPTConfig
+from ..parallel.pipeline import stage_blocks
+from ..readable import human_bytes
+from ..values import NON_NEGATIVE_NUMBER
 
 CATEGORIES = ("weights", "gradients", "optimizer", "activations")
 
@@ -258,14 +258,14 @@ def _context_attention_bytes(cfg: TrainConfig, b: int, t: int, width: float) -> 
     algorithm's record says (:data:`gpucourse.parallel.context_parallel.ATTENTIONS`)."""
     if cfg.cp == 1:
         return 0
-    from .parallel.context_parallel import ATTENTIONS
+    from ..parallel.context_parallel import ATTENTIONS
 
     return ATTENTIONS[cfg.cp_algo].kept(b, t, t * cfg.cp, width)
 
 
 def _loss_stage(cfg: TrainConfig) -> int:
     """The pipeline rank that holds the final norm and the head: the last, or on the V placement the first."""
-    from .parallel.schedule_table import get
+    from ..parallel.schedule_table import get
 
     return 0 if get(cfg.schedule).placement == "v" else cfg.pp - 1
 
@@ -273,7 +273,7 @@ def _loss_stage(cfg: TrainConfig) -> int:
 @functools.lru_cache(maxsize=256)
 def _virtual(schedule: str, pp: int, m: int, v: int):
     """A multi-chunk schedule's (ops, layout), built once per shape (read, never changed, by this module)."""
-    from .parallel import schedules_virtual
+    from ..parallel import schedules_virtual
 
     return schedules_virtual.build(schedule, pp, m, v)
 
@@ -300,8 +300,8 @@ def _in_flight(schedule: str, pp: int, m: int, virtual_stages: int = 2, shares=N
     """
     if pp == 1:
         return [1]
-    from .parallel import schedules_virtual
-    from .parallel.schedule_table import get
+    from ..parallel import schedules_virtual
+    from ..parallel.schedule_table import get
 
     record = get(schedule)
     if record.in_flight is not None:  # a one-chunk schedule's closed form
@@ -315,7 +315,7 @@ def _in_flight(schedule: str, pp: int, m: int, virtual_stages: int = 2, shares=N
 def _weighted_peaks(ops, shares) -> list[float]:
     """Per rank, the most of its activations held at once: +share at a chunk's forward, −share where that
     microbatch's chunk is done with them (its W where the backward is split, else its B)."""
-    from .parallel.schedules import B, F, W
+    from ..parallel.schedules import B, F, W
 
     peaks = []
     for rank, row in enumerate(ops):
@@ -340,7 +340,7 @@ def estimate(cfg: TrainConfig, every_rank: bool = True) -> dict:
     """
     cfg.validate(runnable=False)
     mc = cfg.model_config()
-    from .parallel import schedules_virtual
+    from ..parallel import schedules_virtual
 
     shares = None
     if cfg.pp > 1 and cfg.schedule in schedules_virtual.SCHEDULES:  # chunks of unequal weight: count each its own
@@ -415,7 +415,7 @@ def _gathered_bytes(cfg: TrainConfig, units: dict) -> int:
     """From-scratch ZeRO-3's most weights whole at once: the root unit and the largest block, each padded."""
     if not (cfg.zero == 3 and cfg.impl == "scratch"):
         return 0
-    from .parallel.zero3 import memory_formula
+    from ..parallel.zero3 import memory_formula
     value_bytes = 2 if cfg.precision != "fp32" and cfg.master_weights else 4
     return memory_formula(units, cfg.dp * cfg.cp, value_bytes)["gathered"]
 

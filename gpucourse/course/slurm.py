@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported only where a run is described: a workshop's hub asks SLURM without it
-    from .config import TrainConfig
+    from ..config import TrainConfig
 
 QUERY_S = 30      # how long one of SLURM's commands may take to answer
 POLL_S = 0.5      # how often a waiting `gpucourse submit --wait` asks for the job's state
@@ -106,7 +106,7 @@ def parse_time(text: str) -> int | None:
 
 def time_needed_s(cfg: TrainConfig, gpus_per_node: int) -> float:
     """How long ``cfg`` needs by :data:`TIME_RULE`: generous, so a time limit below it is too short."""
-    from .memory import active_params
+    from ..modeled.memory import active_params
 
     flops = 6 * active_params(cfg.model_config()) * cfg.batch_size * cfg.seq_len  # forward and backward, per step
     rate = cfg.world_size * (GPU_FLOPS if gpus_per_node else CPU_FLOPS)
@@ -449,7 +449,7 @@ def _cause(job_id: str, info: dict[str, str], log: str) -> str:
 def diagnosis(job_id: str, info: dict[str, str], log: str, flags: list[str]) -> str:
     """Why the job ended without completing, and what to do, in one sentence (``log``: its output; ``flags``: its
     ``gpucourse train`` flags, whose ``--save`` says where its checkpoints are)."""
-    from .checkpoint import complete_checkpoints
+    from ..checkpoint import complete_checkpoints
 
     sentence = f"job {job_id} {_cause(job_id, info, log)}"
     save = next((flags[i + 1] for i, f in enumerate(flags[:-1]) if f == "--save"), None)
