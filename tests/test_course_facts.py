@@ -476,6 +476,20 @@ def test_what_to_predict_a_collective_from():
     assert RING_FACTOR["broadcast"](4) == 1 and RING_FACTOR["reduce_scatter"](4) == RING_FACTOR["all_gather"](4) == 3 / 4
 
 
+def test_a_broadcast_chains_last_rank_sends_nothing():
+    """01's table: a broadcast's ranks each send S down the chain but the last, which only receives; the counter
+    still counts S on every rank, nccl-tests' bus-bandwidth factor."""
+    from gpucourse.viz.collectives import simulate_collective
+
+    for n in (2, 4, 8):
+        sim = simulate_collective("broadcast", n)
+        chunks = [sum(src == r for step in sim.transfers for src, *_ in step) for r in range(n)]
+        assert chunks == [n] * (n - 1) + [0]  # n chunks of S/n: S, and nothing from the last rank
+    text = prose("01_collectives")
+    assert "| S (the chain's last rank: 0) |" in text and "but the last, which only receives" in text
+    assert RING_FACTOR["broadcast"](4) == 1 and "`gpucourse.comm` counts S on every rank" in text
+
+
 def test_what_to_predict_data_parallel_traffic_and_model_states_from():
     from gpucourse.model import GPT
 

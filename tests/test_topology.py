@@ -68,7 +68,8 @@ def test_ring_tree_and_nvls_all_reduce_as_notebook_01_tables_them():
     # one over NVLink at a quarter of the bandwidth, LL128 about half at 0.92.
     protocols = [one.choice("all_reduce", size, range(8), algo="ring")[2] for size in sizes]
     assert protocols == ["LL", "LL", "LL128", "Simple", "Simple"]
-    assert round(1 / LL_LATENCY["NVLink"]) == 7 and LL_BANDWIDTH == 1 / 4
+    assert LL_LATENCY["NVLink"] == 0.47 / 3.4 and round(1 / LL_LATENCY["NVLink"]) == 7 and round(3.4 / 0.6) == 6
+    assert LL_BANDWIDTH == 1 / 4 and round(120 / 128, 2) == 0.94
     assert round(LL128_LATENCY["NVLink"], 1) == 0.6 and LL128_BANDWIDTH == 0.92 == TREE_BANDWIDTH
     # NVLS: 1.3× the ring at 1 GB; its fixed 25 µs loses to the ring's LL at 64 KB; none across servers.
     ring_1g = one.collective_s("all_reduce", 1024 * MB, range(8), algo="ring")[0]
@@ -84,10 +85,12 @@ def test_ring_tree_and_nvls_all_reduce_as_notebook_01_tables_them():
     text = " ".join(" ".join("".join(c["source"]) for c in json.loads(NOTEBOOK_01.read_text())["cells"]
                              if c["cell_type"] == "markdown").split())
     for said in ("the same 14 latency steps as the ring", "2 S of bytes against the ring's 1.75 S",
-                 "Small messages run LL, whose steps cost about a seventh of Simple's over NVLink at a quarter of "
-                 "the bandwidth (NCCL's own tuning model gave a ring's LL a quarter up to NCCL 2.20, and half from "
-                 "2.21, as above; this model keeps the quarter); 16 MB runs LL128 (about half Simple's latency at "
-                 "0.92 of its bandwidth); from 256 MB on, Simple", "about half the bandwidth), **LL128**",
+                 "each 8-byte store is 4 bytes of data and a 4-byte flag, so it carries half the link's bandwidth at "
+                 "most (NCCL's own tuning model gave a ring's LL a quarter up to NCCL 2.20, and half from 2.21; this "
+                 "model keeps the quarter), and in return an LL step costs about a seventh of a Simple one over NVLink "
+                 "(NCCL's table up to 2.17: 0.47 against 3.4 µs; from 2.18, 0.6: a sixth). 16 MB runs LL128 (120 of "
+                 "each 128 bytes are data: about half Simple's latency at 0.92 of its bandwidth, NCCL's figure); from "
+                 "256 MB on, Simple", "about half the bandwidth), **LL128**",
                  "from 1 MB on NVLS wins", "1.3× faster than the ring at 1 GB",
                  "a fixed 25 µs that loses to the ring's LL at 64 KB", "only the 30 that cross",
                  "the tree takes 22 (7 NVLink hops and 4 network hops, up and down)", "6× at 64 KB",

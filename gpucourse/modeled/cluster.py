@@ -82,8 +82,8 @@ ADAM_BYTES_PER_PARAM = 28     # read weight, gradient and two moments (fp32), wr
 # NCCL's protocols, as its tuning model prices them (NVIDIA/nccl, src/graph/tuning.cc: hwLat and the bandwidth
 # refinements). Simple moves data at the link's whole bandwidth and pays the link's latency at every step. LL
 # ("low latency") sends a flag with every 8 bytes, so the receiver needs no separate signal: a step costs a fraction
-# of Simple's latency (the ring's table: 0.47 against 3.4 µs over NVLink, 1.0 against 5.7 over PCIe, 2.7 against 9.6
-# over the network) at a quarter of the bandwidth: tuning.cc's factor for a ring all-reduce's LL up to NCCL 2.20.
+# of Simple's latency (the ring's table up to NCCL 2.17: 0.47 against 3.4 µs over NVLink, 1.0 against 5.7 over PCIe,
+# 2.7 against 9.6 over the network; 2.18 made them 0.6 of 3.4 and 2.7 of 14) at a quarter of the bandwidth: tuning.cc's factor for a ring all-reduce's LL up to NCCL 2.20.
 # From 2.21 NCCL gives it half (busBw × 0.5); the model keeps the quarter, which its figures were made with.
 PROTOCOLS = ("Simple", "LL", "LL128")
 LL_LATENCY = {"NVLink": 0.47 / 3.4, "PCIe": 1.0 / 5.7, "network": 2.7 / 9.6}
