@@ -953,3 +953,22 @@ def test_what_notebook_07_says_the_loss_scaler_did_at_the_fp16_spike():
                  "the next loss falls most of the way back towards fp32's",
                  "doubling needs 200 good steps in a row"):
         assert said in text, said
+
+
+# --- the notebook sweep (issue 54): statements a reader checked against the cells and the sources ---------------
+
+def test_notebook_02_counts_buckets_in_mib_as_ddp_does():
+    """DDP's ``bucket_cap_mb`` is MiB (its docstring), 25 of them by default, with a first bucket of 1 MiB; the
+    course's ``bucket_mb`` is MiB too (``assign_buckets`` gets bucket_mb × 2²⁰ bytes)."""
+    import inspect
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    doc = " ".join(inspect.getdoc(DistributedDataParallel).split())
+    assert "bucket size in MebiBytes (MiB). If ``None``, a default size of 25 MiB" in doc
+    assert dist._DEFAULT_FIRST_BUCKET_BYTES == 2**20
+    text = prose("02_data_parallelism")
+    assert "buckets of at most `bucket_mb` MiB" in text and "megabytes" not in text
+    assert "25 MiB by default, `bucket_cap_mb`, in MiB as here; the first bucket is 1 MiB" in text
+    assert "int(cfg.bucket_mb * 2**20)" in markdown("02_data_parallelism", "code")
