@@ -27,8 +27,10 @@ wastes is the empty end of its last block.
     ``v_cache`` (num_blocks, heads, block_size, head_dim): the pool. ``tables``: B lists of block ids;
     ``lengths``: B ints, the tokens each sequence holds (its newest included). Return (B, heads, head_dim):
     for each sequence, softmax(q · kᵀ / sqrt(head_dim)) · v over its first ``lengths[b]`` tokens, read through its
-    table — the slots after them in its last block hold nothing of it. The contract every caller relies on:
-    leave every input as it was, return q's dtype, and accept caches with any strides (a view of a larger pool).
+    table — the slots after them in its last block hold nothing of it, and a table may hold more blocks than its
+    tokens need (a server grows it ahead). The caches may be in another dtype than q. The contract every caller
+    relies on: leave every input as it was (the tables and lengths too), return q's dtype, and accept caches with
+    any strides (a view of a larger pool).
 """
 
 

@@ -2,7 +2,8 @@
 
 A check says what a function must compute. Its contract says what every caller takes for granted on top:
 
-- **inputs unchanged**: the tensors it was given come back bit for bit (after a forward and after a backward);
+- **inputs unchanged**: the tensors it was given come back bit for bit (after a forward and after a backward), and
+  the lists and numbers it was given (a block table, expert counts) as they were, of the same types;
 - **keeps the dtype**: what it returns has its inputs' dtype (bf16 in, bf16 out; float64 in, float64 out);
 - **any strides**: an input the caller may pass as a view (a transposed q, a slice) works like a contiguous one;
 - **a new tensor**: what it returns is a tensor of its own, not the caller's tensor nor a view of it.
@@ -83,7 +84,8 @@ def _same(a, b) -> bool:
         return isinstance(a, (tuple, list)) and len(a) == len(b) and all(map(_same, a, b))
     if isinstance(b, dict):
         return isinstance(a, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in b)
-    return True  # not a tensor: no promise about it
+    # Plain data (a block table, a count): the same value of the same type, so that tensor(4) is not 4.
+    return type(a) is type(b) and (a == b or (a != a and b != b))
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -106,6 +108,16 @@ def describe_case(contract: Contract, args: tuple, world_size: int) -> str:
             + (f", {', '.join(tensors)}" if tensors else ""))
 
 
+def _plain_words(value) -> str:
+    """A list or number the caller passed, as it came back: its repr, tensors in it named as such."""
+    if torch.is_tensor(value):
+        return f"tensor({value.tolist()})" if value.numel() <= 8 else f"a tensor of shape {_shape(value)}"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(map(_plain_words, value))
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    return repr(value)
+
+
 def _tensors(value) -> list:
     if torch.is_tensor(value):
         return [value]
@@ -125,9 +137,10 @@ def hold(contract: Contract, sent_per_rank: list, outcomes: list, when: str = ""
         case = describe_case(contract, tuple(sent), n)
         for name in contract.unchanged:
             i = contract.args.index(name)
-            if i < len(sent) and _tensors(sent[i]) and i < len(o.args) and not _same(o.args[i], sent[i]):
+            if i < len(sent) and i < len(o.args) and not _same(o.args[i], sent[i]):
+                seen = "" if _tensors(sent[i]) else f": {sent[i]!r} became {_plain_words(o.args[i])}"
                 raise Fail(f"contract '{UNCHANGED}': rank {o.rank}'s {contract.function} changed its input {name}"
-                           f"{when} ({case})")
+                           f"{when}{seen} ({case})")
         if contract.fresh and o.aliases is not None:
             name = contract.args[o.aliases] if o.aliases < len(contract.args) else f"argument {o.aliases}"
             raise Fail(f"contract '{NEW_TENSOR}': rank {o.rank}'s {contract.function} returned a tensor that shares "
