@@ -161,12 +161,18 @@ WRONG_ANSWERS = {
                                              "training with overflows follows torch.amp.GradScaler",
                                              "small fp16 gradients survive with scaling", EX08_CONTRACT],
                                             "multiplied by the scale"),
-    "ex08_loss_scaler/misses_nan": (["scale multiplies the loss, unscale_ divides in place"], "NaN"),
+    "ex08_loss_scaler/misses_nan": (["scale multiplies the loss, unscale_ divides in place",
+                                     "training with overflows follows torch.amp.GradScaler"], "NaN"),
     "ex08_loss_scaler/steps_on_overflow": (["a skipped step changes no weight and no optimizer state",
                                             "training with overflows follows torch.amp.GradScaler",
                                             "ranks agree on skipping a step (2 ranks)",
                                             "collectives use the group passed in (3 ranks)"], "the optimizer stepped"),
-    "ex08_loss_scaler/no_reset_on_overflow": (["an overflow backs off and restarts the count"], "after the overflow"),
+    "ex08_loss_scaler/no_reset_on_overflow": (["an overflow backs off and restarts the count",
+                                               "training with overflows follows torch.amp.GradScaler"],
+                                              "after the overflow"),
+    # Inputs the cases never took before they were drawn (gpucourse.grading.generated): several parameter groups.
+    "ex08_loss_scaler/first_group_only": (["training with overflows follows torch.amp.GradScaler"],
+                                          "2 parameter groups"),
     "ex08_loss_scaler/no_allreduce": (["ranks agree on skipping a step (2 ranks)",
                                        "collectives use the group passed in (3 ranks)"], "stepped anyway"),
     "ex08_loss_scaler/step_drops_group": (["collectives use the group passed in (3 ranks)"], "on the default group"),
@@ -272,6 +278,12 @@ WRONG_ANSWERS = {
     "ex14_paged_attention/block_ids_as_order": ([EX14_SCATTERED, EX14_EDGES], "elements differ"),
     "ex14_paged_attention/query_scaled_in_place": ([EX14_CONTRACT], "contract 'inputs unchanged'"),
     "ex14_paged_attention/float32_output": ([EX14_CONTRACT], "contract 'keeps the dtype'"),
+    # Inputs the cases never took before they were drawn (gpucourse.grading.generated): tables longer than their
+    # sequences need. Contracts on some arguments only: the tables passed, a result's type.
+    "ex14_paged_attention/tail_of_last_block": ([EX14_SCATTERED, EX14_CONTRACT], "the smallest case found"),
+    "ex14_paged_attention/tables_as_tensors": ([EX14_CONTRACT], "changed its input tables"),
+    "ex14_paged_attention/slot_as_tensor": (["slot_of finds a token's block and offset"],
+                                            "a 0-d tensor, where an int is specified"),
     # Inputs the cases never took before they were drawn (gpucourse.grading.generated): tables longer than their
     # sequences need. Contracts on some arguments only: the tables passed, a result's type.
     "ex14_paged_attention/tail_of_last_block": ([EX14_SCATTERED, EX14_CONTRACT], "the smallest case found"),

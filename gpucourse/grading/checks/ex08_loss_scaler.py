@@ -15,8 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...parallel.precision import DynamicLossScaler
-from .. import contracts
+from .. import contracts, generated
 from ..core import Exercise, Fail, describe_mismatch
+from ..generated import DTYPES, Int, Many, One, Shape, Space
 from ..probes.ex08_loss_scaler import model_with
 
 EXERCISE = Exercise("ex08_loss_scaler", "Dynamic loss scaler", "notebooks/07_memory_batch.ipynb",
@@ -123,6 +124,51 @@ def unscale(ctx):
     for (call, _), f in zip(cases, found if isinstance(found, list) else []):
         if not _found(f, call):
             raise Fail(f"{call} returned False: the overflow went unnoticed")
+    generated.for_all(ctx, UNSCALE_CASES, lambda case: _unscales(ctx, case), count=8, describe=_unscale_case)
+
+
+# unscale_ of a list of gradients drawn over dtypes and shapes (0-d, one element, empty ones, an empty list), with
+# zeros, and an inf or a NaN in one of them or none.
+UNSCALE_CASES = Space(shapes=Many(Shape(), 0, 4), dtypes=Many(One(DTYPES), 4, 4), bad=One(("none", "inf", "nan")),
+                      where=Int(0, 3), zeros=One((False, True)), scale=One((S, 2.0**16, 1.0)))
+
+
+def _unscale_grads(case: dict) -> list:
+    grads = [generated.tensor(case, shape, dtype, i, scale=100.0)
+             for i, (shape, dtype) in enumerate(zip(case["shapes"], case["dtypes"]))]
+    if case["zeros"] and grads:
+        grads[-1].zero_()
+    full = [t for t in grads if t.numel()]
+    if case["bad"] != "none" and full:
+        t = full[case["where"] % len(full)]
+        t.reshape(-1)[case["seed"] % t.numel()] = math.inf if case["bad"] == "inf" else math.nan
+    return grads
+
+
+def _unscale_case(case: dict) -> str:
+    grads = _unscale_grads(case)
+    listed = ", ".join(f"{generated.shape_words(tuple(t.shape))} {generated.name(t.dtype)}" for t in grads)
+    bad = "" if case["bad"] == "none" or not any(t.numel() for t in grads) else f" with a {case['bad']} in one"
+    return f"unscale_ with a scale of {case['scale']:g} of [{listed}]{bad}" + (" (the last all zeros)" * case["zeros"])
+
+
+def _unscales(ctx, case: dict) -> str | None:
+    grads = _unscale_grads(case)
+    out = ctx.probe("unscale_grads", [t.clone() for t in grads], case["scale"]).value
+    problem = generated.exactly("what unscale_ returned", out["found"], bool)
+    if problem:
+        return problem
+    bad = case["bad"] != "none" and any(t.numel() for t in grads)
+    if out["found"] != bad:
+        return f"unscale_ returned {out['found']}" + (": the overflow went unnoticed" if bad else "")
+    after = out["grads"]
+    if not isinstance(after, list) or len(after) != len(grads):
+        return f"unscale_ left the list of {len(grads)} gradients as {generated.kind(after)}"
+    for i, (t, was) in enumerate(zip(after, grads)):
+        problem = generated.mismatch(f"gradient {i} after unscale_", t, was / case["scale"])
+        if problem:
+            return problem
+    return None
 
 
 def _compare_history(ctx, found: list[bool]) -> None:
@@ -221,6 +267,85 @@ def follows_grad_scaler(ctx):
         if scale != grad_scaler.get_scale():
             raise Fail(f"after {say} the scale is {scale:g}; GradScaler's is {grad_scaler.get_scale():g}")
         _compare_weights(mine["weights"], model, f"after {say}", ", against GradScaler")
+    generated.for_all(ctx, OPTIMIZERS, lambda case: _trains(ctx, case), count=6, describe=_optimizer_case)
+
+
+# The optimizer a training loop hands step: several parameter groups with their own learning rates, momentum or
+# none, a parameter without a gradient, gradients accumulated over several backwards, a model in float64, other
+# scaler settings; an inf or a NaN at the second step, in the last group.
+OPTIMIZERS = Space(groups=Int(1, 4), accumulate=Int(1, 3), lr=One((0.05, 0.2, 0.01)), momentum=One((0.0, MOMENTUM)),
+                   frozen=One((False, True)), dtype=One((torch.float32, torch.float64)),
+                   bad=One(("none", "inf", "nan")), growth_factor=One((2.0, 4.0)), backoff_factor=One((0.5, 0.25)))
+STEPS = 3
+
+
+def _optimizer_setup(case: dict) -> tuple:
+    names = list(SHAPES)
+    cut = [round(i * len(names) / case["groups"]) for i in range(case["groups"] + 1)]
+    groups = [{"params": names[cut[i]:cut[i + 1]], "lr": case["lr"] / (i + 1), "momentum": case["momentum"]}
+              for i in range(case["groups"])]
+    dtype = case["dtype"]
+    weights = {n: generated.tensor(case, shape, torch.float32, n, scale=0.5) for n, shape in SHAPES.items()}
+    batches = [[(generated.tensor(case, (4, 4), dtype, "x", s, k), generated.tensor(case, (4, 3), dtype, "y", s, k))
+                for k in range(case["accumulate"])] for s in range(STEPS)]
+    # growth_interval 2 with an overflow at step 1 of 3: the count must restart there, or the scale grows at step 2.
+    kwargs = dict(init_scale=2.0**10, growth_factor=case["growth_factor"], backoff_factor=case["backoff_factor"],
+                  growth_interval=2)
+    target = groups[-1]["params"][0]
+    poison = {} if case["bad"] == "none" else {1: (target, 1, math.inf if case["bad"] == "inf" else math.nan)}
+    return weights, groups, batches, kwargs, poison
+
+
+def _optimizer_case(case: dict) -> str:
+    _, groups, _, kwargs, poison = _optimizer_setup(case)
+    lrs = ", ".join(f"{g['lr']:g}" for g in groups)
+    return (f"SGD in {generated.name(case['dtype'])} over {case['groups']} parameter group"
+            f"{'s' * (case['groups'] > 1)} (lr {lrs}, momentum {case['momentum']:g})"
+            f"{', one parameter never getting a gradient' * case['frozen']}, {case['accumulate']} backward"
+            f"{'s' * (case['accumulate'] > 1)} a step, LossScaler({', '.join(f'{k}={v:g}' for k, v in kwargs.items())})"
+            + (f", a {case['bad']} in {groups[-1]['params'][0]}'s gradient at step 1" if poison else ""))
+
+
+def _trains(ctx, case: dict) -> str | None:
+    weights, groups, batches, kwargs, poison = _optimizer_setup(case)
+    dtype = case["dtype"]
+    got = ctx.probe("grouped_training", weights, generated.name(dtype), groups, batches, kwargs, poison,
+                    case["frozen"]).value
+    model = model_with(weights).to(dtype)
+    named = dict(model.named_parameters())
+    param_groups = [{"params": [named[n] for n in g["params"]], "lr": g["lr"], "momentum": g["momentum"]}
+                    for g in groups]
+    if case["frozen"]:
+        param_groups[-1]["params"].append(nn.Parameter(torch.zeros(2, dtype=dtype)))
+    optimizer = torch.optim.SGD(param_groups)
+    grad_scaler = torch.amp.GradScaler("cpu", **kwargs)
+    if not isinstance(got, list) or len(got) != STEPS:
+        return f"the training loop did not run its {STEPS} steps"
+    for step, (micro, mine) in enumerate(zip(batches, got)):
+        optimizer.zero_grad()
+        for x, y in micro:
+            grad_scaler.scale(F.mse_loss(model(x), y) / len(micro)).backward()
+        if step in poison:
+            name, index, value = poison[step]
+            named[name].grad.view(-1)[index] = value
+        grad_scaler.step(optimizer)
+        grad_scaler.update()
+        stepped = step not in poison
+        problem = generated.exactly(f"what step returned at step {step}", mine["stepped"], bool)
+        if problem:
+            return problem
+        if mine["stepped"] != stepped:
+            did = "stepped" if stepped else "skipped"
+            return f"at step {step} step returned {mine['stepped']}, where GradScaler {did}"
+        scale = _scale(mine["scale"], f"after step {step}")
+        if scale != grad_scaler.get_scale():
+            return f"after step {step} the scale is {scale:g}; GradScaler's is {grad_scaler.get_scale():g}"
+        for n, p in named.items():
+            theirs = mine["weights"].get(n) if isinstance(mine["weights"], dict) else None
+            problem = generated.mismatch(f"after step {step}, {n}", theirs, p.detach())
+            if problem:
+                return problem + ", against GradScaler"
+    return None
 
 
 @EXERCISE.check("small fp16 gradients survive with scaling", points=1, hint=(

@@ -112,6 +112,34 @@ def training(learner, weights: dict, batches: list, lr: float, momentum: float, 
     return out
 
 
+def grouped_training(learner, weights: dict, dtype: str, groups: list, batches: list, kwargs: dict, poison: dict,
+                     frozen: bool) -> list:
+    """:func:`training` with the optimizer a case drew: the model in ``dtype``, SGD over ``groups`` (each
+    ``{"params": [names], "lr", "momentum"}``, one more parameter that never gets a gradient in the last if
+    ``frozen``), each step's gradients accumulated over its microbatches (``batches[step]``, a list of (x, y); the
+    loss divided by their number), an inf or a NaN put in at the steps of ``poison`` (step -> (name, index,
+    value)). What step returned, the scale and the weights after each step."""
+    model = model_with(weights).to(getattr(torch, dtype))
+    named = dict(model.named_parameters())
+    param_groups = [{"params": [named[n] for n in g["params"]], "lr": g["lr"], "momentum": g["momentum"]}
+                    for g in groups]
+    if frozen:
+        param_groups[-1]["params"].append(nn.Parameter(torch.zeros(2, dtype=getattr(torch, dtype))))
+    optimizer = torch.optim.SGD(param_groups)
+    scaler = learner.LossScaler(**kwargs)
+    out = []
+    for step, micro in enumerate(batches):
+        optimizer.zero_grad()
+        for x, y in micro:
+            scaler.scale(F.mse_loss(model(x), y) / len(micro)).backward()
+        if step in poison:
+            name, index, value = poison[step]
+            named[name].grad.view(-1)[index] = value
+        stepped = scaler.step(optimizer)
+        out.append({"stepped": stepped, "scale": scaler.loss_scale, "weights": _weights(model)})
+    return out
+
+
 def fp16_gradient(learner, a: torch.Tensor, b: torch.Tensor, init_scale: float) -> dict:
     """The gradient of sum(w * a * b), computed in fp16, for fp32 w = 1, with the loss scaled, after
     unscale_ (and what unscale_ returned)."""
