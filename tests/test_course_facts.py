@@ -972,3 +972,31 @@ def test_notebook_02_counts_buckets_in_mib_as_ddp_does():
     assert "buckets of at most `bucket_mb` MiB" in text and "megabytes" not in text
     assert "25 MiB by default, `bucket_cap_mb`, in MiB as here; the first bucket is 1 MiB" in text
     assert "int(cfg.bucket_mb * 2**20)" in markdown("02_data_parallelism", "code")
+
+
+def test_notebook_03_says_why_fsdp2_gathers_more_than_the_scratch_zero3():
+    """The scratch ZeRO-3 gathers its root once a step; FSDP2 as TorchFSDP calls it (reshard_after_forward=True on
+    every unit) gathers the root again for backward, which torch's default (None) would not: the difference between
+    the two runs' all-gathers is the root's weights, on both ranks."""
+    import inspect
+
+    from torch.distributed.fsdp import fully_shard
+
+    from gpucourse.parallel import zero_torch
+
+    doc = " ".join(inspect.getdoc(fully_shard).split())
+    assert "If ``None``, it is set to ``True`` for non-root modules and ``False`` for root modules." in doc
+    assert "fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)" in inspect.getsource(zero_torch)
+    gathered = {}
+    for impl in ("scratch", "torch"):
+        r = run(TrainConfig(dp=2, zero=3, impl=impl, steps=2, seq_len=32, device="cpu"))
+        gathered[impl] = {op: sum(c["bytes"] for c in r.comm if c["step"] == 1 and c["op"] == op)
+                          for op in ("all_gather", "reduce_scatter")}
+    mc = TrainConfig().model_config()
+    root = mc.vocab_size * mc.n_embd + mc.block_size * mc.n_embd + 2 * mc.n_embd + mc.n_embd * mc.vocab_size
+    assert gathered["torch"]["all_gather"] - gathered["scratch"]["all_gather"] == root * 4 * 2
+    assert gathered["torch"]["all_gather"] == 2 * gathered["torch"]["reduce_scatter"]
+    assert [round(gathered[i]["all_gather"] / MiB, 2) for i in ("scratch", "torch")] == [3.17, 3.30]
+    text = prose("03_zero_fsdp")
+    assert "as FSDP2 keeps its root by default" in text
+    assert "Its all-gathers carry 3.17 MiB a step where FSDP2's above carried 3.30: here the root is gathered once" in text
