@@ -1000,3 +1000,19 @@ def test_notebook_03_says_why_fsdp2_gathers_more_than_the_scratch_zero3():
     text = prose("03_zero_fsdp")
     assert "as FSDP2 keeps its root by default" in text
     assert "Its all-gathers carry 3.17 MiB a step where FSDP2's above carried 3.30: here the root is gathered once" in text
+
+
+def test_notebook_04_modeled_pipelines_idle_a_little_under_the_formula():
+    """04's table of idle shares (pp=4, m=8, the learner's size): on modeled H100s each schedule idles a point or two
+    under its formula, not over it."""
+    from gpucourse import profiling
+    from gpucourse.modeled.replay import replay
+
+    for name in ("naive", "gpipe", "1f1b"):
+        r = run(TrainConfig(pp=4, microbatches=8, batch_size=16, schedule=name, steps=2, seq_len=64, device="cpu"))
+        shares = profiling.time_shares(replay(r, on="h100").timeline, [1])
+        idle = sum(s["idle"] for s in shares.values()) / len(shares)
+        formula = 3 / 4 if name == "naive" else schedules.formula_bubble(name, 4, 8)
+        assert 0 < formula - idle < 0.02, (name, idle, formula)
+    assert "GPipe and 1F1B about the bubble (p − 1)/(m + p − 1), each a point or two under the formula" in prose(
+        "04_pipeline_parallelism")
