@@ -1016,3 +1016,22 @@ def test_notebook_04_modeled_pipelines_idle_a_little_under_the_formula():
         assert 0 < formula - idle < 0.02, (name, idle, formula)
     assert "GPipe and 1F1B about the bubble (p − 1)/(m + p − 1), each a point or two under the formula" in prose(
         "04_pipeline_parallelism")
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (8, 16)])
+def test_notebook_04b_counts_each_schedules_transfers(p, m):
+    """04b's table: 2·m·(p−1) transfers a step for 1F1B and ZB-H1, 2·m·(p·v−1) interleaved (more than v times
+    1F1B's), 2·m·(2p−2) on the V (ZBV and DualPipeV: the turn at the last rank stays on it)."""
+    def sends(ops):
+        return sum(op.kind in (schedules.SEND_F, schedules.SEND_B) for row in ops for op in row)
+
+    assert sends(schedules.build("1f1b", p, m)) == sends(schedules_virtual.build("zb-h1", p, m)[0]) == 2 * m * (p - 1)
+    for v in (2, 4):
+        interleaved = sends(schedules_virtual.build("interleaved-1f1b", p, m, v)[0])
+        assert interleaved == 2 * m * (p * v - 1) > v * 2 * m * (p - 1)
+    for name in ("zbv", "dualpipev"):
+        assert sends(schedules_virtual.build(name, p, m)[0]) == 2 * m * (2 * p - 2)
+    text = prose("04b_pipeline_schedules")
+    assert "p·v − 1 of them against 1F1B's p − 1 (more than v times as many: 112 against 48 at p = 4, v = 2)" in text
+    assert "sends more than v times as many messages" in text and "v times 1F1B's" not in text
+    assert "| 2·m·(p−1) |" in text and "| 2·m·(p·v−1) |" in text and text.count("| 2·m·(2p−2) |") == 2

@@ -55,7 +55,7 @@ def test_equals_the_single_device_run(name, tmp_path_factory):
 
 def test_each_rank_sends_what_its_schedule_says(tmp_path_factory):
     """Per step and pipeline: an activation and a gradient per microbatch across every chunk boundary between
-    ranks — pp·v − 1 of them interleaved (v times 1F1B's pp − 1), 2·pp − 2 on the V (the turn stays on its rank)."""
+    ranks — pp·v − 1 of them interleaved (more than v times 1F1B's pp − 1), 2·pp − 2 on the V (the turn stays on its rank)."""
     runs = _results(tmp_path_factory)
     for name in ("pp2-interleaved-v2", "pp2-zb-h1", "pp2-zbv", "pp2-dualpipev", "pp4-zb-h1"):
         cfg, result, _ = runs[name]
