@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import host
-from .. import contracts
+from .. import contracts, generated, host
 from ..contracts import Contract
 from ..core import Exercise, Fail, describe_mismatch
+from ..generated import DTYPES, Int, One, Space
 
 EXERCISE = Exercise("ex12_expert_dispatch", "Expert-parallel dispatch", "notebooks/13_mixture_of_experts.ipynb",
                     forbidden_collectives=("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
@@ -31,10 +31,13 @@ ATOL, RTOL = 1e-5, 1e-4
 
 # What every caller relies on besides the values (gpucourse.grading.contracts): the inputs come back bit for bit,
 # the rows keep x's dtype, the combined output expert_out's (float32 router weights on bf16 outputs included).
+# exchange_counts leaves the counts it was given (dispatch needs them for its own splits), and combine the state
+# dispatch handed it (a recomputation, as activation checkpointing runs, combines twice from one state).
 PERMUTE = Contract("permute", ("chosen", "num_experts"), unchanged=("chosen",))
+EXCHANGE = Contract("exchange_counts", ("counts",), unchanged=("counts",))
 DISPATCH = Contract("dispatch", ("x", "chosen", "num_experts"), unchanged=("x", "chosen"), dtype_of="x")
-COMBINE = Contract("combine", ("expert_out", "weights", "state", "num_tokens"), unchanged=("expert_out", "weights"),
-                   dtype_of="expert_out")
+COMBINE = Contract("combine", ("expert_out", "weights", "state", "num_tokens"),
+                   unchanged=("expert_out", "weights", "state"), dtype_of="expert_out")
 
 
 # --- inputs ---------------------------------------------------------------------------------------------------
@@ -207,12 +210,53 @@ def counts(ctx):
         per = E // n
         sent = [torch.randint(0, 6, (E,), generator=g) for _ in range(n)]
         sent[0][per - 1] = 0  # an expert that rank 0 sends nothing
-        outs = _call_all(ctx, "exchange_counts", [(c.clone(),) for c in sent])
-        for o in outs:
-            r = o.rank
-            want = torch.cat([sent[i][r * per:(r + 1) * per] for i in range(n)])
-            _expect(f"rank {r}'s recv_counts ({E} experts, {n} ranks)", o.value, want,
-                    [(sent[r], "it is this rank's own counts: the counts must travel, by one all-to-all")], 0, 0)
+        _exchanged(ctx, sent, "exchange_counts")
+    generated.for_all(ctx, COUNTS, lambda case: _fails(_exchanged, ctx, _drawn_counts(case, n), "exchange_counts"),
+                      count=4, describe=lambda case: _counts_words(case, n))
+
+
+# Counts drawn: 2 to 8 experts, up to 9 choices each, and none at all to one expert or to every one. For the
+# contract, counts that the exchange changes on every draw (rank 0's for rank 1's first expert are not rank 1's for
+# rank 0's), so that counts received in place are seen whatever the seed.
+COUNTS = Space(experts_per_rank=One((1, 2, 4)), most=Int(0, 9), zeros=One(("none", "one", "all")))
+CHANGED_COUNTS = Space(experts_per_rank=One((1, 2, 4)), most=Int(1, 9), zeros=One(("changed",)))
+
+
+def _drawn_counts(case: dict, n: int) -> list:
+    E = case["experts_per_rank"] * n
+    sent = [torch.randint(0, case["most"] + 1, (E,), generator=generated.generator(case, r)) for r in range(n)]
+    if case["zeros"] == "one":
+        sent[case["seed"] % n][case["seed"] % E] = 0
+    elif case["zeros"] == "all":
+        sent[case["seed"] % n].zero_()
+    elif case["zeros"] == "changed":
+        per = case["experts_per_rank"]
+        sent[0][per] = (sent[1][0] + 1) % (case["most"] + 1)
+    return sent
+
+
+def _counts_words(case: dict, n: int) -> str:
+    return "exchange_counts of " + ", ".join(f"rank {r}'s {c.tolist()}" for r, c in enumerate(_drawn_counts(case, n)))
+
+
+def _fails(check, *args) -> str | None:
+    """What ``check(*args)`` raised as :class:`Fail`, or None: a check's steps as a property of generated cases."""
+    try:
+        check(*args)
+    except Fail as e:
+        return str(e)
+    return None
+
+
+def _exchanged(ctx, sent: list, function) -> None:
+    n = ctx.world_size
+    per = len(sent[0]) // n
+    outs = _call_all(ctx, function, [(c.clone(),) for c in sent])
+    for o in outs:
+        r = o.rank
+        want = torch.cat([sent[i][r * per:(r + 1) * per] for i in range(n)])
+        _expect(f"rank {r}'s recv_counts ({len(sent[0])} experts, {n} ranks)", o.value, want,
+                [(sent[r], "it is this rank's own counts: the counts must travel, by one all-to-all")], 0, 0)
 
 
 # --- the rows out ---------------------------------------------------------------------------------------------
@@ -326,7 +370,10 @@ def contract(ctx):
     n = ctx.world_size
     label, E, chosens = _dispatch_cases(ctx)[0]
     _call_all(ctx, PERMUTE, [(chosens[r].clone(), E) for r in range(n)], f"{label}, {n} ranks", held=True)
-    for dtype in (torch.float32, torch.bfloat16):
+    generated.for_all(ctx, CHANGED_COUNTS, lambda case: _fails(_call_all, ctx, EXCHANGE,
+                                                               [(c,) for c in _drawn_counts(case, n)], "", True),
+                      count=3, describe=lambda case: _counts_words(case, n))
+    for dtype in DTYPES:
         name = str(dtype).removeprefix("torch.")
         xs, ws = _tokens(ctx, chosens, ("contract", name))
         case = f"{label}, x in {name}, float32 weights, {n} ranks"
