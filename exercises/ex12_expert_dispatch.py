@@ -86,7 +86,8 @@ rows back, and in backward those two again.
 The contract every function here keeps, checked on its own besides the values:
 
 - the input tensors come back bit for bit (``chosen`` included: no in-place
-  change, not even through a view);
+  change, not even through a view; ``counts`` given to ``exchange_counts``
+  too, and the ``state`` given to ``combine``);
 - what ``dispatch`` sends keeps ``x``'s dtype, and what ``combine`` returns
   ``expert_out``'s — bf16 expert outputs with float32 router weights too;
 - an expert may get no row, or a single one (a (1, C) tensor), whatever the
