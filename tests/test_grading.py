@@ -56,6 +56,13 @@ EX14_REFUSE = "too few free blocks: False, and nothing taken"
 EX14_SCATTERED = "paged attention equals attention over the contiguous keys (scattered tables)"
 EX14_EDGES = "part-full last blocks, one token, blocks of one"
 EX14_CONTRACT = "the contract: inputs left as they were, q's dtype kept, caches as views"
+EX16_GREEDY = "greedy: the drafts up to the first one the target rejects, then the target's token"
+EX16_EDGES = "greedy: every draft accepted earns a bonus token; no drafts, or a one-token context"
+EX16_CHAIN = "greedy rounds make the target's own greedy decode"
+EX16_SAMPLED = "sampled: a uniform draw per draft, accepted when u < p/q, in the generator's order"
+EX16_REPLACED = "sampled: a rejection is replaced from max(0, p − q); all accepted draws the bonus from p[k]"
+EX16_RESIDUAL = "residual: max(0, p − q), divided by its sum"
+EX16_CONTRACT = "the contract: inputs left as they were, Python ints and lists, p's dtype kept"
 WRONG_ANSWERS = {
     "ex01_ring_allreduce/no_allgather": (["sums over 2 ranks", EX01_DTYPE, EX01_FRESH,
                                           "3 ranks, lengths not divisible by 3",
@@ -292,6 +299,27 @@ WRONG_ANSWERS = {
     "ex14_paged_attention/tables_as_tensors": ([EX14_CONTRACT], "changed its input tables"),
     "ex14_paged_attention/slot_as_tensor": (["slot_of finds a token's block and offset"],
                                             "a 0-d tensor, where an int is specified"),
+    "ex16_speculative_verify/accepted_off_by_one": ([EX16_EDGES], "returned (2, ["),
+    "ex16_speculative_verify/no_bonus_token": ([EX16_EDGES], "returned (3, ["),
+    "ex16_speculative_verify/accepts_after_mismatch": ([EX16_GREEDY, EX16_EDGES, EX16_CHAIN, EX16_CONTRACT],
+                                                       "expected (2, ["),
+    "ex16_speculative_verify/logits_shifted": ([EX16_GREEDY, EX16_EDGES, EX16_CHAIN, EX16_CONTRACT],
+                                               "returned (0, ["),
+    "ex16_speculative_verify/ratio_inverted": ([EX16_SAMPLED, EX16_REPLACED, EX16_CONTRACT], "p/q of the drafts"),
+    "ex16_speculative_verify/continues_after_rejection": ([EX16_REPLACED, EX16_SAMPLED, EX16_CONTRACT],
+                                                          "rejected whatever u"),
+    "ex16_speculative_verify/bonus_from_last_draft_row": ([EX16_REPLACED, EX16_SAMPLED, EX16_CONTRACT],
+                                                          "then the bonus from p[2]"),
+    "ex16_speculative_verify/residual_reversed": ([EX16_RESIDUAL, EX16_SAMPLED, EX16_REPLACED, EX16_CONTRACT],
+                                                  "elements differ"),
+    "ex16_speculative_verify/residual_not_normalised": ([EX16_RESIDUAL, EX16_CONTRACT], "elements differ"),
+    "ex16_speculative_verify/residual_not_clamped": ([EX16_RESIDUAL, EX16_SAMPLED, EX16_REPLACED, EX16_CONTRACT],
+                                                     "got -"),
+    # Each of the contracts broken alone: the caller's drafts or p changed, a 0-d tensor where an int is specified.
+    "ex16_speculative_verify/trims_drafted_in_place": ([EX16_CONTRACT], "changed its input drafted"),
+    "ex16_speculative_verify/residual_in_place": ([EX16_CONTRACT], "contract 'inputs unchanged'"),
+    "ex16_speculative_verify/accepted_as_tensor": ([EX16_CONTRACT], "accepted count is a 0-d tensor"),
+    "ex16_speculative_verify/bonus_as_tensor": ([EX16_CONTRACT], "tokens hold a 1-d tensor"),
 }
 
 
@@ -334,7 +362,7 @@ def test_untouched_exercises_score_zero_and_solutions_full_marks(marked):
 def mutant_results() -> dict[str, dict]:
     """Every mutant graded under one seed, drawn afresh each run, in four grading processes at once (each starts its
     grader and sandbox once for a quarter of the mutants; while one starts ranks, the others' checks run). That no
-    verdict depends on the seed, scripts/mutant-stability checks under 20 seeds (`scripts/mutant-stability ex14`
+    verdict depends on the seed, scripts/mutant-stability checks under 20 seeds (`scripts/mutant-stability ex16`
     for the newest exercise)."""
     seed = secrets.randbelow(2**31)
     runs = [(name[:4], str(MUTANTS / f"{name}.py"), seed) for name in sorted(WRONG_ANSWERS)]

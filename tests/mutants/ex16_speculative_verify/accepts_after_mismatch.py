@@ -1,0 +1,30 @@
+"""Exercise 16, a wrong answer: every draft that matches the target is kept, past the first rejection too.
+
+Taught in notebooks/15_inference_optimization.ipynb. The package's own rule, drafts and rounds are in
+gpucourse/serving/speculative.py.
+"""
+
+import torch
+
+
+def greedy_verify(logits, drafted: list) -> tuple:
+    k = len(drafted)
+    best = logits[logits.shape[0] - k - 1:].argmax(-1).tolist()
+    tokens = [d for d, b in zip(drafted, best) if d == b]
+    accepted = len(tokens)
+    return accepted, tokens + [best[accepted]]
+
+
+def residual(p, q):
+    leftover = (p - q).clamp(min=0)
+    return leftover / leftover.sum()
+
+
+def sampled_verify(p, q, drafted: list, generator) -> tuple:
+    k = len(drafted)
+    for i, x in enumerate(drafted):
+        u = torch.rand((), generator=generator, dtype=torch.float64)
+        if u < p[i, x] / q[i, x]:
+            continue
+        return i, list(drafted[:i]) + [int(torch.multinomial(residual(p[i], q[i]), 1, generator=generator))]
+    return k, list(drafted) + [int(torch.multinomial(p[k], 1, generator=generator))]

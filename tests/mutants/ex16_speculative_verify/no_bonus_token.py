@@ -1,0 +1,33 @@
+"""Exercise 16, a wrong answer: the target's token only replaces a rejected draft: no bonus when all are accepted.
+
+Taught in notebooks/15_inference_optimization.ipynb. The package's own rule, drafts and rounds are in
+gpucourse/serving/speculative.py.
+"""
+
+import torch
+
+
+def greedy_verify(logits, drafted: list) -> tuple:
+    k = len(drafted)
+    best = logits[logits.shape[0] - k - 1:].argmax(-1).tolist()
+    tokens = []
+    for i in range(k):
+        if drafted[i] != best[i]:
+            return i, tokens + [best[i]]
+        tokens.append(drafted[i])
+    return k, tokens
+
+
+def residual(p, q):
+    leftover = (p - q).clamp(min=0)
+    return leftover / leftover.sum()
+
+
+def sampled_verify(p, q, drafted: list, generator) -> tuple:
+    k = len(drafted)
+    for i, x in enumerate(drafted):
+        u = torch.rand((), generator=generator, dtype=torch.float64)
+        if u < p[i, x] / q[i, x]:
+            continue
+        return i, list(drafted[:i]) + [int(torch.multinomial(residual(p[i], q[i]), 1, generator=generator))]
+    return k, list(drafted) + [int(torch.multinomial(p[k], 1, generator=generator))]
