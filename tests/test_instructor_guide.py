@@ -17,8 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 GUIDE = (REPO / "docs" / "instructor.md").read_text(encoding="utf-8")
 PROSE = " ".join(GUIDE.split())  # sentences whole, across the file's line breaks
 BASH = re.findall(r"^```bash\n(.*?)^```", GUIDE, re.S | re.M)
-WORDS = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "ten": 10, "fourteen": 14, "sixteen": 16,
-         "seventeen": 17}
+WORDS = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "ten": 10, "fourteen": 14, "fifteen": 15,
+         "sixteen": 16, "seventeen": 17}
 
 
 def said(pattern: str) -> list[str]:
