@@ -1,9 +1,12 @@
 """One run, described by one plain dataclass.
 
 A run is a *layout* (pp · dp · cp · tp ranks) plus the usual training knobs. The same
-config drives a notebook cell, the ``gpucourse train`` command and the grader, and
-:meth:`TrainConfig.validate` refuses a bad one *before* any process starts, with
-one sentence that names the broken constraint.
+config drives a notebook cell, the ``gpucourse train`` command and the grader. A config is
+data: it imports neither the strategies nor the runtime. :meth:`TrainConfig.validate` checks
+its values alone; :func:`gpucourse.parallel.check` adds each strategy's own rules, and every
+place that runs or plans a layout calls it, so a bad one is refused *before* any process
+starts, with one sentence that names the broken constraint. Precision ``"auto"`` stays
+``"auto"`` here: it is resolved where the device is planned (:func:`gpucourse.platforms.resolve`).
 """
 
 from __future__ import annotations
@@ -20,21 +23,8 @@ __all__ = ["ConfigError", "TrainConfig"]
 
 IMPLS = ("scratch", "torch", "accelerate")
 PRECISIONS = ("fp32", "bf16", "fp16")
-AUTO_PRECISION = "auto"  # the half precision this machine computes natively: chosen when the config is made
+AUTO_PRECISION = "auto"  # the half precision the ranks compute natively: chosen where the device is planned
 DEVICES = ("auto", "cpu", "cuda")
-
-
-def _schedules():
-    from .parallel.schedule_table import SCHEDULES  # each schedule's record: imported when a name is checked
-
-    return SCHEDULES
-
-
-def _attentions():
-    from .parallel.context_parallel import ATTENTIONS
-
-    return ATTENTIONS
-
 
 def setting(default, help: str, **flag):
     """A field that says what the run computes (the model, its batch, precision, optimisation): a resume keeps it.
@@ -85,8 +75,8 @@ class TrainConfig:
     pp: int = layout(1, "pipeline-parallel degree (stages)", allowed=RANKS)
     cp: int = layout(1, "context-parallel degree: seq_len / cp tokens of every sequence per rank", allowed=RANKS)
     zero: int = layout(0, "ZeRO stage 0-3", allowed=among((0, 1, 2, 3), "a ZeRO stage: 0, 1, 2 or 3"))
-    schedule: str = layout("1f1b", "pipeline schedule (with --pp > 1; default 1f1b)", cli_default=None,
-                           allowed=Name(_schedules))
+    # The schedules and attentions are the strategies' records: parallel.KINDS names them, parallel.check checks them.
+    schedule: str = layout("1f1b", "pipeline schedule (with --pp > 1; default 1f1b)", cli_default=None)
     virtual_stages: int = layout(2, "interleaved-1f1b: model chunks per pipeline rank", allowed=POSITIVE)
     microbatches: int = layout(1, "pipeline microbatches per step", allowed=POSITIVE)
     grad_accum: int = layout(1, "gradient-accumulation microbatches", allowed=POSITIVE)
@@ -102,7 +92,7 @@ class TrainConfig:
         nargs="?", const="full", choices=("none", "selective", "full"), cli_default="none")
     sequence_parallel: bool = layout(
         False, "with --tp: keep seq_len / tp tokens per rank between sub-layers (LayerNorm, residual)")
-    cp_algo: str = layout("ring", "context-parallel attention", allowed=Name(_attentions))  # how it meets the others' keys
+    cp_algo: str = layout("ring", "context-parallel attention")  # how it meets the others' keys
     zigzag: bool = layout(False, "context parallel: 2·cp chunks, rank i holding i and 2·cp-1-i (causal load balance)")
     # Mixture of experts (model.MoE): E experts per MoE block; None keeps the model's own setting.
     moe_experts: int = setting(0, "mixture of experts: E expert MLPs in place of each MoE block's MLP (0: dense)",
@@ -157,17 +147,6 @@ class TrainConfig:
         # One spelling each for "no recomputation" and "every block": False and True, as before there were three.
         self.checkpoint_activations = {"none": False, "full": True}.get(self.checkpoint_activations,
                                                                          self.checkpoint_activations)
-        if self.precision == AUTO_PRECISION:
-            self.precision = self.native_precision()
-
-    def native_precision(self) -> str:
-        """The half precision the ranks of this run compute natively: bf16 on GPUs from compute capability 8.0
-        and on CPU ranks, fp16 (with the dynamic loss scaler) on older GPUs, where bf16 would be emulated."""
-        from .runtime import devices
-
-        found = devices.visible()
-        on_gpus = self.device == "cuda" or (self.device == "auto" and found.shortfall(self.world_size) is None)
-        return devices.mixed_precision(found if on_gpus else devices.DeviceSet())[0]
 
     @property
     def recompute(self) -> str:
@@ -206,12 +185,10 @@ class TrainConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
-    def validate(self, runnable: bool = True) -> "TrainConfig":
-        """Raise :class:`ConfigError` naming the first constraint this config breaks.
-
-        ``runnable=False`` checks only that the layout makes sense (for estimates
-        on paper), not that this build can train it.
-        """
+    def validate(self) -> "TrainConfig":
+        """Raise :class:`ConfigError` naming the first constraint this config's values break, each field's and
+        those between fields (the batch splits into dp × grad_accum, the sequence fits the model); the strategies'
+        own rules are :func:`gpucourse.parallel.check`'s, which calls this first."""
         for f in dataclasses.fields(self):  # each field's kind of value, as its flag checks it
             kind, value = f.metadata.get("allowed"), getattr(self, f.name)
             if kind is not None and not (value is None and f.default is None):
@@ -227,9 +204,6 @@ class TrainConfig:
         if self.batch_size % per_step:
             raise ConfigError(f"batch_size={self.batch_size} must be divisible by grad_accum × dp = "
                               f"{self.grad_accum} × {self.dp} = {per_step}.")
-        from .parallel import check_strategies  # each strategy's own rules, in the order they apply
-
-        check_strategies(self, mc, runnable)
         return self
 
     def straggler_delay(self) -> tuple[int, float] | None:
@@ -256,37 +230,6 @@ class TrainConfig:
                               "(the same FSDP2 it would use).")
         return self
 
-    def describe(self) -> str:
-        """What trains this layout, in a few words per strategy (``gpucourse train --list``)."""
-        torch_impl = self.impl != "scratch"
-        parts = []
-        if self.pp > 1:
-            parts.append(("torch.distributed.pipelining" if torch_impl else "pipeline")
-                         + ("" if torch_impl and self.schedule in ("1f1b", "gpipe") else f", {self.schedule} schedule")
-                         + (f", {self.virtual_stages} chunks per rank" if self.chooses_chunks() else ""))
-        if self.tp > 1:
-            parts.append("DTensor tensor parallel" if torch_impl else "Megatron-style column/row parallel")
-            if self.sequence_parallel:
-                parts.append("sequence parallel")
-        if self.cp > 1:
-            from .parallel.context_parallel import ATTENTIONS
-
-            moved = {"alltoall": "all-to-all hops", "allgather": "one all-gather"}.get(
-                ATTENTIONS[self.cp_algo].torch_rotate, "")
-            algo = f"PyTorch's ring, K/V by {moved}" if torch_impl else f"{self.cp_algo} attention"
-            parts.append(f"context parallel, {algo}{' (zig-zag)' if self.zigzag else ''}")
-        if self.ep > 1:
-            parts.append(f"expert parallel, {self.moe_experts // self.ep} of {self.moe_experts} experts per rank "
-                         f"(all-to-all dispatch)")
-        elif self.moe_experts:
-            parts.append(f"mixture of {self.moe_experts} experts, replicated")
-        from .parallel import DATA_PARALLEL, data_parallel_kind  # the choice parallelize makes, by its name
-
-        kind = data_parallel_kind(self)
-        if kind:
-            parts.append(DATA_PARALLEL[kind].format(zero=self.zero))
-        return " + ".join(parts) or "one device, the baseline"
-
     def kind(self) -> str:
         """The layout's name in the ``--list`` table (``single``, ``dp``, ``zero1``, ``dp×tp``...)."""
         names = [n for n, d in (("dp", self.dp), ("ep", self.ep), ("cp", self.cp), ("tp", self.tp), ("pp", self.pp))
@@ -295,79 +238,6 @@ class TrainConfig:
             names = [f"zero{self.zero}"] + [n for n in names if n != "dp"]
         moe = "+moe" if self.moe_experts and self.ep == 1 else ""
         return "×".join(names) + ("+sp" if self.sequence_parallel else "") + moe if names else "single" + moe
-
-    def chooses_chunks(self) -> bool:
-        """Whether this run's schedule takes its chunks per rank from ``virtual_stages`` (interleaving)."""
-        from .parallel.schedule_table import get
-
-        return self.pp > 1 and get(self.schedule).chunks == 0
-
-    def list_name(self) -> str:
-        """The layout's row name in ``--list``: :meth:`kind`, plus the schedule where the many-chunk pipeline engine
-        runs it (``pp+zb-h1``); GPipe and 1F1B share the one-stage engine and its rows."""
-        from .parallel.schedule_table import get
-
-        return self.kind() + (f"+{self.schedule}" if self.pp > 1 and get(self.schedule).virtual else "")
-
-
-# The layouts ``gpucourse train --list`` tries, each dimension at degree 2: validate() decides which run.
-MESHES = [dict(), dict(dp=2), dict(tp=2), dict(pp=2), dict(dp=2, tp=2), dict(dp=2, pp=2), dict(tp=2, pp=2),
-          dict(dp=2, tp=2, pp=2), dict(cp=2), dict(dp=2, cp=2)]
-
-
-def supported() -> list[tuple[str, str, str, dict]]:
-    """``(layout, impl, what it is, changes from the defaults)`` of each combination that ``validate()`` accepts.
-
-    Generated by trying each mesh of :data:`MESHES` with each impl, ZeRO stage
-    (where there are dp ranks to shard over) and bucket setting: the list of what
-    runs comes from the same rules that refuse.
-    """
-    rows = []
-    for mesh in MESHES:
-        for impl in IMPLS if mesh else ["scratch"]:  # one device is one device, whatever the impl
-            for zero in (0, 1, 2, 3) if "dp" in mesh else [0]:  # ZeRO shards over dp ranks
-                for bucket_mb in (None, 1) if impl == "scratch" else [None]:  # DDP buckets by itself
-                    changes = {**mesh, **({"microbatches": 2} if "pp" in mesh else {}), "zero": zero,
-                               "bucket_mb": bucket_mb, "impl": impl}
-                    changes = {k: v for k, v in changes.items() if v != getattr(TrainConfig, k)}
-                    try:
-                        cfg = TrainConfig(**changes).validate()
-                    except ConfigError:
-                        continue
-                    rows.append((cfg.list_name(), impl, cfg.describe(), changes))
-        if mesh in (dict(), dict(dp=2), dict(dp=2, tp=2), dict(dp=2, pp=2)):  # a mixture of 4 experts on it
-            for ep, zero in ((1, 0), (2, 0), (2, 1), (2, 2)) if "dp" in mesh else [(1, 0)]:
-                if zero and mesh != dict(dp=2):
-                    continue
-                changes = {**mesh, **({"microbatches": 2} if "pp" in mesh else {}), "moe_experts": 4,
-                           **({"ep": ep} if ep > 1 else {}), **({"zero": zero} if zero else {})}
-                cfg = TrainConfig(**changes).validate()
-                rows.append((cfg.kind(), "scratch", cfg.describe(), changes))
-        if mesh == dict(pp=2):  # the many-chunk engine's schedules, in each impl that runs them
-            from .parallel.schedule_table import SCHEDULES
-
-            for schedule in [name for name, record in SCHEDULES.items() if record.virtual]:
-                for impl in IMPLS:
-                    changes = {"pp": 2, "microbatches": 4, "schedule": schedule,
-                               **({"virtual_stages": 2} if SCHEDULES[schedule].chunks == 0 else {}),
-                               **({"impl": impl} if impl != "scratch" else {})}
-                    try:
-                        cfg = TrainConfig(**changes).validate()
-                    except ConfigError:
-                        continue
-                    rows.append((cfg.list_name(), impl, cfg.describe(), changes))
-        if mesh == dict(tp=2):  # sequence parallelism: an option of tensor parallelism, shown on its own mesh
-            for impl in ("scratch", "torch"):
-                changes = {"tp": 2, "sequence_parallel": True, **({"impl": impl} if impl != "scratch" else {})}
-                cfg = TrainConfig(**changes).validate()
-                rows.append((cfg.kind(), impl, cfg.describe(), changes))
-    return rows
-
-
-def supported_table() -> list[dict]:
-    """Rows of what this build runs, for ``gpucourse train --list``, each with the command that trains it."""
-    return [{"layout": layout, "impl": impl, "what": what, "example": train_command(changes)}
-            for layout, impl, what, changes in supported()]
 
 
 def train_command(changes: dict) -> str:

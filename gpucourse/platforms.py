@@ -10,7 +10,9 @@ have", and a test holds the README to it.
 
 from __future__ import annotations
 
-from .config import TrainConfig
+import dataclasses
+
+from .config import AUTO_PRECISION, TrainConfig
 from .modeled.gpus import RESERVED_BYTES
 from .modeled.memory import estimate, largest_microbatch, num_params, with_microbatch
 from .model import MODELS
@@ -19,6 +21,20 @@ from .runtime import devices
 
 SEQ_LEN = 1024  # tokens per sequence a model is sized at (its block_size when shorter)
 BATCH = TrainConfig.batch_size  # the course's default global batch
+
+
+def resolve(cfg: TrainConfig, found: devices.DeviceSet | None = None, on_gpus: bool | None = None) -> TrainConfig:
+    """``cfg`` with precision "auto" made the half precision its ranks compute natively: bf16 on GPUs from compute
+    capability 8.0 and on CPU ranks, fp16 (with the dynamic loss scaler) on older GPUs, where bf16 would be
+    emulated. Any other precision is kept. Called where the device is planned, once: ``found`` the visible GPUs and
+    ``on_gpus`` whether the ranks run on them (the device plan's answer; else read from ``cfg.device`` and
+    ``found``)."""
+    if cfg.precision != AUTO_PRECISION:
+        return cfg
+    found = devices.visible() if found is None else found
+    if on_gpus is None:
+        on_gpus = cfg.device == "cuda" or (cfg.device == "auto" and found.shortfall(cfg.world_size) is None)
+    return dataclasses.replace(cfg, precision=devices.mixed_precision(found if on_gpus else devices.DeviceSet())[0])
 
 
 def run_budget(found: devices.DeviceSet) -> tuple[float, str] | None:

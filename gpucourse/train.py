@@ -21,9 +21,9 @@ from .config import TrainConfig
 from .files import write_atomic
 from .measure import Recorder, RunResult, merge
 from .model import MoE, blocks_of, build_model
-from .parallel import parallelize
+from .parallel import check, parallelize
 from .runtime import current, devices, launch, report
-from .runtime.launcher import in_place, plan_device
+from .runtime.launcher import DevicePlan, in_place, plan_device
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -188,7 +188,7 @@ _said: set = set()  # the notes on precision and memory this process has printed
 
 
 def run(config: TrainConfig, *, timeout: float | None = None, export_weights: str | os.PathLike | None = None,
-        on_step=None, on_message=None, quiet: bool = False) -> RunResult:
+        on_step=None, on_message=None, quiet: bool = False, device_plan: DevicePlan | None = None) -> RunResult:
     """Train ``config`` on its ranks and return the merged :class:`RunResult`.
 
     ``on_step`` is called in this process with ``{step, steps, loss, time_s}``
@@ -196,14 +196,17 @@ def run(config: TrainConfig, *, timeout: float | None = None, export_weights: st
     the ranks send, as it arrives (each rank's own ``step`` and, when recording,
     ``activity``); :func:`gpucourse.viz.watch` draws from both while the run
     trains. ``export_weights`` saves the trained model as one single-device
-    ``state_dict`` file, whatever the layout.
+    ``state_dict`` file, whatever the layout. ``device_plan``: where the ranks run, when the caller has planned
+    it already (the command line does, to refuse before anything else); else it is planned here, once.
     """
-    config.validate()
-    plan = plan_device(config.device, int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
-                       if in_place() else config.world_size)
+    config.validate()  # its values, before the machine is asked anything
+    # The device, planned once: where the ranks run decides what precision "auto" means, then every rule is checked.
+    plan = device_plan or plan_device(config.device, int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
+                                      if in_place() else config.world_size)
+    found = plan.gpus
+    config = check(platforms.resolve(config, found, on_gpus=plan.device == "cuda" or plan.stand_in))
     config.validate_on(plan.device)
     if (plan.device == "cuda" or plan.stand_in) and not quiet:  # described GPUs get their notes too
-        found = devices.visible()
         for note in (devices.precision_note(found, config.precision), platforms.memory_note(config, found)):
             if note and note not in _said:  # once a process: a notebook re-runs its cells
                 _said.add(note)
@@ -220,5 +223,5 @@ def run(config: TrainConfig, *, timeout: float | None = None, export_weights: st
 
     export = os.fspath(export_weights) if export_weights else None
     outputs = launch(train_worker, config.to_dict(), export, world_size=config.world_size, timeout=timeout,
-                     device=config.device, on_message=handle if on_step or on_message else None, quiet=quiet)
+                     device=plan, on_message=handle if on_step or on_message else None, quiet=quiet)
     return merge(config.to_dict(), outputs, device=plan.device, backend=plan.backend)

@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from gpucourse.parallel import check
 from gpucourse import cli
 from gpucourse.readable import ConfigError
 from gpucourse.values import FRACTION, POSITIVE, POSITIVE_NUMBER, SEED, Name, ReadableFile, json_value, whole
@@ -102,7 +103,7 @@ def test_every_number_flag_of_a_training_run_is_checked_as_typed(capsys):
     with pytest.raises(ConfigError, match="seq_len=0 must be at least 1"):
         from gpucourse.config import TrainConfig
 
-        TrainConfig(seq_len=0).validate(runnable=False)
+        check(TrainConfig(seq_len=0), runnable=False)
 
 
 # --- plan, memory --serve ---------------------------------------------------------------------------------------------

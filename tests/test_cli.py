@@ -190,7 +190,7 @@ def test_lab_moves_its_kernels_sockets_out_of_a_runtime_folder_too_deep_for_them
 
 
 def test_each_supported_rows_command_describes_that_rows_config():
-    from gpucourse.config import supported, supported_table
+    from gpucourse.parallel.catalogue import supported, supported_table
 
     parser = cli.build_parser()
     for (layout, impl, _, changes), row in zip(supported(), supported_table()):

@@ -10,8 +10,9 @@ strategies were made to compose.
 
 from __future__ import annotations
 
+from gpucourse.parallel import check
 from gpucourse import TrainConfig
-from gpucourse.config import supported
+from gpucourse.parallel.catalogue import list_name, supported
 
 import test_context_parallel
 import test_equality
@@ -44,11 +45,11 @@ def test_at_least_30_distinct_layouts_up_to_8_ranks():
     assert len({_key(c) for c in layouts}) >= 30
     assert max(c.world_size for c in layouts) == 8
     for cfg in layouts:
-        cfg.validate()  # each is a layout the rules accept
+        check(cfg)  # each is a layout the rules accept
 
 
 def test_every_row_of_the_list_that_runs_on_cpu_is_checked():
-    seen = {(c.list_name(), c.impl, c.bucket_mb is not None) for c in checked()}
+    seen = {(list_name(c), c.impl, c.bucket_mb is not None) for c in checked()}
     missing = []
     for layout, impl, _, changes in supported():
         cfg = TrainConfig(**changes)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpucourse.parallel import check
 from gpucourse import ConfigError, TrainConfig
 from gpucourse import cli
 
@@ -50,7 +51,7 @@ from gpucourse import cli
 ], ids=lambda v: str(v) if isinstance(v, dict) else "")
 def test_refused_with_one_sentence(kw, says):
     with pytest.raises(ConfigError) as info:
-        TrainConfig(**kw).validate()
+        check(TrainConfig(**kw))
     message = str(info.value)
     assert says in message
     assert "\n" not in message and message.endswith(".")
@@ -59,17 +60,17 @@ def test_refused_with_one_sentence(kw, says):
 def test_every_listed_example_is_valid():
     import shlex
 
-    from gpucourse.config import supported_table
+    from gpucourse.parallel.catalogue import supported_table
 
     for row in supported_table():
         args = cli.build_parser().parse_args(shlex.split(row["example"])[1:])
-        cli.config_from(args).validate()
+        check(cli.config_from(args))
 
 
 def test_estimates_accept_layouts_this_build_does_not_train():
-    TrainConfig(tp=2, pp=2, dp=2, zero=1, microbatches=2, precision="bf16").validate(runnable=False)
+    check(TrainConfig(tp=2, pp=2, dp=2, zero=1, microbatches=2, precision="bf16"), runnable=False)
     with pytest.raises(ConfigError):
-        TrainConfig(tp=2, pp=2, dp=2, zero=1, microbatches=2, precision="bf16").validate()
+        check(TrainConfig(tp=2, pp=2, dp=2, zero=1, microbatches=2, precision="bf16"))
 
 
 @pytest.mark.parametrize("argv", [["memory", "--tp", "3"], ["plan", "--params", "7e9", "--gpus", "0"],
@@ -109,18 +110,18 @@ def test_a_checkpoint_written_before_a_field_existed_still_matches(tmp_path):
 
 
 def test_the_list_of_what_runs_is_what_the_rules_accept():
-    from gpucourse.config import MESHES, supported
+    from gpucourse.parallel.catalogue import MESHES, supported
 
     rows = {(layout, impl): changes for layout, impl, _, changes in supported()}
     # Every mesh is there in scratch, and the composed ones too.
     assert {("single", "scratch"), ("dp×tp×pp", "scratch"), ("zero1×tp×pp", "scratch"), ("zero3×tp×pp", "torch"),
             ("zero3×tp×pp", "scratch"),
             ("dp×pp", "torch")} <= set(rows)
-    # What validate() refuses is not listed: torch's ZeRO-1 beside tp, Accelerate with tp.
+    # What the rules refuse is not listed: torch's ZeRO-1 beside tp, Accelerate with tp.
     assert not {("zero1×tp", "torch"), ("tp", "accelerate")} & set(rows)
     assert ("dp×tp", "torch") in rows and ("dp×tp×pp", "torch") in rows  # replicate: DDP for DTensor parameters
     for changes in rows.values():
-        TrainConfig(**changes).validate()
+        check(TrainConfig(**changes))
     assert len(MESHES) == 10 and len(rows) >= 30
 
 
@@ -169,8 +170,9 @@ def test_describe_names_the_trainer_parallelize_builds():
     """One choice of data-parallel trainer, read by both: context parallelism alone averages its gradients over the
     cp ranks too, so a cp-only run under PyTorch says DDP (its description once left that out)."""
     from gpucourse.parallel import DATA_PARALLEL, data_parallel_kind
+    from gpucourse.parallel.catalogue import describe
 
     assert data_parallel_kind(TrainConfig(cp=2, impl="torch")) == "ddp"
-    assert TrainConfig(cp=2, impl="torch").describe().endswith(DATA_PARALLEL["ddp"])
-    assert data_parallel_kind(TrainConfig()) is None and TrainConfig().describe() == "one device, the baseline"
-    assert TrainConfig(dp=2, zero=2).describe() == "ZeRO-2 (flat shards)"
+    assert describe(TrainConfig(cp=2, impl="torch")).endswith(DATA_PARALLEL["ddp"].summary)
+    assert data_parallel_kind(TrainConfig()) is None and describe(TrainConfig()) == "one device, the baseline"
+    assert describe(TrainConfig(dp=2, zero=2)) == "ZeRO-2 (flat shards)"

@@ -13,6 +13,7 @@ import subprocess
 
 import pytest
 
+from gpucourse.parallel import check
 from gpucourse import ConfigError, TrainConfig, quiz, run
 from gpucourse.modeled import memory
 from gpucourse.comm import RING_FACTOR
@@ -130,7 +131,7 @@ def test_interleaved_m_rule_of_megatron_lm_megatron_core_and_this_runtime():
             assert [(op.microbatch, op.chunk) for op in row if op.kind == schedules.F] == megatron_core_table(m, v, p)
     cfg = TrainConfig(pp=4, schedule="interleaved-1f1b", virtual_stages=2, microbatches=6, batch_size=24)
     with pytest.raises(ConfigError, match="must be a multiple of pp=4"):
-        cfg.validate(runnable=False)
+        check(cfg, runnable=False)
     text = prose("04b_pipeline_schedules")
     assert ("Megatron-LM's original order sends microbatches through a chunk p at a time, so m must be a multiple of "
             "p; this course's runtime keeps that rule.") in text
@@ -1035,3 +1036,76 @@ def test_notebook_04b_counts_each_schedules_transfers(p, m):
     assert "p·v − 1 of them against 1F1B's p − 1 (more than v times as many: 112 against 48 at p = 4, v = 2)" in text
     assert "sends more than v times as many messages" in text and "v times 1F1B's" not in text
     assert "| 2·m·(p−1) |" in text and "| 2·m·(p·v−1) |" in text and text.count("| 2·m·(2p−2) |") == 2
+
+
+def test_notebooks_import_the_moved_modules_by_their_new_names():
+    """A module that moved into modeled/, interop/ or course/ still imports by its old name, with a
+    DeprecationWarning a learner would see under the cell: no notebook uses an old name."""
+    import gpucourse
+
+    old = sorted(name for name in gpucourse._MOVED if name != "progress")
+    names = "|".join(old)
+    for path in sorted((REPO / "notebooks").glob("*.ipynb")):
+        code = markdown(path.stem, "code")
+        imported = [m for block in re.findall(r"from gpucourse import \(?([^)\n]*(?:\n[^)\n]*)*?)\)?\n", code + "\n")
+                    for m in re.findall(r"\w+", block) if m in old]
+        used = re.findall(rf"(?:import|from) gpucourse\.({names})\b", code)
+        assert not imported and not used, (path.name, imported, used)
+
+
+def test_notebook_08_says_what_each_layout_overlaps():
+    """08: at tp 2 × dp 32 the gradient reduction weighs more than at tp 8 × dp 4, and tensor parallelism's still
+    more; communication is about two fifths of a modeled step on two ranks and nearly half on four."""
+    from gpucourse import profiling
+    from gpucourse.modeled import plan
+    from gpucourse.modeled.replay import replay
+    from gpucourse.modeled.shapes import get_shape
+
+    llama = get_shape("llama3-70b")
+
+    def timed(**kw):
+        cfg = TrainConfig(model="gpt2-small", overrides={**llama.overrides(), "block_size": 4096}, batch_size=1024,
+                          seq_len=4096, precision="bf16", master_weights=True, sequence_parallel=True, zero=1, **kw)
+        return plan.step_time(cfg, int(llama.params()), get_gpu("h100"), 8, shape=llama,
+                              framework=plan.FRAMEWORKS["megatron-core"])
+
+    deep = timed(dp=4, tp=8, pp=2, microbatches=256, schedule="interleaved-1f1b")
+    wide = timed(dp=32, tp=2, grad_accum=32)
+    assert (round(wide["dp_comm_s"], 2), round(deep["dp_comm_s"], 2), round(wide["tp_comm_s"], 2)) == (0.85, 0.33, 2.10)
+    text = prose("08_profiling")
+    assert "the gradient reduction weighs more (0.85 s against 0.33 s at dp 4; tensor parallelism's 2.10 s" in text
+    assert "what moves most" not in text
+    comm = {}
+    for n in (2, 4):
+        r = run(TrainConfig(dp=n, batch_size=4 * n, steps=2, seq_len=32, device="cpu"))
+        comm[n] = profiling.summarize(replay(r, on="h100"))["ranks"][0]["comm"]
+    assert round(comm[2], 1) == 0.4 and 0.45 < comm[4] < 0.5
+    assert "about two fifths of every step on two ranks, and nearly half on four" in text
+
+
+def test_notebook_08_counts_what_eager_writes_for_the_chain():
+    """08's chain r + relu(x + b) * 0.5: eager makes four full-size tensors (three temporaries and the result) and
+    reads or writes 9 full-size tensors; fused it reads x and r and writes one."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, r, b = torch.randn(64, 16), torch.randn(64, 16), torch.randn(16)
+    full = x.numel()
+
+    class Count(TorchDispatchMode):
+        made = reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            Count.reads += sum(isinstance(a, torch.Tensor) and a.numel() == full for a in args)
+            Count.made += out.numel() == full
+            return out
+
+    with Count():
+        r + F.relu(x + b) * 0.5
+    assert (Count.made, Count.reads + Count.made) == (4, 9)
+    text = prose("08_profiling")
+    assert "9 full-size reads and writes against the fused kernel's 3: a third of the traffic" in text
+    assert "its four new 16 MiB tensors (the fused kernel makes one, its result)" in text
+    assert 4096 * 1024 * 4 == 16 * MiB and "at most 3× faster" not in text

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpucourse.parallel import check
 from gpucourse import ConfigError, TrainConfig, launch
 from gpucourse.measure import merge
 from gpucourse.modeled.memory import estimate
@@ -130,7 +131,7 @@ def test_total_and_active_parameters():
 ])
 def test_bad_moe_input_is_one_sentence(changes, words):
     with pytest.raises(ConfigError, match=words):
-        TrainConfig(**changes).validate()
+        check(TrainConfig(**changes))
 
 
 def test_memory_estimate_matches_every_layouts_ranks(tmp_path_factory):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import rankfns
+from gpucourse.parallel import check
 from gpucourse import TrainConfig, launch, platforms, train
 from gpucourse.course import doctor
 from gpucourse.runtime import LaunchError, devices, launcher, notebook_device, plan_device, visible_gpus
@@ -462,4 +463,6 @@ def test_precision_auto_is_the_native_half_precision_of_the_ranks(monkeypatch, p
 
     monkeypatch.setenv(devices.FAKE_ENV, platform)
     cfg = TrainConfig(precision="auto", **layout)
-    assert cfg.precision == want and cfg.validate() is not None
+    assert cfg.precision == "auto", "a config is data: it asks nothing of the machine"
+    cfg = platforms.resolve(cfg)
+    assert cfg.precision == want and check(cfg) is not None

@@ -300,3 +300,12 @@ def test_the_course_itself_uses_the_new_names():
 def gpucourse_moved() -> dict[str, str]:
     import gpucourse
     return {old: new for old, new in vars(gpucourse)["_MOVED"].items() if old != "progress"}
+
+
+def test_a_config_is_data():
+    """config.py imports neither the strategies, the runtime nor the GPUs' platforms: each strategy checks its own
+    fields where a layout is run or planned (gpucourse.parallel.check), and precision "auto" is resolved where the
+    device is planned."""
+    reached = {t for t, _, _ in GRAPH["config"]}
+    assert not {t for t in reached if _folder(t) in ("parallel", "runtime", "modeled") or t == "platforms"}, reached
+    assert reached <= {"model", "readable", "values"}

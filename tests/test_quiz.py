@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from gpucourse.parallel import check
 from gpucourse import ConfigError, cli, quiz
 from gpucourse.course import progress
 from gpucourse.course.bandwidth import bus_factor
@@ -871,13 +872,13 @@ def test_moe_figures():
     hot = torch.stack([torch.zeros(4096, dtype=torch.long), torch.ones(4096, dtype=torch.long)], 1)
     assert moe.within_capacity(hot).sum(0).tolist() == [1280, 1280]
     # moe-ep-what-each-holds: ep=8 of dp=8, E/ep = 1 whole expert per GPU.
-    TrainConfig(dp=8, ep=8, moe_experts=8, batch_size=8).validate()
+    check(TrainConfig(dp=8, ep=8, moe_experts=8, batch_size=8))
     assert 8 // 8 == 1
     # moe-ep-degree: ep must divide dp=16 and E=12: 1, 2, 4; ep=4 gives 3 experts per GPU, each on 4 GPUs.
     accepted = []
     for ep in range(1, 17):
         try:
-            TrainConfig(dp=16, ep=ep, moe_experts=12, batch_size=16).validate()
+            check(TrainConfig(dp=16, ep=ep, moe_experts=12, batch_size=16))
             accepted.append(ep)
         except ConfigError:
             pass
@@ -900,7 +901,7 @@ def test_moe_figures():
     counts = torch.bincount(torch.tensor([0, 5]), minlength=8)
     assert counts.numel() * counts.element_size() == 64 and RING_FACTOR["all_to_all"](4) * 64 == 48
     # moe-ep-step-comm: dp=8, ep=4: each expert on dp/ep = 2 ranks; the router over all 8.
-    TrainConfig(dp=8, ep=4, moe_experts=8, batch_size=8).validate()
+    check(TrainConfig(dp=8, ep=4, moe_experts=8, batch_size=8))
     assert 8 // 4 == 2
     # moe-hot-expert-remedies: capacity 1.25 caps a hot expert at 1.25× the even share.
     moe = MoE(GPTConfig(n_embd=8, moe_experts=8, moe_top_k=1, moe_capacity=1.25))
@@ -1527,7 +1528,7 @@ def test_hybrid_planning_figures():
     assert stack_config.translate(cfg, "megatron").settings["--num-virtual-stages-per-pipeline-rank"] == 3
     # prof-sp-needs-tp: the course refuses sequence parallelism without tensor parallelism, before anything starts.
     with pytest.raises(ConfigError, match="it needs tp > 1"):
-        TrainConfig(sequence_parallel=True).validate()
+        check(TrainConfig(sequence_parallel=True))
     # setup-nvlink-vs-nic-units: 900 GB/s both ways is 450 each; 400 Gb/s is 50 GB/s; 9×, not 2.25×, 18× or 1.1×.
     h100 = get_gpu("h100")
     assert (900 / 2, 400 / 8) == (h100.intra_node_GBps, h100.inter_node_GBps) == (450, 50) and 450 / 50 == 9

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import gpucourse
+from gpucourse.parallel import check
 from gpucourse import ConfigError, TrainConfig, data
 from gpucourse.measure import Recorder
 from gpucourse.modeled.memory import estimate
@@ -115,7 +116,7 @@ def replicated_worker(cfg_dict: dict) -> float:
 
 
 def test_replicated_parameters_stay_identical_across_tp_ranks():
-    cfg = TrainConfig(**{**BASE, "steps": 3}, tp=TP).validate()
+    cfg = check(TrainConfig(**{**BASE, "steps": 3}, tp=TP))
     worst = gpucourse.launch(replicated_worker, cfg.to_dict(), world_size=TP, timeout=60, device="cpu", quiet=True)
     # f gives LayerNorms the same whole gradient on each rank, g the same activations: no drift at all.
     assert worst == [0.0] * TP
@@ -229,4 +230,4 @@ def test_a_block_without_the_layers_tensor_parallelism_cuts_is_refused_in_one_se
 
 def test_a_layout_that_splits_heads_is_refused():
     with pytest.raises(ConfigError, match=r"tp=3 must divide n_head=4"):
-        TrainConfig(tp=3).validate()
+        check(TrainConfig(tp=3))

@@ -79,7 +79,7 @@ def test_a_layout_that_differs_fails_the_tour(tmp_path, monkeypatch, capsys):
 
 
 def test_every_supported_row_becomes_a_config():
-    from gpucourse.config import supported
+    from gpucourse.parallel.catalogue import supported
 
     rows = tour.layouts(tour.QUICK)
     assert [(r.layout, r.impl) for r in rows] == [(layout, impl) for layout, impl, *_ in supported()]

@@ -12,6 +12,7 @@ import re
 import sys
 
 from ..config import TrainConfig
+from ..parallel import KINDS
 from ..files import write_atomic
 from ..measure import RunResult
 from ..readable import ConfigError
@@ -182,7 +183,7 @@ def add_layout_args(p: argparse.ArgumentParser, train: bool = False, changed: di
             # A switch: "--sequence-parallel" turns it on; a field on by default is turned off ("--no-record").
             p.add_argument(flag, dest=f.name, action="store_false" if f.default else "store_true", help=help_)
         else:
-            spec = {"type": meta.get("allowed") or _flag_type(f.type), "default": meta.get("cli_default", f.default),
+            spec = {"type": meta.get("allowed") or KINDS.get(f.name) or _flag_type(f.type), "default": meta.get("cli_default", f.default),
                     "help": help_, **spec, **(changed or {}).get(f.name, {})}
             p.add_argument(flag, dest=f.name, **spec)
 

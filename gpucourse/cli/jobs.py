@@ -8,6 +8,7 @@ import sys
 
 from ..course import slurm
 from ..config import TrainConfig
+from ..parallel import check
 from ..values import NON_NEGATIVE, POSITIVE
 from .common import UsageError, add_layout_args, check_writable, config_from, layout_flags
 from .train import add_output_args
@@ -52,7 +53,7 @@ def _request(args) -> tuple[slurm.Request, TrainConfig]:
                          f"(e.g. --dp {ranks}).")
     if cfg.device == "auto":  # said plainly in the script: the nodes' GPUs, or CPU ranks over gloo
         cfg.device = "cuda" if args.gpus_per_node else "cpu"
-    cfg.validate()
+    check(cfg)
     cfg.validate_on(cfg.device)
     if cfg.save and not cfg.resume:  # a resubmission goes on from the last checkpoint (the first starts at step 0)
         cfg.resume = cfg.save

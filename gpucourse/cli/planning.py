@@ -8,11 +8,12 @@ import textwrap
 
 from ..files import write_atomic
 from ..modeled.gpus import GPU
+from ..parallel import check
 from ..parallel.schedule_table import SCHEDULES
 from ..modeled.plan import EFFICIENCY, FRAMEWORK, PARAMS, PRECISIONS as PLAN_PRECISIONS
 from ..runtime.launcher import WorkerError
 from ..interop.serve_config import TOOLS as SERVE_TOOLS
-from ..config import TrainConfig, allowed
+from ..config import AUTO_PRECISION, TrainConfig, allowed
 from ..modeled.serve_plan import CONTEXT as SERVE_CONTEXT, ELEM, FORMAT
 from ..modeled.shapes import PART_KINDS, SHAPE
 from ..values import GPUS_PER_NODE, POSITIVE, POSITIVE_NUMBER, RANKS, SEQUENCES, TOKENS, Name, number
@@ -89,6 +90,10 @@ def cmd_memory(args) -> int:
         return _serve_memory(args)
     args.precision = allowed("precision").check(args.precision or TRAIN.precision, "--precision")
     args.seq_len = args.seq_len or TRAIN.seq_len
+    if args.precision == AUTO_PRECISION:  # on paper too, the half precision a run here would choose
+        from .. import platforms
+
+        args.precision = platforms.resolve(config_from(args)).precision
     if args.params is not None:
         est = memory.estimate_params(int(args.params), args.dp, args.zero, args.precision, args.master_weights)
         print(f"{args.params:,.0f} parameters, dp={args.dp}, zero={args.zero}, {args.precision}"
@@ -118,7 +123,7 @@ def _serve_memory(args) -> int:
         cfg = config_from(args)
         context = args.seq_len or min(SERVE_CONTEXT, cfg.model_config().block_size)
         # The model's own rules, as training checks them (a mixture of one expert is none), and its context.
-        cfg = dataclasses.replace(cfg, precision=TRAIN.precision, seq_len=context).validate(runnable=False)
+        cfg = check(dataclasses.replace(cfg, precision=TRAIN.precision, seq_len=context), runnable=False)
         shape = dataclasses.replace(Shape.of_model(cfg.model_config()), name=args.model)
     budget = None if args.budget_gb is None else args.budget_gb * 2**30
     est = serve_plan.memory(shape, context, args.tp, args.pp, weights, args.kv, budget=budget)
@@ -194,8 +199,7 @@ def cmd_batch_size(args) -> int:
             raise UsageError("no GPU with a known memory is visible here: give the memory per rank, --budget-gb N.")
         args.budget_gb = round(known[0] / 2**30, 2)
         print(f"budget: {args.budget_gb:g} GiB, what a run can use on each {known[1]} (--budget-gb to choose)")
-    cfg = config_from(args)
-    cfg.validate(runnable=False)
+    cfg = check(platforms.resolve(config_from(args)), runnable=False)
     budget = args.budget_gb * 2**30
     # Measured where the GPUs are real; described ones (GPUCOURSE_FAKE_GPUS) have CPU processes stand in for them.
     measured = visible_gpus() >= cfg.world_size and cfg.device != "cpu" and not devices.visible().described

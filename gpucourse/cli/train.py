@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
-from ..config import TrainConfig, supported_table
+from ..config import TrainConfig
+from ..parallel import check
+from ..parallel.catalogue import supported_table
 from ..readable import human_bytes
 from ..runtime.launcher import check_in_place_world, in_place, plan_device
 from ..modeled.gpus import GPU
@@ -64,14 +66,16 @@ def cmd_train(args) -> int:
     if args.gpus_per_node is not None:
         raise UsageError("--gpus-per-node places a layout's ranks on servers for --print-config; a run here takes "
                          "the GPUs this machine has.")
-    cfg.validate()
+    check(cfg)
     for path, flag in ((args.json, "--json"), (args.export_weights, "--export-weights")):
         if path:
             check_writable(path, flag)
+    plan = None
     if in_place():
         check_in_place_world(cfg.world_size, "pp × dp × cp × tp")
-    else:
-        cfg.validate_on(plan_device(cfg.device, cfg.world_size).device)
+    else:  # planned here, to refuse before anything else, and handed to the run
+        plan = plan_device(cfg.device, cfg.world_size)
+        cfg.validate_on(plan.device)
     analysis = _profile_options(args, cfg)
     if cfg.memory_snapshot:
         _check_folder(cfg.memory_snapshot, "--memory-snapshot", "the snapshots")
@@ -80,7 +84,9 @@ def cmd_train(args) -> int:
 
     rank0 = not in_place() or int(os.environ["RANK"]) == 0
     result = run(cfg, timeout=args.timeout, export_weights=args.export_weights,
-                 on_step=None if args.quiet else _step_bar(ProgressBar()), quiet=args.quiet)
+                 on_step=None if args.quiet else _step_bar(ProgressBar()), quiet=args.quiet,
+                 device_plan=plan)
+    cfg = TrainConfig.from_dict(result.config)  # as it ran: the device planned, precision "auto" made one
     if rank0:
         if args.json:
             result.save(args.json)

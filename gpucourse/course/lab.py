@@ -29,8 +29,8 @@ import threading
 import time
 from pathlib import Path
 
-from . import kernel_sockets
 from ..files import write_atomic
+from . import kernel_sockets
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ConfigError, TrainConfig, supported
+from ..config import ConfigError, TrainConfig
 from ..files import write_atomic
+from ..parallel import check
+from ..parallel.catalogue import supported
 from ..runtime import LaunchError, LaunchTimeout, WorkerError, plan_device, visible_gpus
 from ..runtime.launcher import preimport
 
@@ -70,7 +72,7 @@ def _model(cfg: TrainConfig) -> tuple:
 def _check(row: TourRow) -> bool:
     """Refuse, before starting anything, what this build or this machine cannot run; the sentence says why."""
     try:
-        row.config.validate()
+        check(row.config)
         row.config.validate_on(plan_device(row.config.device, row.config.world_size).device)
     except (ConfigError, LaunchError) as e:
         row.status, row.note = "skipped", str(e)

@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..config import TrainConfig
+from ..parallel import check
 from ..parallel.context_parallel import ATTENTIONS
 from ..parallel.schedule_table import get as get_schedule
 
@@ -69,13 +70,13 @@ def nodes_for(cfg: TrainConfig, gpus_per_node: int | None = None) -> Nodes:
 def translate(cfg: TrainConfig, tool: str, gpus_per_node: int | None = None) -> StackConfig:
     """``cfg`` in ``tool``'s own names and format; ValueError (one sentence) for an unknown tool or a bad layout.
 
-    The layout only has to make sense (``validate(runnable=False)``): a tool may run what this build does not.
+    The layout only has to make sense (``check(cfg, runnable=False)``): a tool may run what this build does not.
     ``gpus_per_node`` spreads the world over servers of that many GPUs (default: one server holds it all): each
     tool's own fields for servers and GPUs per server are written from it.
     """
     if tool not in TOOLS:
         raise ValueError(f"tool {tool!r} is not one of {', '.join(TOOLS)}.")
-    cfg.validate(runnable=False)
+    check(cfg, runnable=False)
     nodes = nodes_for(cfg, gpus_per_node)
     settings, notes = _TRANSLATORS[tool](cfg, nodes)
     return StackConfig(tool, settings, _WRITERS[tool](cfg, settings, nodes), notes)

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from .cluster import Cluster
 from ..model import MODELS
+from .cluster import Cluster
 from .shapes import Shape
 
 # What torch.cuda.get_device_name() says, and the entry of gpucourse.modeled.gpus it is.

@@ -41,9 +41,11 @@ import functools
 import math
 from dataclasses import dataclass
 
-from ..config import TrainConfig, allowed
+from ..config import AUTO_PRECISION, TrainConfig, allowed
 from ..model import GPTConfig
+from ..parallel import check
 from ..parallel.pipeline import stage_blocks
+from ..readable import ConfigError
 from ..readable import human_bytes
 from ..values import NON_NEGATIVE_NUMBER
 
@@ -338,7 +340,10 @@ def estimate(cfg: TrainConfig, every_rank: bool = True) -> dict:
     is on pipeline stage r // (dp·tp). ``every_rank=False``: ``per_rank`` holds the first rank of each
     pipeline stage only (the others of a stage hold the same), as a planner sizing thousands of GPUs wants.
     """
-    cfg.validate(runnable=False)
+    if cfg.precision == AUTO_PRECISION:
+        raise ConfigError("precision 'auto' is chosen where the ranks run (gpucourse.platforms.resolve); an "
+                          "estimate on paper needs fp32, bf16 or fp16.")
+    check(cfg, runnable=False)
     mc = cfg.model_config()
     from ..parallel import schedules_virtual
 

@@ -49,15 +49,16 @@ import math
 import textwrap
 from dataclasses import dataclass
 
-from .cluster import Cluster
 from ..config import ConfigError, TrainConfig
+from ..parallel import check
+from ..readable import human_bytes
+from ..values import GPUS_PER_NODE, RANKS, SEQUENCES, TOKENS, Name, number
+from . import shapes
+from .cluster import Cluster
 from .gpus import get_gpu
 from .memory import estimate, estimate_params
 from .offload import offload_memory, offload_time
-from ..readable import human_bytes
-from . import shapes
 from .shapes import Shape, ShapeError, for_params, get_shape
-from ..values import GPUS_PER_NODE, RANKS, SEQUENCES, TOKENS, Name, number
 
 
 def shape_for_params(num_params: float) -> dict:
@@ -212,7 +213,7 @@ def memory_of(cfg: TrainConfig, shape: Shape, offload: bool = False, framework=N
         # The same microbatches (sequences each), fewer of them: the same peak, laid out in a fraction of the time.
         fewer = dataclasses.replace(cfg, microbatches=m, batch_size=cfg.batch_size // cfg.microbatches * m)
         return {**estimate(fewer, every_rank=False), "config": cfg.to_dict()}
-    cfg.validate(runnable=False)
+    check(cfg, runnable=False)
     overlap = get_framework(framework)
     worst = worst_parts = None
     for stage in range(cfg.pp):

@@ -19,8 +19,8 @@ import itertools
 import statistics
 from dataclasses import dataclass, field
 
-from .cluster import Cluster
 from ..config import TrainConfig
+from .cluster import Cluster
 from .gpus import GPUSpec, get_gpu
 from .plan import RECOMPUTE_NOTE, step_time
 

@@ -43,12 +43,13 @@ import warnings
 
 from ..clock import Task
 from ..clock import run as run_clock
-from .cluster import Cluster
 from ..config import ConfigError, TrainConfig
 from ..measure import SPAN_KINDS, RunResult
-from .memory import active_params, num_params, stage_params
+from ..parallel import check
 from ..parallel.schedule_table import get as get_schedule
 from ..values import NON_NEGATIVE, NON_NEGATIVE_NUMBER, RANKS, Name, number, whole
+from .cluster import Cluster
+from .memory import active_params, num_params, stage_params
 
 COMPUTE = ("forward", "backward", "optimizer")
 KERNELS_PER_BLOCK = 14        # one block's forward: 2 LayerNorms, 4 matmuls, attention's few, GELU, 2 adds
@@ -188,7 +189,7 @@ def check_run(run: RunResult) -> RunResult:
             raise ConfigError(f"a saved run's {name} is a {'JSON object' if kind is dict else kind.__name__}, "
                               f"not {type(getattr(run, name)).__name__}.")
     try:
-        cfg = TrainConfig.from_dict(run.config).validate(runnable=False)
+        cfg = check(TrainConfig.from_dict(run.config), runnable=False)
     except (TypeError, KeyError, AttributeError) as e:  # a field of the wrong type, which validate cannot name
         raise ConfigError(f"a saved run's config does not describe a run ({type(e).__name__}: {e}).") from None
     if RANKS.check(run.world_size, "world_size") != cfg.world_size:

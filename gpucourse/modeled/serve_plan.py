@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import textwrap
 
-from .cluster import Cluster
 from ..config import ConfigError
-from .gpus import get_gpu
 from ..serving.speculative import expected_tokens
 from ..serving.split_kv import num_splits
-from .shapes import ShapeError, get_shape
 from ..values import GPUS_PER_NODE, POSITIVE, POSITIVE_NUMBER, RANKS, TOKENS, Name
+from .cluster import Cluster
+from .gpus import get_gpu
+from .shapes import ShapeError, get_shape
 
 ELEM = {"fp32": 4, "bf16": 2, "fp8": 1}  # bytes a weight or a cached number is stored in
 FORMAT = Name(ELEM)  # a stored number's format: the weights' or the KV cache's

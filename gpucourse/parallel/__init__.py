@@ -2,7 +2,7 @@
 
 :func:`parallelize` applies the strategies to the plain model in one fixed order,
 as torchtitan's ``parallelize_llama`` does: :data:`STRATEGIES`, the same tuple
-whose rules :meth:`gpucourse.TrainConfig.validate` checks. Each strategy's
+whose rules :func:`check` checks before anything runs or is planned. Each strategy's
 ``apply`` lives in its technique's file and takes only its own slice of the
 device mesh:
 
@@ -36,15 +36,17 @@ from typing import Callable
 import torch
 
 from ..measure import Recorder
+from ..values import Name
 from . import (activation_checkpointing, context_parallel, context_parallel_torch, data_parallel, expert_parallel,
                pipeline, pipeline_virtual, tensor_parallel, tensor_parallel_torch)
 from .activation_checkpointing import recompute
 from .fsdp_module import FullyShardedDataParallel
 from .precision import Precision
+from .schedule_table import SCHEDULES
 from .single import Trainer
 
-# A config (gpucourse.TrainConfig) is only read here, never built or imported: config.py asks these strategies
-# to check it, so importing it back would make a loop.
+# A config (gpucourse.TrainConfig) is only read here, never built or imported: it is data, and these strategies
+# check it (check, below) wherever a layout is run or planned.
 
 
 @dataclass(frozen=True)
@@ -103,12 +105,30 @@ STRATEGIES = (
 )
 
 
+# The config fields whose values are the strategies' own records: a schedule's name, an attention's. The command
+# line's flags take their kind from here, and check refuses an unknown one naming those known.
+KINDS = {"schedule": Name(SCHEDULES), "cp_algo": Name(context_parallel.ATTENTIONS)}
+
+
+def check(cfg, runnable: bool = True):
+    """``cfg`` if it can run, else :class:`~gpucourse.readable.ConfigError` naming the first constraint it breaks:
+    its values (:meth:`~gpucourse.TrainConfig.validate`), then every strategy's own rules in the order they apply.
+
+    ``runnable=False`` checks only that the layout makes sense (for estimates on paper), not that this build can
+    train it."""
+    cfg.validate()
+    for name, kind in KINDS.items():
+        kind.check(getattr(cfg, name), name)
+    check_strategies(cfg, cfg.model_config(), runnable)
+    return cfg
+
+
 def check_strategies(cfg, mc, runnable: bool = True) -> None:
     """Every strategy's rules for ``cfg`` (``mc``: its model's config), in order; the first broken one raises
-    :class:`~gpucourse.readable.ConfigError` (what :meth:`gpucourse.TrainConfig.validate` calls)."""
+    :class:`~gpucourse.readable.ConfigError`."""
     for strategy in STRATEGIES:
-        for check in strategy.checks:
-            check(cfg, mc, runnable)
+        for rule in strategy.checks:
+            rule(cfg, mc, runnable)
 
 
 def parallelize(model, mesh, cfg, rec: Recorder | None = None, device=None) -> Trainer:
@@ -129,21 +149,77 @@ def parallelize(model, mesh, cfg, rec: Recorder | None = None, device=None) -> T
     return built.trainer
 
 
-# Which trainer synchronises the gradients, and what ``gpucourse train --list`` calls it: one choice, read by
-# _data_parallel (to build it) and TrainConfig.describe (to name it).
-DATA_PARALLEL = {
-    "zero3": "ZeRO-3 (flat shards per block, each gathered just in time)",
-    "zero": "ZeRO-{zero} (flat shards)",
-    "torch-zero1": "ZeroRedundancyOptimizer",
-    "fsdp2-kept": "FSDP2, parameters kept between forward and backward",
-    "fsdp2": "FSDP2 fully_shard",
-    "accelerate-fsdp": "accelerate.Accelerator (FSDP; CUDA only)",
-    "buckets": "bucketed all-reduce overlapped with backward",
-    "per-gradient": "one all-reduce per gradient after backward",
-    "replicate": "replicate (DDP on FSDP2's machinery, for DTensor parameters)",
-    "ddp": "DistributedDataParallel",
-    "accelerate-ddp": "accelerate.Accelerator (DDP)",
-}
+@dataclass(frozen=True)
+class DataParallelKind:
+    """One way of synchronising gradients over the dp slice: its name, what ``gpucourse train --list`` calls it,
+    and how it builds its trainer — ``build(model, mesh, cfg, options)``, where ``mesh`` is the dp slice (dp × cp
+    flattened with context parallelism) and ``options`` the trainer's keyword arguments."""
+
+    name: str
+    summary: str
+    build: Callable
+    fp32_only: bool = False  # PyTorch's sharded kinds take no precision of the course's (the config says so)
+
+
+def _zero3(model, mesh, cfg, options):
+    from .zero3 import Zero3Scratch
+    return Zero3Scratch(model, mesh.get_group(), **options)
+
+
+def _zero(model, mesh, cfg, options):
+    from .zero import ZeroScratch
+    return ZeroScratch(model, mesh.get_group(), cfg.zero, **options)
+
+
+def _torch_zero1(model, mesh, cfg, options):
+    from .zero_torch import TorchZero1
+    return TorchZero1(model, mesh.get_group(), **options)
+
+
+def _fsdp2(model, mesh, cfg, options):
+    from .zero_torch import TorchFSDP
+    return TorchFSDP(model, mesh, cfg.zero, **options)
+
+
+def _replicate(model, mesh, cfg, options):
+    from .data_parallel import TorchReplicate
+    return TorchReplicate(model, mesh, **options)
+
+
+def _ddp(model, mesh, cfg, options):
+    from .data_parallel import TorchDDP
+    return TorchDDP(model, mesh.get_group(), cfg.bucket_mb, **options)
+
+
+def _buckets(model, mesh, cfg, options):
+    from .data_parallel_buckets import BucketedDataParallel
+    return BucketedDataParallel(model, mesh.get_group(), cfg.bucket_mb, **options)
+
+
+def _per_gradient(model, mesh, cfg, options):
+    from .data_parallel import DataParallelScratch
+    return DataParallelScratch(model, mesh.get_group(), **options)
+
+
+def _accelerate(model, mesh, cfg, options):
+    raise AssertionError("Accelerate prepares the whole model itself: parallelize builds it before the strategies")
+
+
+# Which trainer synchronises the gradients, and what ``gpucourse train --list`` calls it: one record each, read by
+# _data_parallel (to build it) and the catalogue (to name it).
+DATA_PARALLEL = {kind.name: kind for kind in (
+    DataParallelKind("zero3", "ZeRO-3 (flat shards per block, each gathered just in time)", _zero3),
+    DataParallelKind("zero", "ZeRO-{zero} (flat shards)", _zero),
+    DataParallelKind("torch-zero1", "ZeroRedundancyOptimizer", _torch_zero1, fp32_only=True),
+    DataParallelKind("fsdp2-kept", "FSDP2, parameters kept between forward and backward", _fsdp2, fp32_only=True),
+    DataParallelKind("fsdp2", "FSDP2 fully_shard", _fsdp2, fp32_only=True),
+    DataParallelKind("accelerate-fsdp", "accelerate.Accelerator (FSDP; CUDA only)", _accelerate),
+    DataParallelKind("buckets", "bucketed all-reduce overlapped with backward", _buckets),
+    DataParallelKind("per-gradient", "one all-reduce per gradient after backward", _per_gradient),
+    DataParallelKind("replicate", "replicate (DDP on FSDP2's machinery, for DTensor parameters)", _replicate),
+    DataParallelKind("ddp", "DistributedDataParallel", _ddp),
+    DataParallelKind("accelerate-ddp", "accelerate.Accelerator (DDP)", _accelerate),
+)}
 
 
 def data_parallel_kind(cfg) -> str | None:
@@ -168,33 +244,11 @@ def _data_parallel(model, mesh, cfg, **options) -> Trainer:
     With context parallelism the dp and cp ranks hold the same weights and average their gradients together:
     the slice is the flattened dp × cp mesh.
     """
+    name = data_parallel_kind(cfg)
+    if name is None:
+        return Trainer(model, **options)
+    kind = DATA_PARALLEL[name]
+    if kind.fp32_only:
+        options.pop("precision")
     dp_mesh = mesh["dp", "cp"]._flatten() if cfg.cp > 1 else mesh["dp"]
-    group = dp_mesh.get_group()
-    kind = data_parallel_kind(cfg)
-    if kind in ("torch-zero1", "fsdp2-kept", "fsdp2"):
-        options.pop("precision")  # fp32 only (the config says so)
-    if kind == "zero3":
-        from .zero3 import Zero3Scratch
-        return Zero3Scratch(model, group, **options)
-    if kind == "zero":
-        from .zero import ZeroScratch
-        return ZeroScratch(model, group, cfg.zero, **options)
-    if kind == "torch-zero1":
-        from .zero_torch import TorchZero1
-        return TorchZero1(model, group, **options)
-    if kind in ("fsdp2-kept", "fsdp2"):
-        from .zero_torch import TorchFSDP
-        return TorchFSDP(model, dp_mesh, cfg.zero, **options)
-    if kind == "replicate":
-        from .data_parallel import TorchReplicate
-        return TorchReplicate(model, dp_mesh, **options)
-    if kind == "ddp":
-        from .data_parallel import TorchDDP
-        return TorchDDP(model, group, cfg.bucket_mb, **options)
-    if kind == "buckets":
-        from .data_parallel_buckets import BucketedDataParallel
-        return BucketedDataParallel(model, group, cfg.bucket_mb, **options)
-    if kind == "per-gradient":
-        from .data_parallel import DataParallelScratch
-        return DataParallelScratch(model, group, **options)
-    return Trainer(model, **options)
+    return kind.build(model, dp_mesh, cfg, options)

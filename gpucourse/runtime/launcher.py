@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -77,13 +77,15 @@ class LaunchTimeout(Readable, TimeoutError):
 class DevicePlan:
     """Where ranks run and over which backend, and why; ``nccl_env`` holds the NCCL settings these GPUs need, as
     ``(name, value, why)`` (see :func:`gpucourse.runtime.devices.nccl_settings`). ``stand_in``: the ranks would
-    use GPUs that are only described (``GPUCOURSE_FAKE_GPUS``), so CPU processes run in their place."""
+    use GPUs that are only described (``GPUCOURSE_FAKE_GPUS``), so CPU processes run in their place. ``gpus``: the
+    GPUs it was planned on, so that what else depends on them (precision "auto", the notes) asks no second time."""
 
     device: str   # "cuda" or "cpu"
     backend: str  # "nccl" or "gloo"
     reason: str
     nccl_env: tuple = ()
     stand_in: bool = False
+    gpus: object = field(default=None, compare=False, repr=False)
 
 
 def visible_gpus() -> int:
@@ -134,15 +136,15 @@ def plan_device(device: str, world_size: int, gpus: devices.DeviceSet | None = N
             # are this machine's: so a notebook runs top to bottom as it would there, with CPU processes.
             them = "it" if world_size == 1 else "them"
             return DevicePlan("cpu", "gloo", f"{reason}, as {found.source} describes; CPU processes stand in for "
-                              f"{them}", devices.nccl_settings(found), stand_in=True)
-        return DevicePlan("cuda", "nccl", reason, devices.nccl_settings(found))
+                              f"{them}", devices.nccl_settings(found), stand_in=True, gpus=found)
+        return DevicePlan("cuda", "nccl", reason, devices.nccl_settings(found), gpus=found)
     limit = cpu_rank_limit()
     if world_size > limit:
         fallback = f" ({short}, so the run would fall back to CPU processes)" if device == "auto" else ""
         raise LaunchError(f"{world_size} ranks are more than this machine can run as CPU processes "
                           f"(at most {limit}){fallback}; use fewer ranks.")
     why = "device='cpu' asked for" if device == "cpu" else short
-    return DevicePlan("cpu", "gloo", f"{why}: ranks are CPU processes ('virtual GPUs')")
+    return DevicePlan("cpu", "gloo", f"{why}: ranks are CPU processes ('virtual GPUs')", gpus=found)
 
 
 _told: set = set()  # the NCCL settings this process has printed
@@ -568,7 +570,7 @@ def launch(fn, *args, world_size: int, timeout: float | None = None, device: str
     - ``timeout``: seconds for the whole group; past it every rank is killed and
       :class:`LaunchTimeout` names the ranks that had not finished.
     - ``device``: ``"auto"`` (NCCL when there is a GPU per rank, else gloo on CPU),
-      ``"cpu"`` or ``"cuda"``.
+      ``"cpu"`` or ``"cuda"``; or a :class:`DevicePlan` the caller has made already.
     - ``on_message``: called in this process with each dict a rank passes to
       :func:`gpucourse.runtime.report`.
     - ``pg_timeout``: how long a collective may wait before the process group
@@ -585,11 +587,11 @@ def launch(fn, *args, world_size: int, timeout: float | None = None, device: str
     if in_place():
         check_in_place_world(world_size)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        plan = plan_device(device, local)
+        plan = device if isinstance(device, DevicePlan) else plan_device(device, local)
         with _nccl_environment(plan, quiet):
             return worker.run_in_place(fn, args, kwargs, plan.device, plan.backend, pg_timeout)
 
-    plan = plan_device(device, world_size)
+    plan = device if isinstance(device, DevicePlan) else plan_device(device, world_size)
     method = _start_method(fn, plan, start_method)
     if method != "fork":
         _check_spawnable(fn, args, kwargs)
