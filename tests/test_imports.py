@@ -285,7 +285,8 @@ def test_the_old_names_of_moved_modules_still_import_with_a_warning():
 def test_the_course_itself_uses_the_new_names():
     import re
     old = "|".join(sorted(gpucourse_moved(), key=len, reverse=True))
-    pattern = re.compile(rf"\bgpucourse\.({old})\b|from gpucourse import [\w, ]*\b({old})\b")
+    pattern = re.compile(rf"\bgpucourse\.({old})\b|from gpucourse import [\w, ]*\b({old})\b"
+                         rf"|from gpucourse import \([^)]*\b({old})\b[^)]*\)")
     root = PACKAGE.parent
     files = [p for d in ("notebooks", "exercises", "solutions", "scripts", "tests", "docs", "gpucourse")
              for p in (root / d).rglob("*") if p.is_file() and p.suffix in (".py", ".ipynb", ".md", "")]

@@ -85,7 +85,7 @@ def _shown_text(output) -> str:
 
 @lru_cache(maxsize=1)
 def _source_lines() -> frozenset:
-    package = Path(lab.__file__).parent
+    package = Path(lab.__file__).parents[1]  # the whole package: gpucourse/course/lab.py
     return frozenset(line for f in package.rglob("*.py") for line in f.read_text(encoding="utf-8").splitlines())
 
 
