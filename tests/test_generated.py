@@ -70,3 +70,10 @@ def test_views_hold_the_same_values_with_other_strides():
         view = generated.laid_out(t, layout)
         assert torch.equal(view, t) and not view.is_contiguous()
     assert generated.laid_out(torch.tensor(2.0), "strided").dim() == 0
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_paired_knobs_take_every_combination_whatever_the_seed(seed):
+    space = Space(dtype=One(DTYPES), where=One(("before", "after", "anywhere")), n=Int(0, 3), pairs=("dtype", "where"))
+    cases = space.draw(seed, 12)
+    assert {(c["dtype"], c["where"]) for c in cases} == {(d, w) for d in DTYPES for w in ("before", "after", "anywhere")}

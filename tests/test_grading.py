@@ -231,7 +231,8 @@ WRONG_ANSWERS = {
     "ex11_ring_attention/receives_into_views": ([EX11_CONTRACT], "contract 'any strides'"),
     "ex11_ring_attention/backward_scales_q_in_place": ([EX11_CONTRACT, EX11_ONE_RANK], "contract 'inputs unchanged'"),
     "ex11_ring_attention/float32_outputs": ([EX11_ONE_RANK], "contract 'keeps the dtype'"),
-    "ex11_ring_attention/no_max_subtracted": ([EX11_CONTRACT], "are nan"),
+    # In fp16 its clamp_min(1e-30) is 0: a row that sees no key divides 0 by 0 (found by the drawn blocks).
+    "ex11_ring_attention/no_max_subtracted": ([EX11_CONTRACT, "block_attention masks by position"], "are nan"),
     "ex11_ring_attention/grads_hop_to_self": ([EX11_ONE_RANK], "not connected"),
     "ex12_expert_dispatch/unstable_sort": (["permute sorts choices by expert, stably",
                                             "dispatch sends each row to its expert's rank (2 ranks)"], "not stable"),

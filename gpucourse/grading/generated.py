@@ -140,15 +140,22 @@ class Space:
     """The cases of a property: a knob per name (:class:`One`, :class:`Int`, :class:`Shape`, :class:`Many`).
 
     A case is a dict of the knobs' values plus ``"seed"``, the seed of its tensors' numbers (kept while it
-    shrinks, so that a smaller case holds numbers drawn the same way)."""
+    shrinks, so that a smaller case holds numbers drawn the same way). ``pairs`` names two :class:`One` knobs
+    whose values are drawn together, every combination of them in as many cases (a mistake that shows only in
+    fp16 on a row that sees no key is then found whatever the seed)."""
 
-    def __init__(self, **knobs):
-        self.knobs = knobs
+    def __init__(self, pairs: tuple[str, str] | None = None, **knobs):
+        self.knobs, self.pairs = knobs, pairs
 
     def draw(self, seed: int, count: int) -> list[dict]:
         """``count`` cases from ``seed``: each value of each knob's cover in at least one of them."""
         rng = random.Random(seed)
         columns = {name: knob.cover(rng, count) for name, knob in self.knobs.items()}
+        if self.pairs:
+            a, b = self.pairs
+            both = [(x, y) for x in self.knobs[a].values for y in self.knobs[b].values]
+            rng.shuffle(both)
+            columns[a], columns[b] = ([both[i % len(both)][j] for i in range(count)] for j in (0, 1))
         return [{**{name: col[i] for name, col in columns.items()}, "seed": rng.randrange(2**31)}
                 for i in range(count)]
 

@@ -13,9 +13,10 @@ import math
 import torch
 
 from ...data import context_positions
-from .. import contracts
+from .. import contracts, generated
 from ..contracts import Contract
 from ..core import Exercise, Fail, describe_mismatch
+from ..generated import DTYPES, Int, One, Space
 
 EXERCISE = Exercise("ex11_ring_attention", "Ring attention", "notebooks/12_sequence_context_parallel.ipynb",
                     forbidden_collectives=("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
@@ -168,6 +169,51 @@ def one_block(ctx):
                 [(_attend(q, k, v, q_pos, k_pos, not causal)[0],
                   "it is the other masking: causal hides keys at later positions, only when causal is True")])
         _expect(f"block_attention's lse{label}", got_lse, lse)
+    generated.for_all(ctx, BLOCKS, lambda case: _attends(ctx, case), count=12, describe=_block_words)
+
+
+# One block drawn: 1 to 7 queries over 1 to 6 keys, heads of 1 to 8 dimensions, one (batch, head) or several, in any
+# float dtype, causal or not, the keys before every query, anywhere, or after every one (causal: nothing seen) —
+# each dtype with each of the three.
+BLOCKS = Space(queries=Int(1, 7), keys=Int(1, 6), head_dim=One((8, 1, 3)), heads=One(((1, 2), (2, 3), (1, 1))),
+               dtype=One(DTYPES), causal=One((True, False)), where=One(("anywhere", "before", "after")),
+               pairs=("dtype", "where"))
+
+
+def _drawn_block(case: dict) -> tuple:
+    (b, h), d = case["heads"], case["head_dim"]
+    q, k, v = (generated.tensor(case, (b, h, n, d), case["dtype"], name)
+               for name, n in (("q", case["queries"]), ("k", case["keys"]), ("v", case["keys"])))
+    g = generated.generator(case, "positions")
+    q_pos = torch.randperm(20, generator=g)[:case["queries"]].sort().values + 10
+    k_pos = {"anywhere": torch.randperm(40, generator=g)[:case["keys"]].sort().values,
+             "before": torch.arange(case["keys"]), "after": torch.arange(case["keys"]) + 40}[case["where"]]
+    return q, k, v, q_pos, k_pos, case["causal"] or case["where"] == "after"
+
+
+def _block_words(case: dict) -> str:
+    q, k, _, q_pos, k_pos, causal = _drawn_block(case)
+    return (f"block_attention{' (causal)' * causal} of q {generated.shape_words(tuple(q.shape))} at positions "
+            f"{q_pos.tolist()} over k {generated.shape_words(tuple(k.shape))} at {k_pos.tolist()}, in "
+            f"{generated.name(q.dtype)}")
+
+
+def _attends(ctx, case: dict) -> str | None:
+    args = _drawn_block(case)
+    q = args[0]
+    got = ctx.call(BLOCK.function, *args).value
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        return f"block_attention returned {generated.kind(got)}, not a pair (out, lse)"
+    out, lse = _attend(*(x.double() for x in args[:3]), *args[3:])
+    for what, mine, want in (("out", got[0], out), ("lse", got[1], lse)):
+        dtype = q.dtype  # the values here, at the coarser of the two dtypes; q's dtype kept is the contract's check
+        if torch.is_tensor(mine) and mine.is_floating_point():
+            dtype = generated.coarser(mine.dtype, q.dtype)
+            mine = mine.to(dtype)
+        problem = generated.mismatch(f"block_attention's {what}", mine, want.to(dtype))
+        if problem:
+            return problem
+    return None
 
 
 # --- the ring ---------------------------------------------------------------------------------------------
