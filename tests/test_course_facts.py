@@ -1127,3 +1127,34 @@ def test_notebook_08_gives_bucket_and_message_sizes_in_the_units_it_computes():
     code, text = markdown("08_profiling", "code"), prose("08_profiling")
     assert '"buckets of 0.25 MiB"' in code and "{sent / calls / KB:.1f} KiB on average" in code
     assert 'description="bucket MiB"' in code and "no buckets against 0.25 MiB on 4 ranks" in text
+
+
+def test_notebook_11_recap_says_which_zero_1_sends_what():
+    """11's one-page recap: ZeRO-1/2 cost DP's bytes only as the paper writes them; notebook 03's scratch ZeRO-1
+    (all-reduce, then all-gather) sends 1.5× and ZeroRedundancyOptimizer (all-reduce, then broadcasts) 2× on 2 ranks,
+    the ratios of the ring factors."""
+    n = 2
+    dp = RING_FACTOR["all_reduce"](n)
+    assert RING_FACTOR["reduce_scatter"](n) + RING_FACTOR["all_gather"](n) == dp
+    assert (dp + RING_FACTOR["all_gather"](n)) / dp == 1.5 and (dp + RING_FACTOR["broadcast"](n)) / dp == 2
+    text = prose("11_certification_review")
+    assert ("ZeRO-1/2 as the ZeRO paper writes them: reduce-scatter + all-gather = one all-reduce (DP's); an all-reduce "
+            "then an all-gather (this course's ZeRO-1) 1.5×, `ZeroRedundancyOptimizer`'s all-reduce then broadcasts 2× "
+            "on 2 ranks") in text
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_notebook_11_recap_gives_a_blocks_activations(tp):
+    """11's recap: one block of this course's model keeps about b·T·C·(16 + 48/tp) bytes in fp32 (within 2 %: the
+    LayerNorms' statistics and attention's core add a little), 4·b·T·C checkpointed; from memory.estimate."""
+    def per_block(**kw):
+        est = {n: memory.estimate(TrainConfig(seq_len=64, overrides={"n_layer": n}, **kw))["per_rank"][0]["activations"]
+               for n in (4, 8)}
+        return (est[8] - est[4]) / 4
+
+    cfg = TrainConfig(tp=tp, seq_len=64)
+    btc = cfg.batch_size * cfg.seq_len * cfg.model_config().n_embd
+    assert per_block(tp=tp) / btc == pytest.approx(16 + 48 / tp, rel=0.02)
+    assert per_block(checkpoint_activations=True) == 4 * btc
+    text = prose("11_certification_review")
+    assert "this course's model, fp32: ≈ b·T·C·(16 + 48/tp) bytes; checkpointed: the block's input, 4·b·T·C" in text
