@@ -212,7 +212,7 @@ def counts(ctx):
         sent[0][per - 1] = 0  # an expert that rank 0 sends nothing
         _exchanged(ctx, sent, "exchange_counts")
     generated.for_all(ctx, COUNTS, lambda case: _fails(_exchanged, ctx, _drawn_counts(case, n), "exchange_counts"),
-                      count=4, describe=lambda case: _counts_words(case, n))
+                      count=3, describe=lambda case: _counts_words(case, n))
 
 
 # Counts drawn: 2 to 8 experts, up to 9 choices each, and none at all to one expert or to every one. For the
@@ -372,7 +372,7 @@ def contract(ctx):
     _call_all(ctx, PERMUTE, [(chosens[r].clone(), E) for r in range(n)], f"{label}, {n} ranks", held=True)
     generated.for_all(ctx, CHANGED_COUNTS, lambda case: _fails(_call_all, ctx, EXCHANGE,
                                                                [(c,) for c in _drawn_counts(case, n)], "", True),
-                      count=3, describe=lambda case: _counts_words(case, n))
+                      count=2, describe=lambda case: _counts_words(case, n))
     for dtype in DTYPES:
         name = str(dtype).removeprefix("torch.")
         xs, ws = _tokens(ctx, chosens, ("contract", name))
