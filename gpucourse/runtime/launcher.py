@@ -561,7 +561,7 @@ def preimport() -> None:
 
 def launch(fn, *args, world_size: int, timeout: float | None = None, device: str = "auto",
            start_method: str | None = None, on_message=None, pg_timeout: float | None = None,
-           quiet: bool = False, **kwargs) -> list:
+           quiet: bool = False, isolate: bool = False, **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their values in rank order.
 
     Inside ``fn`` the default process group is ready (gloo on CPU, NCCL on CUDA)
@@ -575,6 +575,9 @@ def launch(fn, *args, world_size: int, timeout: float | None = None, device: str
       :func:`gpucourse.runtime.report`.
     - ``pg_timeout``: how long a collective may wait before the process group
       gives up (defaults to ``timeout`` + 30 s, or 300 s).
+    - ``isolate``: each rank runs in PID and IPC namespaces of its own (and a user
+      namespace unless this is root), with none of the launcher's descriptors, and
+      returns JSON (the grader's ranks; see ``worker.rank_main``).
 
     Under ``torchrun`` (RANK and WORLD_SIZE already set) nothing is launched:
     ``fn`` runs here as this process's rank and every rank gets all values.
@@ -609,7 +612,7 @@ def launch(fn, *args, world_size: int, timeout: float | None = None, device: str
             left = None if timeout is None else max(0.1, timeout - (time.monotonic() - started))
             try:
                 return _launch_once(fn, args, kwargs, world_size, left, timeout, plan, method, pg_timeout,
-                                    on_message)
+                                    on_message, isolate)
             except _StartupStalled:
                 if attempt == 2:
                     raise LaunchError(f"the {world_size} ranks did not finish joining their process group within "
@@ -625,7 +628,8 @@ def _startup_s(method: str, world_size: int) -> float:
     return 15.0 if method == "fork" else 30.0 + 5.0 * world_size
 
 
-def _launch_once(fn, args, kwargs, world_size, left, timeout, plan, method, pg_timeout, on_message) -> list:
+def _launch_once(fn, args, kwargs, world_size, left, timeout, plan, method, pg_timeout, on_message,
+                 isolate=False) -> list:
     """One attempt: ``left`` seconds remain of the caller's ``timeout`` (which error messages quote)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -637,7 +641,7 @@ def _launch_once(fn, args, kwargs, world_size, left, timeout, plan, method, pg_t
     channel = ctx.Queue()
     spec = {"run_dir": run_dir, "device_type": plan.device, "backend": plan.backend, "pg_timeout": pg_timeout,
             "channel": channel, "all_started": ctx.Barrier(world_size), "startup_s": _startup_s(method, world_size),
-            "threads": 1 if method == "fork" else max(1, (os.cpu_count() or 1) // world_size)}
+            "threads": 1 if method == "fork" else max(1, (os.cpu_count() or 1) // world_size), "isolate": isolate}
     with _nvml_cuda_check():
         config = LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex,

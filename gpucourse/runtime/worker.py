@@ -17,6 +17,7 @@ import io
 import json
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -40,6 +41,9 @@ class RankContext:
     backend: str
     channel: Any = None
     notes: str | None = None  # the launcher's folder, where this rank says it is ready, done or failed
+    # Asked to run in namespaces of its own (launch(isolate=True)) but could not: why ("" when it does, or was
+    # not asked).
+    unisolated: str = ""
 
 
 _CONTEXT: RankContext | None = None
@@ -80,6 +84,9 @@ def _die_with_parent() -> None:
 
 
 def _note(run_dir: str, name: str, payload: dict) -> None:
+    if _OUTSIDE is not None:  # an isolated rank: the process outside writes its notes (see _stand_in)
+        _tell_outside({"note": name, "payload": payload})
+        return
     path = os.path.join(run_dir, name)
     with open(path + ".tmp", "w") as f:
         json.dump(payload, f)
@@ -105,7 +112,28 @@ def pick_device(device_type: str, local_rank: int) -> torch.device:
 
 
 def rank_main(fn, args: tuple, kwargs: dict, spec: dict):
-    """Run ``fn(*args, **kwargs)`` as one rank of a launched group and return its value."""
+    """Run ``fn(*args, **kwargs)`` as one rank of a launched group and return its value.
+
+    With ``spec["isolate"]`` the rank runs in a child in namespaces of its own (:func:`_enter_namespaces`) and
+    this process stands in for it, outside: it writes the child's notes and returns its value (sent as JSON).
+    """
+    try:
+        value = _rank_main(fn, args, kwargs, spec)
+    except SystemExit as e:
+        if _OUTSIDE is None:
+            raise
+        os._exit(e.code if isinstance(e.code, int) else 0 if e.code is None else 1)
+    except BaseException:
+        if _OUTSIDE is None:
+            raise
+        os._exit(1)  # the error note has gone outside
+    if _OUTSIDE is not None:  # the isolated rank never returns into the launcher's code: that is the outside's
+        _tell_outside({"value": value})
+        os._exit(0)
+    return value
+
+
+def _rank_main(fn, args: tuple, kwargs: dict, spec: dict):
     global _CONTEXT
     # A forked child inherits the launcher's signal handlers, which only run
     # between Python bytecodes: a rank blocked inside a collective would ignore
@@ -121,16 +149,24 @@ def rank_main(fn, args: tuple, kwargs: dict, spec: dict):
     rank = int(os.environ["RANK"])
     run_dir = spec["run_dir"]
     _note(run_dir, f"pid-{rank}.json", {"pid": os.getpid()})
+    unisolated = ""
     try:
         device = pick_device(spec["device_type"], int(os.environ["LOCAL_RANK"]))
         # No rank connects to the store until every rank exists: a rank forked while the launching
         # process (the store's server thread) held a lock, the resolver's in getnameinfo, would wait
         # on that lock forever.
         spec["all_started"].wait(spec["startup_s"])
+        if spec.get("isolate"):
+            child = _enter_namespaces()
+            if isinstance(child, str):
+                unisolated = child
+            elif child is not None:  # this process, outside: the rank is the child
+                return _stand_in(*child, run_dir, rank)
         dist.init_process_group(spec["backend"], timeout=datetime.timedelta(seconds=spec["pg_timeout"]))
         _note(run_dir, f"ready-{rank}.json", {"time": time.time()})
         _CONTEXT = RankContext(rank, dist.get_world_size(), int(os.environ["LOCAL_RANK"]), device,
-                               spec["backend"], spec.get("channel"), run_dir)
+                               spec["backend"], None if _OUTSIDE is not None else spec.get("channel"), run_dir,
+                               unisolated)
         # Each collective writes what it is into status-{rank}.json (a memory map,
         # no system call per call), so a hang can be reported as "waiting in #3 barrier()".
         collective_status.install(collective_status.status_path(run_dir, rank))
@@ -139,8 +175,9 @@ def rank_main(fn, args: tuple, kwargs: dict, spec: dict):
         _wait_for_all_ranks()
     except BaseException as e:  # SystemExit and KeyboardInterrupt are failures of the rank too
         # Looked at before the time is taken: every rank listed was gone before this note's time (which the
-        # launcher's choice of culprit relies on).
-        gone = silent_exits(run_dir)
+        # launcher's choice of culprit relies on). An isolated rank sees no other process: the process outside
+        # looks for it.
+        gone = silent_exits(run_dir) if _OUTSIDE is None else None
         _note(run_dir, f"error-{rank}.json", {
             "rank": rank, "type": type(e).__name__, "message": str(e),
             "traceback": traceback.format_exc(), "time": time.time(), "silent_exits": gone})
@@ -151,6 +188,96 @@ def rank_main(fn, args: tuple, kwargs: dict, spec: dict):
             dist.destroy_process_group()
         sys.stdout.flush()
         sys.stderr.flush()
+    return value
+
+
+# --- a rank in namespaces of its own ---------------------------------------------------------------------
+
+CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x08000000, 0x10000000, 0x20000000
+_OUTSIDE: socket.socket | None = None  # in an isolated rank: its end of the channel to the process outside
+_OUTSIDE_LINE_BYTES = 1 << 20  # longest message the process outside reads (a note with a traceback fits)
+
+
+def _enter_namespaces():
+    """Fork this rank into new PID and IPC namespaces (and a user namespace, unless this process is root).
+
+    In the parent: the child's pid and this end of their channel. In the child, where the rank runs as the
+    first process of its PID namespace with every descriptor closed but its output and that channel: None. Where
+    the machine allows no such namespaces: why not, and nothing changed. The child's mount namespace is its
+    caller's business (the grader's walls: :func:`gpucourse.grading.wall.rank_walls`).
+    """
+    global _OUTSIDE
+    if not sys.platform.startswith("linux"):
+        return "namespaces are Linux's"
+    libc = ctypes.CDLL(None, use_errno=True)
+    uid, gid = os.geteuid(), os.getegid()
+    if libc.unshare(CLONE_NEWPID | CLONE_NEWIPC | (CLONE_NEWUSER if uid else 0)) != 0:
+        return f"this machine allows no new user, PID and IPC namespaces ({os.strerror(ctypes.get_errno())})"
+    if uid:
+        try:  # the same user and group inside as outside, no other
+            for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+        except OSError as e:
+            return f"the user namespace could not map this user ({e})"
+    ours, theirs = socket.socketpair()
+    pid = os.fork()
+    if pid:
+        theirs.close()
+        return pid, ours
+    # The child: it dies with the process outside, which it checks is still there after asking for that.
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    ours.close()
+    theirs.setblocking(False)
+    try:
+        if theirs.recv(1, socket.MSG_PEEK) == b"":
+            os._exit(1)
+    except BlockingIOError:
+        pass
+    theirs.setblocking(True)
+    # Nothing of the launcher's is the rank's to use: of its descriptors only its output stays, and none of the
+    # memory every rank shares with the launcher (its queues' locks, the barrier's counters), which would carry data
+    # from rank to rank through /proc/self/mem.
+    keep = sorted({0, 1, 2, theirs.fileno()})
+    for low, high in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
+        os.closerange(low + 1, high)
+    with open("/proc/self/maps") as f:
+        shared = [line.split()[0].split("-") for line in f if line.split()[1][3] == "s"]
+    for start, end in shared:
+        libc.munmap(ctypes.c_void_p(int(start, 16)), ctypes.c_size_t(int(end, 16) - int(start, 16)))
+    _OUTSIDE = theirs
+    return None
+
+
+def _tell_outside(message: dict) -> None:
+    _OUTSIDE.sendall(json.dumps(message).encode() + b"\n")
+
+
+def _stand_in(child: int, channel: socket.socket, run_dir: str, rank: int):
+    """Outside an isolated rank: write the notes it sends, then end as it ended (its value, or its exit)."""
+    _note(run_dir, f"pid-{rank}.json", {"pid": child})  # the process that runs the rank, for silent_exits
+    value, returned = None, False
+    with channel, channel.makefile("rb") as lines:
+        for line in iter(lambda: lines.readline(_OUTSIDE_LINE_BYTES), b""):
+            try:
+                message = json.loads(line)
+                name, payload = message.get("note"), message.get("payload")
+            except (ValueError, AttributeError):
+                continue  # a line cut at the limit, or not ours: the rank's own code can write here too
+            if "value" in message:
+                value, returned = message["value"], True
+            elif name in {f"{kind}-{rank}.json" for kind in ("ready", "done", "error")} and isinstance(payload, dict):
+                if name.startswith("error-"):  # the rank itself may be gone by now, having said this
+                    payload.update(silent_exits=[r for r in silent_exits(run_dir) if r != rank], time=time.time())
+                _note(run_dir, name, payload)
+    _, status = os.waitpid(child, 0)
+    if os.WIFSIGNALED(status):
+        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    code = os.waitstatus_to_exitcode(status)
+    if code or not returned:
+        sys.stdout.flush()
+        os._exit(code)
     return value
 
 
