@@ -119,9 +119,10 @@ class Batch:
     ranks while it ran; where they cannot, ``meter`` is None and ``unmeasured`` says why."""
 
     def __init__(self, sandbox: "Sandbox", number: int, world_size: int, socks: dict[int, socket.socket],
-                 pids: dict[int, int], status: dict[int, str]):
+                 pids: dict[int, int], status: dict[int, str], unisolated: str = ""):
         self.sandbox, self.number, self.world_size = sandbox, number, world_size
         self.socks, self.pids, self.status = socks, pids, status
+        self.unisolated = unisolated  # why the ranks run without namespaces of their own ("" where they do)
         self.alive = True
         self.meter: traffic.Meter | None = None
         self.unmeasured = ""
@@ -257,7 +258,7 @@ class Sandbox:
                    "refusal": ex.refusal, "hidden_paths": self.spec["hidden_paths"],
                    "hidden_modules": list(HIDDEN_MODULES + ex.hidden_modules), "imports": list(ex.rank_imports)}
         self.control.sendall((json.dumps(request) + "\n").encode())
-        socks, pids, status = {}, {}, {}
+        socks, pids, status, unisolated = {}, {}, {}, ""
         deadline = time.monotonic() + STARTUP_S * self.spec["load"]
         try:
             while len(socks) < world_size:
@@ -284,6 +285,7 @@ class Sandbox:
                     conn.settimeout(None)
                     socks[rank], pids[rank], status[rank] = conn, _peer_pid(conn, int(hello["pid"])), \
                         str(hello["status"])
+                    unisolated = unisolated or str(hello.get("unisolated") or "")[:500]
         except BaseException:
             for s in socks.values():
                 s.close()
@@ -292,7 +294,7 @@ class Sandbox:
         finally:
             listener.close()
             os.unlink(address)
-        return Batch(self, self.batches, world_size, socks, pids, status)
+        return Batch(self, self.batches, world_size, socks, pids, status, unisolated)
 
     def _listen(self, wait: float) -> None:
         """Take in what the sandbox has said within ``wait`` s: one line per finished batch."""
@@ -473,6 +475,7 @@ def grade_exercise(ex: core.Exercise, path: str, spec: dict, sandbox: Sandbox) -
     verdicts: dict[str, tuple[str, str]] = {}
     spent: dict[str, float] = {}  # seconds each check took, starting its ranks included
     unmeasured: set[str] = set()  # why the kernel's counters could not be read, for a batch of several ranks
+    unisolated: set[str] = set()  # why ranks ran without namespaces of their own
     for world_size, checks in _batches(ex.checks):
         batch = None
         for check in checks:
@@ -486,6 +489,8 @@ def grade_exercise(ex: core.Exercise, path: str, spec: dict, sandbox: Sandbox) -
                     return grader_failed([ex.id], f"{e} (for the check {check.name!r}, tried twice)", spec["seed"])[0]
                 if batch.unmeasured:
                     unmeasured.add(batch.unmeasured)
+                if batch.unisolated:
+                    unisolated.add(batch.unisolated)
             try:
                 ctx = core.CheckContext(ex, check, path, spec["seed"], world_size=world_size, batch=batch,
                                         budget_s=budget)
@@ -520,6 +525,8 @@ def grade_exercise(ex: core.Exercise, path: str, spec: dict, sandbox: Sandbox) -
         result["late_imports"] = sorted(sandbox.late_imports)
         sandbox.late_imports.clear()
     warnings = [f"learner code ran as root, not as an unprivileged user: {sandbox.as_root}"] if sandbox.as_root else []
+    warnings += [f"learner code ran without a mount, PID and IPC namespace of its own per rank, walled in by the "
+                 f"grader's audit hook alone: {why}" for why in sorted(unisolated)]
     warnings += [f"the bytes the ranks sent each other were taken from the ranks' own records, which their code can "
                  f"write, not counted by the kernel: {why}" for why in sorted(unmeasured)]
     if warnings:

@@ -6,13 +6,19 @@ only one lives in root's private home: see :mod:`gpucourse.grading.spawn`),
 behind the walls of :mod:`gpucourse.grading.wall`. It imports torch and the probes —
 never the checks, the grader, the reference strategies or ``solutions/`` — and
 then, for each batch of checks the host asks for, starts ``world_size`` ranks
-with :func:`gpucourse.launch`. Each rank:
+with :func:`gpucourse.launch`, each isolated by the operating system
+(``isolate=True``: PID and IPC namespaces of its own, and a user namespace
+where this process is not root). Each rank:
 
-1. connects to the host's socket for that batch and says who it is (with the
-   batch's token), and waits at a barrier until every rank has, so that no
-   learner code runs before every channel is up;
-2. sets its limits (address space, file size, no core dumps) and its guard:
-   an audit hook (``sys.addaudithook``, which cannot be removed) that refuses
+1. connects to the host's socket for that batch, raises its own walls
+   (:func:`gpucourse.grading.wall.rank_walls`: a mount namespace with a fresh
+   /proc, an empty /tmp and /dev/shm of its own, nothing of the sandbox's folder
+   but its own folder and the learner's file, no capability left), says who it
+   is (with the batch's token, and why it could not raise those walls, if it
+   could not: the grade then says so in its first line), and waits at a barrier
+   until every rank has, so that no learner code runs before every channel is up;
+2. sets its limits (address space, file size, no core dumps) and its guard, a
+   second wall inside the first: an audit hook (``sys.addaudithook``, which cannot be removed) that refuses
    to read the repository, the grader's files or other processes, to write
    outside the sandbox, to start processes, open sockets, load C libraries or
    import the reference; a dispatch mode that sees every collective however it
@@ -450,14 +456,22 @@ def serve_rank(batch: dict) -> list[str]:
     ``wire.SLOW_IMPORTS`` this process holds when the host is done with it."""
     from ..runtime import collective_status, current
 
-    os.close(batch["control_fd"])  # the sandbox's own channel to the host is not the learner's
+    try:
+        os.close(batch["control_fd"])  # the sandbox's own channel to the host is not the learner's
+    except OSError:
+        pass  # an isolated rank has none of the sandbox's descriptors already
     rank = dist.get_rank()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(batch["address"])
     status = os.path.join(batch["private"], f"status-{batch['batch']}-{rank}.json")
     collective_status.install(status)
+    own = own_folder(batch, rank)
+    # Its own mount namespace, in the PID and IPC namespaces the launcher gave it: the walls that the audit hook
+    # below only doubles. Where they cannot be raised, the host says so in the grade's first line.
+    unisolated = current().unisolated or batch["rank_walls"](own, [batch["file"]], batch["private"],
+                                                             batch["output_bytes"], batch["library"])
     wire.send_bytes(sock, json.dumps({"rank": rank, "pid": os.getpid(), "token": batch["token"],
-                                      "status": status}).encode())
+                                      "status": status, "unisolated": unisolated}).encode())
     dist.barrier()  # every rank's channel is up before any learner code runs
 
     for limit, value in ((resource.RLIMIT_AS, batch["memory_bytes"]), (resource.RLIMIT_FSIZE, batch["output_bytes"]),
@@ -479,8 +493,7 @@ def serve_rank(batch: dict) -> list[str]:
     server = Server(batch, sock, recorder)
     notes = [os.path.join(context.notes, f"{kind}-{rank}.json{tmp}") for kind in ("done", "error")
              for tmp in ("", ".tmp")] if context.notes else []
-    rules = FileRules(own_folder(batch, rank), batch["hidden_paths"], batch["private"], (batch["file"],),
-                      batch["library"], tuple(notes))
+    rules = FileRules(own, batch["hidden_paths"], batch["private"], (batch["file"],), batch["library"], tuple(notes))
     install_audit_hook(rules, tuple(batch["hidden_modules"]))
     server.serve()
     return [name for name in wire.SLOW_IMPORTS if name in sys.modules]
@@ -559,14 +572,15 @@ def censored_virtual_schedules(source: str) -> types.ModuleType:
 CENSORED_ON_IMPORT = ("gpucourse.parallel.schedules_virtual",)
 
 
-def main(control_fd: int, sources: dict[str, str], library: tuple = (), as_root: str = "") -> int:
+def main(control_fd: int, sources: dict[str, str], library: tuple = (), as_root: str = "", rank_walls=None) -> int:
     """Serve the host's batches (started by :mod:`gpucourse.grading.wall`, which raised the walls first).
 
     ``sources``: the text of ``gpucourse/parallel/schedules.py`` and ``schedules_virtual.py`` by module name,
     read before the walls went up; emptied here, so that only the censored modules outlive this call. ``library``:
     where the grader's packages live (readable by learner code even inside a hidden folder). ``as_root``: why
     this process is still root where it was to run as an unprivileged user ("" where it is not), told to the host
-    with every batch."""
+    with every batch. ``rank_walls``: what each rank raises its own walls with (:func:`.wall.rank_walls`, handed
+    down by the module that raised this process's)."""
     from ..runtime import LaunchError, LaunchTimeout, WorkerError, launch
     from ..runtime import launcher
 
@@ -588,13 +602,14 @@ def main(control_fd: int, sources: dict[str, str], library: tuple = (), as_root:
         batch = json.loads(line)
         batch["control_fd"] = control_fd
         batch["library"] = library
+        batch["rank_walls"] = rank_walls
         late = []
         try:
             for name in batch["imports"]:  # before forking: the ranks inherit them (a rank's walls are up already)
                 importlib.import_module(name)
             before = set(sys.modules)
             imported = launch(serve_rank, batch, world_size=batch["world_size"], device="cpu", quiet=True,
-                              timeout=batch["limit_s"], pg_timeout=batch["limit_s"] + 30)
+                              timeout=batch["limit_s"], pg_timeout=batch["limit_s"] + 30, isolate=True)
             # A slow module a rank had to import itself, that its exercise did not name: imported here for the
             # next batches, and told to the host (the suite holds every exercise's rank_imports to it).
             late = sorted({name for names in imported for name in names or ()} & set(wire.SLOW_IMPORTS) - before)

@@ -19,7 +19,10 @@ user namespace when it is not root) in which:
   ``/proc``, ``/sys``).
 
 Every process the learner's code could start, even one that escaped the audit
-hook (see :mod:`gpucourse.grading.sandbox`), is in that namespace too. Started
+hook (see :mod:`gpucourse.grading.sandbox`), is in that namespace too. Each
+learner rank then raises walls of its own inside it (:func:`rank_walls`): its
+own mount, PID and IPC namespaces, so that no rank sees another's files,
+shared memory or processes, and no capability. Started
 as root, the process becomes the unprivileged user once the walls are up. Where
 namespaces are not allowed, nothing is changed and the audit hook stands alone;
 as root it still becomes that user if the user can reach what it runs, and
@@ -239,6 +242,95 @@ def raise_walls(hidden: list[str], private: str, library: tuple = ()) -> bool:
     return True
 
 
+def _read_only(libc, point: str, options: set[str]) -> bool:
+    """Make the mount at ``point`` read-only, keeping the flags it has (a namespace that is not the mount's owner
+    may not clear them)."""
+    flags = MS_BIND | MS_REMOUNT | MS_RDONLY
+    for name, bit in _FLAGS.items():
+        if name in options:
+            flags |= bit
+    return _mount(libc, None, point, None, flags)
+
+
+_LAST_CAPABILITY = 63
+PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 38, 47, 4
+
+
+def drop_capabilities(libc) -> bool:
+    """Give up every capability, for good: the bounding and ambient sets emptied, the effective, permitted and
+    inheritable sets zero, and no program may raise them again (no_new_privs). Whether the kernel agreed."""
+    for cap in range(_LAST_CAPABILITY + 1):
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            break  # past the last capability this kernel knows
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = (ctypes.c_uint32 * 6)()  # two of {effective, permitted, inheritable}, all zero
+    return libc.capset(header, data) == 0 and libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0
+
+
+def rank_walls(own: str, readable: list[str], private: str, tmp_bytes: int, library: tuple = ()) -> str:
+    """The walls of one learner rank, raised before its code runs, in the PID namespace of its own that the
+    launcher gave it (``launch(isolate=True)``): a mount namespace of its own in which
+
+    - ``/proc`` is a fresh one, which shows no process but this rank's own (or, where the kernel refuses a fresh
+      one, an empty folder);
+    - ``/tmp`` and ``/dev/shm`` are empty and its own (``tmp_bytes`` each), so no file or POSIX shared memory
+      reaches another rank, but for what it runs from (:func:`needed`, with ``library``) where that lies in them
+      (a clone in /tmp), bound back as the sandbox's walls left it;
+    - of the sandbox's ``private`` folder, which holds every rank's, only ``own`` (this rank's folder, writable)
+      and ``readable`` (the learner's file, read-only) are left;
+    - the rest is read-only, as the sandbox's walls (:func:`raise_walls`) left it;
+
+    and then it gives up every capability (:func:`drop_capabilities`). "" once raised; else why not."""
+    if not sys.platform.startswith("linux"):
+        return "mount namespaces are Linux's"
+    libc = _libc()
+    if libc.unshare(CLONE_NEWNS) != 0 or not _mount(libc, None, "/", None, MS_REC | MS_PRIVATE):
+        return f"this machine gave the rank no mount namespace ({os.strerror(ctypes.get_errno())})"
+    emptied = [point for point in ("/tmp", "/dev/shm") if os.path.isdir(point)]
+    runs_from: list[str] = []  # the outermost of the folders it runs from that lie in those
+    for path in needed(private, library):
+        if any(_under(path, point) for point in emptied) and not _under(path, private) and \
+                not any(_under(path, outer) for outer in runs_from):
+            runs_from.append(path)
+    # Opened before the covers hide them; bound back through this process's own descriptors.
+    handles = {path: os.open(path, os.O_PATH) for path in [*runs_from, own, *readable]}
+    try:
+        # First /tmp and /dev/shm, which may hold the sandbox's folder (the grader's work folder is in /tmp).
+        for point in emptied:
+            if not _mount(libc, "tmpfs", point, "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmp_bytes},mode=1777"):
+                return f"{point} could not be made the rank's own ({os.strerror(ctypes.get_errno())})"
+        for path in runs_from:  # with what the sandbox's walls cover inside them (MS_REC)
+            _make_open_folders(path)
+            if not _mount(libc, f"/proc/self/fd/{handles[path]}", path, None, MS_BIND | MS_REC):
+                return f"{path} could not be bound back ({os.strerror(ctypes.get_errno())})"
+        _make_open_folders(private)
+        if not _mount(libc, "tmpfs", private, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,mode=755"):
+            return f"the sandbox's folder could not be covered ({os.strerror(ctypes.get_errno())})"
+        for path in [own, *readable]:
+            handle = handles[path]
+            if os.path.isdir(f"/proc/self/fd/{handle}"):
+                _make_open_folders(path)
+            else:
+                _make_open_folders(os.path.dirname(path))
+                os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
+            if not _mount(libc, f"/proc/self/fd/{handle}", path, None, MS_BIND | MS_REC):
+                return f"{path} could not be bound back ({os.strerror(ctypes.get_errno())})"
+    finally:
+        for handle in handles.values():
+            os.close(handle)
+    points = dict(_mount_points())
+    for path in [*readable, private]:
+        _read_only(libc, path, points.get(path, set()))
+    if not _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC):
+        _mount(libc, "tmpfs", "/proc", "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=555")
+    for point in ("/dev", "/sys"):
+        _read_only(libc, point, points.get(point, set()))
+    if not drop_capabilities(libc):
+        return f"the rank could not give up its capabilities ({os.strerror(ctypes.get_errno())})"
+    return ""
+
+
 def _mount_points() -> list[tuple[str, set[str]]]:
     points = []
     with open("/proc/self/mountinfo") as f:
@@ -261,7 +353,7 @@ def main(argv: list[str]) -> int:
     as_root = drop_to(spec["user"], spec["private"], walled) if spec.get("user") is not None else ""
     from .sandbox import main as sandbox_main
 
-    return sandbox_main(int(argv[0]), sources, library, as_root)
+    return sandbox_main(int(argv[0]), sources, library, as_root, rank_walls)
 
 
 if __name__ == "__main__":
