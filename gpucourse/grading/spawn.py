@@ -29,6 +29,35 @@ def sandbox_user() -> int | None:
     return NOBODY if os.geteuid() == 0 else None
 
 
+def isolation_problem() -> str | None:
+    """Why learner ranks cannot be walled in by the operating system here, or None where they can: the sandbox's
+    user (:func:`sandbox_user`, or this one) must be able to make user, mount, PID and IPC namespaces (see
+    :func:`gpucourse.grading.wall.rank_walls`). Asked of the kernel by a child process, as that user."""
+    if not sys.platform.startswith("linux"):
+        return "learner ranks are isolated by Linux's namespaces, and this is not Linux"
+    user = sandbox_user()
+    libc = ctypes.CDLL(None, use_errno=True)
+    flags = 0x10000000 | 0x00020000 | 0x20000000 | 0x08000000  # CLONE_NEWUSER | NEWNS | NEWPID | NEWIPC
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            if user is not None:
+                os.setgroups([])
+                os.setresgid(user, user, user)
+                os.setresuid(user, user, user)
+            code = 0 if libc.unshare(flags) == 0 else ctypes.get_errno() or 1
+        finally:
+            os._exit(min(code, 255))
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if code == 0:
+        return None
+    who = f"the sandbox's user (uid {user})" if user is not None else f"this user (uid {os.geteuid()})"
+    return (f"{who} may not make the user, mount, PID and IPC namespaces that wall each learner rank in "
+            f"({os.strerror(code) if code > 0 else f'signal {-code}'}); allow unprivileged user namespaces "
+            f"(sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0)")
+
+
 def library_paths() -> list[str]:
     """Where this process's packages live: the sandbox keeps them readable even when they are inside a folder it
     hides (a virtual environment in the course's repository)."""

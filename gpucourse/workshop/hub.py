@@ -32,6 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..course import kernel_sockets, lab
+from ..grading.spawn import isolation_problem
 from . import accounts, processes, slurm_seats
 from .errors import WorkshopError
 from .folder import Workshop, copy_course, write_private
@@ -427,6 +428,9 @@ def prepare(root=None, *, seats: int | None = None, gpus_per_seat: int | None = 
             raise WorkshopError(f"{seat.name}: {problem}")
     if not port_free("0.0.0.0" if public else "127.0.0.1", port):
         raise WorkshopError(f"port {port} is in use; choose another with --port.")
+    walls = isolation_problem()  # the seats' learner code is graded here, by this machine's grader
+    if walls:
+        raise WorkshopError(f"the grader could not wall learner code in on this machine: {walls}.")
 
     codes = _make_codes(settings) if make_codes and settings["login"] != "system" else {}
     ws.hub_dir.mkdir(parents=True, exist_ok=True)
