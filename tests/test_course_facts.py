@@ -1158,3 +1158,35 @@ def test_notebook_11_recap_gives_a_blocks_activations(tp):
     assert per_block(checkpoint_activations=True) == 4 * btc
     text = prose("11_certification_review")
     assert "this course's model, fp32: ≈ b·T·C·(16 + 48/tp) bytes; checkpointed: the block's input, 4·b·T·C" in text
+
+
+def test_notebook_13_says_why_a_plan_row_above_80_gb_fits_an_h100():
+    """13's Mixtral plan ranks first a layout of 83.34 GB a GPU on "80 GB" H100s: the column is 10⁹ bytes and a run
+    has 80 GiB less 2 GiB, 83.8 GB."""
+    from gpucourse.modeled import plan
+
+    usable = get_gpu("h100").usable_bytes()
+    assert round(usable / 1e9, 1) == 83.8 and usable == 78 * 2**30
+    best = next(r for r in plan.plan(None, gpus=64, shape="mixtral-8x7b")["layouts"] if r["fits"])
+    assert 80e9 < best["memory_total"] <= usable
+    assert ("`memory/GPU` is in GB of 10⁹ bytes, against the 83.8 GB a run has of an \"80 GB\" H100 (80 GiB less "
+            "2 GiB, notebook 06): a row above 80 GB still fits") in prose("13_mixture_of_experts")
+
+
+def test_notebook_13_compares_expert_parallelism_up_to_the_first_different_choice():
+    """Top-k routing is discontinuous: over 12 steps of 64 tokens, dp = 2 × ep = 2 may route one token otherwise than
+    one device (a near tie, added in another order); the losses agree to 1e-5 up to the first step whose choices
+    differ, as 13's cell checks, and by more than rounding from there only."""
+    moe = dict(steps=12, seq_len=64, device="cpu", moe_experts=4)
+    one, ep = run(TrainConfig(**moe)), run(TrainConfig(dp=2, ep=2, **moe))
+    agree = [a == b for a, b in zip(ep.extras["moe"]["tokens_per_expert"], one.extras["moe"]["tokens_per_expert"])]
+    upto = agree.index(False) if False in agree else len(agree)
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ep.losses[:upto], one.losses[:upto]))
+    if upto < len(agree):  # a choice that differs moves one token's row between two experts
+        moved = sum(abs(x - y) for a, b in zip(ep.extras["moe"]["tokens_per_expert"][upto],
+                                               one.extras["moe"]["tokens_per_expert"][upto]) for x, y in zip(a, b))
+        assert moved <= 4
+    text = prose("13_mixture_of_experts")
+    assert "Top-k routing is where \"equal to float rounding\" ends" in text
+    assert "the cell compares the losses up to the first step whose expert choices differ" in text
+    assert "upto = agree.index(False) if False in agree else STEPS" in markdown("13_mixture_of_experts", "code")
