@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import contracts
+from .. import contracts, generated
 from ..core import Exercise, Fail, describe_mismatch
+from ..generated import DTYPES, One, Shape, Space
 
 EXERCISE = Exercise("ex01_ring_allreduce", "Ring all-reduce from send/recv", "notebooks/01_collectives.ipynb",
                     forbidden_collectives=("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
@@ -109,6 +110,35 @@ def input_unchanged(ctx):
 def three_ranks_odd(ctx):
     for shape in ((7,), (2,), (1,), (11,), (2, 5)):
         _check_sum(ctx, shape, key=shape)
+    generated.for_all(ctx, TENSORS, lambda case: _sums(ctx, case), count=5,
+                      describe=lambda case: f"ring_all_reduce on {ctx.world_size} ranks of "
+                                            f"{generated.shape_words(case['shape'])} {generated.name(case['dtype'])}")
+
+
+# A tensor drawn: 0-d, one element, an odd length, an odd matrix, or no element at all, in any float dtype.
+TENSORS = Space(shape=Shape(), dtype=One(DTYPES))
+
+
+def _sums(ctx, case: dict) -> str | None:
+    """Every rank's sum of a drawn tensor. Half-precision inputs are small whole numbers (their sum is exact in any
+    order); the values are compared at the coarser of the result's and the input's dtype, since the dtype kept is
+    the contract's check."""
+    dtype, shape = case["dtype"], case["shape"]
+    if dtype.itemsize == 2:
+        xs = [generated.tensor(case, shape, torch.float64, r).mul(4).round().to(dtype) for r in range(ctx.world_size)]
+    else:
+        xs = [generated.tensor(case, shape, dtype, r) + 10.0 * (r + 1) for r in range(ctx.world_size)]
+    outs = ctx.call_all(RING.function, [(x.clone(),) for x in xs])
+    want = torch.stack([x.double() for x in xs]).sum(0)
+    for o in outs:
+        got, at = o.value, dtype
+        if torch.is_tensor(got) and got.is_floating_point():
+            at = generated.coarser(got.dtype, dtype)
+            got = got.to(at)
+        problem = generated.mismatch(f"rank {o.rank}'s result", got, want.to(at))
+        if problem:
+            return problem
+    return None
 
 
 @EXERCISE.check("each rank sends 2(n-1)/n of the tensor, to rank+1 (3 ranks)", points=1, world_size=3, hint=(
