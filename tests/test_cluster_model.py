@@ -148,9 +148,9 @@ def test_full_recomputation_costs_one_more_forward_of_the_blocks():
     plain = step_time(_cfg(dp=8, batch_size=64, grad_accum=8), int(5e9), get_gpu("h100"), 8)
     redo = step_time(_cfg(dp=8, batch_size=64, grad_accum=8, checkpoint_activations=True), int(5e9),
                      get_gpu("h100"), 8)
-    forward_share = redo["recompute_s"] / plain["compute_s"]
+    forward_share = redo.recompute_s / plain.compute_s
     assert 0.25 < forward_share < 1 / 3 + 1e-9  # a forward is a third of forward + backward, less the head's
-    assert redo["compute_s"] == pytest.approx(plain["compute_s"] + redo["recompute_s"])
+    assert redo.compute_s == pytest.approx(plain.compute_s + redo.recompute_s)
 
 
 def test_selective_recomputation_costs_attentions_forward_and_frees_the_scores_of_unfused_attention():
@@ -161,8 +161,8 @@ def test_selective_recomputation_costs_attentions_forward_and_frees_the_scores_o
     kw = dict(dp=8, batch_size=64, grad_accum=8, precision="bf16", master_weights=True, attention="math")
     times = {rc: step_time(_cfg(**kw, checkpoint_activations=rc), int(5e9), get_gpu("a100"), 8,
                            framework="megatron-2021") for rc in (False, "selective", True)}
-    assert times[False]["recompute_s"] == 0 < times["selective"]["recompute_s"] < 0.3 * times[True]["recompute_s"]
-    assert times["selective"]["tp_comm_s"] == times[False]["tp_comm_s"]
+    assert times[False].recompute_s == 0 < times["selective"].recompute_s < 0.3 * times[True].recompute_s
+    assert times["selective"].costs["tensor"].comm_s == times[False].costs["tensor"].comm_s
     shape = get_shape("gpt3-175b")
     held = {rc: activation_bytes(_cfg(**kw, checkpoint_activations=rc), shape, 0) for rc in (False, "selective")}
     tokens = 64 / 8 / 8 * 4096  # one microbatch's tokens
@@ -185,9 +185,9 @@ def test_whether_the_gradients_all_reduce_hides_depends_on_the_framework():
     cfg = _cfg(dp=64, batch_size=64, grad_accum=1)
     after = step_time(cfg, int(5e9), get_gpu("a100"), 8, framework="megatron-2021")
     beside = step_time(cfg, int(5e9), get_gpu("a100"), 8, framework="megatron-core")
-    assert after["dp_comm_s"] == pytest.approx(beside["dp_comm_s"]) and after["dp_comm_s"] > 0
-    assert after["dp_exposed_s"] == pytest.approx(after["dp_comm_s"])
-    assert beside["dp_exposed_s"] < 0.5 * after["dp_exposed_s"]
+    assert after.costs["data"].comm_s == pytest.approx(beside.costs["data"].comm_s) and after.costs["data"].comm_s > 0
+    assert after.costs["data"].exposed_s == pytest.approx(after.costs["data"].comm_s)
+    assert beside.costs["data"].exposed_s < 0.5 * after.costs["data"].exposed_s
     for name, o in FRAMEWORKS.items():
         assert o.name == name and len(o.source) > 40
     with pytest.raises(ConfigError, match="framework='x' is not one of"):
@@ -197,24 +197,24 @@ def test_whether_the_gradients_all_reduce_hides_depends_on_the_framework():
 def test_zero3_gathers_the_weights_every_microbatch_and_deepspeed_2021_reached_one_card_a_gpu():
     one, four = (step_time(_cfg(dp=64, zero=3, batch_size=64 * m, grad_accum=m), int(5e9), get_gpu("a100"), 8)
                  for m in (1, 4))
-    assert four["dp_comm_s"] == pytest.approx(4 * one["dp_comm_s"])
+    assert four.costs["data"].comm_s == pytest.approx(4 * one.costs["data"].comm_s)
     ds = step_time(_cfg(dp=64, zero=3, batch_size=64, grad_accum=1), int(5e9), get_gpu("a100"), 8,
                    framework="deepspeed-zero3")
-    assert ds["dp_comm_s"] > 5 * one["dp_comm_s"]  # one 25 GB/s card, not the server's eight
+    assert ds.costs["data"].comm_s > 5 * one.costs["data"].comm_s  # one 25 GB/s card, not the server's eight
 
 
 def test_tensor_and_context_parallel_overlap_hide_what_they_say():
     cfg = _cfg(tp=8, dp=1, batch_size=8, grad_accum=8, sequence_parallel=True)
     plain = step_time(cfg, int(5e9), get_gpu("h100"), 8, framework="megatron-core")
     hidden = step_time(cfg, int(5e9), get_gpu("h100"), 8, framework="megatron-core-tp-overlap")
-    assert plain["tp_exposed_s"] == pytest.approx(plain["tp_comm_s"]) and plain["tp_comm_s"] > 0
-    assert hidden["tp_exposed_s"] < plain["tp_exposed_s"] and hidden["tp_comm_s"] == plain["tp_comm_s"]
+    assert plain.costs["tensor"].exposed_s == pytest.approx(plain.costs["tensor"].comm_s) and plain.costs["tensor"].comm_s > 0
+    assert hidden.costs["tensor"].exposed_s < plain.costs["tensor"].exposed_s and hidden.costs["tensor"].comm_s == plain.costs["tensor"].comm_s
     long = _cfg(cp=8, zigzag=True, batch_size=1, grad_accum=1, seq_len=65536,
                 overrides={"n_layer": 24, "n_embd": 4096, "n_head": 32, "vocab_size": 32000, "block_size": 65536})
     ring = step_time(long, int(5e9), get_gpu("h100"), 8, framework="megatron-core")
     exposed = step_time(long, int(5e9), get_gpu("h100"), 8, framework="megatron-2021")
-    assert ring["cp_comm_s"] == exposed["cp_comm_s"] > 0
-    assert ring["cp_exposed_s"] < exposed["cp_exposed_s"] == exposed["cp_comm_s"]
+    assert ring.costs["context"].comm_s == exposed.costs["context"].comm_s > 0
+    assert ring.costs["context"].exposed_s < exposed.costs["context"].exposed_s == exposed.costs["context"].comm_s
 
 
 # --- where a layout runs: pipelines, rings, servers, memory ---------------------------------------------------------
@@ -226,9 +226,9 @@ def test_an_interleaved_pipeline_sends_once_per_chunk_a_rank_holds():
     one = step_time(_cfg(**base, schedule="1f1b"), int(5e9), get_gpu("h100"), 8, framework="megatron-2021")
     two, four = (step_time(_cfg(**base, schedule="interleaved-1f1b", virtual_stages=v), int(5e9), get_gpu("h100"),
                            8, framework="megatron-2021") for v in (2, 4))
-    assert one["pp_comm_s"] > 0 and two["pp_comm_s"] == pytest.approx(2 * one["pp_comm_s"])
-    assert four["pp_comm_s"] == pytest.approx(4 * one["pp_comm_s"])
-    assert two["compute_s"] == pytest.approx(one["compute_s"]) and four["bubble_s"] < two["bubble_s"] < one["bubble_s"]
+    assert one.costs["pipeline"].comm_s > 0 and two.costs["pipeline"].comm_s == pytest.approx(2 * one.costs["pipeline"].comm_s)
+    assert four.costs["pipeline"].comm_s == pytest.approx(4 * one.costs["pipeline"].comm_s)
+    assert two.compute_s == pytest.approx(one.compute_s) and four.bubble_s < two.bubble_s < one.bubble_s
 
 
 def test_megatron_2021_pipelines_split_the_blocks_evenly_and_tensor_parallelism_stays_in_a_server():
@@ -253,7 +253,7 @@ def test_a_context_parallel_ring_that_spans_servers_goes_at_its_network_hop():
     inside = step_time(long, int(5e9), get_gpu("h100"), 8)
     across = step_time(long, int(5e9), get_gpu("h100"), 4)  # the same ring over two servers of 4
     h100 = get_gpu("h100")
-    assert across["cp_comm_s"] > 0.8 * inside["cp_comm_s"] * h100.intra_node_GBps / h100.inter_node_GBps
+    assert across.costs["context"].comm_s > 0.8 * inside.costs["context"].comm_s * h100.intra_node_GBps / h100.inter_node_GBps
 
 
 def test_a_layout_fits_the_memory_nvidia_smi_shows_less_a_reserve():
@@ -380,7 +380,7 @@ def test_offload_moves_the_optimizer_to_the_host_and_shrinks_with_zero_over_dp()
     assert "optimizer on the CPU" in explain(rows[0]) and " offl " in format_plan(result)
     cfg = TrainConfig(model="gpt2-small", overrides={**shape.overrides(), "block_size": 4096}, dp=8, zero=2,
                       batch_size=8, seq_len=4096, precision="bf16", master_weights=True)
-    eight = step_time(cfg, int(shape.params()), get_gpu("a100"), 8, shape=shape, offload=True)["offload"]
+    eight = step_time(cfg, int(shape.params()), get_gpu("a100"), 8, shape=shape, offload=True).offload
     one = rows[0]["offload"]
     assert eight["cpu_adam_s"] == pytest.approx(one["cpu_adam_s"] / 8)
     assert memory_of(cfg, shape, offload=True)["host_bytes"] == pytest.approx(16 * shape.params() / 8)

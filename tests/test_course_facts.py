@@ -693,10 +693,10 @@ def test_notebook_07_compares_none_selective_and_full_recomputation_on_gpt3():
                                    framework="megatron-2021"))
     freed = 1 - rows["selective"][0] / rows["none"][0]
     assert 0.3 <= freed <= 0.4 and "frees about a third of the activations here" in text
-    assert rows["selective"][1]["recompute_s"] < 0.1 * rows["full"][1]["recompute_s"]
+    assert rows["selective"][1].recompute_s < 0.1 * rows["full"][1].recompute_s
     assert "for under a tenth of full recomputation's time" in text
     assert rows["full"][0] < 0.05 * rows["none"][0] and "frees nearly all of them" in text
-    assert round(3 * (rows["full"][1]["step_s"] / rows["none"][1]["step_s"] - 1)) == 1
+    assert round(3 * (rows["full"][1].step_s / rows["none"][1].step_s - 1)) == 1
     assert "for a step a third longer" in text
 
 
@@ -806,12 +806,13 @@ def test_notebook_08_times_each_overlap_knob_on_the_cluster_model():
 
     deep = dict(dp=4, tp=8, pp=2, microbatches=256, schedule="interleaved-1f1b")
     plain, hidden = timed(core, **deep), timed(plan.FRAMEWORKS["megatron-core-tp-overlap"], **deep)
-    assert round(plain["tp_exposed_s"]) == 11 and hidden["tp_exposed_s"] == 0
-    assert round(plain["step_s"] / (plain["step_s"] - hidden["step_s"])) == 6
+    assert round(plain.costs["tensor"].exposed_s) == 11 and hidden.costs["tensor"].exposed_s == 0
+    assert round(plain.step_s / (plain.step_s - hidden.step_s)) == 6
     assert "`--tp-comm-overlap` hides 11 s of them, a sixth of the step" in text
     wide = dict(dp=32, tp=2, grad_accum=32)
     after, overlapped = timed(dataclasses.replace(core, name="no overlap", dp="after"), **wide), timed(core, **wide)
-    assert after["dp_exposed_s"] == after["dp_comm_s"] > 0 == overlapped["dp_exposed_s"]
+    after, overlapped = after.costs["data"], overlapped.costs["data"]
+    assert after.exposed_s == after.comm_s > 0 == overlapped.exposed_s
     assert "`--overlap-grad-reduce` hides all of it" in text and "CUDA_DEVICE_MAX_CONNECTIONS=1" in text
 
 
@@ -884,7 +885,7 @@ def test_what_notebook_07_says_offload_moves_and_costs():
     for gpus, zero in ((1, 0), (8, 2)):
         cfg = TrainConfig(model="gpt2-small", overrides={**llama8.overrides(), "block_size": 4096}, dp=gpus, zero=zero,
                           batch_size=16 * gpus, grad_accum=16, seq_len=4096, precision="bf16", master_weights=True)
-        steps[gpus] = plan.step_time(cfg, int(llama8.params()), a100, 8, shape=llama8, offload=True)["offload"]
+        steps[gpus] = plan.step_time(cfg, int(llama8.params()), a100, 8, shape=llama8, offload=True).offload
         fits = {on: plan.memory_of(cfg, llama8, on)["max_total"] <= a100.usable_bytes() for on in (False, True)}
         assert fits == ({False: False, True: True} if gpus == 1 else {False: True, True: True})
     assert "shrink eightfold" in text and steps[8]["cpu_adam_s"] == pytest.approx(steps[1]["cpu_adam_s"] / 8)
@@ -1071,7 +1072,8 @@ def test_notebook_08_says_what_each_layout_overlaps():
 
     deep = timed(dp=4, tp=8, pp=2, microbatches=256, schedule="interleaved-1f1b")
     wide = timed(dp=32, tp=2, grad_accum=32)
-    assert (round(wide["dp_comm_s"], 2), round(deep["dp_comm_s"], 2), round(wide["tp_comm_s"], 2)) == (0.85, 0.33, 2.10)
+    assert (round(wide.costs["data"].comm_s, 2), round(deep.costs["data"].comm_s, 2),
+            round(wide.costs["tensor"].comm_s, 2)) == (0.85, 0.33, 2.10)
     text = prose("08_profiling")
     assert "the gradient reduction weighs more (0.85 s against 0.33 s at dp 4; tensor parallelism's 2.10 s" in text
     assert "what moves most" not in text

@@ -252,7 +252,7 @@ def test_the_planner_counts_attentions_flops_which_rule_long_sequences():
     gpu = get_gpu("h100")
     t = step_time(cfg, int(n), gpu, 8, 0.5)
     want = (6 * n + 12 * L * C * 8192) * 64 * 8192 / (64 * gpu.peak_flops("bf16") * 0.5)
-    assert t["compute_s"] == pytest.approx(want)
+    assert t.compute_s == pytest.approx(want)
     # Notebook 06: "at 4096 tokens attention adds about 8 % for this 70 B shape" (the planner's shape for 70e9).
     from gpucourse.modeled.plan import shape_for_params
     shape = shape_for_params(70e9)
@@ -281,9 +281,9 @@ def test_context_parallelism_divides_what_tensor_and_pipeline_parallelism_move_b
     # send carries 1/tp of them (sequence parallelism), all-gathered on arrival.
     for got, tp, cp in ((one, 8, 1), (four, 2, 4)):
         activations = 32768 / cp * 8192 * 2
-        assert got["tp_comm_s"] == pytest.approx(4 * 40 * 4 * cluster.collective_s("all_reduce", activations,
+        assert got.costs["tensor"].comm_s == pytest.approx(4 * 40 * 4 * cluster.collective_s("all_reduce", activations,
                                                                                    range(tp))[0])
-        assert got["pp_comm_s"] == pytest.approx(2 * 4 * (
+        assert got.costs["pipeline"].comm_s == pytest.approx(2 * 4 * (
             cluster.collective_s("send", activations / tp, (0, tp * cp))[0]
             + cluster.collective_s("all_gather", activations, range(tp))[0]))
 
@@ -304,7 +304,7 @@ def test_the_planners_bubble_is_the_schedule_commands(schedule, v, tmp_path, cap
     assert cli.main(argv + (["--virtual-stages", str(v)] if schedule == "interleaved-1f1b" else [])) == 0
     capsys.readouterr()
     laid_out = json.loads(out.read_text())["bubble_ratio"]
-    assert got["bubble_s"] / got["compute_s"] == pytest.approx(laid_out)
+    assert got.bubble_s / got.compute_s == pytest.approx(laid_out)
     if schedule == "interleaved-1f1b":
         assert laid_out == pytest.approx((pp - 1) / (v * m))
 
@@ -321,14 +321,14 @@ def test_a_plans_step_is_the_sum_of_its_parts_and_explain_prints_them(capsys):
     for ckpt, zero in ((False, 0), (True, 1)):
         cfg = _layout(dp=4, tp=8, pp=2, microbatches=8, batch_size=32, zero=zero, checkpoint_activations=ckpt)
         got = step_time(cfg, n, gpu, 8)
-        assert sum(got["parts"].values()) == pytest.approx(got["step_s"])
-        assert got["parts"]["compute"] + got["parts"]["recompute"] == pytest.approx(got["compute_s"])
+        assert sum(got.parts.values()) == pytest.approx(got.step_s)
+        assert got.parts["compute"] + got.parts["recompute"] == pytest.approx(got.compute_s)
         # Recomputation is one more forward of the blocks (not of the head): a bit under a third of the rest.
-        share = got["recompute_s"] / (got["compute_s"] - got["recompute_s"])
+        share = got.recompute_s / (got.compute_s - got.recompute_s)
         assert (0.25 < share < 1 / 3) if ckpt else share == 0
         held = n / (8 * 2) / (4 if zero else 1)
-        assert got["optimizer_s"] == pytest.approx(Cluster(gpu, 8, 8).optimizer_s(held))
-        assert got["optimizer_s"] == pytest.approx(held * ADAM_BYTES_PER_PARAM / (gpu.hbm_GBps * 1e9) + 10 * 4e-6)
+        assert got.optimizer_s == pytest.approx(Cluster(gpu, 8, 8).optimizer_s(held))
+        assert got.optimizer_s == pytest.approx(held * ADAM_BYTES_PER_PARAM / (gpu.hbm_GBps * 1e9) + 10 * 4e-6)
     assert cli.main(["plan", "--params", "7e9", "--gpus", "8", "--gpu", "a100", "--top", "2", "--explain"]) == 0
     out = capsys.readouterr().out
     assert out.count("(gpucourse memory's estimate)") == 2 and "step " in out and "optimizer " in out

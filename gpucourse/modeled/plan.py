@@ -55,6 +55,7 @@ from ..readable import human_bytes
 from ..values import GPUS_PER_NODE, RANKS, SEQUENCES, TOKENS, Name, number
 from . import shapes
 from .cluster import Cluster
+from .costs import COSTS, Step, StepTime
 from .gpus import get_gpu
 from .memory import estimate, estimate_params
 from .offload import offload_memory, offload_time
@@ -435,8 +436,9 @@ def _stage_compute(cfg: TrainConfig, shape: Shape, cluster: Cluster, m: int, ove
 
 def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, efficiency: float | None = None,
               shape: Shape | dict | str | None = None, framework: str | Overlap | None = None,
-              matmuls: str | None = None, offload: bool = False) -> dict:
-    """The timing model above for one layout: seconds per step, by part.
+              matmuls: str | None = None, offload: bool = False) -> StepTime:
+    """The timing model above for one layout: seconds per step, by part (a :class:`~.costs.StepTime`; its
+    ``as_dict()`` is a plan's row).
 
     Compute is timed kernel by kernel on the model's ``shape`` (default: the course GPT of ``cfg``'s sizes) on
     the pipeline stage that sets the pace; ``efficiency`` instead spreads the step's FLOPs evenly over the GPUs
@@ -448,6 +450,8 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
     ``"fp8"`` times them at the GPU's fp8 peak (Transformer Engine's recipe: fp8 matmuls, bf16 attention and the
     rest, bf16 weights with fp32 master weights in memory). ``offload``: the optimizer steps on the CPU
     (:mod:`gpucourse.modeled.offload`): its part is the step's wait for PCIe and the CPU instead of the GPU's Adam.
+
+    Each strategy's part is its own function in :mod:`gpucourse.modeled.costs` (:data:`~.costs.COSTS`).
     """
     mc = cfg.model_config()
     try:
@@ -458,7 +462,6 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
     overlap = get_framework(framework)
     cluster = Cluster(gpu, gpus_per_node, max(1, -(-cfg.world_size // gpus_per_node)))
     tokens = cfg.batch_size * cfg.seq_len
-    elem = 2 if cfg.precision != "fp32" else 4
     m = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
     model_flops = shape.flops_per_token(cfg.seq_len, causal=False) * tokens
     if efficiency:  # the step's FLOPs spread evenly at one share of the peak: 6·N (N active) + attention's
@@ -475,96 +478,17 @@ def step_time(cfg: TrainConfig, num_params: int, gpu, gpus_per_node: int, effici
         pace = _stage_compute(cfg, shape, cluster, m, overlap, matmuls or cfg.precision)
         recompute = m * pace["recompute"]
         compute = m * (pace["forward"] + pace["backward"]) + recompute
-    bubble = compute * bubble_ratio(cfg.schedule, cfg.pp, m, cfg.virtual_stages) if cfg.pp > 1 else 0.0
-    micro_tokens = tokens // (cfg.dp * m)
-    local_tokens = micro_tokens / cfg.cp  # what one rank of a context-parallel group holds and sends
-    # One group of each kind, as the runtime numbers ranks: rank = ((stage·dp + d)·cp + c)·tp + t.
-    tp_group = range(cfg.tp)
-    # A ring goes at its slowest hop: one that leaves the server where the group spans servers.
-    cp_neighbours = (0, cfg.tp) if cfg.cp * cfg.tp <= gpus_per_node else (0, gpus_per_node)
-    stage_neighbours = (0, cfg.tp * cfg.cp * cfg.dp)
-    replicas = range(0, cfg.dp * cfg.cp * cfg.tp, cfg.tp)     # the ranks that average the gradients
-    ep_group = range(0, cfg.ep * cfg.cp * cfg.tp, cfg.cp * cfg.tp)
-    C = shape.hidden
-
-    def cost(op, nbytes, ranks):
-        return cluster.collective_s(op, nbytes, ranks)[0]
-
-    tp_comm = pp_comm = cp_comm = ep_comm = dp_comm = 0.0
-    blocks = pace["blocks"]
-    if cfg.tp > 1:  # per block and microbatch: two all-reduces forward, two backward (three with recomputation)
-        passes = 6 if cfg.recompute == "full" else 4
-        tp_comm = passes * blocks * m * cost("all_reduce", local_tokens * C * elem, tp_group)
-    if cfg.pp > 1:  # each microbatch's activation forward and its gradient back, once per chunk a rank holds
-        hops = 2 * m * (cfg.virtual_stages if cfg.schedule == "interleaved-1f1b" else 1)
-        split = cfg.tp if (overlap.pp_scatter or cfg.sequence_parallel) else 1
-        pp_comm = hops * cost("send", local_tokens * C * elem / split, stage_neighbours)
-        if split > 1:  # the receiving stage all-gathers the pieces over NVLink
-            pp_comm += hops * cost("all_gather", local_tokens * C * elem, tp_group)
-    if cfg.cp > 1:
-        kv_width = 2 * shape.head_dim * shape.kv_heads_per_rank(cfg.tp)  # a rank's K and V per token
-        chunk = local_tokens * kv_width * elem
-        cp_comm = blocks * m * (3 * (cfg.cp - 1) + cfg.cp) * cost("send", chunk, cp_neighbours)
-    if cfg.ep > 1:  # per MoE block and microbatch: dispatch and combine forward, both again backward
-        moe_blocks = shape.moe_layers / cfg.pp
-        rows = local_tokens * shape.top_k * C * elem
-        ep_comm = moe_blocks * m * 4 * cost("all_to_all", rows, ep_group)
-    # What of it holds compute up, by the framework's overlap: tp split beside its matmuls, the cp ring's next
-    # block beside attention on this one, pipeline transfers beside the next microbatch (only the first each
-    # way waits).
-    exposed = {"tp": max(0.0, tp_comm - m * pace["gemm"]) if overlap.tp else tp_comm,
-               "cp": max(0.0, cp_comm - m * pace["attention"]) if overlap.cp else cp_comm,
-               "pp": pp_comm / m if overlap.pp else pp_comm, "ep": ep_comm}
-    experts = shape.expert_params() if cfg.ep > 1 else 0  # averaged over their dp/ep replicas instead
-    window = pace["backward"] + pace["recompute"] if overlap.dp == "backward" else 0.0
-    if len(replicas) > 1:
-        shard = (num_params - experts) / (cfg.tp * cfg.pp) * elem
-        if cfg.zero == 3:
-            # Every microbatch gathers the weights for forward, again for backward (and for the recomputed
-            # forward), and reduce-scatters the gradients: each half an all-reduce's worth. Prefetched, each
-            # hides behind the compute it feeds but the first layer's.
-            # They go block by block (FSDP's units), so each pays a ring's latency: at thousands of ranks that adds up.
-            collectives = (4 if cfg.recompute == "full" else 3) * blocks
-            per_micro = collectives * cost("all_gather", shard / blocks, replicas)
-            if overlap.one_card and cluster.servers(replicas) > 1:
-                card = cluster.gpu.inter_node_GBps * 1e9 * cluster.gpu.bus_efficiency
-                n = len(replicas)
-                per_micro = collectives * ((n - 1) / n * shard / blocks / card + cluster.ring_latency_s(replicas))
-            dp_comm = m * per_micro
-            if overlap.prefetch:
-                busy = pace["forward"] + pace["backward"] + pace["recompute"]
-                exposed_dp = m * (max(0.0, per_micro - busy) + per_micro / collectives)
-            else:
-                exposed_dp = dp_comm
-        else:
-            dp_comm = cost("all_reduce", shard, replicas)
-            exposed_dp = max(0.0, dp_comm - window)
-    else:
-        exposed_dp = 0.0
-    if experts and cfg.dp > cfg.ep:
-        expert_replicas = range(0, cfg.dp * cfg.cp * cfg.tp, cfg.ep * cfg.cp * cfg.tp)
-        extra = cost("all_reduce", experts / (cfg.tp * cfg.pp * cfg.ep) * elem, expert_replicas)
-        left = max(0.0, window - dp_comm)  # backward still running once the other gradients are reduced
-        dp_comm += extra
-        exposed_dp += max(0.0, extra - left)
-    exposed_dp = min(exposed_dp, dp_comm)
+    step = Step(cfg, shape, cluster, overlap, gpus_per_node, num_params, m, pace, compute, recompute,
+                bubble_ratio(cfg.schedule, cfg.pp, m, cfg.virtual_stages) if cfg.pp > 1 else 0.0)
+    parts = {name: cost(step) for name, cost in COSTS.items()}
     # Adam updates what the rank holds: its 1/(tp·pp) of the weights (experts also 1/ep), 1/(dp·cp) of that with ZeRO.
     all_experts = shape.expert_params()
     held = (num_params - all_experts) / (cfg.tp * cfg.pp) + all_experts / (cfg.tp * cfg.pp * cfg.ep)
     stepped = held / (cfg.dp * cfg.cp) if cfg.zero else held  # the parameters this GPU's optimizer steps
-    offloaded = offload_time(stepped, cluster.gpu, cfg.precision, window) if offload else None
+    offloaded = offload_time(stepped, cluster.gpu, cfg.precision, step.window_s) if offload else None
     optimizer = offloaded["exposed_s"] if offload else cluster.optimizer_s(stepped)
-    parts = {"compute": compute - recompute, "recompute": recompute, "bubble": bubble, **exposed, "dp": exposed_dp,
-             "optimizer": optimizer}
-    total = sum(parts.values())
-    peak = cluster.gpu.peak_flops(cfg.precision) * cfg.world_size
-    return {"step_s": total, "compute_s": compute, "recompute_s": recompute, "bubble_s": bubble,
-            "communication_s": sum(exposed.values()) + exposed_dp, "dp_exposed_s": exposed_dp,
-            **{f"{k}_exposed_s": v for k, v in exposed.items()},
-            "tp_comm_s": tp_comm, "pp_comm_s": pp_comm, "cp_comm_s": cp_comm, "ep_comm_s": ep_comm,
-            "dp_comm_s": dp_comm, "optimizer_s": optimizer, "offload": offloaded, "parts": parts,
-            "tokens_per_s": tokens / total,
-            "model_flops": model_flops, "mfu": model_flops / (total * peak), "framework": overlap.name}
+    return StepTime(compute, parts, optimizer, tokens, model_flops, cluster.gpu.peak_flops(cfg.precision) *
+                    cfg.world_size, overlap.name, offloaded)
 
 
 def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: int = 8, batch_size: int = 1024,
@@ -668,7 +592,8 @@ def _row(cfg: TrainConfig, shape: Shape, mem: dict, spec, gpus_per_node: int, ef
             "kv_replication": shape.kv_replication(cfg.tp),
             "memory_source": COURSE_MEMORY if shape.is_course_block else
             "from the shape's own parameters and Korthikanti et al.'s activations",
-            **step_time(cfg, mem["num_params"], spec, gpus_per_node, efficiency, shape, overlap, matmuls, offload)}
+            **step_time(cfg, mem["num_params"], spec, gpus_per_node, efficiency, shape, overlap, matmuls,
+                       offload).as_dict()}
 
 
 COURSE_MEMORY = "gpucourse memory's estimate"

@@ -337,18 +337,18 @@ def predict(run: Published, gpu: GPUSpec | None = None) -> float:
     t = step_time(cfg, int(run.params), gpu, run.gpus_per_node, shape=run.shape or None,
                   framework=run.framework or None)
     if run.metric == "step_s":
-        return t["step_s"]
+        return t.step_s
     if run.metric == "megatron_flops":
         ov = run.layout["overrides"]
         flops = _megatron_flops(cfg.batch_size, cfg.seq_len, ov["n_layer"], ov["n_embd"], ov["vocab_size"])
-        return flops / (t["step_s"] * cfg.world_size)
+        return flops / (t.step_s * cfg.world_size)
     if run.metric == "model_flops":
-        return t["model_flops"] / (t["step_s"] * cfg.world_size)
+        return t.model_flops / (t.step_s * cfg.world_size)
     if run.metric == "mfu":
-        return t["mfu"]
+        return t.mfu
     if run.metric != "tokens_per_gpu":
         raise ValueError(f"no metric {run.metric!r}; known: {', '.join(METRICS)}.")
-    return t["tokens_per_s"] / cfg.world_size
+    return t.tokens_per_s / cfg.world_size
 
 
 def memory(run: Published) -> dict:
