@@ -16,8 +16,10 @@ parallelism keeps them on every rank. ZeRO stage 1 cuts them into shards:
     shards may be shorter, or empty.
 
 ``ZeroOneAdam(params, lr)``
-    On construction, each rank takes a copy of its shard of the flattened
-    parameters and makes ``self.optimizer``, a ``torch.optim.Adam(..., lr=lr)``
+    ``params`` as ``torch.optim`` takes them: a list, or ``model.parameters()``,
+    a generator that can be read only once. On construction, each rank takes a
+    copy of its shard of the flattened parameters and makes
+    ``self.optimizer``, a ``torch.optim.Adam(..., lr=lr)``
     over that copy only: Adam's state then exists for 1/n of the parameters.
     ``step()`` is called when every ``p.grad`` already holds the gradient
     averaged over the ranks (the same on every rank): take this rank's part of

@@ -119,6 +119,8 @@ WRONG_ANSWERS = {
     "ex04_zero1/zeroes_grads": ([EX04_CONTRACT], "contract 'inputs unchanged'"),
     "ex04_zero1/copies_through_view": ([EX04_CONTRACT], "contract 'any strides'"),
     "ex04_zero1/float32_padding": ([EX04_CONTRACT], "contract 'keeps the dtype'"),
+    # Inputs the cases never took before they were drawn (gpucourse.grading.generated): model.parameters().
+    "ex04_zero1/reads_params_twice": (["a ZeRO-1 step equals Adam on one device (2 ranks)"], "as a generator"),
     "ex05_one_f_one_b/warmup_off_by_one": (["stage s warms up with min(pp - s - 1, m) forwards",
                                             "then one forward, one backward, in turn",
                                             "stage s holds at most pp - s microbatches"], "warm-up of"),

@@ -195,11 +195,26 @@ def for_all(ctx, space: Space, prop: Callable[[dict], str | None], count: int, d
             raise Fail(f"{problem} (the smallest case found that fails: {describe(case)})")
 
 
+def failure(check: Callable, *args) -> str | None:
+    """What ``check(*args)`` raised as :class:`Fail`, or None: a check's own steps as a property of a case."""
+    try:
+        check(*args)
+    except Fail as e:
+        return str(e)
+    return None
+
+
 def _run(prop, case: dict) -> str | None:
+    """``prop(case)``; a :class:`Fail`, or an error the learner's code raised on this case (the sandbox's
+    sentence), as the sentence to shrink. An exercise not written yet is said as such, not shrunk."""
     try:
         return prop(case)
     except Fail as e:
         return str(e)
+    except Exception as e:
+        if getattr(e, "sentence", None) is None or getattr(e, "exc_type", "") == "NotImplementedError":
+            raise
+        return e.sentence
 
 
 # --- what a case is made of ----------------------------------------------------------------------------------

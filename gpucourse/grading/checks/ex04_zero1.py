@@ -13,8 +13,9 @@ import math
 import torch
 import torch.nn as nn
 
-from .. import contracts
+from .. import contracts, generated
 from ..core import Exercise, Fail, describe_mismatch
+from ..generated import Many, One, Shape, Space
 
 EXERCISE = Exercise(
     "ex04_zero1", "ZeRO-1 optimizer step", "notebooks/03_zero_fsdp.ipynb",
@@ -102,15 +103,15 @@ def _grads(ctx, sizes, key) -> list[list[torch.Tensor]]:
     return out
 
 
-def _adam(weights, grads, factor: float = 1.0, fresh: bool = False) -> list[torch.Tensor]:
+def _adam(weights, grads, factor: float = 1.0, fresh: bool = False, lr: float = LR) -> list[torch.Tensor]:
     """The flattened weights after each step of torch.optim.Adam on one device (gradients times ``factor``;
     with ``fresh``, a new Adam at every step: its state forgotten between steps)."""
     params = [nn.Parameter(w.clone()) for w in weights]
-    opt = torch.optim.Adam(params, lr=LR)
+    opt = torch.optim.Adam(params, lr=lr)
     out = []
     for step_grads in grads:
         if fresh:
-            opt = torch.optim.Adam(params, lr=LR)
+            opt = torch.optim.Adam(params, lr=lr)
         for p, g in zip(params, step_grads):
             p.grad = g.clone() * factor
         opt.step()
@@ -137,23 +138,25 @@ def _misplaced(got: torch.Tensor, expected: torch.Tensor, numel: int, n: int) ->
     return ""
 
 
-def _run(ctx, sizes, key, held: bool = False, strided: bool = False, dtype=torch.float32) -> tuple[list, tuple]:
+def _run(ctx, sizes, key, held: bool = False, strided: bool = False, dtype=torch.float32, lr: float = LR,
+         container: str = "list") -> tuple[list, tuple]:
     """Every rank's probe of ZeroOneAdam over ``STEPS`` steps (``held``: held to its contract too, with
-    ``strided`` parameters), in ``dtype``; the outcomes, and the weights and gradients sent."""
+    ``strided`` parameters), in ``dtype``, its parameters handed over as a ``container``; the outcomes, and the
+    weights and gradients sent."""
     weights = [w.to(dtype) for w in _weights(ctx, sizes, key)]
     grads = [[g.to(dtype) for g in step] for step in _grads(ctx, sizes, key)]
-    args = [(weights, grads, LR)] * ctx.world_size
+    args = [(weights, grads, lr, container)] * ctx.world_size
     outs = contracts.probe_all(ctx, STEP, "steps", args, strided) if held else ctx.probe_all("steps", args)
     return outs, (weights, grads)
 
 
-def _compare(ctx, sizes, key=""):
+def _compare(ctx, sizes, key="", lr: float = LR, container: str = "list"):
     """Fails unless every rank's weights after each step are those of Adam on one device."""
-    outs, (weights, grads) = _run(ctx, sizes, key)
+    outs, (weights, grads) = _run(ctx, sizes, key, lr=lr, container=container)
     n = ctx.world_size
     numel = sum(w.numel() for w in weights)
     start = torch.cat([w.reshape(-1) for w in weights])
-    want = _adam(weights, grads)
+    want = _adam(weights, grads, lr=lr)
     for out in outs:
         got_steps = out.value["weights"]
         for step, (got, expected) in enumerate(zip(got_steps, want)):
@@ -199,6 +202,22 @@ def _compare(ctx, sizes, key=""):
     "gradients arrive already averaged: use them as they are."))
 def equals_adam(ctx):
     _compare(ctx, [(3, 4), (5,), (2, 3)])
+    def steps_like_adam(case):
+        return generated.failure(_compare, ctx, case["sizes"], ("drawn", case["seed"]), case["lr"], case["container"])
+
+    generated.for_all(ctx, OPTIMIZERS, steps_like_adam, count=3, describe=_optimizer_words)
+
+
+# The parameters a training loop hands an optimizer: a list, a tuple, or model.parameters(), a generator that can be
+# read once; 1 to 3 of them, 0-d, of one element, odd or odd matrices; another learning rate than the default.
+OPTIMIZERS = Space(container=One(("list", "generator", "tuple")), sizes=Many(Shape(("one", "odd", "matrix", "0-d")),
+                                                                             1, 3), lr=One((LR, 0.1, 1e-3)))
+
+
+def _optimizer_words(case: dict) -> str:
+    sizes = ", ".join(generated.shape_words(s) for s in case["sizes"])
+    return f"ZeroOneAdam(params as a {case['container']} of [{sizes}], lr={case['lr']:g})"
+
 
 
 def _judge_census(rank: int, census: list, numel: int, n: int) -> None:

@@ -211,7 +211,8 @@ def counts(ctx):
         sent = [torch.randint(0, 6, (E,), generator=g) for _ in range(n)]
         sent[0][per - 1] = 0  # an expert that rank 0 sends nothing
         _exchanged(ctx, sent, "exchange_counts")
-    generated.for_all(ctx, COUNTS, lambda case: _fails(_exchanged, ctx, _drawn_counts(case, n), "exchange_counts"),
+    generated.for_all(ctx, COUNTS,
+                      lambda case: generated.failure(_exchanged, ctx, _drawn_counts(case, n), "exchange_counts"),
                       count=3, describe=lambda case: _counts_words(case, n))
 
 
@@ -238,14 +239,6 @@ def _drawn_counts(case: dict, n: int) -> list:
 def _counts_words(case: dict, n: int) -> str:
     return "exchange_counts of " + ", ".join(f"rank {r}'s {c.tolist()}" for r, c in enumerate(_drawn_counts(case, n)))
 
-
-def _fails(check, *args) -> str | None:
-    """What ``check(*args)`` raised as :class:`Fail`, or None: a check's steps as a property of generated cases."""
-    try:
-        check(*args)
-    except Fail as e:
-        return str(e)
-    return None
 
 
 def _exchanged(ctx, sent: list, function) -> None:
@@ -370,8 +363,9 @@ def contract(ctx):
     n = ctx.world_size
     label, E, chosens = _dispatch_cases(ctx)[0]
     _call_all(ctx, PERMUTE, [(chosens[r].clone(), E) for r in range(n)], f"{label}, {n} ranks", held=True)
-    generated.for_all(ctx, CHANGED_COUNTS, lambda case: _fails(_call_all, ctx, EXCHANGE,
-                                                               [(c,) for c in _drawn_counts(case, n)], "", True),
+    generated.for_all(ctx, CHANGED_COUNTS,
+                      lambda case: generated.failure(_call_all, ctx, EXCHANGE, [(c,) for c in _drawn_counts(case, n)],
+                                                     "", True),
                       count=2, describe=lambda case: _counts_words(case, n))
     for dtype in DTYPES:
         name = str(dtype).removeprefix("torch.")

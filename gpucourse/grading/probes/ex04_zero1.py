@@ -119,9 +119,10 @@ def _census(learner, opt, params: list, known: dict, start_flat: torch.Tensor | 
     return out
 
 
-def steps(learner, weights: list, grads: list, lr: float) -> dict:
-    """``ZeroOneAdam`` over parameters holding ``weights`` (as they came: a view stays a view); step ``i`` gets
-    ``grads[i]`` (one per parameter).
+def steps(learner, weights: list, grads: list, lr: float, container: str = "list") -> dict:
+    """``ZeroOneAdam`` over parameters holding ``weights`` (as they came: a view stays a view), handed to it as a
+    ``container`` ("list", "tuple", or "generator" as ``model.parameters()`` is); step ``i`` gets ``grads[i]`` (one
+    per parameter).
 
     Reports ``weights``, the flattened parameters after each step, ``census``, the optimizer census after
     construction and after each step (see :func:`_census`), and under ``"contract"`` the gradients as each step left
@@ -129,7 +130,8 @@ def steps(learner, weights: list, grads: list, lr: float) -> dict:
     """
     params = [nn.Parameter(w.clone()) for w in weights]
     start_flat = _flat(params).clone()
-    opt = learner.ZeroOneAdam(params, lr=lr)
+    given = {"list": list, "tuple": tuple, "generator": lambda ps: (p for p in ps)}[container](params)
+    opt = learner.ZeroOneAdam(given, lr=lr)
     known: dict = {}
     census = [_census(learner, opt, params, known, start_flat)]
     after, grads_after = [], []
