@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 # `make install` with nothing changed does nothing.
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv install workshop-deps lab test slurm-up slurm-down clean
+.PHONY: venv install workshop-deps lab dist test slurm-up slurm-down clean
 
 venv: $(PY)
 
@@ -48,6 +48,10 @@ slurm-down:
 # 127.0.0.1 only; Jupyter makes up a token and prints the URL that carries it.
 lab: install
 	$(VENV)/bin/gpucourse lab
+
+# The course as one wheel for Colab, Kaggle or a JupyterHub it did not set up (README, "Colab / Kaggle").
+dist: install
+	$(PY) scripts/build-wheel dist
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache

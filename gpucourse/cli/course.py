@@ -1,4 +1,5 @@
-"""The commands of the course around the runtime: ``lab``, ``grade``, ``quiz``, ``progress``, ``workshop``."""
+"""The commands of the course around the runtime: ``lab``, ``fetch-course``, ``grade``, ``quiz``, ``progress``,
+``workshop``."""
 
 from __future__ import annotations
 
@@ -54,6 +55,19 @@ def cmd_lab(args) -> int:
     print("gpucourse: serving the course on 127.0.0.1 with a token; open the URL Jupyter prints below.",
           file=sys.stderr, flush=True)
     os.execv(argv[0], argv)
+
+
+def cmd_fetch_course(args) -> int:
+    from ..course import material
+
+    try:
+        written = material.fetch(args.folder)
+    except material.FetchError as e:
+        raise UsageError(str(e)) from None
+    parts = {part: sum(1 for p in written if p.parent.name == part) for part in material.PARTS}
+    print(f"gpucourse: {parts['notebooks']} notebooks and {parts['exercises']} exercises copied into {args.folder}; "
+          f"open {args.folder}/notebooks/00_setup.ipynb, and check(\"ex01\") grades {args.folder}/exercises.")
+    return 0
 
 
 def cmd_grade(args) -> int:
@@ -221,6 +235,12 @@ def add_commands(sub) -> None:
     p.add_argument("--port", type=whole(0, 65535, why="a port number; 0 picks a free one"), default=8888,
                    help="port (default 8888; Jupyter takes the next free one if it is busy; 0 picks any free port)")
     p.set_defaults(func=cmd_lab)
+
+    p = sub.add_parser("fetch-course", help="copy the notebooks and exercises out of an installed course",
+                       description="Copy the course's notebooks and exercise stubs into DIR (made if missing), "
+                                   "from the installed wheel (make dist) or the checkout; nothing is overwritten.")
+    p.add_argument("folder", metavar="DIR", help="an empty or new folder to work in")
+    p.set_defaults(func=cmd_fetch_course)
 
     from ..grading.runner import DEFAULT_MEMORY_GB, DEFAULT_TIMEOUT_S
 
