@@ -1207,3 +1207,19 @@ def test_notebook_15_says_which_bandwidth_its_weight_reads_use():
     assert round(weights / Cluster.of(h100).hbm_Bps * 1e3, 1) == 5.6 and round(weights / 3350e9 * 1e3, 1) == 4.8
     assert ("at the 85 % of the datasheet's 3.35 TB/s a streaming kernel reaches: so bf16 reads in 5.6 ms here, where "
             "notebook 14's floor at the full 3.35 TB/s is 4.8 ms") in prose("15_inference_optimization")
+
+
+def test_notebook_09_says_the_flight_recorder_is_on_by_default_as_10_does():
+    """09 named TORCH_NCCL_TRACE_BUFFER_SIZE=2000 as what keeps the flight recorder's record; in PyTorch 2.13 it is
+    on by default with 2,000 entries, under the name TORCH_FR_BUFFER_SIZE (the old one still read)."""
+    import pathlib
+
+    import torch
+
+    header = pathlib.Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/FlightRecorder.hpp"
+    assert re.search(r'\{"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"\},\s*2000\)', header.read_text())
+    text = prose("09_troubleshooting")
+    assert "`TORCH_NCCL_TRACE_BUFFER_SIZE=2000` keeps" not in text
+    assert ("the \"flight recorder\", on by default in PyTorch 2.13, keeps each rank's last 2,000 collectives and "
+            "dumps them at a timeout (`TORCH_FR_BUFFER_SIZE`, formerly `TORCH_NCCL_TRACE_BUFFER_SIZE`; 0 turns it "
+            "off; notebook 10)") in text
