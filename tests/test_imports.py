@@ -247,9 +247,9 @@ def test_a_planted_loop_through_a_package_is_found(tmp_path, monkeypatch):
 # What runs without torch: a workshop's hub (its spawner, dashboard and reports), the lab server's helper, the
 # progress file and the quiz, writing a file whole, and the model shapes a plan counts. Each pays seconds and
 # hundreds of MB for importing torch.
-TORCH_FREE = ("gpucourse.files", "gpucourse.modeled.shapes", "gpucourse.course.kernel_sockets", "gpucourse.course.lab", "gpucourse.course.progress", "gpucourse.quiz",
-              "gpucourse.workshop.hub", "gpucourse.workshop.spawner", "gpucourse.workshop.dashboard",
-              "gpucourse.workshop.report", "gpucourse.workshop.kernels")
+TORCH_FREE = ("gpucourse.files", "gpucourse.modeled.shapes", "gpucourse.course.kernel_sockets", "gpucourse.course.lab",
+              "gpucourse.course.progress", "gpucourse.quiz", "gpucourse.workshop.hub", "gpucourse.workshop.spawner",
+              "gpucourse.workshop.dashboard", "gpucourse.workshop.report", "gpucourse.workshop.kernels")
 
 
 def test_the_hub_the_lab_and_the_progress_file_import_without_torch():
@@ -310,3 +310,20 @@ def test_a_config_is_data():
     reached = {t for t, _, _ in GRAPH["config"]}
     assert not {t for t in reached if _folder(t) in ("parallel", "runtime", "modeled") or t == "platforms"}, reached
     assert reached <= {"model", "readable", "values"}
+
+
+def test_code_asks_a_schedule_record_never_its_name():
+    """What a schedule is (how many chunks, whether Megatron-LM runs it, its bubble's closed form) is a property of
+    its record in parallel/schedule_table.py; the rest of the package asks the record, so a new schedule is one
+    record, not a search for every place that compares names."""
+    import re
+
+    from gpucourse.parallel.schedule_table import SCHEDULES
+
+    names = "|".join(re.escape(n) for n in SCHEDULES)
+    compared = re.compile(rf"""(==|!=|\bin\b|\bnot in\b)\s*\(?["']({names})["']|["']({names})["']\s*(==|!=)""")
+    allowed = {"parallel.schedule_table", "parallel.schedules", "parallel.schedules_virtual"}  # the builders
+    bad = [f"gpucourse/{m.replace('.', '/')}.py:{i}: {line.strip()}" for m, path in MODULES.items()
+           if m not in allowed for i, line in enumerate(path.read_text().splitlines(), 1)
+           if compared.search(line) and not re.search(r"\bfor\b.*\bin\s*\(", line)]  # a loop over names is data
+    assert not bad, "\n".join(bad)

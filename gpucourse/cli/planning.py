@@ -51,8 +51,9 @@ def cmd_schedule(args) -> int:
     if layout is None:
         formula = schedules.formula_bubble(args.schedule, pp, m)
         costs = f"F costs {args.cost_f:g}, B {args.cost_b:g}"
-        rule = f"equal-cost formula {'(p-1)/p' if args.schedule == 'naive' else '(p-1)/(m+p-1)'} = {formula:.1%}"
-        ratio_rule = "" if args.schedule == "naive" else f"; (p-1)/m = {(pp - 1) / m:.1%}"
+        shape = SCHEDULES[args.schedule].formula  # the closed form of its bubble fraction
+        rule = f"equal-cost formula {shape} = {formula:.1%}"
+        ratio_rule = f"; (p-1)/m = {(pp - 1) / m:.1%}" if "m" in shape else ""
     else:
         formula = None
         costs = (f"{layout.v} chunk{'s' * (layout.v > 1)} per rank ({layout.shape} placement), a rank's F costs "

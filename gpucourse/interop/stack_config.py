@@ -121,14 +121,14 @@ def _accumulation_note(tool: str, cfg: TrainConfig) -> list[str]:
 
 def _even_split_note(tool: str, cfg: TrainConfig) -> list[str]:
     n_layer, stages = cfg.model_config().n_layer, cfg.pp * chunks_per_rank(cfg)
-    if cfg.pp > 1 and cfg.schedule in ("1f1b", "interleaved-1f1b") and n_layer % stages:
+    if cfg.pp > 1 and get_schedule(cfg.schedule).megatron and n_layer % stages:
         return [f"{tool} splits the blocks evenly: num_layers = {n_layer} must divide by the {stages} pipeline "
                 f"stages, where this layout lets stages differ by one block."]
     return []
 
 
 def _schedule_note(tool: str, cfg: TrainConfig, offered: str) -> list[str]:
-    if cfg.pp > 1 and cfg.schedule not in ("1f1b", "interleaved-1f1b"):
+    if cfg.pp > 1 and not get_schedule(cfg.schedule).megatron:
         return [f"{tool} has no {cfg.schedule!r} pipeline schedule ({offered}): the settings above run 1F1B."]
     return []
 
@@ -167,7 +167,7 @@ def megatron(cfg: TrainConfig, nodes: Nodes) -> tuple[dict, list[str]]:
     }
     if cfg.sequence_parallel:
         args["--sequence-parallel"] = None               # sequence_parallel
-    if cfg.pp > 1 and cfg.schedule == "interleaved-1f1b":
+    if cfg.pp > 1 and get_schedule(cfg.schedule).interleaved:
         args["--num-virtual-stages-per-pipeline-rank"] = cfg.virtual_stages  # virtual_stages
     if cfg.cp > 1:
         args["--cp-comm-type"] = ATTENTIONS[cfg.cp_algo].megatron  # cp_algo
@@ -250,7 +250,7 @@ def nemo(cfg: TrainConfig, nodes: Nodes) -> tuple[dict, list[str]]:
         "sequence_parallel": cfg.sequence_parallel,
         "expert_model_parallel_size": cfg.ep,
     }
-    if cfg.pp > 1 and cfg.schedule == "interleaved-1f1b":
+    if cfg.pp > 1 and get_schedule(cfg.schedule).interleaved:
         strategy["virtual_pipeline_model_parallel_size"] = cfg.virtual_stages
     if cfg.zero >= 2:
         strategy["fsdp"] = "megatron"
@@ -361,7 +361,7 @@ def deepspeed(cfg: TrainConfig, nodes: Nodes) -> tuple[dict, list[str]]:
                      + (f", capacity_factor={mc.moe_capacity}" if mc.moe_capacity else ", drop_tokens=False")
                      + "); its JSON expert_parallel block (AutoEP) converts Hugging Face MoE models only.")
     notes += _schedule_note("DeepSpeed", cfg, "its pipeline engine has one schedule of its own")
-    if cfg.pp > 1 and cfg.schedule == "interleaved-1f1b":
+    if cfg.pp > 1 and get_schedule(cfg.schedule).interleaved:
         notes.append("DeepSpeed's pipeline engine does not interleave: one model chunk per stage, no virtual "
                      "stages.")
     notes += _accumulation_note("DeepSpeed", cfg)
@@ -429,10 +429,11 @@ def torchtitan(cfg: TrainConfig, nodes: Nodes) -> tuple[dict, list[str]]:
         else:
             notes.append(f"the {mc.n_layer} blocks do not split evenly into pp × {v} stages; torchtitan splits "
                          f"them its own way.")
-        if cfg.schedule == "naive":
+        record = get_schedule(cfg.schedule)
+        if not record.torch_class and not record.split_backward:
             notes.append("torchtitan has no naive schedule (one microbatch at a time through every stage); GPipe "
                          "with the same microbatches is the nearest.")
-        if cfg.schedule == "zb-h1":
+        if not record.torch_class and record.split_backward:
             notes.append("torch.distributed.pipelining has no one-chunk zero-bubble schedule (ZB-H1); its "
                          "zero-bubble schedules interleave (ZBVZeroBubble, InterleavedZeroBubble): 1F1B above.")
     if cfg.cp > 1:
@@ -519,7 +520,7 @@ def accelerate(cfg: TrainConfig, nodes: Nodes) -> tuple[dict, list[str]]:
             notes.append("Megatron-LM, under Accelerate too, always cuts a sequence into 2 × cp chunks (the zig-zag "
                          "balance); it has no plain contiguous split.")
         notes += _schedule_note("Accelerate's Megatron-LM plugin", cfg, "it runs Megatron-LM's 1F1B")
-        if cfg.pp > 1 and cfg.schedule == "interleaved-1f1b":
+        if cfg.pp > 1 and get_schedule(cfg.schedule).interleaved:
             notes.append("Accelerate's config file has no key for virtual pipeline stages: plain 1F1B.")
         notes += _accumulation_note("Accelerate's Megatron-LM plugin", cfg)
     elif cfg.zero >= 2 or cfg.cp > 1:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import TrainConfig
+from ..parallel.schedule_table import get as get_schedule
 from .cluster import Cluster
 from .shapes import Shape
 
@@ -84,7 +85,7 @@ def pipeline_cost(s: Step) -> Cost:
     if cfg.pp == 1:
         return Cost()
     C = s.shape.hidden
-    hops = 2 * s.m * (cfg.virtual_stages if cfg.schedule == "interleaved-1f1b" else 1)
+    hops = 2 * s.m * (cfg.virtual_stages if get_schedule(cfg.schedule).interleaved else 1)
     split = cfg.tp if (s.overlap.pp_scatter or cfg.sequence_parallel) else 1
     stage_neighbours = (0, cfg.tp * cfg.cp * cfg.dp)
     comm = hops * s.cost("send", s.local_tokens * C * s.elem / split, stage_neighbours)

@@ -45,6 +45,7 @@ from ..config import AUTO_PRECISION, TrainConfig, allowed
 from ..model import GPTConfig
 from ..parallel import check
 from ..parallel.pipeline import stage_blocks
+from ..parallel.schedule_table import get as get_schedule
 from ..readable import ConfigError
 from ..readable import human_bytes
 from ..values import NON_NEGATIVE_NUMBER
@@ -485,7 +486,7 @@ def format_estimate(est: dict) -> str:
     lines.append(f"  activations: recompute {cfg.recompute}, {cfg.attention} attention"
                  + (f", sequence parallel over tp {cfg.tp}" if cfg.sequence_parallel and cfg.tp > 1 else "")
                  + (f"; microbatches in flight per stage ({cfg.schedule}"
-                    + (f", {cfg.virtual_stages} chunks a rank" if cfg.schedule == "interleaved-1f1b" else "")
+                    + (f", {cfg.virtual_stages} chunks a rank" if get_schedule(cfg.schedule).chunks == 0 else "")
                     + "): " + ", ".join(f"{h:.3g}" for h in est["in_flight"]) if "in_flight" in est and cfg.pp > 1
                     else ""))
     lines.append("  buffers and workspaces (NCCL, cuBLAS, the allocator's slack) are not counted:")

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 from ..config import ConfigError, TrainConfig
 from ..parallel import check
+from ..parallel.schedule_table import get as get_schedule
 from ..readable import human_bytes
 from ..values import GPUS_PER_NODE, RANKS, SEQUENCES, TOKENS, Name, number
 from . import shapes
@@ -178,7 +179,7 @@ def _enough(cfg: TrainConfig) -> int:
     """Microbatches enough to reach a pipeline's peak in flight: the warm-up of an interleaved schedule is under
     3·pp microbatches (2·(pp − 1) + (v − 1)·pp chunk-steps), so laying out more does not change the peak (tested),
     and laying out a thousand would take seconds a layout."""
-    return min(cfg.microbatches, 3 * cfg.pp) if cfg.schedule == "interleaved-1f1b" else cfg.microbatches
+    return min(cfg.microbatches, 3 * cfg.pp) if get_schedule(cfg.schedule).interleaved else cfg.microbatches
 
 
 def memory_of(cfg: TrainConfig, shape: Shape, offload: bool = False, framework=None, fp8: bool = False) -> dict:
@@ -307,10 +308,10 @@ def bubble_ratio(schedule: str, pp: int, m: int, v: int = 2) -> float:
 
     if pp == 1:
         return 0.0
-    if schedule in ("gpipe", "1f1b"):
-        return schedules.formula_bubble_ratio(schedule, pp, m)
-    if schedule == "interleaved-1f1b":
-        return schedules_virtual.formula_bubble_ratio(schedule, pp, m, v)
+    record = get_schedule(schedule)
+    if record.formula:  # the papers' closed form, which the clock gives exactly
+        return (schedules_virtual.formula_bubble_ratio(schedule, pp, m, v) if record.virtual else
+                schedules.formula_bubble_ratio(schedule, pp, m))
     return lay_out_schedule(schedule, pp, m, v)[2].bubble_ratio
 
 
@@ -608,7 +609,7 @@ def schedule_name(row: dict) -> str:
     """A row's pipeline schedule, short: "1f1b", "i2" (interleaved, 2 chunks a rank), "" without a pipeline."""
     if not row.get("schedule"):
         return ""
-    return f"i{row['config']['virtual_stages']}" if row["schedule"] == "interleaved-1f1b" else row["schedule"]
+    return f"i{row['config']['virtual_stages']}" if get_schedule(row["schedule"]).interleaved else row["schedule"]
 
 
 def explain(row: dict) -> str:
@@ -617,7 +618,7 @@ def explain(row: dict) -> str:
     layout = " ".join(f"{k} {row[k]}" for k in ("dp", "tp", "pp", "cp", "ep") if row.get(k, 1) > 1) or "one GPU"
     if row.get("schedule"):
         v = row["config"]["virtual_stages"]
-        layout += f" ({row['schedule']}{f', {v} chunks a rank' if row['schedule'] == 'interleaved-1f1b' else ''})"
+        layout += f" ({row['schedule']}{f', {v} chunks a rank' if get_schedule(row['schedule']).interleaved else ''})"
     layout += f", ZeRO-{row['zero']}" * bool(row["zero"]) + RECOMPUTE_NOTE[row["checkpoint_activations"]]
     if row.get("offload"):
         moved = row["offload"]

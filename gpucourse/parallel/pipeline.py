@@ -295,10 +295,10 @@ def check(cfg, mc, runnable: bool = True) -> None:
         raise ConfigError("microbatches=M splits the batch between pipeline stages and needs pp > 1; "
                           "on one stage use grad_accum to split it.")
     if runnable and cfg.impl == "torch" and cfg.pp > 1:
-        if cfg.schedule == "naive":
-            raise ConfigError("torch.distributed.pipelining has no 'naive' schedule; use gpipe or 1f1b, "
+        if record.torch_class is None and not record.virtual:
+            raise ConfigError(f"torch.distributed.pipelining has no {cfg.schedule!r} schedule; use gpipe or 1f1b, "
                               "or impl='scratch'.")
-        if cfg.schedule == "1f1b" and cfg.microbatches < cfg.pp:
+        if record.torch_class == "Schedule1F1B" and cfg.microbatches < cfg.pp:
             raise ConfigError(f"torch's Schedule1F1B needs microbatches >= pp ({cfg.microbatches} < {cfg.pp}); "
                               f"use more microbatches, gpipe, or impl='scratch'.")
 

@@ -14,7 +14,11 @@ command line and the translations into other tools' settings:
   (the others are laid out on the simulator's clock);
 - ``torch_class`` and ``titan``: ``torch.distributed.pipelining``'s class for it (None: PyTorch has none, so
   ``impl="torch"`` is refused) and torchtitan's ``pipeline_parallel_schedule`` name;
-- ``placement``: where a rank's chunks sit, looping through the ranks or in a V (the loss back on rank 0).
+- ``placement``: where a rank's chunks sit, looping through the ranks or in a V (the loss back on rank 0);
+- ``interleaved``: v chunks a rank, each microbatch through every chunk in turn, pp microbatches at a time
+  (Megatron-LM's interleaving): the transfers once per chunk, the peak in flight reached within 3·pp microbatches;
+- ``megatron``: Megatron-LM's own schedule for it ("" where Megatron-LM, and NeMo above it, have none);
+- ``formula``: the closed form of its bubble, idle over compute, where it has one (the clock gives exactly it).
 
 A new schedule is its builder and one record here.
 """
@@ -40,6 +44,9 @@ class Schedule:
     torch_class: str | None = None
     titan: str = ""
     placement: str = "loop"        # "v": two chunks a rank, the second coming back up (the loss on rank 0)
+    interleaved: bool = False
+    megatron: str = ""
+    formula: str = ""
 
     @property
     def virtual(self) -> bool:
@@ -69,14 +76,15 @@ class Schedule:
 
 SCHEDULES = {s.name: s for s in (
     Schedule("naive", "one microbatch through every stage at a time", in_flight=lambda pp, m: [1] * pp,
-             titan="GPipe"),
+             titan="GPipe", formula="(p-1)/p"),
     Schedule("gpipe", "all forwards, then all backwards", in_flight=lambda pp, m: [m] * pp,
-             torch_class="ScheduleGPipe", titan="GPipe"),
+             torch_class="ScheduleGPipe", titan="GPipe", formula="(p-1)/(m+p-1)"),
     Schedule("1f1b", "one forward, one backward once the pipeline is full",
              in_flight=lambda pp, m: [min(pp - stage, m) for stage in range(pp)],  # each stage's warm-up depth
-             torch_class="Schedule1F1B", titan="1F1B"),
+             torch_class="Schedule1F1B", titan="1F1B", megatron="1F1B", formula="(p-1)/(m+p-1)"),
     Schedule("interleaved-1f1b", "1F1B over v chunks a rank, looping through the ranks", chunks=0,
-             multiple_of_pp=True, torch_class="ScheduleInterleaved1F1B", titan="Interleaved1F1B"),
+             multiple_of_pp=True, torch_class="ScheduleInterleaved1F1B", titan="Interleaved1F1B", interleaved=True,
+             megatron="interleaved 1F1B", formula="(p-1)/(v·m)"),
     Schedule("looped-bfs", "every microbatch through chunk 0, then chunk 1, ...: interleaving at GPipe's memory",
              chunks=0, torch_class="ScheduleLoopedBFS", titan="LoopedBFS"),
     Schedule("zb-h1", "1F1B with B and W apart, W filling the idle slots", split_backward=True, titan="1F1B"),
