@@ -398,3 +398,12 @@ def test_a_saved_run_spoilt_in_a_field_is_refused_saying_which(tmp_path, capsys)
         path = _json_file(tmp_path, {**one_rank_run(), **change}, "run.json")
         assert refused(capsys, ["replay", path]) == \
             f"{path} is not a run saved with 'gpucourse train --json FILE': {says}"
+
+
+@pytest.mark.parametrize("value, said", [("0", "--gpus-per-node 0 must be at least 1."),
+                                         ("x", "--gpus-per-node x must be a whole number from 1 to 1024.")])
+def test_train_print_configs_gpus_per_node_is_refused_by_its_kind(value, said, capsys):
+    from gpucourse import cli
+
+    assert cli.main(["train", "--print-config", "megatron", "--dp", "2", "--gpus-per-node", value]) == 2
+    assert capsys.readouterr().err.strip() == f"gpucourse: error: {said}"

@@ -12,7 +12,7 @@ from ..readable import human_bytes
 from ..runtime.launcher import check_in_place_world, in_place, plan_device
 from ..modeled.gpus import GPU
 from ..interop.stack_config import TOOLS as STACKS
-from ..values import POSITIVE_NUMBER, Name
+from ..values import GPUS_PER_NODE, POSITIVE_NUMBER, Name
 from .common import SAVED_RUN, ProgressBar, UsageError, add_layout_args, check_writable, config_from
 
 
@@ -177,7 +177,7 @@ def add_commands(sub) -> None:
     p.add_argument("--print-config", type=Name(STACKS), metavar="TOOL", default=None,
                    help="print this layout as megatron, nemo, deepspeed, torchtitan or accelerate settings (in "
                         "their own names) and exit without training; what the tool cannot express goes to stderr")
-    p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+    p.add_argument("--gpus-per-node", type=GPUS_PER_NODE, default=None, metavar="G",
                    help="with --print-config: the servers' GPUs each, so that each tool's fields for servers and "
                         "GPUs per server are written (default: one server holds the whole layout)")
     p.add_argument("--peak-tflops", type=POSITIVE_NUMBER, default=None,
