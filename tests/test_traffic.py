@@ -50,6 +50,10 @@ def _rank(rank: int, world: int, port: int, conn) -> None:
             dist.all_to_all_single(_rows(outs), _rows(ins), outs, ins)
         elif name == "all_reduce_of_two" and rank in (0, 1):
             dist.all_reduce(torch.ones(arg), group=pair)
+        elif name == "all_gather_of_two" and rank in (0, 1):
+            dist.all_gather_single(torch.empty(2 * arg), torch.ones(arg), group=pair)
+        elif name == "reduce_scatter_of_two" and rank in (0, 1):
+            dist.reduce_scatter_single(torch.empty(arg), torch.ones(2 * arg), group=pair)
         elif name == "barrier":
             dist.barrier()
         elif name == "backend_allreduce":
@@ -117,6 +121,16 @@ def test_an_all_reduce_of_two_ranks_is_four_segments_each_way(ranks, numel):
     """Four segments of ceil(numel / 4) elements, the empty ones not sent: 5, 6 and 9 elements make 3."""
     assert ranks("all_reduce_of_two", numel).pairs() == dict.fromkeys([(0, 1), (1, 0)],
                                                                       traffic.all_reduce_of_two(numel, 4))
+
+
+@pytest.mark.parametrize("numel", [1, 3, 7, 13, 100, 1000])
+def test_an_all_gather_and_a_reduce_scatter_of_two_ranks(ranks, numel):
+    """An all-gather sends a rank's piece and 288 bytes of framing each way; a reduce-scatter of 2·numel elements
+    sends what an all-reduce of them sends (gloo reduces the whole buffer)."""
+    pair = [(0, 1), (1, 0)]
+    assert ranks("all_gather_of_two", numel).pairs() == dict.fromkeys(pair, traffic.all_gather_of_two(numel, 4))
+    assert ranks("reduce_scatter_of_two", numel).pairs() == dict.fromkeys(pair,
+                                                                          traffic.reduce_scatter_of_two(2 * numel, 4))
 
 
 def test_a_backend_collective_no_recorder_saw_is_counted(ranks):

@@ -285,6 +285,23 @@ def all_reduce_of_two(numel: int, itemsize: int) -> int:
     return numel * itemsize + (FORWARD + BACKWARD) * segments
 
 
+ALL_GATHER_OF_TWO_FRAMING = 6 * HEADER  # what an all-gather of two ranks adds each way, whatever its size
+
+
+def all_gather_of_two(numel: int, itemsize: int) -> int:
+    """The bytes one rank of two puts on the wire to the other in an all-gather whose pieces are ``numel``
+    elements of ``itemsize`` bytes: its own piece and six preambles (288 bytes), measured from one element to
+    1000."""
+    return numel * itemsize + ALL_GATHER_OF_TWO_FRAMING
+
+
+def reduce_scatter_of_two(numel: int, itemsize: int) -> int:
+    """The bytes one rank of two puts on the wire to the other in a reduce-scatter of a buffer of ``numel``
+    elements (each rank keeping half): gloo reduces the whole buffer as an all-reduce does and keeps the rank's
+    part, so it costs :func:`all_reduce_of_two` of the whole buffer, twice what NCCL's reduce-scatter sends."""
+    return all_reduce_of_two(numel, itemsize)
+
+
 def _messages(records: dict[int, list[dict]], op: str) -> dict[tuple[int, int], int]:
     """How many sends (``op`` "send": (rank, peer)) or receives ("recv": (peer, rank)) each pair recorded."""
     count: dict[tuple[int, int], int] = {}
