@@ -56,6 +56,14 @@ EX14_REFUSE = "too few free blocks: False, and nothing taken"
 EX14_SCATTERED = "paged attention equals attention over the contiguous keys (scattered tables)"
 EX14_EDGES = "part-full last blocks, one token, blocks of one"
 EX14_CONTRACT = "the contract: inputs left as they were, q's dtype kept, caches as views"
+EX15_ONE = "one rank: every step equals the module's own, bit for bit"
+EX15_TWO = "2 ranks, fp32: every step equals one device's"
+EX15_THREE = "3 ranks: sizes no rank count divides, padding on the last rank"
+EX15_HALF = "fp16 compute: fp32 master weights and gradients, within 1e-4 of one device (2 ranks)"
+EX15_FREED = "no whole weight kept between forward and backward (2 ranks)"
+EX15_CONTRACT = ("the contract: flat fp32 shards of ceil(numel / n), gradients alike, the batch left as it was "
+                 "(2 ranks)")
+EX15_BYTES = "bytes per step: gathers in forward and backward, reduce-scatters of gradients (2 ranks)"
 EX16_GREEDY = "greedy: the drafts up to the first one the target rejects, then the target's token"
 EX16_EDGES = "greedy: every draft accepted earns a bonus token; no drafts, or a one-token context"
 EX16_CHAIN = "greedy rounds make the target's own greedy decode"
@@ -302,6 +310,17 @@ WRONG_ANSWERS = {
     "ex14_paged_attention/tables_as_tensors": ([EX14_CONTRACT], "changed its input tables"),
     "ex14_paged_attention/slot_as_tensor": (["slot_of finds a token's block and offset"],
                                             "a 0-d tensor, where an int is specified"),
+    "ex15_fsdp/all_reduce_not_reduce_scatter": ([EX15_BYTES], "all_reduces of"),
+    "ex15_fsdp/casts_after_gather": ([EX15_BYTES], "fp16 compute: rank"),
+    "ex15_fsdp/gathers_once_per_step": ([EX15_FREED, EX15_BYTES], "still held"),
+    "ex15_fsdp/keeps_full_copy": ([EX15_FREED, EX15_BYTES], "still held"),
+    "ex15_fsdp/grad_in_compute_dtype": ([EX15_HALF, EX15_BYTES], "elements differ"),
+    "ex15_fsdp/master_weights_cast": ([EX15_HALF, EX15_BYTES], "dtype torch.float16, expected torch.float32"),
+    "ex15_fsdp/padding_lost_last_rank": ([EX15_THREE, EX15_TWO, EX15_HALF, EX15_FREED, EX15_CONTRACT, EX15_BYTES],
+                                         "invalid tensor size"),
+    "ex15_fsdp/replicated_not_reduced": ([EX15_TWO, EX15_THREE, EX15_HALF, EX15_BYTES],
+                                         "a vector (replicated on every rank)"),
+    "ex15_fsdp/sums_not_averages": ([EX15_TWO, EX15_THREE, EX15_HALF], "not divided by the world size"),
     "ex16_speculative_verify/accepted_off_by_one": ([EX16_EDGES], "returned (2, ["),
     "ex16_speculative_verify/no_bonus_token": ([EX16_EDGES], "returned (3, ["),
     "ex16_speculative_verify/accepts_after_mismatch": ([EX16_GREEDY, EX16_EDGES, EX16_CHAIN, EX16_CONTRACT],
