@@ -304,12 +304,6 @@ WRONG_ANSWERS = {
     "ex14_paged_attention/tables_as_tensors": ([EX14_CONTRACT], "changed its input tables"),
     "ex14_paged_attention/slot_as_tensor": (["slot_of finds a token's block and offset"],
                                             "a 0-d tensor, where an int is specified"),
-    # Inputs the cases never took before they were drawn (gpucourse.grading.generated): tables longer than their
-    # sequences need. Contracts on some arguments only: the tables passed, a result's type.
-    "ex14_paged_attention/tail_of_last_block": ([EX14_SCATTERED, EX14_CONTRACT], "the smallest case found"),
-    "ex14_paged_attention/tables_as_tensors": ([EX14_CONTRACT], "changed its input tables"),
-    "ex14_paged_attention/slot_as_tensor": (["slot_of finds a token's block and offset"],
-                                            "a 0-d tensor, where an int is specified"),
     "ex15_fsdp/all_reduce_not_reduce_scatter": ([EX15_BYTES], "all_reduces of"),
     "ex15_fsdp/casts_after_gather": ([EX15_BYTES], "fp16 compute: rank"),
     "ex15_fsdp/gathers_once_per_step": ([EX15_FREED, EX15_BYTES], "still held"),
