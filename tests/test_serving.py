@@ -326,3 +326,29 @@ def test_serve_bench_from_the_command_line(tmp_path, capsys):
                        (["--model", "huge"], "--model 'huge' is not one of")):
         assert main(["serve-bench", *argv]) == 2
         assert says in capsys.readouterr().err
+
+
+def test_what_the_scheduler_hands_the_runner_says_who_was_admitted_and_who_preempted():
+    """The boundary between scheduler and model runner is one record a step: the sequences that run with the tokens
+    each feeds (a list of Scheduled, which the runner reads), and the requests admitted and preempted for it."""
+    from gpucourse.serving.scheduler import Scheduled, SchedulerOutput
+
+    sched = Scheduler(BlockAllocator(num_blocks=4, block_size=4))
+    for i in range(2):
+        sched.add(Request(i, 0.0, (1, 2, 3), max_new_tokens=8))
+    first = sched.schedule()
+    assert isinstance(first, SchedulerOutput) and all(isinstance(part, Scheduled) for part in first)
+    assert (first.admitted, first.preempted, first.tokens) == ([0, 1], [], 6)
+    assert [(part.seq.request.id, part.tokens) for part in first] == [(0, 3), (1, 3)]
+    seen = []
+    for step in range(12):
+        out = sched.schedule()
+        seen.append((out.admitted, out.preempted))
+        for seq, n in out:
+            sched.advance(seq, n, 9 if seq.cached + n == len(seq.tokens) else None, 0.1 * step)
+        if out.preempted:
+            assert out.preempted == [1] and not out.admitted  # the youngest goes; nobody is admitted that step
+            assert [part.seq.request.id for part in out] == [0]
+            break
+    else:
+        pytest.fail(f"4 blocks of 4 tokens were meant to run out: {seen}")

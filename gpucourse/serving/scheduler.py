@@ -34,6 +34,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .kv_cache import check_fits, inference, next_token
 from .metrics import Iteration, Report
@@ -60,6 +61,28 @@ class Sequence:
     def longest(self) -> int:
         """Tokens it may come to hold: what static batching reserves."""
         return len(self.request.prompt) + self.request.max_new_tokens
+
+
+class Scheduled(NamedTuple):
+    """One sequence's part of an iteration: the sequence, and how many of its tokens not yet cached it feeds."""
+
+    seq: Sequence
+    tokens: int
+
+
+class SchedulerOutput(list):
+    """What the scheduler hands the model runner each iteration, as vLLM's engine does: the sequences that run, in
+    order, each a :class:`Scheduled` (the list itself), and the requests admitted and preempted to get there. The
+    runner reads the sequences; the block pool and the sequences' block tables stay the scheduler's."""
+
+    def __init__(self, scheduled=(), admitted=(), preempted=()):
+        super().__init__(scheduled)
+        self.admitted, self.preempted = list(admitted), list(preempted)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens fed this iteration, every sequence's."""
+        return sum(part.tokens for part in self)
 
 
 class Scheduler:
@@ -89,44 +112,49 @@ class Scheduler:
         """Queue an arrived request."""
         self.waiting.append(Sequence(request, list(request.prompt)))
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
-        """This iteration's work: (sequence, tokens it feeds) for each sequence that runs."""
+    def schedule(self) -> SchedulerOutput:
+        """This iteration's work: each sequence that runs with the tokens it feeds, and who was admitted and
+        preempted."""
         return self._static() if self.static else self._continuous()
 
     def _static(self):
+        out = SchedulerOutput()
         if not self.running:  # a new batch only when the last one has wholly finished
             while self.waiting and self.blocks.can_grow(self.waiting[0].request.id, self.waiting[0].longest):
                 self.running.append(self.waiting.popleft())
                 self.blocks.grow(self.running[-1].request.id, self.running[-1].longest)
-        return [(seq, len(seq.tokens) - seq.cached) for seq in self.running]
+                out.admitted.append(self.running[-1].request.id)
+        out.extend(Scheduled(seq, len(seq.tokens) - seq.cached) for seq in self.running)
+        return out
 
     def _continuous(self):
-        budget, work, preempted = self.token_budget or math.inf, [], False
+        budget, out = self.token_budget or math.inf, SchedulerOutput()
         # Oldest first: a sequence short of memory preempts the youngest, itself last, never one already planned.
         for seq in list(self.running):
             n = min(len(seq.tokens) - seq.cached, budget)
             if seq not in self.running or n == 0:
                 break
             while seq in self.running and not self.blocks.can_grow(seq.request.id, seq.cached + n):
+                out.preempted.append(self.running[-1].request.id)
                 self._preempt(self.running[-1])
-                preempted = True
             if seq in self.running:
                 self.blocks.grow(seq.request.id, seq.cached + n)
-                work.append((seq, n))
+                out.append(Scheduled(seq, n))
                 budget -= n
         # Admit only in an iteration that preempted nobody: what was just freed is what the running need.
-        while not preempted and self.waiting and budget > 0:
+        while not out.preempted and self.waiting and budget > 0:
             seq = self.waiting[0]
             cached = self.blocks.admit(seq.request.id, seq.tokens)  # tokens a prefix cache holds already, if any
             if cached is None:
                 break  # first come, first served: nobody overtakes the request at the front
             self.running.append(self.waiting.popleft())
+            out.admitted.append(seq.request.id)
             seq.cached = cached
             n = min(len(seq.tokens) - seq.cached, budget)
             self.blocks.grow(seq.request.id, seq.cached + n)
-            work.append((seq, n))
+            out.append(Scheduled(seq, n))
             budget -= n
-        return work
+        return out
 
     def _preempt(self, seq):
         """Recompute: free its blocks and forget its cache; it waits first in line, keeping its tokens."""
