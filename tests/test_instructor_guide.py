@@ -59,7 +59,7 @@ def test_the_grader_totals_and_timeout_the_guide_states():
 
 
 def test_the_exercises_said_to_check_their_contracts_are_those_that_do():
-    """'Exercises 1–4, 6, 8, 11, 12 and 14 use it (5, 7, 9 and 13 take no tensors; 10 returns floats)': each
+    """'Exercises 1–4, 6, 8, 11, 12 and 14–16 use it (5, 7, 9 and 13 take no tensors; 10 returns floats)': each
     exercise is named once, and those said to use it are those whose checks import the contracts."""
     def numbers(text: str) -> set[int]:
         found = set()
