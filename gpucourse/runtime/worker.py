@@ -256,7 +256,6 @@ def _tell_outside(message: dict) -> None:
 def _stand_in(child: int, channel: socket.socket, run_dir: str, rank: int):
     """Outside an isolated rank: write the notes it sends, then end as it ended (its value, or its exit)."""
     _note(run_dir, f"pid-{rank}.json", {"pid": child})  # the process that runs the rank, for silent_exits
-    value, returned = None, False
     with channel, channel.makefile("rb") as lines:
         for line in iter(lambda: lines.readline(_OUTSIDE_LINE_BYTES), b""):
             try:
@@ -265,8 +264,11 @@ def _stand_in(child: int, channel: socket.socket, run_dir: str, rank: int):
             except (ValueError, AttributeError):
                 continue  # a line cut at the limit, or not ours: the rank's own code can write here too
             if "value" in message:
-                value, returned = message["value"], True
-            elif name in {f"{kind}-{rank}.json" for kind in ("ready", "done", "error")} and isinstance(payload, dict):
+                # The rank's last word (it only ends its process after it): returned without waiting for its
+                # memory to be torn down, which would delay every launch. It dies with this process if it lingers.
+                os.waitpid(child, os.WNOHANG)
+                return message["value"]
+            if name in {f"{kind}-{rank}.json" for kind in ("ready", "done", "error")} and isinstance(payload, dict):
                 if name.startswith("error-"):  # the rank itself may be gone by now, having said this
                     payload.update(silent_exits=[r for r in silent_exits(run_dir) if r != rank], time=time.time())
                 _note(run_dir, name, payload)
@@ -274,11 +276,8 @@ def _stand_in(child: int, channel: socket.socket, run_dir: str, rank: int):
     if os.WIFSIGNALED(status):
         signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
         os.kill(os.getpid(), os.WTERMSIG(status))
-    code = os.waitstatus_to_exitcode(status)
-    if code or not returned:
-        sys.stdout.flush()
-        os._exit(code)
-    return value
+    sys.stdout.flush()
+    os._exit(os.waitstatus_to_exitcode(status))  # ended without its value: as it ended (os._exit(0) too)
 
 
 _PF_EXITING = 0x4  # in the flags of /proc/<pid>/stat: the process has begun to exit
