@@ -24,8 +24,8 @@ NOBODY = 65534
 
 def sandbox_user() -> int | None:
     """The unprivileged user learner code runs as when this process is root (``nobody``), or None (run as
-    ourselves: the walls' user namespace and the audit hook are then what stands between learner code and the
-    rest)."""
+    ourselves: the walls' user namespaces, the sandbox's and each rank's own, and the audit hook are then what
+    stands between learner code and the rest). Whether ranks can be walled in at all: :func:`isolation_problem`."""
     return NOBODY if os.geteuid() == 0 else None
 
 
