@@ -198,6 +198,21 @@ def test_a_learners_mistake_reads_as_one_sentence(kernel, tmp_path):
         assert len(error.traceback) <= 25, shown
 
 
+def test_a_crashed_ranks_last_words_come_before_the_cells_next_line(kernel, tmp_path):
+    """A rank that writes to stderr and then dies: its line is in the cell before what the cell prints next. Notebook
+    10 showed "[rank 1] ... ends its process at step 5" under the restart's launch line (stderr and stdout are
+    flushed apart in a kernel)."""
+    source = ("import os, sys\nfrom gpucourse import WorkerError, current, launch\n\n"
+              "def crash():\n    if current().rank == 1:\n"
+              "        print('rank 1 says goodbye', file=sys.stderr, flush=True)\n        os._exit(1)\n\n"
+              "try:\n    launch(crash, world_size=2, timeout=60, device='cpu')\nexcept WorkerError as e:\n"
+              "    print(f'attempt 1 failed: rank {e.rank}')\n")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
+    kernel(nb, tmp_path / "crash.ipynb")
+    shown = "".join(_text(o) for o in nb.cells[0].outputs)
+    assert shown.index("[rank 1] rank 1 says goodbye") < shown.index("attempt 1 failed: rank 1"), shown
+
+
 def test_a_wide_printed_line_is_found_but_printed_source_and_cli_diagnostics_keep_their_width():
     line = "x" * (OUTPUT_WIDTH + 1)
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(...)")])

@@ -693,6 +693,11 @@ def _launch_once(fn, args, kwargs, world_size, left, timeout, plan, method, pg_t
         drainer.join(timeout=5)
         channel.close()
         shutil.rmtree(run_dir, ignore_errors=True)
+        # What the ranks wrote reaches the cell before the caller's next line: in a notebook stderr (a rank's
+        # last words before a crash) and stdout are flushed apart, and unflushed, it came under the next launch.
+        for stream in (sys.stderr, sys.stdout):
+            with contextlib.suppress(AttributeError, OSError, ValueError):  # none, closed, or a reader gone
+                stream.flush()
 
 
 def _silent_error(run_dir: str, rank: int) -> WorkerError:
