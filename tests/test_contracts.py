@@ -33,6 +33,17 @@ def test_unchanged_means_every_byte():
     assert not same_bits(a, a.double()) and not same_bits(a, a[:2])
 
 
+def test_lists_and_numbers_the_caller_passed_are_held_unchanged_with_their_types():
+    tables = Contract("attend", ("q", "tables", "lengths"), unchanged=("q", "tables", "lengths"))
+    q = torch.randn(2, 3)
+    sent = (q, [[0, 2], [4]], [6, 3])
+    hold(tables, [sent], [_outcome(None, (q, [[0, 2], [4]], [6, 3]))])
+    with pytest.raises(Fail, match=r"changed its input tables: \[\[0, 2\], \[4\]\] became \[tensor\(\[0, 2\]\), "):
+        hold(tables, [sent], [_outcome(None, (q, [torch.tensor([0, 2]), torch.tensor([4])], [6, 3]))])
+    with pytest.raises(Fail, match=r"changed its input lengths: \[6, 3\] became \[3\]"):
+        hold(tables, [sent], [_outcome(None, (q, [[0, 2], [4]], [3]))])
+
+
 def test_each_broken_promise_is_named_with_its_reproduction():
     q, k = torch.randn(2, 3), torch.randn(2, 3)
     sent = (q, k, True)

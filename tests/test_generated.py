@@ -1,6 +1,7 @@
 """The grader's generated cases (gpucourse.grading.generated): every value of every knob drawn whatever the seed,
 the same cases for the same seed, a failing case shrunk to its smallest, results compared at their dtype's own
-precision and types held exactly. Pure functions: no sandbox, no ranks."""
+precision and types held exactly. Pure functions: no sandbox, no ranks. (Plain arguments held unchanged are
+tests/test_contracts.py's.)"""
 
 from __future__ import annotations
 
@@ -54,26 +55,15 @@ def test_float64_is_compared_at_float64_precision_and_the_dtype_exactly():
     assert generated.mismatch("x", torch.full((1,), float("nan")), torch.full((1,), float("nan"))) is None
 
 
-def test_types_are_exact_and_inputs_unchanged_all_the_way_down():
+def test_types_are_exact():
     assert generated.exactly("n", 4, int) is None
     assert generated.exactly("n", torch.tensor(4), int) == "n is a 0-d tensor, where an int is specified"
     assert "the bool True" in generated.exactly("n", True, int)
-    assert generated.unchanged("tables", [[1, 2], [3]], [[1, 2], [3]]) is None
-    assert generated.unchanged("tables", [[1, 2], [3]], [[1, 2], [3, 4]])
-    assert generated.unchanged("tables", [[1, 2]], [torch.tensor([1, 2])])
-    assert generated.unchanged("counts", (1, 2), [1, 2])
-
-
-def test_views_hold_the_same_values_with_other_strides():
-    t = torch.arange(15.0).reshape(3, 5)
-    for layout in generated.LAYOUTS[1:]:
-        view = generated.laid_out(t, layout)
-        assert torch.equal(view, t) and not view.is_contiguous()
-    assert generated.laid_out(torch.tensor(2.0), "strided").dim() == 0
 
 
 @pytest.mark.parametrize("seed", range(10))
 def test_paired_knobs_take_every_combination_whatever_the_seed(seed):
-    space = Space(dtype=One(DTYPES), where=One(("before", "after", "anywhere")), n=Int(0, 3), pairs=("dtype", "where"))
+    where = ("before", "after", "anywhere")
+    space = Space(dtype=One(DTYPES), where=One(where), n=Int(0, 3), pairs=("dtype", "where"))
     cases = space.draw(seed, 12)
-    assert {(c["dtype"], c["where"]) for c in cases} == {(d, w) for d in DTYPES for w in ("before", "after", "anywhere")}
+    assert {(c["dtype"], c["where"]) for c in cases} == {(d, w) for d in DTYPES for w in where}

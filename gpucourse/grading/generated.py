@@ -2,9 +2,10 @@
 
 A check that lists its cases tests the mistakes its author thought of. A check that draws them states a property
 ("the gradients come back divided by the scale") and tries it on cases drawn over everything the exercise allows:
-dtypes, shapes (0-d, one element, odd sizes, empty), views with other strides, containers (a list, a tuple, a
-generator, several parameter groups), hyper-parameters, zeros, several backwards. A check declares the space of its
-cases as knobs, each with its values from the simplest on::
+dtypes, shapes (0-d, one element, odd sizes, empty), containers (a list, a tuple, a generator, several parameter
+groups), hyper-parameters, zeros, several backwards; views with other strides are the contracts' to make
+(``contracts.call(..., strided=True)``). A check declares the space of its cases as knobs, each with its values
+from the simplest on::
 
     SPACE = Space(dtype=One(DTYPES), shape=Shape(), container=One(("list", "tuple", "generator")), n=Int(0, 4))
 
@@ -38,9 +39,6 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # the si
 # place of each. float64 is held to float64's own rounding, so a computation that went through float32 fails it.
 TOLERANCE = {torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2), torch.float32: (1e-5, 1e-5),
              torch.float64: (1e-12, 1e-10)}
-
-LAYOUTS = ("contiguous", "transposed", "strided")  # a view as autograd or a caller's slice gives one
-
 
 # --- knobs ---------------------------------------------------------------------------------------------------
 
@@ -182,13 +180,13 @@ def shrink(space: Space, case: dict, fails: Callable[[dict], str | None], proble
     return case, problem
 
 
-def for_all(ctx, space: Space, prop: Callable[[dict], str | None], count: int, describe: Callable[[dict], str],
-            key: str = "", fixed: tuple = ()) -> None:
-    """Hold ``prop`` on ``fixed`` cases and then on ``count`` drawn from ``space`` (seeded from the grader's seed,
-    this check and ``key``); ``prop(case)`` returns None or a sentence saying what went wrong. Fail on the first
-    case that goes wrong, shrunk, saying what it was in words (``describe(case)``)."""
-    seed = derive_seed(ctx.seed, ctx.check.name, "generated", key)
-    for case in [*({**c, "seed": seed} for c in fixed), *space.draw(seed, count)]:
+def for_all(ctx, space: Space, prop: Callable[[dict], str | None], count: int,
+            describe: Callable[[dict], str]) -> None:
+    """Hold ``prop`` on ``count`` cases drawn from ``space`` (seeded from the grader's seed and this check);
+    ``prop(case)`` returns None or a sentence saying what went wrong. Fail on the first case that goes wrong,
+    shrunk, saying what it was in words (``describe(case)``)."""
+    seed = derive_seed(ctx.seed, ctx.check.name, "generated")
+    for case in space.draw(seed, count):
         problem = _run(prop, case)
         if problem:
             case, problem = shrink(space, case, lambda c: _run(prop, c), problem)
@@ -228,20 +226,6 @@ def generator(case: dict, *key) -> torch.Generator:
 def tensor(case: dict, shape: tuple, dtype: torch.dtype, *key, scale: float = 1.0) -> torch.Tensor:
     """Normal numbers times ``scale`` of ``shape``, drawn in float64 and rounded to ``dtype``."""
     return (torch.randn(shape, generator=generator(case, *key), dtype=torch.float64) * scale).to(dtype)
-
-
-def laid_out(t: torch.Tensor, layout: str) -> torch.Tensor:
-    """``t``'s values as a view with other strides: "transposed" (a matrix stored column by column; a vector,
-    every other element of a larger buffer), "strided" (every other element along the last dimension), or
-    "contiguous" (``t`` itself). A 0-d or empty tensor has no other layout."""
-    if layout == "contiguous" or t.dim() == 0 or t.numel() == 0:
-        return t
-    if layout == "transposed" and t.dim() > 1:
-        order = tuple(range(t.dim() - 1, -1, -1))
-        return t.permute(order).contiguous().permute(order)
-    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
-    wide[..., ::2] = t
-    return wide[..., ::2]
 
 
 def name(dtype: torch.dtype) -> str:
@@ -293,25 +277,6 @@ def exactly(what: str, got, *types: type) -> str | None:
     return f"{what} is {kind(got)}, where {' or '.join(names)} is specified"
 
 
-def unchanged(what: str, before, after) -> str | None:
-    """None if ``after`` is ``before``: the same types all the way down, equal plain values, tensors bit for bit
-    (a list the caller passed comes back the same list, not tensors nor a shorter list), else a sentence."""
-    from .contracts import same_bits
-
-    def same(a, b) -> bool:
-        if torch.is_tensor(b):
-            return same_bits(a, b)
-        if type(a) is not type(b):
-            return False
-        if isinstance(b, (list, tuple)):
-            return len(a) == len(b) and all(map(same, a, b))
-        if isinstance(b, dict):
-            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in b)
-        return a == b
-
-    return None if same(after, before) else f"{what} was {_short(before)} before the call and {_short(after)} after"
-
-
 def kind(value) -> str:
     """What ``value`` is, in words: "a 0-d tensor", "the float 2.0", "a list of 3"."""
     if torch.is_tensor(value):
@@ -323,8 +288,3 @@ def kind(value) -> str:
     if isinstance(value, (list, tuple)):
         return f"a {type(value).__name__} of {len(value)}"
     return f"a {type(value).__name__}"
-
-
-def _short(value) -> str:
-    text = repr(value) if not torch.is_tensor(value) else kind(value)
-    return text if len(text) <= 60 else text[:57] + "..."
