@@ -19,13 +19,14 @@ from pathlib import Path
 
 import pytest
 
+import wrong_answers
 from gpucourse import cli, grading
 from gpucourse.grading import catalog, report, runner, source
 
 pytestmark = pytest.mark.timeout(600)
 
 REPO = Path(__file__).resolve().parents[1]
-MUTANTS = REPO / "tests" / "mutants"
+MUTANTS = wrong_answers.folder()  # every wrong answer as a module, made from its edits (tests/mutants)
 EXERCISES = list(grading.exercises().values())
 
 # Checks with long names: the contract checks, ex13's.
