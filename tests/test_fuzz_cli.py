@@ -68,9 +68,11 @@ EDGES = ["0", "-1", "", "nan", "inf", str(10**30)]  # the edges most values meet
 EDGE_TEXT = EDGES + ["-inf", "1e308", "1e999", " ", "abc", "1.5", "0x10", "nosuch", "H100", "ä", "1e-320", "-0"]
 
 
-# The first failing argument vector is reported as drawn: shrinking reruns slow commands many times, and explaining
-# traces every line of every run.
-PHASES = (Phase.explicit, Phase.reuse, Phase.generate)
+# In the suite the first failing argument vector is reported as drawn: shrinking reruns slow commands many times,
+# and explaining traces every line of every run. scripts/fuzz-cli shrinks it (GPUCOURSE_FUZZ_SHRINK=1): a longer
+# run can afford to find the smallest vector that still fails.
+PHASES = (Phase.explicit, Phase.reuse, Phase.generate) + ((Phase.shrink,) if os.environ.get("GPUCOURSE_FUZZ_SHRINK")
+                                                          == "1" else ())
 
 
 class Started(Exception):
@@ -509,3 +511,16 @@ def test_any_trace_file_is_served_or_refused_in_one_sentence(text, clock, stand_
     path.write_text(text)
     found = problem(run_main(["serve-bench", "--trace", str(path), "--clock", clock, "--quiet"]))
     assert found is None, found
+
+
+def test_a_longer_run_shows_the_failing_vector_shrunk(files, stand_ins, monkeypatch):
+    """scripts/fuzz-cli shrinks what it finds: the planted division by --every is shown as the smallest vector that
+    still fails, the command and --every 0 alone."""
+    parser = _planted_parser(lambda args: print(100 // args.every) or 0)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    monkeypatch.setattr(sys.modules[__name__], "PHASES", PHASES + (Phase.shrink,))
+    planted = dict(commands(parser))[("planted",)]
+    with pytest.raises(AssertionError, match="ZeroDivisionError") as e:
+        fuzz(("planted",), planted, files, 300)
+    shown = "\n".join(getattr(e.value, "__notes__", []))
+    assert "argv): ['planted', '--every', '0']" in shown, shown
