@@ -288,3 +288,32 @@ def test_every_config_field_has_its_flag_derived_from_its_tag(monkeypatch):
     monkeypatch.setattr(common, "TrainConfig", Wider)
     args = cli.build_parser().parse_args(["train", "--new-knob", "5"])
     assert common.config_from(args).new_knob == 5
+
+
+def test_every_commands_help_states_each_flags_default(capsys):
+    """--help says every flag's default: a parser of every command, nested ones too, formats each flag that has a
+    default with it, in its own words or as "(default: X)"."""
+    import argparse
+
+    def walk(parser, path=()):
+        yield path, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    yield from walk(child, (*path, name))
+
+    switches = (argparse._StoreConstAction, argparse._StoreTrueAction, argparse._StoreFalseAction,
+                argparse._HelpAction)
+    missing = []
+    for path, parser in walk(cli.build_parser()):
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if (action.option_strings and action.default not in (argparse.SUPPRESS, None, False, [], ())
+                    and not isinstance(action, switches)
+                    and "default" not in formatter._expand_help(action).lower()):
+                missing.append(f"{' '.join(path)} {action.option_strings[0]}")
+    assert not missing, missing
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--model MODEL model size: tiny, tiny-long, small, medium, gpt2-small, gpt2-medium (default: tiny)" in text

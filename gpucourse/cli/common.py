@@ -63,13 +63,28 @@ class UsageError(Exception):
     """Bad command-line input; the message is one sentence."""
 
 
+class DefaultsSaid(argparse.HelpFormatter):
+    """``--help`` says each flag's default: "(default: X)" after a flag's help that does not say it already. Switches
+    (off unless given) and flags without a default are left as they are."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        quiet = (argparse.SUPPRESS, None, False, [], ())
+        if (action.option_strings and action.default not in quiet and "default" not in text.lower()
+                and not isinstance(action, (argparse._StoreConstAction, argparse._StoreTrueAction,
+                                            argparse._StoreFalseAction, argparse._HelpAction))):
+            text += " (default: %(default)s)"
+        return text
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, but a wrong flag gets one sentence (``gpucourse plan: error: ...``), not the whole usage; a flag is
     never taken for the start of a longer one (``--tp`` is not ``--tpot-ms``), and one that is not known is answered
-    with the flags that were perhaps meant."""
+    with the flags that were perhaps meant. ``--help`` says every flag's default."""
 
     def __init__(self, *args, **kwargs):
         kwargs["allow_abbrev"] = False  # every subcommand's parser is made by this class too
+        kwargs.setdefault("formatter_class", DefaultsSaid)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
