@@ -92,3 +92,13 @@ def test_components_build_no_optimizer_and_one_bucket_means_one(loops):
         assert len(DataParallelBuckets(model).buckets) == 1 and len(DataParallelBuckets(model, bucket_mb=1e-4).buckets) == 4
     finally:
         dist.destroy_process_group()
+
+
+def test_the_components_are_importable_from_gpucourse_parallel():
+    """Another loop imports them as it imports DDP: from the package of strategies, by name."""
+    import gpucourse.parallel as parallel
+    from gpucourse.parallel.data_parallel import DataParallel
+    from gpucourse.parallel.sharded_optimizer import ShardedGradientsOptimizer
+
+    assert [getattr(parallel, name).__name__ for name in parallel.COMPONENTS] == list(parallel.COMPONENTS)
+    assert parallel.DataParallel is DataParallel and parallel.ShardedGradientsOptimizer is ShardedGradientsOptimizer

@@ -40,10 +40,17 @@ from ..values import Name
 from . import (activation_checkpointing, context_parallel, context_parallel_torch, data_parallel, expert_parallel,
                pipeline, pipeline_virtual, tensor_parallel, tensor_parallel_torch)
 from .activation_checkpointing import recompute
+from .data_parallel import DataParallel
+from .data_parallel_buckets import DataParallelBuckets
 from .fsdp_module import FullyShardedDataParallel
 from .precision import Precision
 from .schedule_table import SCHEDULES
+from .sharded_optimizer import ShardedGradientsOptimizer, ShardedOptimizer
 from .single import Trainer
+
+# The components another training loop uses, as ``from gpucourse.parallel import DataParallel``.
+COMPONENTS = ("DataParallel", "DataParallelBuckets", "ShardedOptimizer", "ShardedGradientsOptimizer",
+              "FullyShardedDataParallel")
 
 # A config (gpucourse.TrainConfig) is only read here, never built or imported: it is data, and these strategies
 # check it (check, below) wherever a layout is run or planned.
