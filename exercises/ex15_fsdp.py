@@ -37,8 +37,9 @@ the same ``module``, and the default process group is the data-parallel group.
   (``resize_(nbytes)``, then all-gather), since that call's backward reads it.
   Make the whole weight the output of a ``torch.autograd.Function`` whose
   ``forward(ctx, param, ...)`` returns it: its ``backward`` receives the whole
-  weight's gradient for that call; free the weight, pad the gradient flat like
-  the shard and start ``dist.reduce_scatter_single(piece, flat, async_op=True)``,
+  weight's gradient for that call; free the weight, pad the gradient flat with
+  zeros like the shard (the padding is no weight: its gradient is zero, so it
+  stays zero) and start ``dist.reduce_scatter_single(piece, flat, async_op=True)``,
   so that rank r receives the sum of piece r. Return None for ``param``.
 - **compute_dtype** (None, or e.g. ``torch.float16``): cast the shard to it
   *before* the all-gather (the gather moves half the bytes) and compute with

@@ -224,7 +224,8 @@ def freed(ctx):
     "After construction each matrix's p.data is this rank's piece of the flattened weight zero-padded to a "
     "multiple of the world size (ceil(numel / n) elements, the parameter's dtype), so that fsdp.parameters() "
     "hands the optimizer the shards; vectors are left as they were. After finish_gradient_synchronization() "
-    "p.grad has the shard's shape and dtype. Never write into the module's input."))
+    "p.grad has the shard's shape and dtype, and zeros where the shard is padding (pad the gradient with zeros "
+    "before the reduce-scatter), so the padding stays zero. Never write into the module's input."))
 def contract(ctx):
     spec = _spec(ctx, "contract")
     n = ctx.world_size
@@ -250,6 +251,13 @@ def contract(ctx):
                 seen = f"{tuple(grad.shape)} {grad.dtype}" if torch.is_tensor(grad) else type(grad).__name__
                 raise Fail(f"rank {o.rank}'s {name}.grad after finish_gradient_synchronization() is {seen}; its "
                            f"shard is {tuple(want.shape)} {want.dtype}")
+            if name in SHARDED:
+                # The padding is no weight: its gradient is zero, so an optimizer's step leaves it zero.
+                real = max(0, w.numel() - o.rank * want.numel())
+                for what, t in (("gradient", grad), ("value after the step", o.value["steps"][0]["params"][name])):
+                    if real < t.numel() and bool(t[real:].any()):
+                        raise Fail(f"rank {o.rank}'s {name}: the {what} of its padding (elements {real} to "
+                                   f"{want.numel() - 1} of its shard) is {t[real:].tolist()}, not zeros")
 
 
 def _wire(spec, itemsize: int) -> tuple[int, dict]:
