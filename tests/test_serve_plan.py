@@ -124,3 +124,77 @@ def test_plan_serve_prints_the_fastest_layout_as_a_servers_config(capsys):
     assert "is not one of vllm, trtllm" in capsys.readouterr().err
     assert main(["plan", "--serve", "--shape", "llama3-70b", "--gpus", "1", "--print-config", "vllm"]) == 2
     assert "nothing to print" in capsys.readouterr().err  # 141 GB of weights fit no single H100
+
+
+MIXTRAL = get_shape("mixtral-8x7b")
+A100 = get_gpu("a100")
+
+
+def test_a_mixture_of_experts_reads_only_the_experts_its_batch_routes_to():
+    """Uniform routing: a step of b tokens touches E·(1 − (1 − k/E)^b) of a block's experts — Mixtral's 2 of 8 at
+    batch 1, so about its 12.9 B active parameters are read (12.9 GB a GPU in bf16 at tp 2), not all 46.7 B; the
+    bytes grow toward every expert as the batch grows."""
+    from gpucourse.modeled.serve_plan import experts_touched
+
+    assert experts_touched(MIXTRAL, 1) == pytest.approx(2)
+    assert experts_touched(MIXTRAL, 8) == pytest.approx(8 * (1 - 0.75 ** 8))
+    assert experts_touched(MIXTRAL, 4, skew=1.0) < experts_touched(MIXTRAL, 4)  # popular experts are shared
+    assert experts_touched(LLAMA70, 4) == 0
+    one = decode_step(MIXTRAL, A100, 1, 105, tp=2)
+    assert one["experts_read"] == pytest.approx(2)
+    assert one["bytes_read"] == pytest.approx(MIXTRAL.active_params() * 2 / 2, rel=0.02)
+    assert 12.5e9 < one["bytes_read"] < 13.5e9 < weight_bytes(MIXTRAL, 2) / 3
+    read = [decode_step(MIXTRAL, A100, b, 105, tp=2)["bytes_read"] for b in (1, 2, 4, 8, 16, 64)]
+    assert read == sorted(read)
+    assert read[-1] == pytest.approx(weight_bytes(MIXTRAL, 2), rel=0.01)  # 64 tokens reach every expert
+    assert decode_step(MIXTRAL, A100, 1, 105, tp=2)["token_s"] < 0.4 * decode_step(MIXTRAL, A100, 64, 105,
+                                                                                    tp=2)["token_s"]
+
+
+def test_expert_parallelism_pays_three_all_to_alls_a_block_at_decode_sizes():
+    """ep groups each serve their own sequences; a MoE block all-to-alls the E counts, then every token choice's
+    hidden vector there and back: a few kB, so each costs its ep − 1 latencies."""
+    cluster = Cluster.of(H100)
+    step = decode_step(MIXTRAL, H100, 4, 1024, ep=8)
+    counts = cluster.collective_s("all_to_all", 8 * 8, range(8))[0]
+    choices = cluster.collective_s("all_to_all", 4 * 2 * 4096 * 2, range(8))[0]
+    assert step["ep_comm_s"] == pytest.approx(32 * (counts + 2 * choices))
+    assert choices < 1.1 * 7 * H100.intra_node_latency_us * 1e-6
+    assert step["experts_read"] == pytest.approx(1 - 0.75 ** 32)  # one expert a GPU, touched by all 32 tokens
+    assert step["tokens_per_s"] == pytest.approx(8 * 4 / step["token_s"])
+    with pytest.raises(ConfigError, match="ep=3 must divide the model's 8 experts"):
+        decode_step(MIXTRAL, H100, 1, 1024, ep=3)
+    with pytest.raises(ConfigError, match="this model has none"):
+        decode_step(LLAMA70, H100, 1, 1024, tp=8, ep=2)
+
+
+def test_a_batch_one_gemv_is_memory_bound():
+    """A 1-row matmul reads its weights once over the bandwidth a streaming kernel reaches: Llama 2 7B's qkv on an
+    A100 at tp 1 and 8 within 10 % of its bytes over that bandwidth (the tile model charged a 64-row tile on each SM:
+    34 µs at tp 8 against 7 µs of bytes)."""
+    from gpucourse.modeled.cluster import LAUNCH_S
+    from gpucourse.modeled.serve_published import LLAMA2_7B
+
+    cluster = Cluster.of(A100)
+    for tp in (1, 8):
+        qkv = next(k for k in LLAMA2_7B.kernels(1, 1, tp) if k.get("name") == "qkv")
+        bytes_s = (qkv["m"] * qkv["k"] + qkv["k"] * qkv["n"] + qkv["m"] * qkv["n"]) * 2 / cluster.hbm_Bps
+        assert cluster.skinny_gemm_s(qkv["m"], qkv["n"], qkv["k"]) - LAUNCH_S == pytest.approx(bytes_s, rel=0.10)
+    assert cluster.gemm_s(qkv["m"], qkv["n"], qkv["k"]) > 3 * bytes_s
+    step = decode_step(LLAMA2_7B, A100, 1, 105)
+    kernels = 32 * 5 + 1  # a block's qkv, out, up, down and element-wise work; the head
+    floor = (weight_bytes(LLAMA2_7B) - LLAMA2_7B.vocab * LLAMA2_7B.hidden * 2) / cluster.hbm_Bps  # the embedding's
+    assert floor < step["matmul_s"] - kernels * LAUNCH_S < 1.02 * floor                       # one row is not read
+
+
+def test_batch_one_decode_scales_with_tp_and_with_the_memory_bandwidth():
+    """gpt-fast's Llama 2 70B on A100s at batch 1 is 2.93× faster at tp 8 than at tp 2 (the tile model gave 2.22×);
+    an H200 reads 1.43× faster than an H100 (the tile model gave Llama 2 70B at tp 8 1.12×)."""
+    tp = {n: decode_step("llama2-70b", A100, 1, 105, tp=n)["token_s"] for n in (2, 8)}
+    assert 2.6 < tp[2] / tp[8] < 2.93
+    h200 = get_gpu("h200")
+    assert h200.hbm_GBps / H100.hbm_GBps == pytest.approx(1.43, abs=0.01)
+    big = decode_step("llama2-70b", H100, 1, 2048, tp=8)["token_s"] / decode_step("llama2-70b", h200, 1, 2048,
+                                                                                   tp=8)["token_s"]
+    small = decode_step("llama3-8b", H100, 1, 2048)["token_s"] / decode_step("llama3-8b", h200, 1, 2048)["token_s"]
+    assert 1.15 < big < small < 1.43

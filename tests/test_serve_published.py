@@ -10,20 +10,25 @@ import pathlib
 import pytest
 
 from gpucourse.modeled import cluster, serve_published as sp
-from gpucourse.modeled.serve_plan import decode_step, prefill
+from gpucourse.modeled.serve_plan import decode_step, experts_touched, prefill
 from gpucourse.modeled.shapes import get_shape
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "modeled-timing.md"
 ROWS = sp.compare()
+# The TensorRT-LLM and NIM rows' errors with every expert read and batch-1 matmuls timed as tiles (before the GEMV and
+# routed-experts model), in RUNS' order.
+BEFORE = (-0.0991, 0.0787, -0.0988, 0.0569, -0.0305, -0.0273, -0.1125, -0.0809, -0.1037, 0.2177, -0.0976, -0.0787,
+          -0.0860, -0.1134)
 
 
 @pytest.mark.parametrize("run", sp.RUNS, ids=lambda r: r.name)
 def test_each_row_has_its_source_and_its_whole_setting(run):
-    assert run.url.startswith("https://") and run.url in (sp.TRTLLM_URL, sp.NIM_URL)
-    assert len(run.source) > 100 and ("v0.9.0" in run.source or "version 1.8.0" in run.source)
+    assert run.url.startswith("https://") and run.url in sp.SOURCES
+    assert len(run.source) > 100 and any(mark in run.source for mark in ("v0.9.0", "version 1.8.0", "at commit"))
     assert run.metric in sp.METRICS and run.split in ("fit", "heldout") and run.reported > 0
-    assert run.gpu == "h100" and run.batch >= 1 and run.prompt >= 1 and run.output >= 1 and run.tp in (1, 2, 4, 8)
-    assert get_shape(run.shape).name in ("llama2-7b", "llama2-70b", "llama3-70b")
+    assert run.gpu in ("h100", "a100") and run.batch >= 1 and run.prompt >= 1 and run.output >= 1
+    assert run.tp in (1, 2, 4, 8)
+    assert get_shape(run.shape).name in ("llama2-7b", "llama2-70b", "llama3-70b", "mixtral-8x7b")
     setting = run.setting
     for part in (f"tp {run.tp}", f"batch {run.batch}", f"{run.prompt} in", f"{run.weights} weights"):
         assert part in setting, (part, setting)
@@ -32,15 +37,19 @@ def test_each_row_has_its_source_and_its_whole_setting(run):
 
 
 def test_the_table_is_split_by_a_rule_that_ignores_the_errors():
-    """Within each source table, in the source's order, rows alternate fit, held-out, fit, …"""
+    """Within each source table the constant was fitted on, in the source's order, rows alternate fit, held-out,
+    fit, …; gpt-fast's rows, added after the fit, are all held out."""
     tables = {}
     for run in sp.RUNS:
         tables.setdefault((run.url, run.metric, get_shape(run.shape).name if run.metric == "tpot_s" else ""),
                           []).append(run.split)
-    for splits in tables.values():
-        assert splits == ["fit", "heldout"] * (len(splits) // 2)
+    for (url, *_), splits in tables.items():
+        if url in (sp.GPT_FAST_URL, sp.GPT_FAST_MOE_URL):
+            assert set(splits) == {"heldout"}
+        else:
+            assert splits == ["fit", "heldout"] * (len(splits) // 2)
     e = sp.errors(ROWS)
-    assert e["fit_runs"] + e["heldout_runs"] == len(sp.RUNS) and 6 <= len(sp.RUNS) <= 15
+    assert e["fit_runs"] + e["heldout_runs"] == len(sp.RUNS) and 6 <= len(sp.RUNS) <= 30
 
 
 def test_a_static_batch_is_its_prefill_and_every_decode_step_in_turn():
@@ -52,12 +61,17 @@ def test_a_static_batch_is_its_prefill_and_every_decode_step_in_turn():
     assert sp.modeled(run) == pytest.approx(run.batch * run.output / (first + steps) / run.tp, rel=1e-9)
 
 
-@pytest.mark.parametrize("metric", ["tpot_s", "first_token_s"])
+@pytest.mark.parametrize("metric", ["tpot_s", "first_token_s", "tokens_per_s"])
 def test_latency_rows_are_one_decode_step_or_one_prefill(metric):
     for run in (r for r in sp.RUNS if r.metric == metric):
         if metric == "tpot_s":
             want = decode_step(run.shape, run.gpu, run.batch, run.prompt + run.output / 2, run.tp,
                                weights=run.weights, kv=run.kv)["token_s"]
+        elif metric == "tokens_per_s":  # one request: its prefill, then output − 1 steps, as gpt-fast times it
+            first = prefill(run.shape, run.gpu, 1, run.prompt, run.tp, weights=run.weights)["first_token_s"]
+            step = decode_step(run.shape, run.gpu, 1, run.prompt + run.output / 2, run.tp, weights=run.weights,
+                               kv=run.kv)["token_s"]
+            want = run.output / (first + (run.output - 1) * step)
         else:
             want = prefill(run.shape, run.gpu, run.batch, run.prompt, run.tp, weights=run.weights)["first_token_s"]
         assert sp.modeled(run) == want
@@ -72,12 +86,15 @@ def test_the_errors_are_the_rows_own():
 
 def test_large_batches_are_close_and_a_cost_of_each_step_fitted_on_the_fitting_rows_brings_the_rest_in():
     """Throughput of static batches within 12 %; serve_plan's one serving constant (1.4 ms an iteration) is the value
-    on a 0.1 ms grid that makes the largest fitting error smallest; without it every latency-bound row (one
-    request's tokens, a 128-token prompt) came out 16-33 % too fast."""
+    on a 0.1 ms grid that makes the largest fitting error smallest; without it every latency-bound row of
+    TensorRT-LLM and NIM (one request's tokens, a 128-token prompt) came out 16-33 % too fast. The worst row is
+    gpt-fast's Llama 2 7B on 8 A100s, 3 ms a token, of which the model's 1.4 ms an iteration is a large part."""
     from gpucourse.modeled import serve_plan
 
     assert all(abs(r["error"]) <= 0.12 for r in ROWS if r["metric"] == "output_tokens_per_s_per_gpu")
-    assert sp.errors(ROWS)["max"] <= 0.22 and serve_plan.STEP_OVERHEAD_S == 1.4e-3
+    e = sp.errors(ROWS)
+    assert e["max"] <= 0.25 and e["worst"] == "Llama 2 7B, 8 A100 bf16, batch 1, gpt-fast"
+    assert e["heldout_median"] <= 0.10 and serve_plan.STEP_OVERHEAD_S == 1.4e-3
     fitted = {}
     try:
         for tenths in range(31):
@@ -90,9 +107,10 @@ def test_large_batches_are_close_and_a_cost_of_each_step_fitted_on_the_fitting_r
                                                                      and "128 in" in r["setting"])]
     serve_plan.STEP_OVERHEAD_S = 0.0
     try:
-        without = {r["name"]: r for r in sp.compare()}
+        fitted_sources = [run for run in sp.RUNS if run.url in (sp.TRTLLM_URL, sp.NIM_URL)]
+        without = {r["name"]: r for r in sp.compare(fitted_sources)}
         assert len(bound) == 4 and all(-0.33 <= without[n]["error"] <= -0.16 for n in bound)
-        assert round(sp.errors()["max"], 3) == 0.326
+        assert round(sp.errors(list(without.values()))["max"], 3) == 0.326
     finally:
         serve_plan.STEP_OVERHEAD_S = 1.4e-3
 
@@ -106,6 +124,17 @@ def test_the_docs_table_and_what_it_says_are_the_models():
             f"target 30 %), the largest held-out error {e['heldout_max']:.1%} and the held-out median "
             f"{e['heldout_median']:.1%}; the largest fitting error is {e['fit_max']:.1%}") in flat
     assert "`serve_plan.STEP_OVERHEAD_S`, 1.4 ms an iteration" in flat
+    mixtral = get_shape("mixtral-8x7b")
+    touched = [round(experts_touched(mixtral, b), 1) for b in (1, 8, 32)]
+    assert touched == [2.0, 7.2, 8.0] and "Mixtral's 2 of 8 at batch 1 (12.9 GB" in flat
+    assert "7.2 at batch 8, all 8 by batch 32" in flat
+    tp = decode_step("llama2-70b", "a100", 1, 105, 2)["token_s"] / decode_step("llama2-70b", "a100", 1, 105,
+                                                                               8)["token_s"]
+    h200 = decode_step("llama2-70b", "h100", 1, 2048, 8)["token_s"] / decode_step("llama2-70b", "h200", 1, 2048,
+                                                                                 8)["token_s"]
+    assert f"against gpt-fast's 2.93×; now {tp:.2f}×" in flat and f"now {h200:.2f}×, against 1.43×" in flat
+    moved = [abs(r["error"] - e_old) for r, e_old in zip(ROWS, BEFORE)]
+    assert round(max(moved) * 100, 1) == 1.2 and "moved by at most 1.2 points" in flat
     assert f"holds {len(sp.RUNS)} published serving measurements" in flat
     assert f"fitting set ({e['fit_runs']} rows) and the held-out set ({e['heldout_runs']})" in flat
     assert cluster.LAUNCH_S == 4e-6 and "The model also charges 4 µs for each of a block's 5 or 6 kernels" in flat
@@ -121,11 +150,11 @@ def test_the_left_out_request_would_test_a_guess():
         return first + 127 * decode_step("llama2-70b", "h100", 1, 2048 + 64, 8, weights=weights, kv=weights)["token_s"]
 
     fp8, fp16 = request_s("fp8"), request_s("bf16")
-    assert (round(fp8, 2), round(fp16, 2)) == (1.32, 1.83)
-    assert round((fp8 - 1.7) / 1.7, 2) == -0.22 and round((fp16 - 1.7) / 1.7, 2) == 0.08
+    assert (round(fp8, 2), round(fp16, 2)) == (1.18, 1.60)
+    assert round((fp8 - 1.7) / 1.7, 2) == -0.30 and round((fp16 - 1.7) / 1.7, 2) == -0.06
     flat = " ".join(DOC.read_text().split())
-    assert "1.32 s (−22 %), with FP16 and tp 8 1.83 s (+8 %)" in flat
-    assert "1.32 s" in sp.EXCLUDED[0][1] and "1.83 s" in sp.EXCLUDED[0][1]
+    assert "1.18 s (−30 %), with FP16 and tp 8 1.60 s (−6 %)" in flat
+    assert "1.18 s" in sp.EXCLUDED[0][1] and "1.60 s" in sp.EXCLUDED[0][1]
 
 
 def test_the_bench_figure_reports_the_largest_error_and_every_row():
@@ -144,3 +173,12 @@ def test_the_bench_figure_reports_the_largest_error_and_every_row():
 def test_a_row_on_another_gpu_is_timed_on_that_gpu():
     run = sp.RUNS[0]
     assert sp.modeled(dataclasses.replace(run, gpu="h200")) > sp.modeled(run)
+
+
+def test_mixtral_at_batch_one_is_near_gpt_fasts_published_figure():
+    """Mixtral 8x7B, 2 A100s, bf16, one request: 96.67 tokens/s published; reading every expert each step gave
+    32.6 (−66 %), reading the two routed experts is within 25 %; every gpt-fast row within 25 %."""
+    row = next(r for r in ROWS if r["name"] == "Mixtral 8x7B, 2 A100 bf16, batch 1, gpt-fast")
+    assert row["reported"] == 96.67 and abs(row["error"]) <= 0.25
+    gpt_fast = [r for r in ROWS if r["metric"] == "tokens_per_s"]
+    assert len(gpt_fast) == 10 and all(abs(r["error"]) <= 0.25 and r["split"] == "heldout" for r in gpt_fast)

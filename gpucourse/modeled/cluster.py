@@ -20,7 +20,9 @@ worse on GPUs than a big one).
   sustained`` (NVIDIA's Matrix Multiplication Background guide: tile and wave quantization). A tile's prologue
   and epilogue cost as much as ``gemm_overhead_k`` more of k, so small matmuls run further from the peak than
   large ones; a skinny one is bound by the bytes it reads (its inputs and output over ``hbm_efficiency`` of the
-  memory bandwidth);
+  memory bandwidth). One of fewer rows than the smallest tile (a decode step's, timed by serving's model) runs as a
+  GEMV or split-K kernel instead (:meth:`Cluster.skinny_gemm_s`): every SM streams its share of the weights, so a
+  1-row product costs its bytes over that bandwidth;
 - **attention** is one fused kernel (FlashAttention): blocks of 128 queries, each going through its (causal: on
   average half the) keys, at ``attention_efficiency`` of the peak forward and ``attention_bwd_efficiency``
   backward (2.5× the forward's FLOPs); ``flash2_share`` of that for FlashAttention-2 on a GPU whose best kernel is
@@ -104,6 +106,12 @@ SHARE = {"Simple": 1.0, "LL": LL_BANDWIDTH, "LL128": LL128_BANDWIDTH}
 # NVIDIA's Matrix Multiplication Background guide: tile and wave quantization) and FlashAttention's block of
 # queries. What a tile's prologue and epilogue cost is the GPU's ``gemm_overhead_k`` (gpucourse.modeled.gpus).
 TILES = ((256, 128), (128, 256), (128, 128), (64, 128))
+# A matmul of fewer rows than the smallest tile is high (a decode step's, one row a sequence) runs as a GEMV or a
+# split-K GEMM instead (Cluster.skinny_gemm_s), its rows padded to the tensor cores' smallest tile, 16 (PTX ISA:
+# mma.sync.m16n8k16); cuBLAS and TensorRT-LLM pick such kernels for small m (TensorRT-LLM's weight-only GEMV, CUTLASS's
+# split-K and swap-AB), which read each weight once with every SM busy.
+SKINNY_ROWS = 64
+SKINNY_PAD = 16
 ATTENTION_BLOCK = 128
 RING_OPS = ("all_gather", "reduce_scatter", "all_to_all")  # n − 1 steps, (n−1)/n of the payload each rank
 
@@ -165,6 +173,22 @@ class Cluster:
         per_sm = g.peak_flops(precision) * share * g.sustained / g.sm_count
         math_s = min(math.ceil(count * math.ceil(m / a) * math.ceil(n / b) / g.sm_count) * 2 * a * b * (k + g.gemm_overhead_k)
                      for a, b in TILES) / per_sm
+        elem = 1 if precision == "fp8" else 4 if precision == "fp32" else 2
+        memory_s = count * (m * k + k * n + m * n) * elem / self.hbm_Bps
+        return max(math_s, memory_s) + LAUNCH_S
+
+    def skinny_gemm_s(self, m: float, n: float, k: float, precision: str = "bf16", count: float = 1) -> float:
+        """Seconds of ``count`` matmuls of only ``m`` ≤ :data:`SKINNY_ROWS` rows (a decode step's: one row a sequence),
+        as serving engines run them: a GEMV, or a GEMM with the weights' n in the tile's long side and k split over
+        the SMs (split-K), so every SM streams its share of the weights instead of one 64-row tile a weight column.
+        Compute pads the rows to the tensor cores' smallest tile height (:data:`SKINNY_PAD`: mma.sync m16n8k16) at
+        the same ``gemm_efficiency × sustained`` as :meth:`gemm_s`; bytes are the weights and activations at the
+        bandwidth a streaming kernel reaches (:attr:`hbm_Bps`). A 1-row product is memory-bound on every GPU here.
+        Serving's model uses it (``serve_plan``); training's matmuls never have so few rows."""
+        g = self.gpu
+        share = g.gemm_fp8_efficiency if precision == "fp8" and g.gemm_fp8_efficiency else g.gemm_efficiency
+        math_s = count * 2 * math.ceil(m / SKINNY_PAD) * SKINNY_PAD * n * k / (g.peak_flops(precision) * share
+                                                                             * g.sustained)
         elem = 1 if precision == "fp8" else 4 if precision == "fp32" else 2
         memory_s = count * (m * k + k * n + m * n) * elem / self.hbm_Bps
         return max(math_s, memory_s) + LAUNCH_S

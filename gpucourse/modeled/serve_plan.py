@@ -9,7 +9,10 @@ Generation has two phases with opposite bottlenecks:
   weight read from memory does 2·B FLOPs, and every step also reads each sequence's whole KV cache — *memory-bound*
   until B reaches the GPU's ridge point (peak FLOP/s over memory bandwidth, about 300 FLOPs a byte on an H100).
   A step costs about (weight bytes + KV bytes of every sequence) / HBM bandwidth, whatever B is, so batching more
-  sequences multiplies tokens per second for almost nothing — until the KV cache fills the memory.
+  sequences multiplies tokens per second for almost nothing — until the KV cache fills the memory. Each matmul costs
+  the larger of its compute and its bytes; one of a few rows runs as a GEMV (``Cluster.skinny_gemm_s``), so batch 1
+  reads the weights at the bandwidth a streaming kernel reaches. A **mixture of experts** reads only the experts the
+  step's tokens are routed to (:func:`experts_touched`): Mixtral's 2 of 8 at batch 1, nearly all 8 by batch 16.
 
 On several GPUs (``tp`` × ``pp`` per replica, ``gpus / (tp·pp)`` replicas):
 
@@ -34,7 +37,7 @@ from ..config import ConfigError
 from ..serving.speculative import expected_tokens
 from ..serving.split_kv import num_splits
 from ..values import GPUS_PER_NODE, POSITIVE, POSITIVE_NUMBER, RANKS, TOKENS, Name
-from .cluster import Cluster
+from .cluster import SKINNY_ROWS, Cluster
 from .gpus import get_gpu
 from .shapes import ShapeError, get_shape
 
@@ -55,14 +58,51 @@ def kv_bytes_per_token(shape, tp: int = 1, kv: str = "bf16") -> float:
     return 2 * shape.layers * shape.kv_heads_per_rank(tp) * shape.head_dim * ELEM[kv]
 
 
-def weight_bytes(shape, tp: int = 1, pp: int = 1, weights: str = "bf16") -> float:
-    """Bytes of weights on the busiest GPU of a tp × pp replica."""
-    return max(shape.stage_params(pp, stage, tp)[0] for stage in range(pp)) * ELEM[weights]
+def weight_bytes(shape, tp: int = 1, pp: int = 1, weights: str = "bf16", ep: int = 1) -> float:
+    """Bytes of weights on the busiest GPU of a tp × pp replica (experts also split ep ways)."""
+    return max(shape.stage_params(pp, stage, tp, ep)[0] for stage in range(pp)) * ELEM[weights]
 
 
-def _check(shape, tp: int, pp: int, weights: str, kv: str) -> None:
+def experts_touched(shape, tokens: float, skew: float = 0.0) -> float:
+    """Expected distinct routed experts a step of ``tokens`` tokens runs in one MoE block.
+
+    Assumption: each token picks its top_k of the E experts independently of the other tokens. Under **uniform**
+    routing (``skew`` 0, what a router trained with a balance loss aims at) an expert is missed by a token with
+    probability 1 − k/E, so a step touches E·(1 − (1 − k/E)^tokens): k at one token (Mixtral: 2 of 8), nearly all E by
+    a few dozen. ``skew`` > 0 gives expert i a share ∝ (i + 1)^−skew of the choices (a Zipf popularity, each expert
+    chosen by a token with probability min(1, k·share)): popular experts are touched sooner, so fewer distinct experts
+    are read at the same batch."""
+    E, k = shape.experts, shape.top_k
+    if not E:
+        return 0.0
+    weights = [(i + 1) ** -skew for i in range(E)]
+    total = sum(weights)
+    return sum(1 - (1 - min(1.0, k * w / total)) ** tokens for w in weights)
+
+
+def _block(shape, cluster, tokens: float, seq_len: int, tp: int, ep: int, weights: str, skew: float):
+    """One block's kernels on one GPU and their seconds, the MoE block's experts as a step runs them: only the
+    experts its tokens route to (``experts_touched``, over the ``ep`` ranks' tokens together: a rank's E/ep experts
+    serve every rank's tokens), each a grouped GEMM of its share of the choices. A matmul of few rows (decode) runs as
+    a GEMV or split-K kernel (``Cluster.skinny_gemm_s``). Returns (kernels, seconds of each, experts a rank runs)."""
+    kernels = shape.kernels(tokens, seq_len, tp, ep=ep, moe=bool(shape.experts))
+    local = 0.0
+    if shape.experts:
+        local = experts_touched(shape, tokens * ep, skew) / ep
+        rows = tokens * shape.top_k / local  # a rank receives, balanced, as many choices as its own tokens make
+        kernels = [dict(k, m=rows, count=local) if k.get("name") in ("expert_up", "expert_down") else k
+                   for k in kernels]
+    return kernels, [_seconds(cluster, k, weights) for k in kernels], local
+
+
+def _check(shape, tp: int, pp: int, weights: str, kv: str, ep: int = 1) -> None:
     POSITIVE.check(tp, "tp")
     POSITIVE.check(pp, "pp")
+    POSITIVE.check(ep, "ep")
+    if ep > 1 and (not shape.experts or shape.experts % ep):
+        raise ConfigError(f"ep={ep} must divide the model's {shape.experts} experts: each GPU holds E/ep of them."
+                          if shape.experts else f"ep={ep} spreads the experts of a mixture of experts; this model "
+                                                f"has none.")
     try:
         shape.check_tp(tp)
     except ShapeError as e:
@@ -73,61 +113,98 @@ def _check(shape, tp: int, pp: int, weights: str, kv: str) -> None:
     FORMAT.check(kv, "kv")
 
 
+def _seconds(cluster, kernel: dict, weights: str) -> float:
+    """One kernel's seconds as serving runs it: a matmul of few rows as a GEMV or split-K kernel."""
+    if kernel["kind"] == "gemm" and kernel["m"] <= SKINNY_ROWS:
+        return cluster.skinny_gemm_s(kernel["m"], kernel["n"], kernel["k"], weights, kernel["count"])
+    return cluster.kernel_s(kernel, weights)
+
+
+def _expert_exchange_s(shape, cluster, tokens: float, tp: int, ep: int, blocks: int) -> float:
+    """Expert parallelism's all-to-alls over a stage's ``blocks`` MoE blocks: the E counts, then each token choice's
+    hidden vector to its expert's rank and back (``serving.parallel_decode``'s ep), among the ep GPUs at one tp
+    position. At decode sizes (a few kB) each is its (ep − 1) latencies."""
+    if ep == 1:
+        return 0.0
+    ranks = range(0, tp * ep, tp)
+    choices = tokens * shape.top_k * shape.hidden * ELEM[ACTIVATIONS]
+    return blocks * (cluster.collective_s("all_to_all", shape.experts * 8, ranks)[0]
+                     + 2 * cluster.collective_s("all_to_all", choices, ranks)[0])
+
+
 def decode_step(shape, gpu, batch: int, context: int, tp: int = 1, pp: int = 1, weights: str = "bf16",
-                kv: str = "bf16", gpus_per_node: int = 8, new_tokens: int = 1) -> dict:
+                kv: str = "bf16", gpus_per_node: int = 8, new_tokens: int = 1, ep: int = 1,
+                skew: float = 0.0) -> dict:
     """One decode step of ``batch`` sequences holding ``context`` tokens each, on one tp × pp replica: seconds by
-    part (a stage's matmuls, its KV reads, its tp all-reduces; the pipeline's sends), the time per output token
-    (every stage in turn) and the arithmetic intensity (FLOPs per byte read) that places it on the roofline.
+    part (a stage's matmuls, its KV reads, its tp all-reduces, its expert all-to-alls; the pipeline's sends), the
+    time per output token (every stage in turn), the bytes a GPU reads and the arithmetic intensity (FLOPs per byte
+    read) that places it on the roofline.
     With pp > 1, ``batch`` is one microbatch: pp of them are in flight, one on each stage, so the replica serves
     pp × batch sequences and makes ``batch`` tokens every stage time.
 
+    Each matmul costs the larger of its compute and its bytes (weights and activations) over the bandwidth a
+    streaming kernel reaches; one of few rows runs as a GEMV (``Cluster.skinny_gemm_s``), so batch 1 is memory-bound.
+    A mixture of experts reads only the experts the step's tokens route to (``experts_touched``: under uniform
+    routing, ``skew`` 0, E·(1 − (1 − k/E)^tokens) a block). ``ep``: expert parallelism as ``serving.parallel_decode``
+    runs it — ep tp × pp groups, each serving ``batch`` sequences of its own, the experts spread E/ep a group, and
+    three all-to-alls a MoE block (the counts, the choices there and back).
+
     ``new_tokens``: the tokens each sequence feeds (1 in plain decode; k + 1 when the model verifies k proposed
     tokens, ``speculative_speedup``): the matmuls get batch × new_tokens rows, the cache is still read once."""
-    shape, cluster = get_shape(shape), Cluster.of(gpu, gpus_per_node, max(1, -(-tp * pp // gpus_per_node)))
-    _check(shape, tp, pp, weights, kv)
+    shape = get_shape(shape)
+    cluster = Cluster.of(gpu, gpus_per_node, max(1, -(-tp * pp * ep // gpus_per_node)))
+    _check(shape, tp, pp, weights, kv, ep)
     rows = batch * new_tokens
-    block = [k for k in shape.kernels(rows, 1, tp, moe=bool(shape.experts)) if k["kind"] != "attention"]
-    per_block = sum(cluster.kernel_s(k, weights) for k in block)  # the matmuls run in the weights' format
+    kernels, seconds, local = _block(shape, cluster, rows, 1, tp, ep, weights, skew)
+    per_block = sum(t for k, t in zip(kernels, seconds) if k["kind"] != "attention")
     blocks = -(-shape.layers // pp)
-    head = sum(cluster.kernel_s(k, weights) for k in shape.head_kernels(rows, tp)[:1])  # no loss when serving
+    head = _seconds(cluster, shape.head_kernels(rows, tp)[0], weights)  # no loss when serving
     kv_read = batch * context * kv_bytes_per_token(shape, tp, kv) / pp
     attention = kv_read / cluster.hbm_Bps  # q·K and the weighted sum over V: one read of the cache, memory-bound
     elem = ELEM[ACTIVATIONS]
     tp_comm = 2 * blocks * cluster.collective_s("all_reduce", rows * shape.hidden * elem, range(tp))[0] \
         if tp > 1 else 0.0
-    stage = blocks * per_block + head / pp + attention + tp_comm
+    ep_comm = _expert_exchange_s(shape, cluster, rows, tp, ep, blocks if shape.experts else 0)
+    stage = blocks * per_block + head / pp + attention + tp_comm + ep_comm
     send = cluster.collective_s("send", rows * shape.hidden * elem, (0, tp))[0] if pp > 1 else 0.0
     token_s = pp * stage + (pp - 1) * send + STEP_OVERHEAD_S
-    read = weight_bytes(shape, tp, pp, weights) + kv_read
+    unread = 0.0
+    if shape.experts:  # the experts on this GPU no token of the step routes to
+        unread = (shape.experts / ep - local) * shape.expert_params() / (shape.experts * tp * pp) * ELEM[weights]
+    read = weight_bytes(shape, tp, pp, weights, ep) - unread + kv_read
     flops = 2 * rows * shape.active_params() / (tp * pp) + 4 * rows * context * shape.heads * shape.head_dim * \
         shape.layers / (tp * pp)
     return {"stage_s": stage, "token_s": token_s, "matmul_s": blocks * per_block + head / pp,
-            "attention_s": attention, "tp_comm_s": tp_comm, "pp_send_s": (pp - 1) * send,
-            "bytes_read": read, "flops": flops, "intensity": flops / read,
-            # pp microbatches of ``batch`` in flight, one leaving the last stage every stage_s
-            "tokens_per_s": batch / (stage + (send if pp > 1 else 0.0) + STEP_OVERHEAD_S / pp)}
+            "attention_s": attention, "tp_comm_s": tp_comm, "ep_comm_s": ep_comm, "pp_send_s": (pp - 1) * send,
+            "experts_read": local, "bytes_read": read, "flops": flops, "intensity": flops / read,
+            # pp microbatches of ``batch`` in flight, one leaving the last stage every stage_s; ep groups side by side
+            "tokens_per_s": ep * batch / (stage + (send if pp > 1 else 0.0) + STEP_OVERHEAD_S / pp)}
 
 
 def prefill(shape, gpu, prompts: int, prompt_len: int, tp: int = 1, pp: int = 1, weights: str = "bf16",
-            gpus_per_node: int = 8) -> dict:
-    """Prefill of ``prompts`` prompts of ``prompt_len`` tokens on one tp × pp replica: seconds to the first token
-    (every stage in turn), the share of it that is attention, and the arithmetic intensity."""
-    shape, cluster = get_shape(shape), Cluster.of(gpu, gpus_per_node, max(1, -(-tp * pp // gpus_per_node)))
-    _check(shape, tp, pp, weights, "bf16")
+            gpus_per_node: int = 8, ep: int = 1, skew: float = 0.0) -> dict:
+    """Prefill of ``prompts`` prompts of ``prompt_len`` tokens on one tp × pp replica (``ep``: on each of ep such
+    groups, as in :func:`decode_step`): seconds to the first token (every stage in turn), the share of it that is
+    attention, and the arithmetic intensity."""
+    shape = get_shape(shape)
+    cluster = Cluster.of(gpu, gpus_per_node, max(1, -(-tp * pp * ep // gpus_per_node)))
+    _check(shape, tp, pp, weights, "bf16", ep)
     tokens = prompts * prompt_len
-    kernels = shape.kernels(tokens, prompt_len, tp, moe=bool(shape.experts))
-    per_block = sum(cluster.kernel_s(k, weights) for k in kernels)
-    attention = sum(cluster.kernel_s(k, weights) for k in kernels if k["kind"] == "attention")
-    head = cluster.kernel_s(shape.head_kernels(prompts, tp)[0], weights)  # the last token's logits only
+    kernels, seconds, _ = _block(shape, cluster, tokens, prompt_len, tp, ep, weights, skew)
+    per_block = sum(seconds)
+    attention = sum(t for k, t in zip(kernels, seconds) if k["kind"] == "attention")
+    head = _seconds(cluster, shape.head_kernels(prompts, tp)[0], weights)  # the last token's logits only
     elem = ELEM[ACTIVATIONS]
     tp_comm = 2 * shape.layers * cluster.collective_s("all_reduce", tokens * shape.hidden * elem, range(tp))[0] \
         if tp > 1 else 0.0
+    ep_comm = _expert_exchange_s(shape, cluster, tokens, tp, ep, shape.layers if shape.experts else 0)
     send = cluster.collective_s("send", tokens * shape.hidden * elem, (0, tp))[0] if pp > 1 else 0.0
-    first_token_s = shape.layers * per_block + head + tp_comm + (pp - 1) * send + STEP_OVERHEAD_S
+    first_token_s = shape.layers * per_block + head + tp_comm + ep_comm + (pp - 1) * send + STEP_OVERHEAD_S
     flops = tokens * shape.flops_per_token(prompt_len, causal=True, backward=False)
-    read = weight_bytes(shape, tp, pp, weights) * pp + tokens * kv_bytes_per_token(shape, tp)
+    read = weight_bytes(shape, tp, pp, weights, ep) * pp + tokens * kv_bytes_per_token(shape, tp)
     return {"first_token_s": first_token_s, "attention_s": shape.layers * attention, "tp_comm_s": tp_comm,
-            "flops": flops, "bytes_read": read, "intensity": flops / read, "tokens_per_s": tokens / first_token_s}
+            "ep_comm_s": ep_comm, "flops": flops, "bytes_read": read, "intensity": flops / read,
+            "tokens_per_s": tokens / first_token_s}
 
 
 # A draft for Llama 3's vocabulary: Llama 3.2 1B (Meta's released config.json: 16 layers, hidden 2048, 32 heads,

@@ -1,6 +1,6 @@
 """Published serving measurements the serving model (:mod:`gpucourse.modeled.serve_plan`) is checked against.
 
-Each :class:`ServeRun` is one number a source printed for Llama-class models — the model, GPUs, tensor-parallel
+Each :class:`ServeRun` is one number a source printed for Llama-class models and Mixtral 8×7B — the model, GPUs, tensor-parallel
 degree, precision of the weights and of the KV cache, batch (or concurrency), prompt and output lengths — and what
 it measured. :func:`modeled` turns the same setting into the same figure with :func:`serve_plan.prefill` and
 :func:`serve_plan.decode_step`:
@@ -17,7 +17,9 @@ it measured. :func:`modeled` turns the same setting into the same figure with :f
 A measurement whose batch or concurrency is not stated is left out rather than guessed (:data:`EXCLUDED` says
 which, and why). The rows were split into a fitting and a held-out set by a rule that ignores the errors —
 within each source table, in the source's order, rows alternate fit, held-out, fit, … — so a constant tuned on the
-fitting rows is judged on the others. ``tests/test_serve_published.py`` recomputes every row and keeps the table in
+fitting rows is judged on the others. gpt-fast's rows (one request at a time on A100s, ``"tokens_per_s"``: 200 new
+tokens over the prefill and 199 decode steps, as its generate.py times them) came after the constant was fitted
+and are all held out. ``tests/test_serve_published.py`` recomputes every row and keeps the table in
 ``docs/modeled-timing.md`` equal to :func:`markdown_table`; ``gpucourse bench`` reports the largest error
 (``serve_model_vs_published_max_error``).
 """
@@ -39,6 +41,20 @@ NIM = ("NVIDIA NIM for LLMs benchmarking guide, Performance page (docs.nvidia.co
        "performance), Llama-3.3-70b-instruct results, NIM container version 1.8.0, 2 x H100 80G, fp8 TP2")
 NIM_URL = "https://docs.nvidia.com/nim/benchmarking/llm/1.0.0/performance"
 
+GPT_FAST = ("PyTorch gpt-fast, README.md at commit c9f683e (github.com/pytorch-labs/gpt-fast/blob/"
+            "c9f683edd4f89d3e81ed8f52387e866a245e3226/README.md), 'Tensor Parallelism' table; 'Benchmarks run on an "
+            "8xA100-80GB, power limited to 330W ... all benchmarks are run at batch size=1 ... a very small prompt "
+            "length (just 5 tokens)'; generate.py's 200 new tokens, torch.compile with CUDA graphs")
+GPT_FAST_URL = "https://github.com/pytorch-labs/gpt-fast/blob/c9f683edd4f89d3e81ed8f52387e866a245e3226/README.md"
+GPT_FAST_MOE = ("PyTorch gpt-fast, mixtral-moe/README.md at commit 48328fb (github.com/pytorch-labs/gpt-fast/blob/"
+                "48328fbe8ffc24fd14ddb59c8dfcce3a0291100f/mixtral-moe/README.md), 'Benchmarks' table, "
+                "baseline(bfloat16) row; the same 8xA100-80GB at 330 W, batch size 1, a 5-token prompt, 200 new "
+                "tokens; each step multiplies only the experts its token is routed to")
+GPT_FAST_MOE_URL = ("https://github.com/pytorch-labs/gpt-fast/blob/48328fbe8ffc24fd14ddb59c8dfcce3a0291100f/"
+                    "mixtral-moe/README.md")
+SOURCES = {TRTLLM_URL: "TensorRT-LLM v0.9.0", NIM_URL: "NIM 1.8.0", GPT_FAST_URL: "gpt-fast",
+           GPT_FAST_MOE_URL: "gpt-fast"}
+
 # Llama 2 7B as TensorRT-LLM's benchmark configures it (the same page, "Llama2-7b": 32 layers, 32 heads, hidden
 # 4096, intermediate 11008, 32 K/V heads, vocabulary 32000); not a planner shape, so it lives here.
 LLAMA2_7B = Shape(32, 4096, 32, ffn=11008, mlp="swiglu", vocab=32000, name="llama2-7b",
@@ -46,7 +62,7 @@ LLAMA2_7B = Shape(32, 4096, 32, ffn=11008, mlp="swiglu", vocab=32000, name="llam
                          "4096 wide, 32 heads (multi-head attention), SwiGLU MLP 11008, vocabulary 32000")
 
 METRICS = {"output_tokens_per_s_per_gpu": "output tokens/s per GPU", "tpot_s": "s per output token",
-           "first_token_s": "s to the first token"}
+           "first_token_s": "s to the first token", "tokens_per_s": "output tokens/s of one request"}
 
 
 @dataclass(frozen=True)
@@ -105,6 +121,18 @@ def _nim_itl(prompt, output, ms, split) -> ServeRun:
                             "under 3 % of the bytes a step reads)")
 
 
+def _gpt_fast(shape, tp, tokens_s, moe=False) -> ServeRun:
+    model = {"mixtral-8x7b": "Mixtral 8x7B", "llama2-70b": "Llama 2 70B"}.get(shape, "Llama 2 7B")
+    source = GPT_FAST_MOE if moe else GPT_FAST
+    return ServeRun(f"{model}, {tp} A100 bf16, batch 1, gpt-fast",
+                    f"{source}: {model}, {tp} GPU{'s' * (tp > 1)}: {tokens_s} tokens/s",
+                    GPT_FAST_MOE_URL if moe else GPT_FAST_URL, "a100", shape, "tokens_per_s", tokens_s, 1, 5, 200,
+                    tp, "bf16", "bf16", "heldout",
+                    assumed="the A100's bandwidth at its datasheet figure (the 330 W power limit slows its arithmetic, "
+                            "which batch 1 barely uses); 200 new tokens after 5 prompt tokens, timed from the prefill "
+                            "to the last token as generate.py does")
+
+
 RUNS = (
     # TensorRT-LLM v0.9.0, H100 FP8, peak throughput (static batches) ------------------------------------------------
     _trtllm_tput("llama2-70b", 1024, 2, 128, 128, 3214, "fit"),
@@ -123,6 +151,18 @@ RUNS = (
     # NIM 1.8.0 (TensorRT-LLM inside), time per output token of one request at a time ----------------------------
     _nim_itl(5000, 500, 18.58, "fit"),
     _nim_itl(500, 2000, 18.91, "heldout"),
+    # gpt-fast, one request at a time on A100s, tensor parallel: added after STEP_OVERHEAD_S was fitted, to check
+    # batch-1 decode (GEMVs, tp scaling, a mixture of experts' routed experts); every row held out ----------------
+    _gpt_fast(LLAMA2_7B, 1, 104.9),
+    _gpt_fast(LLAMA2_7B, 2, 168.84),
+    _gpt_fast(LLAMA2_7B, 4, 254.02),
+    _gpt_fast(LLAMA2_7B, 8, 328.43),
+    _gpt_fast("llama2-70b", 2, 21.32),
+    _gpt_fast("llama2-70b", 4, 38.01),
+    _gpt_fast("llama2-70b", 8, 62.50),
+    _gpt_fast("mixtral-8x7b", 2, 96.67, moe=True),
+    _gpt_fast("mixtral-8x7b", 4, 155.35, moe=True),
+    _gpt_fast("mixtral-8x7b", 8, 227.82, moe=True),
 )
 
 # Published figures read and left out, with why: each lacks part of the setting the model needs.
@@ -130,8 +170,8 @@ EXCLUDED = (
     ("NVIDIA technical blog, 'Achieving Top Inference Performance with the NVIDIA H100 Tensor Core GPU and NVIDIA "
      "TensorRT-LLM' (December 2023): Llama 2 70B on one DGX H100, 2048 in / 128 out, batch 1, 1.7 s a request "
      "(TensorRT-LLM v0.5.0)",
-     "the batch-1 run's precision and layout are not stated: with FP8 and tp 8 the model gives 1.32 s, with FP16 "
-     "and tp 8 1.83 s, so the row would test a guess"),
+     "the batch-1 run's precision and layout are not stated: with FP8 and tp 8 the model gives 1.18 s, with FP16 "
+     "and tp 8 1.60 s, so the row would test a guess"),
     ("TensorRT-LLM's later performance overview (docs/source/performance/perf-overview.md) and MLPerf Inference's "
      "Llama 2 70B results",
      "maximum throughput at a batch or concurrency the benchmark chose and does not print"),
@@ -151,9 +191,10 @@ def modeled(run: ServeRun) -> float:
                        kv=run.kv)["token_s"]
     if run.metric == "tpot_s":
         return step
-    if run.metric == "output_tokens_per_s_per_gpu":
+    if run.metric in ("output_tokens_per_s_per_gpu", "tokens_per_s"):
         first = prefill(run.shape, run.gpu, run.batch, run.prompt, run.tp, weights=run.weights)["first_token_s"]
-        return run.batch * run.output / (first + (run.output - 1) * step) / run.tp
+        tokens_s = run.batch * run.output / (first + (run.output - 1) * step)
+        return tokens_s / run.tp if run.metric == "output_tokens_per_s_per_gpu" else tokens_s
     raise ValueError(f"no metric {run.metric!r}: {', '.join(METRICS)}.")
 
 
@@ -181,6 +222,8 @@ def errors(rows=None) -> dict:
 def _show(value: float, metric: str) -> str:
     if metric == "output_tokens_per_s_per_gpu":
         return f"{value:,.0f} tokens/s/GPU"
+    if metric == "tokens_per_s":
+        return f"{value:,.1f} tokens/s"
     return f"{value * 1e3:.1f} ms" + (" a token" if metric == "tpot_s" else " to first token")
 
 
@@ -189,7 +232,6 @@ def markdown_table(rows=None) -> str:
     rows = compare() if rows is None else rows
     lines = ["| published | setting | set | published | modeled | error |", "|---|---|---|---|---|---|"]
     for r in rows:
-        source = "TensorRT-LLM v0.9.0" if r["url"] == TRTLLM_URL else "NIM 1.8.0"
-        lines.append(f"| {source} | {r['setting']} | {r['split']} | {_show(r['reported'], r['metric'])} | "
+        lines.append(f"| {SOURCES[r['url']]} | {r['setting']} | {r['split']} | {_show(r['reported'], r['metric'])} | "
                      f"{_show(r['modeled'], r['metric'])} | {r['error']:+.1%} |")
     return "\n".join(lines)
