@@ -151,10 +151,10 @@ def test_a_rank_sees_no_other_process_file_or_shared_memory_and_holds_no_capabil
     for rank, report in said.items():
         # An unprivileged user with no capability left, alone in its PID namespace, its /tmp and /dev/shm its own
         # (/tmp holds only the way down to its own folder where the sandbox's folder lies in /tmp).
-        assert (report["uid"], report["gid"], report["pid"]) == (uid, uid if os.geteuid() == 0 else os.getegid(), 1)
+        assert (report["uid"], report["gid"], report["pid"]) == (uid, uid if os.geteuid() == 0 else os.getegid(), 2)
         assert report["caps"] == {"CapEff": "0000000000000000", "CapPrm": "0000000000000000",
                                   "CapBnd": "0000000000000000", "NoNewPrivs": "1"}, report["caps"]
-        assert report["proc"] == ["1"], report["proc"]
+        assert report["proc"] == ["1", "2"], report["proc"]  # the namespace's init and the rank
         assert all(os.path.basename(path).startswith("status-") for path in report["shared"]), report["shared"]
         assert report["shm"] == [] and report["tmp"] in ([], [report["private"].split("/")[2]]), report
         # Neither the course nor the grader: not through the audit hook's blind spot, nor through it.
@@ -204,3 +204,19 @@ def test_a_workshop_does_not_start_where_learner_ranks_cannot_be_walled_in(tmp_p
     with pytest.raises(WorkshopError, match=r"could not wall learner code in on this machine: the sandbox's user"):
         hub.prepare(tmp_path / "ws", seats=2, port=hub.free_port())
     assert not (tmp_path / "ws").exists()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how, signal_name", [("abort", "SIGABRT"), ("term", "SIGTERM")])
+def test_an_isolated_rank_ends_by_its_own_signal_as_any_process_would(how, signal_name):
+    """An isolated rank is not its PID namespace's init (which takes no signal it has no handler for, even from
+    itself): an abort() ends it with SIGABRT, not a SIGSEGV, and a kill of itself ends it at all."""
+    import rankfns
+    from gpucourse import launch
+    from gpucourse.runtime import WorkerError
+
+    if not _namespaces_allowed():
+        pytest.skip("this machine allows no new user, PID and IPC namespaces")
+    with pytest.raises(WorkerError) as info:
+        launch(rankfns.ends_by_signal, how, world_size=2, timeout=60, quiet=True, isolate=True)
+    assert info.value.rank == 0 and signal_name in str(info.value), str(info.value)

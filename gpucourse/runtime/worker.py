@@ -201,8 +201,11 @@ _OUTSIDE_LINE_BYTES = 1 << 20  # longest message the process outside reads (a no
 def _enter_namespaces():
     """Fork this rank into new PID and IPC namespaces (and a user namespace, unless this process is root).
 
-    In the parent: the child's pid and this end of their channel. In the child, where the rank runs as the
-    first process of its PID namespace with every descriptor closed but its output and that channel: None. Where
+    In the parent: the child's pid and this end of their channel. The child is the first process of the new PID
+    namespace, its init: it forks the rank, reaps what ends there, and when the rank has ended says how on the
+    channel and ends too (the namespace with it). In the rank, with every descriptor closed but its output and that
+    channel: None. The rank is not the init itself because a namespace's init takes no signal it has no handler
+    for, even from itself: an abort() there would end as a SIGSEGV, a kill of itself not at all. Where
     the machine allows no such namespaces: why not, and nothing changed. The child's mount namespace is its
     caller's business (the grader's walls: :func:`gpucourse.grading.wall.rank_walls`).
     """
@@ -245,6 +248,18 @@ def _enter_namespaces():
         shared = [line.split()[0].split("-") for line in f if line.split()[1][3] == "s"]
     for start, end in shared:
         libc.munmap(ctypes.c_void_p(int(start, 16)), ctypes.c_size_t(int(end, 16) - int(start, 16)))
+    rank = os.fork()
+    if rank:  # the namespace's init: reap, and end once the rank has, saying how (its wait status)
+        while True:
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                os._exit(1)
+            if pid == rank:
+                try:
+                    theirs.sendall(json.dumps({"ended": status}).encode() + b"\n")
+                finally:
+                    os._exit(0)
     _OUTSIDE = theirs
     return None
 
@@ -254,8 +269,10 @@ def _tell_outside(message: dict) -> None:
 
 
 def _stand_in(child: int, channel: socket.socket, run_dir: str, rank: int):
-    """Outside an isolated rank: write the notes it sends, then end as it ended (its value, or its exit)."""
+    """Outside an isolated rank: write the notes it sends, then end as it ended (its value, or its exit, as the
+    namespace's init saw it)."""
     _note(run_dir, f"pid-{rank}.json", {"pid": child})  # the process that runs the rank, for silent_exits
+    ended = None
     with channel, channel.makefile("rb") as lines:
         for line in iter(lambda: lines.readline(_OUTSIDE_LINE_BYTES), b""):
             try:
@@ -263,6 +280,9 @@ def _stand_in(child: int, channel: socket.socket, run_dir: str, rank: int):
                 name, payload = message.get("note"), message.get("payload")
             except (ValueError, AttributeError):
                 continue  # a line cut at the limit, or not ours: the rank's own code can write here too
+            if "ended" in message and isinstance(message["ended"], int):
+                ended = message["ended"]  # the init's word, its last: how the rank ended
+                continue
             if "value" in message:
                 # The rank's last word (it only ends its process after it): returned without waiting for its
                 # memory to be torn down, which would delay every launch. It dies with this process if it lingers.
@@ -273,6 +293,7 @@ def _stand_in(child: int, channel: socket.socket, run_dir: str, rank: int):
                     payload.update(silent_exits=[r for r in silent_exits(run_dir) if r != rank], time=time.time())
                 _note(run_dir, name, payload)
     _, status = os.waitpid(child, 0)
+    status = status if ended is None else ended
     if os.WIFSIGNALED(status):
         signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
         os.kill(os.getpid(), os.WTERMSIG(status))
