@@ -143,13 +143,15 @@ def cmd_plan(args) -> int:
     if args.params is None and args.shape is None and not parts:
         raise UsageError("plan needs --params (a parameter count), --shape (one of "
                          f"{', '.join(plan.SHAPES)}) or the shape's parts (--layers, --hidden, --heads, ...).")
-    shape = args.shape
-    if parts:
-        try:
+    shape = args.shape  # a name of the table (the flag checked it), the parts given on top of it, or neither
+    try:
+        if parts:
             base = plan.get_shape(args.shape).as_dict() if args.shape else {}
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-        shape = {**{k: v for k, v in base.items() if k != "source"}, **parts}
+            shape = {**{k: v for k, v in base.items() if k != "source"}, **parts}
+        if shape is not None:
+            shape = plan.get_shape(shape)  # resolved once, here, and handed down as a Shape
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if args.serve:
         return _serve_plan(args, shape)
     result = plan.plan(args.params, args.gpus, args.gpu, args.gpus_per_node, args.batch_size, args.seq_len,
