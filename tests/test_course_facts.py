@@ -1241,3 +1241,112 @@ def test_notebook_12_zigzag_gives_every_rank_the_same_causal_work():
     code = markdown("12_sequence_context_parallel", "code")
     assert "ring_work_times(LONG, 4, zigzag, reps=5)" in code and "reps=1" not in code
     assert "zig-zag gives every rank the same" in prose("12_sequence_context_parallel")
+
+
+# --- notebooks 06 and 00, read against their runs and the sources (issue 54's sweep) --------------------------
+
+def _plans_06() -> tuple[dict, dict]:
+    """Notebook 06's two plans: a 70 B parameter count and Llama 3 70B's shape, on 8 servers of 8 H100s."""
+    from gpucourse.modeled import plan
+
+    case = dict(gpus=64, gpu="h100", gpus_per_node=8, batch_size=1024, seq_len=4096)
+    return plan.plan(70e9, **case), plan.plan(None, shape="llama3-70b", **case)
+
+
+def test_notebook_06_says_what_the_dp_group_carries_beside_half_the_model():
+    """06 §3: the dp group all-reduces the gradients of what rank 0 holds, a little more than parameters / (tp · pp):
+    0.447 MiB at dp 2 × tp 2 and 0.428 at dp 2 × pp 2, against 0.412 for half of the 0.825 MiB model (tensor
+    parallelism leaves the embeddings, norms and head whole; the first stage holds the embeddings)."""
+    from gpucourse.model import GPT
+
+    mib = 2**20
+    whole = sum(p.numel() for p in GPT(TrainConfig().model_config()).parameters()) * 4 / mib
+    held = {k: run(TrainConfig(dp=2, steps=1, seq_len=32, **kw)).memory["0"]["gradients"] / mib
+            for k, kw in (("tp", {"tp": 2}), ("pp", {"pp": 2, "microbatches": 2}))}
+    assert [f"{v:.3f}" for v in (held["tp"], held["pp"], whole / 2, whole)] == ["0.447", "0.428", "0.412", "0.825"]
+    text = prose("06_hybrid_planning")
+    assert "the gradients of what the rank holds, parameters / (tp · pp), once per step" not in text
+    assert "0.447 and 0.428 MiB on rank 0 above, against 0.412 for half of the 0.825 MiB model" in text
+    assert "twice the sequence doubles the tp group's bytes above, not the dp group's" in text
+
+
+def test_notebook_06_says_why_the_fastest_70b_layouts_do_not_fit():
+    """06 §5: the eight fastest 70 B layouts, all tp 1 without checkpointing, do not fit: without ZeRO-3 a GPU keeps
+    its whole stage's bf16 weights (136.4 GB on one stage), without ZeRO 16 bytes a parameter of model state, and
+    with ZeRO-3 the activations alone (90.7 GB) are more than the 83.8 GB a GPU has — not "mostly activations"."""
+    seventy, _ = _plans_06()
+    usable = get_gpu("h100").usable_bytes()
+    fastest = sorted(seventy["layouts"], key=lambda r: r["step_s"])[:8]
+    assert all(r["tp"] == 1 and not r["checkpoint_activations"] and not r["fits"] for r in fastest)
+    gb = lambda r, k: round(r["memory"][k] / 1e9, 1)  # noqa: E731
+    one_stage = [r for r in fastest if r["pp"] == 1]
+    assert {gb(r, "weights") for r in one_stage if r["zero"] < 3} == {136.4}
+    assert {gb(r, "activations") for r in one_stage} == {90.7} and round(usable / 1e9, 1) == 83.8
+    assert all(r["memory"]["activations"] > usable for r in fastest if r["zero"] == 3)
+    zero0 = next(r for r in fastest if r["zero"] == 0)
+    states = sum(zero0["memory"][k] for k in ("weights", "gradients", "optimizer"))
+    assert states / seventy["model_params"] == pytest.approx(16, rel=1e-3)
+    assert any(r["memory"]["weights"] > r["memory"]["activations"] for r in fastest)  # not mostly activations
+    text = prose("06_hybrid_planning")
+    assert "mostly in activations" not in text
+    assert ("(136.4 GB with one stage; without ZeRO, 16 bytes per parameter of model state on every replica), and "
+            "even with ZeRO-3 the activations alone, 90.7 GB, are more than the 83.8 GB a GPU has") in text
+
+
+def test_notebook_06_places_the_best_llama_layout_and_times_it_on_a100s():
+    """06 §5: Llama 3 70B's best layout has no pipeline, and its dp group (ranks tp apart) spans all 8 servers;
+    §6: on A100s the same layouts come first, about two and a half times slower (the peak ratio is 3.2)."""
+    from gpucourse.modeled import plan
+
+    seventy, llama = _plans_06()
+    best = next(r for r in llama["layouts"] if r["fits"])
+    assert (best["dp"], best["tp"], best["pp"]) == (32, 2, 1)
+    assert {rank // 8 for rank in range(0, 64, best["tp"])} == set(range(8))  # rank 0's dp group
+    a100 = plan.plan(70e9, gpus=64, gpu="a100", gpus_per_node=8, batch_size=1024, seq_len=4096)
+    layout = lambda r: (r["dp"], r["tp"], r["pp"], r["zero"], r["schedule"], r["checkpoint_activations"])  # noqa
+    fits = {n: [r for r in p["layouts"] if r["fits"]] for n, p in (("h100", seventy), ("a100", a100))}
+    assert [layout(r) for r in fits["a100"][:5]] == [layout(r) for r in fits["h100"][:5]]
+    assert round(fits["a100"][0]["step_s"] / fits["h100"][0]["step_s"], 1) == 2.6
+    text = prose("06_hybrid_planning")
+    assert "pipeline stages spread over servers. Where the best layout's groups sit" not in text
+    assert "the best layout here has no pipeline, and its data-parallel group spans all 8 servers" in text
+    assert "about two and a half times slower" in text and "about three times slower" not in text
+
+
+def test_notebook_06_says_which_field_counts_the_gpus_of_a_server_in_each_tool():
+    """06 §5: torchrun's --nproc-per-node, NeMo's devices and DeepSpeed's --num_gpus count one server's GPUs beside a
+    count of servers; Accelerate's num_processes counts every GPU of the job (`accelerate launch --help`)."""
+    from gpucourse.interop import stack_config
+
+    _, llama = _plans_06()
+    cfg = TrainConfig.from_dict(next(r for r in llama["layouts"] if r["fits"])["config"])
+    out = {t: stack_config.translate(cfg, t, gpus_per_node=8) for t in ("megatron", "nemo", "deepspeed", "accelerate")}
+    assert "torchrun --nnodes 8 --nproc-per-node 8" in out["megatron"].text
+    assert "devices: 8" in out["nemo"].text and "num_nodes: 8" in out["nemo"].text
+    assert any("--num_nodes 8 --num_gpus 8" in note for note in out["deepspeed"].notes)
+    assert "num_processes: 64" in out["accelerate"].text and "num_machines: 8" in out["accelerate"].text
+    text = prose("06_hybrid_planning")
+    assert "every tool counts GPUs per server in one field" not in text
+    assert ("torchrun's `--nproc-per-node`, NeMo's `devices` and DeepSpeed's `--num_gpus` count the GPUs of one "
+            "server, beside a count of servers; Accelerate's `num_processes` alone counts every GPU of the job") in text
+
+
+def test_notebook_00_says_how_the_hint_ladder_climbs_and_what_is_a_try(tmp_path, monkeypatch):
+    """00 §6: the hints show the idea first, where it is taught from the second try, the fix from the fourth; a
+    score is out of 10; a stub whose every check says "not written yet" is no try and is not recorded."""
+    from gpucourse.course import progress
+    from gpucourse.grading import catalog
+    from gpucourse.grading.report import LADDER
+    from gpucourse.grading.runner import record_progress
+
+    assert LADDER == {"section": 2, "fix": 4} and catalog.POINTS == 10
+    monkeypatch.setenv(progress.ENV_VAR, str(tmp_path / "progress.json"))
+    stub = {"module": "ex01_ring_allreduce", "score": 0, "max_score": 10,
+            "checks": [{"name": "sums", "status": "failed", "hint": "",
+                        "message": "not written yet: ring_allreduce raises NotImplementedError"}]}
+    assert record_progress({"exercises": [stub]}) == ""
+    assert "ex01_ring_allreduce" not in progress.load().get("exercises", {})
+    text = prose("00_setup")
+    assert ("the first time, the idea the exercise tests; from the second try, where its notebook teaches it; from "
+            "the fourth, each failing check's fix") in text and "the score out of 10" in text
+    assert 'not a stub whose every check still says "not written yet": that is no try' in text
