@@ -33,6 +33,10 @@ EXERCISE = Exercise(
     section="§7 (FSDP as a module any training loop can use, with a compute dtype) and §8 (the exercise)")
 
 LR, STEPS, ROWS = 0.1, 2, 2  # ROWS: each rank's part of a step's batch
+# One rank is held bit for bit: the same operations as the module's own. On 2 and 3 ranks each part's gradient is
+# what one device computes for that part, but the ranks add a matrix's gradients call by call ((a1 + b1) + (a2 + b2)
+# for the matrix called twice) where one device adds them part by part ((a1 + a2) + (b1 + b2)), and three ranks' sum
+# runs in gloo's order: the same numbers added in another order, a few float32 ulps apart where they differ.
 FP32_TOL = dict(atol=1e-6, rtol=1e-5)
 # With a compute dtype the weights are held within 1e-4, as the issue asks; the gradients more tightly: each rank's
 # fp16 gradient of its part is what one device computes for that part, and they differ from one device's only in
