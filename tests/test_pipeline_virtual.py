@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from gpucourse.parallel import check
 from gpucourse import ConfigError, TrainConfig
 from gpucourse.parallel.schedules_virtual import build
 
@@ -78,7 +79,7 @@ def test_what_the_engine_does_not_run_is_refused_in_one_sentence():
                            (dict(dp=2, pp=2, schedule="zbv", microbatches=2, impl="torch"), "pipeline alone"),
                            (dict(dp=2, pp=2, schedule="zb-h1", microbatches=2, zero=3), "not with zero=3")):
         with pytest.raises(ConfigError, match=words):
-            TrainConfig(**BASE, **changes).validate()
+            check(TrainConfig(**BASE, **changes))
 
 
 def test_memory_estimate_follows_the_chunks_and_the_split_backward(tmp_path_factory):
