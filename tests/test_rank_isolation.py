@@ -220,3 +220,24 @@ def test_an_isolated_rank_ends_by_its_own_signal_as_any_process_would(how, signa
     with pytest.raises(WorkerError) as info:
         launch(rankfns.ends_by_signal, how, world_size=2, timeout=60, quiet=True, isolate=True)
     assert info.value.rank == 0 and signal_name in str(info.value), str(info.value)
+
+
+def test_what_covers_a_hidden_file_reads_empty_even_where_dev_null_is_not_the_null_device(tmp_path, monkeypatch):
+    """Hidden files (the checks in a seat, the repository in the sandbox) are covered by a bind of an empty file:
+    /dev/null where it is the null device, else an empty read-only file of the grader's own — a /dev/null that a
+    mistake made a file or a link would show its content in their place."""
+    from gpucourse.grading import wall
+
+    assert wall.empty_file() == os.devnull  # this machine's is the device
+    for kind in ("file", "link"):
+        fake = tmp_path / f"null-{kind}"
+        if kind == "file":
+            fake.write_text("secret checks\n")
+        else:
+            (tmp_path / "target").write_text("python3\n")
+            fake.symlink_to(tmp_path / "target")
+        monkeypatch.setattr(os, "devnull", str(fake))
+        empty = wall.empty_file()
+        assert empty != str(fake) and os.path.getsize(empty) == 0 and open(empty).read() == "", empty
+        assert os.stat(empty).st_mode & 0o777 == 0o444, oct(os.stat(empty).st_mode)
+        os.unlink(empty)

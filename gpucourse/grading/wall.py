@@ -35,7 +35,9 @@ import ctypes
 import importlib.util
 import json
 import os
+import stat
 import sys
+import tempfile
 
 CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
@@ -51,6 +53,22 @@ KEEP = {"": {"__init__.py", "readable.py", "clock.py", "runtime", "grading"},
 
 def _libc():
     return ctypes.CDLL(None, use_errno=True)
+
+
+def empty_file() -> str:
+    """A file that reads as empty, to bind over one that must: /dev/null where it is the null device (character
+    device 1, 3), else an empty read-only file of the grader's own. A /dev/null that a mistake has made a file or a
+    link would show its content, or its target's, in place of what it covers."""
+    try:
+        found = os.stat(os.devnull, follow_symlinks=False)
+        if stat.S_ISCHR(found.st_mode) and (os.major(found.st_rdev), os.minor(found.st_rdev)) == (1, 3):
+            return os.devnull
+    except OSError:
+        pass
+    fd, path = tempfile.mkstemp(prefix="gpucourse-empty-")
+    os.close(fd)
+    os.chmod(path, 0o444)
+    return path
 
 
 def _mount(libc, source, target, fstype, flags, data=None) -> bool:
@@ -164,11 +182,12 @@ def seat_view(needed_paths: list[str], hidden: list[str]) -> bool:
     if libc.unshare(CLONE_NEWNS) != 0 or not _mount(libc, None, "/", None, MS_REC | MS_PRIVATE):
         return False
     reveal(libc, needed_paths)
+    empty = empty_file()
     for path in hidden:
         if os.path.isdir(path):
             _mount(libc, "tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=555")
         elif os.path.exists(path):
-            _mount(libc, os.devnull, path, None, MS_BIND)
+            _mount(libc, empty, path, None, MS_BIND)
     return True
 
 
@@ -225,11 +244,12 @@ def raise_walls(hidden: list[str], private: str, library: tuple = ()) -> bool:
     if uid == 0:
         reveal(libc, needed(private, library))
     targets = covered(hidden, private, library)
+    empty = empty_file()
     for path in targets:
         if os.path.isdir(path):
             _mount(libc, "tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=555")
         else:
-            _mount(libc, os.devnull, path, None, MS_BIND)
+            _mount(libc, empty, path, None, MS_BIND)
     _mount(libc, private, private, None, MS_BIND | MS_REC)
     for point, options in _mount_points():
         if any(_under(point, live) for live in _LIVE) or _under(point, private) or point in targets:
