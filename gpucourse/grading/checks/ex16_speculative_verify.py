@@ -247,10 +247,11 @@ def _row(*mass: tuple[int, float], vocab: int = 8) -> torch.Tensor:
     return p
 
 
-# Rows whose outcome no draw changes: A, B and C share no token, so a bonus from the wrong row is another token;
+# Rows whose outcome no draw changes: A, B and C share no token, so a bonus from the wrong row is another token
+# (C holds one token: the bonus after every draft accepted is 5, however many draws came before it);
 # a draft of token 0 under (NEVER_P, NEVER_Q) is always rejected, and replaced by token 2, the one token where
 # p > q (where q > p are tokens 0 and 4, and p alone would give 1 or 2).
-A, B, C = _row((0, 0.5), (1, 0.5)), _row((2, 0.3), (3, 0.7)), _row((5, 0.6), (6, 0.4))
+A, B, C = _row((0, 0.5), (1, 0.5)), _row((2, 0.3), (3, 0.7)), _row((5, 1.0))
 NEVER_P, NEVER_Q = _row((1, 0.4), (2, 0.6)), _row((0, 0.5), (1, 0.4), (4, 0.1))
 REJECTED = (torch.stack([NEVER_P, A, B]), torch.stack([NEVER_Q, A]), [0, 1],
             " (p of the first draft is 0: rejected whatever u)")
