@@ -32,6 +32,7 @@ modeled: the same GPU table and links as the training planner (``gpucourse/model
 from __future__ import annotations
 
 import textwrap
+from typing import NamedTuple
 
 from ..config import ConfigError
 from ..serving.speculative import expected_tokens
@@ -132,79 +133,118 @@ def _expert_exchange_s(shape, cluster, tokens: float, tp: int, ep: int, blocks: 
                      + 2 * cluster.collective_s("all_to_all", choices, ranks)[0])
 
 
-def decode_step(shape, gpu, batch: int, context: int, tp: int = 1, pp: int = 1, weights: str = "bf16",
-                kv: str = "bf16", gpus_per_node: int = 8, new_tokens: int = 1, ep: int = 1,
-                skew: float = 0.0) -> dict:
-    """One decode step of ``batch`` sequences holding ``context`` tokens each, on one tp × pp replica: seconds by
-    part (a stage's matmuls, its KV reads, its tp all-reduces, its expert all-to-alls; the pipeline's sends), the
-    time per output token (every stage in turn), the bytes a GPU reads and the arithmetic intensity (FLOPs per byte
-    read) that places it on the roofline.
-    With pp > 1, ``batch`` is one microbatch: pp of them are in flight, one on each stage, so the replica serves
-    pp × batch sequences and makes ``batch`` tokens every stage time.
+class Chunk(NamedTuple):
+    """Prompt tokens one step feeds for ``count`` sequences: ``tokens`` each, after ``cached`` of theirs already in the
+    cache (a prompt's first chunk: 0). ``last``: the chunk ends its prompt, so the step samples the sequence's first
+    token from it (an earlier chunk's logits are not computed, as vLLM's runner computes only those it samples)."""
+
+    tokens: float
+    cached: float = 0
+    count: float = 1
+    last: bool = True
+
+
+def step(shape, gpu, decodes: float = 0, context: float = 0, chunks=(), tp: int = 1, pp: int = 1,
+         weights: str = "bf16", kv: str = "bf16", gpus_per_node: int = 8, ep: int = 1, skew: float = 0.0,
+         new_tokens: int = 1) -> dict:
+    """One iteration of a serving engine on one tp × pp replica: what every modeled serving time is made of (a
+    decode step, a prefill, a static batch, continuous batching's steady state, ``serve-bench``'s modeled clock).
+
+    As vLLM's scheduler batches an iteration, ``decodes`` sequences each feed the token they made last (``new_tokens``
+    a sequence when a model verifies proposed tokens), reading ``context`` cached tokens each on average, and
+    ``chunks`` (:class:`Chunk`) feed prompt tokens, whole prompts or a token budget's chunks of them — all in one
+    forward: every matmul has one row for each token fed, so decodes ride along with a prefill chunk for the price of
+    its rows. Attention is per sequence: a decode reads its cache (memory-bound: the bytes over the bandwidth), a
+    chunk runs the fused kernel over its queries against its cached keys and its own (``Cluster.attention_s``: on
+    average cached + tokens/2 keys a query), or reads its cached keys, whichever is slower.
 
     Each matmul costs the larger of its compute and its bytes (weights and activations) over the bandwidth a
     streaming kernel reaches; one of few rows runs as a GEMV (``Cluster.skinny_gemm_s``), so batch 1 is memory-bound.
     A mixture of experts reads only the experts the step's tokens route to (``experts_touched``: under uniform
     routing, ``skew`` 0, E·(1 − (1 − k/E)^tokens) a block). ``ep``: expert parallelism as ``serving.parallel_decode``
-    runs it — ep tp × pp groups, each serving ``batch`` sequences of its own, the experts spread E/ep a group, and
+    runs it — ep tp × pp groups, each serving a step like this one of its own, the experts spread E/ep a group, and
     three all-to-alls a MoE block (the counts, the choices there and back).
 
-    ``new_tokens``: the tokens each sequence feeds (1 in plain decode; k + 1 when the model verifies k proposed
-    tokens, ``speculative_speedup``): the matmuls get batch × new_tokens rows, the cache is still read once."""
+    Returns seconds by part for the busiest pipeline stage (``stage_s``: its matmuls, its KV reads and chunks'
+    attention, its tp all-reduces, its expert all-to-alls; the stage's share of the head), the step's latency
+    (``seconds``: every stage in turn, the sends between them, and what the engine spends besides its kernels,
+    ``STEP_OVERHEAD_S``), the bytes a GPU reads and the FLOPs it does. With pp > 1 the step is one microbatch: pp of
+    them are in flight, one on each stage."""
     shape = get_shape(shape)
     cluster = Cluster.of(gpu, gpus_per_node, max(1, -(-tp * pp * ep // gpus_per_node)))
     _check(shape, tp, pp, weights, kv, ep)
-    rows = batch * new_tokens
+    chunks = [c if isinstance(c, Chunk) else Chunk(*c) for c in chunks]
+    fed = sum(c.tokens * c.count for c in chunks)
+    rows = decodes * new_tokens + fed
+    if rows <= 0:
+        raise ConfigError("a step feeds no token: give it decodes or prompt chunks.")
     kernels, seconds, local = _block(shape, cluster, rows, 1, tp, ep, weights, skew)
-    per_block = sum(t for k, t in zip(kernels, seconds) if k["kind"] != "attention")
-    blocks = -(-shape.layers // pp)
-    head = _seconds(cluster, shape.head_kernels(rows, tp)[0], weights)  # no loss when serving
-    kv_read = batch * context * kv_bytes_per_token(shape, tp, kv) / pp
-    attention = kv_read / cluster.hbm_Bps  # q·K and the weighted sum over V: one read of the cache, memory-bound
+    matmuls = sum(t for k, t in zip(kernels, seconds) if k["kind"] != "attention")
+    per_token = kv_bytes_per_token(shape, tp, kv) / shape.layers  # one layer's keys and values of a token, a GPU
+    heads = shape.heads / tp
+    # A layer's attention: each decode reads its cache; each chunk's queries attend to its cached keys and its own.
+    decode_read = decodes * context * per_token
+    chunk_s = sum(max(cluster.attention_s(c.count, heads, c.tokens, 2 * c.cached + c.tokens, shape.head_dim),
+                      c.count * c.cached * per_token / cluster.hbm_Bps) for c in chunks)
+    attention = decode_read / cluster.hbm_Bps + chunk_s
+    sampled = decodes * new_tokens + sum(c.count for c in chunks if c.last)
+    head = _seconds(cluster, shape.head_kernels(sampled, tp)[0], weights) if sampled else 0.0  # no loss serving
     elem = ELEM[ACTIVATIONS]
-    tp_comm = 2 * blocks * cluster.collective_s("all_reduce", rows * shape.hidden * elem, range(tp))[0] \
-        if tp > 1 else 0.0
-    ep_comm = _expert_exchange_s(shape, cluster, rows, tp, ep, blocks if shape.experts else 0)
-    stage = blocks * per_block + head / pp + attention + tp_comm + ep_comm
+    all_reduces = 2 * cluster.collective_s("all_reduce", rows * shape.hidden * elem, range(tp))[0] if tp > 1 else 0.0
+    exchange = _expert_exchange_s(shape, cluster, rows, tp, ep, 1) if shape.experts else 0.0
+    layer = matmuls + attention + all_reduces + exchange
+    blocks = -(-shape.layers // pp)  # the busiest stage's (the first stages take one more when pp does not divide)
     send = cluster.collective_s("send", rows * shape.hidden * elem, (0, tp))[0] if pp > 1 else 0.0
-    token_s = pp * stage + (pp - 1) * send + STEP_OVERHEAD_S
     unread = 0.0
     if shape.experts:  # the experts on this GPU no token of the step routes to
         unread = (shape.experts / ep - local) * shape.expert_params() / (shape.experts * tp * pp) * ELEM[weights]
-    read = weight_bytes(shape, tp, pp, weights, ep) - unread + kv_read
-    flops = 2 * rows * shape.active_params() / (tp * pp) + 4 * rows * context * shape.heads * shape.head_dim * \
-        shape.layers / (tp * pp)
-    return {"stage_s": stage, "token_s": token_s, "matmul_s": blocks * per_block + head / pp,
-            "attention_s": attention, "tp_comm_s": tp_comm, "ep_comm_s": ep_comm, "pp_send_s": (pp - 1) * send,
-            "experts_read": local, "bytes_read": read, "flops": flops, "intensity": flops / read,
+    kv_read = (decode_read + sum(c.count * c.cached for c in chunks) * per_token) * shape.layers / pp
+    attended = decodes * new_tokens * context + sum(c.count * c.tokens * (c.cached + c.tokens / 2) for c in chunks)
+    return {"seconds": shape.layers * layer + head + (pp - 1) * send + STEP_OVERHEAD_S,
+            "stage_s": blocks * layer + head / pp, "matmul_s": blocks * matmuls + head / pp,
+            "attention_s": blocks * attention, "tp_comm_s": blocks * all_reduces, "ep_comm_s": blocks * exchange,
+            "pp_send_s": (pp - 1) * send, "send_s": send, "experts_read": local, "tokens_fed": rows,
+            "tokens_made": sampled, "bytes_read": weight_bytes(shape, tp, pp, weights, ep) - unread + kv_read,
+            "flops": (2 * rows * shape.active_params() + 4 * attended * shape.heads * shape.head_dim * shape.layers)
+            / (tp * pp)}
+
+
+def decode_step(shape, gpu, batch: int, context: int, tp: int = 1, pp: int = 1, weights: str = "bf16",
+                kv: str = "bf16", gpus_per_node: int = 8, new_tokens: int = 1, ep: int = 1,
+                skew: float = 0.0) -> dict:
+    """One decode step of ``batch`` sequences holding ``context`` tokens each, on one tp × pp replica (:func:`step`
+    with decodes alone): seconds by part (a stage's matmuls, its KV reads, its tp all-reduces, its expert
+    all-to-alls; the pipeline's sends), the time per output token (every stage in turn), the bytes a GPU reads and
+    the arithmetic intensity (FLOPs per byte read) that places it on the roofline.
+    With pp > 1, ``batch`` is one microbatch: pp of them are in flight, one on each stage, so the replica serves
+    pp × batch sequences and makes ``batch`` tokens every stage time; with ep > 1 each of the ep groups serves
+    ``batch`` sequences of its own.
+
+    ``new_tokens``: the tokens each sequence feeds (1 in plain decode; k + 1 when the model verifies k proposed
+    tokens, ``speculative_speedup``): the matmuls get batch × new_tokens rows, the cache is still read once."""
+    s = step(shape, gpu, batch, context, (), tp, pp, weights, kv, gpus_per_node, ep, skew, new_tokens)
+    return {"stage_s": s["stage_s"], "token_s": s["seconds"], "matmul_s": s["matmul_s"],
+            "attention_s": s["attention_s"], "tp_comm_s": s["tp_comm_s"], "ep_comm_s": s["ep_comm_s"],
+            "pp_send_s": s["pp_send_s"], "experts_read": s["experts_read"], "bytes_read": s["bytes_read"],
+            "flops": s["flops"], "intensity": s["flops"] / s["bytes_read"],
             # pp microbatches of ``batch`` in flight, one leaving the last stage every stage_s; ep groups side by side
-            "tokens_per_s": ep * batch / (stage + (send if pp > 1 else 0.0) + STEP_OVERHEAD_S / pp)}
+            "tokens_per_s": ep * batch / (s["stage_s"] + s["send_s"] + STEP_OVERHEAD_S / pp)}
 
 
 def prefill(shape, gpu, prompts: int, prompt_len: int, tp: int = 1, pp: int = 1, weights: str = "bf16",
             gpus_per_node: int = 8, ep: int = 1, skew: float = 0.0) -> dict:
-    """Prefill of ``prompts`` prompts of ``prompt_len`` tokens on one tp × pp replica (``ep``: on each of ep such
-    groups, as in :func:`decode_step`): seconds to the first token (every stage in turn), the share of it that is
-    attention, and the arithmetic intensity."""
+    """Prefill of ``prompts`` prompts of ``prompt_len`` tokens on one tp × pp replica (:func:`step` with whole
+    prompts alone; ``ep``: on each of ep such groups, as in :func:`decode_step`): seconds to the first token (every
+    stage in turn), the share of it that is attention, and the arithmetic intensity."""
     shape = get_shape(shape)
-    cluster = Cluster.of(gpu, gpus_per_node, max(1, -(-tp * pp * ep // gpus_per_node)))
-    _check(shape, tp, pp, weights, "bf16", ep)
+    s = step(shape, gpu, 0, 0, [Chunk(prompt_len, 0, prompts)], tp, pp, weights, "bf16", gpus_per_node, ep, skew)
+    whole = shape.layers / -(-shape.layers // pp)  # every stage's blocks over the busiest stage's
     tokens = prompts * prompt_len
-    kernels, seconds, _ = _block(shape, cluster, tokens, prompt_len, tp, ep, weights, skew)
-    per_block = sum(seconds)
-    attention = sum(t for k, t in zip(kernels, seconds) if k["kind"] == "attention")
-    head = _seconds(cluster, shape.head_kernels(prompts, tp)[0], weights)  # the last token's logits only
-    elem = ELEM[ACTIVATIONS]
-    tp_comm = 2 * shape.layers * cluster.collective_s("all_reduce", tokens * shape.hidden * elem, range(tp))[0] \
-        if tp > 1 else 0.0
-    ep_comm = _expert_exchange_s(shape, cluster, tokens, tp, ep, shape.layers if shape.experts else 0)
-    send = cluster.collective_s("send", tokens * shape.hidden * elem, (0, tp))[0] if pp > 1 else 0.0
-    first_token_s = shape.layers * per_block + head + tp_comm + ep_comm + (pp - 1) * send + STEP_OVERHEAD_S
     flops = tokens * shape.flops_per_token(prompt_len, causal=True, backward=False)
     read = weight_bytes(shape, tp, pp, weights, ep) * pp + tokens * kv_bytes_per_token(shape, tp)
-    return {"first_token_s": first_token_s, "attention_s": shape.layers * attention, "tp_comm_s": tp_comm,
-            "ep_comm_s": ep_comm, "flops": flops, "bytes_read": read, "intensity": flops / read,
-            "tokens_per_s": tokens / first_token_s}
+    return {"first_token_s": s["seconds"], "attention_s": whole * s["attention_s"], "tp_comm_s": whole * s["tp_comm_s"],
+            "ep_comm_s": whole * s["ep_comm_s"], "flops": flops, "bytes_read": read, "intensity": flops / read,
+            "tokens_per_s": tokens / s["seconds"]}
 
 
 # A draft for Llama 3's vocabulary: Llama 3.2 1B (Meta's released config.json: 16 layers, hidden 2048, 32 heads,
