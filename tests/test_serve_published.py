@@ -143,6 +143,22 @@ def test_the_docs_table_and_what_it_says_are_the_models():
     assert len(shape.kernels(128, 128, 1)) == 6
 
 
+def test_the_docs_say_what_timing_every_step_at_the_window_did():
+    from gpucourse.modeled.serve_plan import held
+
+    run = next(r for r in sp.RUNS if r.name == "Llama 2 7B, H100 fp8, batch 56, 2048/2048")
+    first = prefill(run.shape, "h100", 56, 2048, weights="fp8")["first_token_s"]
+    window = decode_step(run.shape, "h100", 56, 4096, weights="fp8", kv="fp8")["token_s"]
+    at_window = 56 * 2048 / (first + 2047 * window) / run.reported - 1
+    row = next(r for r in ROWS if r["name"] == run.name)
+    flat = " ".join(DOC.read_text().split())
+    said = f"{at_window * 100:+.1f} % where the mean context gives {row['error'] * 100:+.1f} %".replace("-", "−")
+    assert said == "−25.4 % where the mean context gives −6.9 %" and said in flat
+    assert held(2048, 2048)["slots"] == 3080 and 1 - 3080 / 4096 == pytest.approx(0.248, abs=0.001)
+    assert "a quarter fewer sequences than a paged cache holds (4,096 slots a request of 2048 / 2048 against 3,080)" \
+        in flat
+
+
 def test_the_left_out_request_would_test_a_guess():
     """The 1.7 s batch-1 request (2048 in, 128 out) whose precision and layout its source does not state."""
     def request_s(weights):

@@ -359,8 +359,17 @@ def test_sizing_llama2_70b():
     assert 4096 * serve_plan.kv_bytes_per_token(s, 2) == 640 * MiB and 4096 * serve_plan.kv_bytes_per_token(s, 4) == 320 * MiB
     assert [round(serve_plan.weight_bytes(s, tp) / 1e9) for tp in (2, 4)] == [69, 34] and 64 % 3
     assert right("srv-sizing-70b") == "tp=4: 34 GB of weights a GPU leaves room for about 146 sequences"
-    # The notebook's reading of the planner: tp=2 about twenty sequences, tp=4 and tp=8 hundreds.
-    assert "tp = 2 holds them with room for about twenty sequences" in notebook()
+    # The notebook's reading of the planner: requests of 2048 in / 2048 out hold 3,080 slots each on average under
+    # continuous batching, so tp=2 fits about thirty (22 at the window), tp=4 and tp=8 hundreds.
+    result = serve_plan.plan("llama2-70b", 8, "h100", context=4096, tpot_s=0.05)
+    planned = {(r["tp"], r["pp"]): r["max_batch"] for r in result["layouts"]}
+    assert result["held"]["slots"] == 3080 and (result["prompt"], result["output"]) == (2048, 2048)
+    assert planned[2, 1] == 29 and planned[4, 1] > 100 and planned[8, 1] > 100
+    text = notebook()
+    assert ("tp = 2 holds them with room for about thirty sequences — 3,080 slots each, where reserving every "
+            "sequence's window of 4,096 would fit 22") in text
+    assert "one of P tokens in and N out holds P + N/2 on average, plus half a block" in text
+    assert "requests of 2048 tokens in and 2048 out (a window of 4096)" in text
 
 
 # --- quantization ---------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from ..modeled.plan import EFFICIENCY, FRAMEWORK, PARAMS, PRECISIONS as PLAN_PRE
 from ..runtime.launcher import WorkerError
 from ..interop.serve_config import TOOLS as SERVE_TOOLS
 from ..config import AUTO_PRECISION, TrainConfig, allowed
-from ..modeled.serve_plan import CONTEXT as SERVE_CONTEXT, ELEM, FORMAT
+from ..modeled.serve_plan import BATCHING, CONTEXT as SERVE_CONTEXT, ELEM, FORMAT
 from ..modeled.shapes import PART_KINDS, SHAPE
 from ..values import GPUS_PER_NODE, POSITIVE, POSITIVE_NUMBER, RANKS, SEQUENCES, TOKENS, Name, number
 from .common import SAVED_RUN, UsageError, add_layout_args, check_writable, config_from, write_json
@@ -173,7 +173,7 @@ def _serve_plan(args, shape) -> int:
     if args.precision not in ("bf16", "fp8"):
         raise UsageError(f"plan --serve stores weights in bf16 or fp8, not {args.precision}.")
     result = serve_plan.plan(shape, args.gpus, args.gpu, args.context, args.tpot_ms / 1e3, weights, args.kv,
-                             args.gpus_per_node)
+                             args.gpus_per_node, args.prompt, args.output, args.batching)
     if args.print_config is not None:  # the fastest layout in the server's own names; the table stays unprinted
         best = result["layouts"][0]
         if not best["batch"]:
@@ -342,7 +342,15 @@ def add_commands(sub) -> None:
                    help="plan serving instead of training: tp × pp layouts (replicas over the rest) ranked by modeled "
                         "output tokens per second under --tpot-ms, each at the largest batch that fits and meets it")
     p.add_argument("--context", type=TOKENS, default=SERVE_CONTEXT,
-                   help=f"with --serve: tokens each sequence holds (prompt + answer; default {SERVE_CONTEXT})")
+                   help=f"with --serve: the most tokens a sequence may hold, prompt + answer (the server's "
+                        f"max_model_len; default {SERVE_CONTEXT})")
+    p.add_argument("--prompt", type=TOKENS, default=None,
+                   help="with --serve: a request's prompt tokens (default: what --output leaves of the context, or half)")
+    p.add_argument("--output", type=TOKENS, default=None,
+                   help="with --serve: a request's answer tokens (default: what --prompt leaves of the context, or half)")
+    p.add_argument("--batching", type=BATCHING, default="continuous",
+                   help="with --serve: continuous (a seat refilled as soon as it is free, paged KV cache) or static "
+                        "(whole batches); each batch sized and timed at what its sequences hold")
     p.add_argument("--tpot-ms", type=POSITIVE_NUMBER, default=50.0,
                    help="with --serve: the time-per-output-token target")
     p.add_argument("--kv", type=FORMAT, default="bf16", help="with --serve: the KV cache's number format: bf16, fp8 or fp32")

@@ -24,9 +24,12 @@ On several GPUs (``tp`` × ``pp`` per replica, ``gpus / (tp·pp)`` replicas):
   sequences in flight;
 - **replicas** (data parallelism) multiply throughput and change no latency.
 
-:func:`decode_step` and :func:`prefill` time one step of a layout; :func:`plan` sizes and ranks every layout by
-modeled tokens per second under a time-per-output-token target (``gpucourse plan --serve``). Every figure is
-modeled: the same GPU table and links as the training planner (``gpucourse/modeled/cluster.py``).
+:func:`step` times one iteration of an engine — decodes and prompt chunks in one forward, as vLLM's scheduler
+batches them — and every other time here is made of it: :func:`decode_step` and :func:`prefill` are its plain
+cases; :func:`serve` serves a batch of requests, static or continuous, at the context each sequence actually holds
+in a paged cache (:func:`held`); :func:`plan` sizes and ranks every layout with it by modeled tokens per second under
+a time-per-output-token target (``gpucourse plan --serve``). Every figure is modeled: the same GPU table and links as
+the training planner (``gpucourse/modeled/cluster.py``).
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ from .shapes import ShapeError, get_shape
 
 ELEM = {"fp32": 4, "bf16": 2, "fp8": 1}  # bytes a weight or a cached number is stored in
 FORMAT = Name(ELEM)  # a stored number's format: the weights' or the KV cache's
-CONTEXT = 4096  # tokens a served sequence holds (prompt and answer) unless told: a common serving window
+CONTEXT = 4096  # tokens a served sequence may hold (prompt and answer) unless told: a common serving window
+BLOCK_SIZE = 16  # tokens a KV block holds: vLLM's default block size, and the course's paged cache's (serving.paged)
+BATCHING = Name(("continuous", "static"))  # how an engine batches: per iteration (vLLM, TensorRT-LLM), or whole batches
 ACTIVATIONS = "bf16"  # what flows between layers and ranks (all-reduces, pipeline sends), whatever the weights
 # What an engine spends on each iteration besides the kernels the model times: the host's scheduling, sampling and
 # bookkeeping, and the gaps between launches. One constant, fitted on the fitting rows of
@@ -247,6 +252,69 @@ def prefill(shape, gpu, prompts: int, prompt_len: int, tp: int = 1, pp: int = 1,
             "tokens_per_s": tokens / s["seconds"]}
 
 
+def held(prompt: float, output: float, batching: str = "continuous", block: int = BLOCK_SIZE) -> dict:
+    """What one sequence of ``prompt`` tokens in and ``output`` out holds in a paged KV cache (blocks of ``block``
+    tokens) while it is served, beside the window (``prompt + output``) a max-length reservation would set aside:
+
+    - ``read``: the tokens a decode step reads on average, prompt + output / 2. A static batch's steps run at
+      prompt + 1, …, prompt + output − 1 tokens, and a step's cost is linear in its context, so the mean stands for
+      them exactly; under continuous batching the sequences are at every age at once, with the same mean;
+    - ``slots``: the cache slots a sequence is counted at when a batch is sized. A static batch's members grow
+      together and all reach their last block at the last step: prompt + output rounded up to a block. Under
+      continuous batching the sum over the batch is what must fit, and it is the batch times the mean over a
+      sequence's life of its tokens rounded up to a block (the sum of many sequences at different ages strays
+      little from it; the scheduler preempts when it does).
+
+    Paging allocates no more than the blocks a sequence has reached; reserving the window for every sequence, as
+    static batching without paging must, counts each at ``window``."""
+    if batching not in BATCHING.names():
+        BATCHING.check(batching, "batching")
+    for name, value in (("prompt", prompt), ("output", output), ("block", block)):
+        POSITIVE_NUMBER.check(value, name)
+    window = prompt + output
+    blocks = lambda tokens: -(-tokens // block) * block  # noqa: E731
+    if batching == "static":
+        slots = blocks(window)
+    else:  # the mean over its output steps of the blocks it holds then
+        n = int(output)
+        slots = sum(blocks(prompt + j) for j in range(1, n + 1)) / n
+    return {"read": prompt + output / 2, "slots": slots, "window": window, "block": block, "batching": batching}
+
+
+def serve(shape, gpu, batch: int, prompt: int, output: int, batching: str = "continuous", tp: int = 1, pp: int = 1,
+          weights: str = "bf16", kv: str = "bf16", gpus_per_node: int = 8, block: int = BLOCK_SIZE, ep: int = 1,
+          skew: float = 0.0) -> dict:
+    """``batch`` sequences of ``prompt`` tokens in and ``output`` out served together on one tp × pp replica, each
+    step timed by :func:`step` at the context the sequences actually hold (:func:`held`):
+
+    - ``"static"``: the batch's prompts are prefilled at once, which makes each sequence's first token, then
+      ``output − 1`` decode steps of the whole batch at the mean context; the time per output token is one such
+      step, the throughput ``batch × output`` over the prefill and the steps (TensorRT-LLM's ``gptSessionBenchmark``
+      and its ``out_tps = output_seqlen × batch_size / total_latency``);
+    - ``"continuous"``: the steady state of an engine that refills a seat as soon as it is free. Each step a sequence
+      in ``output`` finishes and a new one takes its seat, so every step feeds, beside the decodes, batch / output
+      whole prompts (``Chunk``: vLLM's scheduler puts prefill and decode tokens in one batch), and makes ``batch``
+      tokens; the time per output token is that step, the throughput ``batch`` tokens a step.
+
+    With pp > 1 the batch is one microbatch of the pp in flight; with ep > 1 each of the ep groups serves its own."""
+    h = held(prompt, output, batching, block)
+    shape = get_shape(shape)
+    common = dict(tp=tp, pp=pp, weights=weights, kv=kv, gpus_per_node=gpus_per_node, ep=ep, skew=skew)
+    if batching == "static":
+        first = step(shape, gpu, chunks=[Chunk(prompt, 0, batch)], **common)
+        decode = step(shape, gpu, batch, h["read"], **common) if output > 1 else None
+        pace = decode["stage_s"] + decode["send_s"] + STEP_OVERHEAD_S / pp if decode else 0.0
+        total = first["seconds"] + (output - 1) * pace
+        return {"held": h, "step": decode or first, "first_token_s": first["seconds"],
+                "token_s": decode["seconds"] if decode else first["seconds"], "total_s": total,
+                "tokens_per_s": ep * batch * output / total}
+    arriving = batch / output  # sequences that finish, and as many that are admitted, each step
+    mixed = step(shape, gpu, batch - arriving, h["read"], [Chunk(prompt, 0, arriving)], **common)
+    return {"held": h, "step": mixed, "token_s": mixed["seconds"], "prefill_tokens": arriving * prompt,
+            # pp microbatches in flight, one leaving the last stage every stage time; ep groups side by side
+            "tokens_per_s": ep * batch / (mixed["stage_s"] + mixed["send_s"] + STEP_OVERHEAD_S / pp)}
+
+
 # A draft for Llama 3's vocabulary: Llama 3.2 1B (Meta's released config.json: 16 layers, hidden 2048, 32 heads,
 # 8 K/V heads, SwiGLU 8192, vocabulary 128256, tied embeddings), what vLLM's and TensorRT-LLM's examples pair with
 # Llama 3 8B and 70B targets.
@@ -366,22 +434,40 @@ def format_memory(m: dict) -> str:
 
 
 def plan(shape, gpus: int, gpu: str = "h100", context: int = CONTEXT, tpot_s: float = 0.05, weights: str = "bf16",
-         kv: str = "bf16", gpus_per_node: int = 8) -> dict:
+         kv: str = "bf16", gpus_per_node: int = 8, prompt: int | None = None, output: int | None = None,
+         batching: str = "continuous", block: int = BLOCK_SIZE) -> dict:
     """Every tp × pp layout of ``gpus`` GPUs (replicas over what is left), each at the batch with the most tokens
     per second among those that fit its memory and meet the time-per-output-token target ``tpot_s`` (the largest
     such batch, or a round number of rows below it when the largest just spills into one more row of matmul
     tiles); ranked by modeled output tokens per second.
+
+    Requests hold ``prompt`` tokens in and ``output`` out (default: the ``context`` window filled, half of it each
+    when neither is given); a batch is
+    sized and timed at what its sequences actually hold in a paged cache (:func:`held`, :func:`serve`) under
+    ``batching``, not at the whole window for every sequence.
     A layout that fits no sequence, or misses the target even at a batch of one, ranks last."""
     try:
         shape = get_shape(shape)
     except ShapeError as e:
         raise ConfigError(str(e)) from None
     for name, value, kind in (("gpus", gpus, RANKS), ("context", context, TOKENS),
-                              ("gpus_per_node", gpus_per_node, GPUS_PER_NODE)):
+                              ("gpus_per_node", gpus_per_node, GPUS_PER_NODE), ("block", block, TOKENS)):
         kind.check(value, name)
     POSITIVE_NUMBER.check(tpot_s, "tpot_s")
+    given = [f"{name}={TOKENS.check(value, name)}" for name, value in (("prompt", prompt), ("output", output))
+             if value is not None]
+    if prompt is None and output is None:
+        prompt, output = context // 2, context - context // 2
+    prompt = context - output if prompt is None else prompt  # the window filled: what is not answer is prompt
+    output = context - prompt if output is None else output
+    if prompt < 1 or output < 1 or prompt + output > context:
+        room = "both" if len(given) == 2 else "an answer" if output < 1 else "a prompt"
+        raise ConfigError(f"{' and '.join(given)} leave{'s' * (len(given) == 1)} no room for {room} in the "
+                          f"context={context} tokens a sequence may hold.")
+    BATCHING.check(batching, "batching")
     spec = get_gpu(gpu)
     _check(shape, 1, 1, weights, kv)
+    h = held(prompt, output, batching, block)
     rows, left_out = [], []
     for tp in (t for t in range(1, min(gpus, gpus_per_node) + 1) if gpus % t == 0 and gpus_per_node % t == 0):
         try:
@@ -391,27 +477,32 @@ def plan(shape, gpus: int, gpu: str = "h100", context: int = CONTEXT, tpot_s: fl
             continue
         for pp in (p for p in range(1, gpus // tp + 1) if (gpus // tp) % p == 0 and p <= shape.layers):
             replicas = gpus // (tp * pp)
-            fits = largest_batch(shape, spec, context, tp, pp, weights, kv)
-            batch, step = 0, None
+            fits = largest_batch(shape, spec, h["slots"], tp, pp, weights, kv)
+
+            def served(size):
+                return serve(shape, spec, size, prompt, output, batching, tp, pp, weights, kv, gpus_per_node, block)
+
+            batch, best = 0, None
             lo, hi = 1, fits  # the largest batch whose step meets the target: a step grows with the batch
             while lo <= hi:
                 mid = (lo + hi) // 2
-                trial = decode_step(shape, spec, mid, context, tp, pp, weights, kv, gpus_per_node)
+                trial = served(mid)
                 if trial["token_s"] <= tpot_s:
-                    batch, step, lo = mid, trial, mid + 1
+                    batch, best, lo = mid, trial, mid + 1
                 else:
                     hi = mid - 1
             # The largest batch is not always the fastest: a few rows past a multiple of the matmul tiles' height
             # (64, 128) cost a whole row of tiles more. Try the round numbers below it too.
             for size in sorted({batch // tile * tile for tile in (16, 32, 64, 128)} - {0, batch}):
-                trial = decode_step(shape, spec, size, context, tp, pp, weights, kv, gpus_per_node)
-                if trial["tokens_per_s"] > step["tokens_per_s"]:
-                    batch, step = size, trial
+                trial = served(size)
+                if trial["tokens_per_s"] > best["tokens_per_s"]:
+                    batch, best = size, trial
             rows.append({"tp": tp, "pp": pp, "replicas": replicas, "max_batch": fits, "batch": batch,
                          "weights_per_gpu": weight_bytes(shape, tp, pp, weights),
                          "kv_per_token": kv_bytes_per_token(shape, tp, kv),
-                         "tokens_per_s": replicas * step["tokens_per_s"] if step else 0.0,
-                         "token_s": step["token_s"] if step else None, "step": step})
+                         "tokens_per_s": replicas * best["tokens_per_s"] if best else 0.0,
+                         "token_s": best["token_s"] if best else None, "step": best["step"] if best else None,
+                         "served": best})
     rows.sort(key=lambda r: -r["tokens_per_s"])
     notes = []
     if left_out:
@@ -419,16 +510,23 @@ def plan(shape, gpus: int, gpu: str = "h100", context: int = CONTEXT, tpot_s: fl
         notes.append(f"tp {', '.join(map(str, left_out))} left out: tensor parallelism must divide the model's "
                      f"{shape.heads} attention heads{kv_heads}.")
     return {"shape": shape.as_dict(), "gpus": gpus, "gpu": spec.name, "context": context, "tpot_s": tpot_s,
-            "weights": weights, "kv": kv, "layouts": rows, "notes": notes}
+            "weights": weights, "kv": kv, "prompt": prompt, "output": output, "batching": batching, "held": h,
+            "layouts": rows, "notes": notes}
 
 
 def format_plan(result: dict, top: int = 10) -> str:
     """The table ``gpucourse plan --serve`` prints."""
     from ..readable import human_bytes
 
+    h = result["held"]
     lines = [f"serving {result['shape']['name'] or 'the shape'} on {result['gpus']} × {result['gpu']}, "
-             f"{result['context']} tokens a sequence, time per output token ≤ {result['tpot_s'] * 1e3:g} ms "
+             f"{result['prompt']} tokens in / {result['output']} out ({result['context']}-token window), "
+             f"{result['batching']} batching, time per output token ≤ {result['tpot_s'] * 1e3:g} ms "
              f"(modeled; weights {result['weights']}, KV cache {result['kv']})",
+             f"  a sequence holds {h['read']:,.0f} tokens on average, " + (
+                 f"{h['slots']:,.0f} KV slots paged in blocks of {h['block']}, not the {h['window']:,} of its window"
+                 if h["batching"] == "continuous" else
+                 f"and a static batch's members all reach {h['slots']:,.0f} KV slots at its last step"),
              f"  {'tp':>3} {'pp':>3} {'replicas':>8} {'weights/GPU':>12} {'KV/token':>9} {'fits':>6} {'batch':>6} "
              f"{'ms/token':>9} {'tokens/s':>10}"]
     for r in result["layouts"][:top]:

@@ -3,12 +3,14 @@
 Each :class:`ServeRun` is one number a source printed for Llama-class models and Mixtral 8×7B — the model, GPUs, tensor-parallel
 degree, precision of the weights and of the KV cache, batch (or concurrency), prompt and output lengths — and what
 it measured. :func:`modeled` turns the same setting into the same figure with :func:`serve_plan.prefill` and
-:func:`serve_plan.decode_step`:
+:func:`serve_plan.decode_step`, and a static batch with :func:`serve_plan.serve`, the function the serving planner sizes and
+times its batches with:
 
 - ``"output_tokens_per_s_per_gpu"``, a *static* batch (TensorRT-LLM's ``gptSessionBenchmark``): all ``batch``
   prompts are prefilled at once, which makes the first output token; then ``output − 1`` decode steps of the whole
   batch. A decode step's cost grows linearly with its context, so the steps together cost ``output − 1`` steps at
-  the mean context, ``prompt + output / 2``. The figure is ``batch × output ÷ (prefill + decode) ÷ tp``, as
+  the mean context, ``prompt + output / 2`` (what each sequence holds on average, :func:`serve_plan.held`). The
+  figure is ``batch × output ÷ (prefill + decode) ÷ tp``, as
   TensorRT-LLM defines it (docs/source/blogs/Falcon180B-H200.md: ``out_tps=output_seqlen*batch_size/total_latency/tp``);
 - ``"tpot_s"``, the time per output token at the stated concurrency: one decode step of ``batch`` sequences at the
   mean context;
@@ -29,7 +31,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from .serve_plan import decode_step, prefill
+from .serve_plan import decode_step, held, prefill, serve
 from .shapes import Shape, get_shape
 
 TRTLLM_V09 = ("NVIDIA TensorRT-LLM, docs/source/performance.md at release v0.9.0 "
@@ -180,20 +182,19 @@ EXCLUDED = (
 
 
 def _mean_context(run: ServeRun) -> float:
-    return run.prompt + run.output / 2
+    return held(run.prompt, run.output)["read"]
 
 
 def modeled(run: ServeRun) -> float:
     """The serving model's value of ``run``'s figure, in the row's own unit (see the module docstring)."""
     if run.metric == "first_token_s":
         return prefill(run.shape, run.gpu, run.batch, run.prompt, run.tp, weights=run.weights)["first_token_s"]
-    step = decode_step(run.shape, run.gpu, run.batch, _mean_context(run), run.tp, weights=run.weights,
-                       kv=run.kv)["token_s"]
     if run.metric == "tpot_s":
-        return step
-    if run.metric in ("output_tokens_per_s_per_gpu", "tokens_per_s"):
-        first = prefill(run.shape, run.gpu, run.batch, run.prompt, run.tp, weights=run.weights)["first_token_s"]
-        tokens_s = run.batch * run.output / (first + (run.output - 1) * step)
+        return decode_step(run.shape, run.gpu, run.batch, _mean_context(run), run.tp, weights=run.weights,
+                           kv=run.kv)["token_s"]
+    if run.metric in ("output_tokens_per_s_per_gpu", "tokens_per_s"):  # a static batch (of one, for gpt-fast)
+        tokens_s = serve(run.shape, run.gpu, run.batch, run.prompt, run.output, "static", run.tp,
+                         weights=run.weights, kv=run.kv)["tokens_per_s"]
         return tokens_s / run.tp if run.metric == "output_tokens_per_s_per_gpu" else tokens_s
     raise ValueError(f"no metric {run.metric!r}: {', '.join(METRICS)}.")
 
