@@ -28,14 +28,18 @@ optimizer steps them; the padding's gradient is always zero, so it stays zero.
     forward hook         take the attribute away again and free the copy's memory (autograd still refers to it,
                          but it holds nothing); hook the submodule's outputs.
     an output's gradient the submodule's backward is next: all-gather the copy again, into the same memory.
-    _Unshard.backward    the weight's gradient is complete: free the copy, and start (asynchronously) a
-                         reduce-scatter of the gradient, so that rank r receives the sum of piece r.
+    _Unshard.backward    the weight's gradient is complete: free the copy, finish the reduce-scatter started
+                         before this one, and start (asynchronously) a reduce-scatter of this gradient, so that
+                         rank r receives the sum of piece r.
 
-``finish_gradient_synchronization()`` waits for those reduce-scatters, divides by dp and puts each rank's piece
-in ``p.grad`` (the shard's shape and dtype), then all-reduces the replicated parameters' gradients. So a weight is
-whole in forward only while a submodule holding it runs (a submodule and the ones it encloses), and in backward
-from the arrival of its submodule's output gradient to the completion of its own (a matrix the model itself holds
-is whole for all of backward; a frozen one until backward ends).
+Finishing a reduce-scatter means waiting for it, dividing by dp and putting this rank's piece in ``p.grad`` (the
+shard's shape and dtype); then the whole gradient it was cut from is dropped. One reduce-scatter is in flight at a
+time, as in FSDP2: a rank never holds every whole gradient at once, which would undo the sharding of gradients.
+``finish_gradient_synchronization()`` finishes the last one, then all-reduces the replicated parameters' gradients
+in one message (dozens of small vectors, one collective's latency). So a weight is whole in forward only while a
+submodule holding it runs (a submodule and the ones it encloses), and in backward from the arrival of its
+submodule's output gradient to the completion of its own (a matrix the model itself holds is whole for all of
+backward; a frozen one until backward ends).
 
 **Mixed precision**: with ``compute_dtype`` (torch.bfloat16 or torch.float16), each shard is cast before the
 all-gather, so the gather moves half the bytes and forward and backward compute in that dtype. The shards (the
@@ -48,7 +52,7 @@ Replicated parameters keep their own dtype, so a module must accept, say, a bf16
 **Bytes per step**, per sharded parameter of ``N = S·dp`` padded values, for each forward call of a submodule
 holding it (a tied weight held by two submodules counts twice): an all-gather of N values in forward and another
 before backward (in the compute dtype, even where backward does not read the weight, as an embedding's does not),
-and a reduce-scatter of N values in the shard's dtype; plus one all-reduce of every replicated gradient. In fp32
+and a reduce-scatter of N values in the shard's dtype; plus one all-reduce of all the replicated gradients. In fp32
 that is 1.5× data parallel's all-reduce for the sharded part, as in ``zero3.py``.
 
 **Equality**: on one rank every step equals the unwrapped module's bit for bit. On dp ranks each rank's gradient
@@ -110,7 +114,7 @@ class ShardedParameter:
 
     def reduce_scatter(self, grad: torch.Tensor) -> tuple:
         """Start summing ``grad`` (the whole weight's gradient on this rank) over the ranks, each keeping its piece:
-        returns (the piece, the flat input, which must live until the end, the pending collective)."""
+        returns (the piece, the flat input, which must live until the collective ends, the pending collective)."""
         flat = torch.zeros(self.padded, dtype=self.param.dtype, device=grad.device)
         flat[:self.numel] = grad.reshape(-1)  # cast to the shard's dtype before the sum
         piece = torch.empty(self.shard_size, dtype=self.param.dtype, device=grad.device)
@@ -151,16 +155,17 @@ class _Unshard(torch.autograd.Function):
     """Forward: the whole weight, from the shard. Backward: its gradient, reduce-scattered to the shards."""
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, copy: FullCopy, reductions: list) -> torch.Tensor:
-        ctx.copy, ctx.reductions = copy, reductions
+    def forward(ctx, shard: torch.Tensor, copy: FullCopy, fsdp: FullyShardedDataParallel) -> torch.Tensor:
+        ctx.copy, ctx.fsdp = copy, fsdp
         return copy.tensor
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         ctx.copy.free()
+        ctx.fsdp._finish_reduction()  # the one before: one whole gradient at most on the wire
         sharded = ctx.copy.sharded
-        ctx.reductions.append((sharded, *sharded.reduce_scatter(grad)))
-        # Nothing for autograd to add to the shard's .grad: finish_gradient_synchronization puts the piece there.
+        ctx.fsdp._reduction = (sharded, *sharded.reduce_scatter(grad))
+        # Nothing for autograd to add to the shard's .grad: _finish_reduction puts the piece there.
         return None, None, None
 
 
@@ -188,7 +193,7 @@ class FullyShardedDataParallel(torch.nn.Module):
                 self.sharded[id(p)] = ShardedParameter(name, p, self.group, compute_dtype)
             else:
                 self.replicated.append(p)
-        self._reductions: list = []  # reduce-scatters started in backward, not yet waited for
+        self._reduction = None  # the reduce-scatter started in backward, not yet waited for
         self._calls: dict[int, list] = {}  # id(submodule) -> its running forward's full copies
         for m in module.modules():
             held = [(name, self.sharded[id(p)]) for name, p in m._parameters.items()
@@ -204,7 +209,7 @@ class FullyShardedDataParallel(torch.nn.Module):
         copies = []
         for name, sharded in held:
             copy = sharded.gather()
-            module.__dict__[name] = _Unshard.apply(sharded.param, copy, self._reductions)
+            module.__dict__[name] = _Unshard.apply(sharded.param, copy, self)
             copies.append(copy)
         self._calls[id(module)] = copies
 
@@ -225,20 +230,32 @@ class FullyShardedDataParallel(torch.nn.Module):
         for copy in copies:
             copy.refill()
 
+    def _finish_reduction(self) -> None:
+        """Wait for the pending reduce-scatter, if any, and put this rank's averaged piece in its shard's ``.grad``
+        (added to what is there); the whole gradient it was cut from is dropped."""
+        if self._reduction is None:
+            return
+        sharded, piece, _flat, pending = self._reduction
+        self._reduction = None
+        pending.wait()
+        piece /= self.dp
+        p = sharded.param
+        p.grad = piece if p.grad is None else p.grad + piece
+
     def finish_gradient_synchronization(self) -> None:
-        """Wait for the gradients' reduce-scatters and put each rank's averaged piece in its shard's ``.grad``
-        (added to what is there); average the replicated parameters' gradients with one all-reduce each. Call it
-        after backward, before the optimizer's step."""
-        for sharded, piece, _flat, pending in self._reductions:
-            pending.wait()
-            piece /= self.dp
-            p = sharded.param
-            p.grad = piece if p.grad is None else p.grad + piece
-        self._reductions.clear()
+        """Finish the last reduce-scatter; average the replicated parameters' gradients, laid end to end in one
+        buffer per dtype, with one all-reduce each. Call it after backward, before the optimizer's step."""
+        self._finish_reduction()
+        by_dtype: dict[torch.dtype, list] = {}
         for p in self.replicated:
             if p.grad is not None:  # frozen, or unused in this step on every rank
-                comm.all_reduce(p.grad, group=self.group, name="all_reduce replicated gradient")
-                p.grad /= self.dp
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            comm.all_reduce(flat, group=self.group, name="all_reduce replicated gradients")
+            flat /= self.dp
+            for g, average in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(average.view_as(g))
 
     def gather_full_params(self) -> dict[str, torch.Tensor]:
         """``{name: whole parameter}``, named as the wrapped module's ``named_parameters()`` named them before it
