@@ -137,6 +137,43 @@ def memory_snapshot(folder: str | os.PathLike | None, rank: int, max_entries: in
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
+# PyTorch's memory tracker's kinds of tensor, in the names a run's memory uses.
+PEAK_KINDS = {"Parameter": "weights", "Gradient": "gradients", "Optstate": "optimizer", "Activation": "activations",
+              "Temp": "temporaries", "Buffer": "buffers", "Other": "inputs"}
+
+
+def peak_memory(step, *held, device: torch.device | None = None) -> dict[str, int]:
+    """The most bytes of tensors alive at once on this rank while ``step()`` runs: ``{"total": ..., kind: ...}``,
+    what each kind held at that moment.
+
+    Counted by PyTorch's own tracker (``torch.distributed._tools.mem_tracker.MemTracker``), on any device: a
+    dispatch mode that sees each tensor an operator makes and follows its storage until it is freed (or resized
+    to nothing, as FSDP frees a gathered weight). ``held``: the modules, optimizers and tensors made before the
+    step (its parameters and gradients, the optimizer's state, the inputs), which count from the start. The kinds
+    are the tracker's: weights, gradients, optimizer, activations (made in forward), temporaries (made in backward:
+    the activations' gradients, and a gradient that autograd did not write into a ``.grad``), buffers, inputs.
+    ``device``: whose memory (default: the device that held the most).
+    """
+    import warnings
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    with warnings.catch_warnings():
+        # A parameter whose .grad autograd never writes (a sharded one: its gradient comes from a reduce-scatter)
+        # makes the tracker's gradient hook see None, and warn; there is nothing to count there.
+        warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass of tensor")
+        tracker.track_external(*held)
+        with tracker:
+            step()
+    peaks = tracker.get_tracker_snapshot("peak")
+    if not peaks:
+        return {"total": 0}
+    snap = peaks[torch.device(device)] if device is not None else max(peaks.values(), key=lambda s: s["Total"])
+    kinds = {PEAK_KINDS[kind.value]: n for kind, n in snap.items() if kind != "Total" and n}
+    return {"total": snap["Total"], **kinds}
+
+
 def step() -> None:
     """Tell this rank's profiler (if :func:`trace` is on) that a training step ended."""
     if _PROFILER is not None:

@@ -252,3 +252,22 @@ def test_a_memory_snapshot_on_cpu_ranks_is_refused_in_one_sentence(tmp_path, cap
     with pytest.raises(ConfigError, match="CUDA allocator"):
         run(TrainConfig(device="cpu", memory_snapshot=str(tmp_path)))
     assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
+def test_peak_memory_is_the_most_bytes_alive_at_once():
+    """Counted from the tensors a step makes and frees, a storage resized to nothing (as FSDP frees a gathered
+    weight) included, on top of what was held before the step."""
+    import torch
+
+    held = torch.zeros(100)
+
+    def step():
+        a = torch.empty(1000)
+        b = torch.empty(2000)  # the most: 12,000 bytes made by the step
+        del a, b
+        c = torch.empty(2500)
+        c.untyped_storage().resize_(0)  # freed, though the tensor lives on
+        d = torch.empty(2900)  # 11,600 bytes: with c still counted the peak would be 21,600
+        return c, d
+
+    assert profiling.peak_memory(step, held) == {"total": 12_400, "activations": 12_000, "inputs": 400}

@@ -1,5 +1,5 @@
-"""Figures of memory: what ZeRO, sequence parallelism and recomputation keep, measured against their formulas and
-the estimate."""
+"""Figures of memory: what ZeRO, sequence parallelism and recomputation keep, and the most a fully sharded step
+holds, measured against their formulas and the estimate."""
 
 from __future__ import annotations
 
@@ -64,6 +64,70 @@ def memory_estimate_vs_measured() -> Reading:
     ratios = memory_ratios(configs, lambda cfg, rank: estimate(cfg)["per_rank"][rank])
     worst = worst_ratio(ratios)
     return Reading(worst, {"ratios": ratios}, f"worst measured/estimated ratio {worst:.6f} over {len(ratios)}")
+
+
+def fsdp_module_peaks(shapes, steps: int) -> list[dict]:
+    """On this rank, for each (sequences, tokens) of ``shapes``: the tiny GPT trained ``steps`` steps through
+    :class:`~gpucourse.parallel.FullyShardedDataParallel` with Adam in a plain loop, on this rank's sequences; the
+    most memory its last step held (:func:`gpucourse.profiling.peak_memory`; the first step makes Adam's moments)."""
+    import torch
+    import torch.distributed as dist
+
+    from .. import profiling
+    from ..model import GPT, MODELS, loss_fn
+    from ..parallel import FullyShardedDataParallel
+    from ..runtime import current
+
+    device, peaks = current().device, []
+    for sequences, tokens in shapes:
+        data = torch.Generator().manual_seed(dist.get_rank())
+        x, y = (torch.randint(0, MODELS["tiny"].vocab_size, (sequences, tokens), generator=data).to(device)
+                for _ in range(2))
+        torch.manual_seed(0)
+        fsdp = FullyShardedDataParallel(GPT(MODELS["tiny"]).to(device))
+        opt = torch.optim.Adam(fsdp.parameters(), lr=1e-3)
+
+        def step():
+            loss_fn(fsdp(x), y).backward()
+            fsdp.finish_gradient_synchronization()
+            opt.step()
+            opt.zero_grad()
+
+        for _ in range(steps - 1):
+            step()
+        peaks.append(profiling.peak_memory(step, fsdp, opt, x, y, device=device))
+    return peaks
+
+
+def fsdp_estimate_config(sequences: int, tokens: int, world: int = RANKS):
+    """The layout :func:`fsdp_module_peaks` trains, as ``gpucourse memory`` reads one: the tiny GPT, ZeRO-3 with
+    each parameter sharded on its own (FSDP2's padding, ``impl="torch"``), fp32, ``sequences`` a rank."""
+    return bench_config(dp=world, zero=3, impl="torch", precision="fp32", batch_size=sequences * world,
+                        seq_len=tokens)
+
+
+@figure("fsdp_peak_memory_vs_estimate", target="<= 1.1", quick=dict(shapes=((8, 64), (1, 16)), steps=2),
+        full=dict(shapes=((8, 64), (1, 16)), steps=2))
+def fsdp_peak_memory_vs_estimate(shapes, steps: int) -> Reading:
+    """The most memory a training step of FullyShardedDataParallel (Adam, fp32, 2 ranks) holds per rank, measured,
+    over ``gpucourse memory``'s estimate for ZeRO-3 of the same model and batch; the largest ratio over ranks and
+    batch shapes (a long batch, where activations weigh most, and a short one, where weights, gradients and Adam's
+    moments do)."""
+    from ..modeled.memory import estimate
+    from ..runtime import launch
+
+    per_rank = launch(fsdp_module_peaks, shapes, steps, world_size=RANKS, timeout=RUN_TIMEOUT_S, quiet=True)
+    ratios, detail = {}, {}
+    for i, (sequences, tokens) in enumerate(shapes):
+        want = estimate(fsdp_estimate_config(sequences, tokens))["per_rank"]
+        for rank, peaks in enumerate(per_rank):
+            key = f"rank {rank}, {sequences} sequences of {tokens} tokens"
+            ratios[key] = peaks[i]["total"] / sum(want[rank].values())
+            detail[key] = {"measured": peaks[i], "estimate": want[rank]}
+    worst = max(ratios, key=ratios.get)
+    return Reading(ratios[worst], {"ratios": ratios, "peaks": detail},
+                   f"{human_bytes(detail[worst]['measured']['total'], binary=True)} at most, estimated "
+                   f"{human_bytes(sum(detail[worst]['estimate'].values()), binary=True)} ({worst})")
 
 
 @figure("checkpointing_activation_ratio", quick=dict(), full=dict())
