@@ -259,3 +259,64 @@ def test_batch_one_decode_scales_with_tp_and_with_the_memory_bandwidth():
                                                                                    tp=8)["token_s"]
     small = decode_step("llama3-8b", H100, 1, 2048)["token_s"] / decode_step("llama3-8b", h200, 1, 2048)["token_s"]
     assert 1.15 < big < small < 1.43
+
+
+def test_weight_only_int4_speeds_decode_and_not_prefill():
+    """W4A16, as vLLM's Marlin and AWQ kernels run it: the weights are read at half a byte and their fp16 scales (one
+    a group of 128), widened to bf16 in the kernel and multiplied in bf16. Llama 3 8B on an H100: a batch-1 step
+    reads 5.7 GB instead of 16.1 and takes about half as long (what the engine spends besides its kernels and the
+    KV reads do not shrink); a prefill of 2048 tokens is bf16's arithmetic either way, no faster."""
+    from gpucourse.modeled.cluster import LAUNCH_S
+    from gpucourse.modeled.serve_plan import WEIGHTS, _other_params
+
+    s = get_shape("llama3-8b")
+    step = {w: decode_step(s, H100, 1, 4096, weights=w)["token_s"] for w in ("bf16", "int8", "int4")}
+    assert step["int4"] < step["int8"] < step["bf16"] and step["int4"] < 0.55 * step["bf16"]
+    first = {w: prefill(s, H100, 1, 2048, weights=w)["first_token_s"] for w in ("bf16", "int8", "int4")}
+    assert first["int4"] >= 0.999 * first["bf16"] and first["int8"] >= 0.999 * first["bf16"]
+    assert WEIGHTS["int4"].bytes(4096) == 0.5 + 2 / 128 and WEIGHTS["int8"].bytes(4096) == 1 + 2 / 4096
+    rest = _other_params(s, 1, 0, 1)  # embedding, head and norms: kept in bf16, as AWQ's and GPTQ's checkpoints are
+    assert rest == 2 * s.vocab * s.hidden + (2 * s.layers + 1) * s.hidden
+    assert weight_bytes(s, weights="int4") == pytest.approx((s.params() - rest) * (0.5 + 2 / 128) + 2 * rest)
+    assert 5.6e9 < weight_bytes(s, weights="int4") < 5.8e9
+    # A GEMV of INT4 weights costs their bytes and their scales' over the bandwidth, its activations in bf16.
+    cluster = Cluster.of(H100)
+    gemv = cluster.skinny_gemm_s(1, 4096, 4096, "bf16", weight_elem=0.5 + 2 / 128, activation_elem=2)
+    assert gemv == pytest.approx((4096 * 4096 * (0.5 + 2 / 128) + 2 * 4096 * 2) / cluster.hbm_Bps + LAUNCH_S)
+    # At 64 sequences an A100 reaches bf16's arithmetic before INT4's bytes: no gain left over INT8.
+    a100 = {w: decode_step(s, A100, 64, 4096, weights=w)["matmul_s"] for w in ("int8", "int4")}
+    assert a100["int4"] == pytest.approx(a100["int8"], rel=0.01)
+
+
+def test_fp8_weights_multiply_in_fp8_only_where_the_gpu_does_and_the_plan_says_so(capsys):
+    """Compute capability 8.9 on (L4, H100, H200, B200) multiplies FP8: W8A8. An A100 (8.0) runs FP8 weights
+    weight-only, W8A16: half bf16's bytes, bf16's arithmetic, and its prefill is no faster; one sentence says so."""
+    from gpucourse.modeled.serve_plan import weight_format, weights_note
+
+    assert {g: get_gpu(g).compute_capability for g in ("a100", "l4", "h100", "h200", "b200")} == \
+        {"a100": 8.0, "l4": 8.9, "h100": 9.0, "h200": 9.0, "b200": 10.0}
+    assert [weight_format("fp8", g).scheme for g in ("l4", "h100", "b200", "a100")] == ["W8A8"] * 3 + ["W8A16"]
+    assert weight_format("fp8", "a100").multiply == "bf16" and weights_note("fp8", "h100") is None
+    said = ("fp8 weights on the a100 (compute capability 8.0) run weight-only, W8A16: its tensor cores do not "
+            "multiply FP8, so each matmul widens the weights to bf16 — half bf16's bytes read, bf16's arithmetic.")
+    assert weights_note("fp8", "a100") == said and plan("llama3-8b", 2, "a100", weights="fp8")["notes"] == [said]
+    s = get_shape("llama3-8b")
+    first = {w: prefill(s, A100, 1, 2048, weights=w)["first_token_s"] for w in ("bf16", "fp8")}
+    assert abs(first["fp8"] / first["bf16"] - 1) < 0.01
+    assert decode_step(s, A100, 1, 4096, weights="fp8")["token_s"] < 0.7 * decode_step(s, A100, 1, 4096)["token_s"]
+    assert main(["plan", "--serve", "--shape", "llama3-8b", "--gpus", "2", "--gpu", "a100", "--precision", "fp8",
+                 "--top", "1"]) == 0
+    assert "note: fp8 weights on the a100 (compute capability 8.0) run weight-only, W8A16" in capsys.readouterr().out
+
+
+def test_an_unknown_weight_format_is_said_in_one_sentence(capsys):
+    with pytest.raises(ConfigError) as e:
+        plan("llama3-8b", 8, weights="int3")
+    assert str(e.value) == "weights='int3' is not one of fp32, bf16, fp8, int8, int4 (did you mean int8 or int4?)."
+    assert main(["plan", "--serve", "--shape", "llama3-8b", "--gpus", "8", "--precision", "nf4"]) == 2
+    err = capsys.readouterr().err
+    assert "--precision 'nf4' is not one of bf16, fp8, fp32, int8, int4" in err and err.count("\n") == 1
+    assert main(["plan", "--params", "7e9", "--gpus", "8", "--precision", "int4"]) == 2
+    assert "--precision int4 stores a served model's weights (plan --serve)" in capsys.readouterr().err
+    assert main(["memory", "--serve", "--shape", "llama3-8b", "--precision", "int4"]) == 0
+    assert "weights int4" in capsys.readouterr().out

@@ -14,7 +14,7 @@ from ..modeled.plan import EFFICIENCY, FRAMEWORK, PARAMS, PRECISIONS as PLAN_PRE
 from ..runtime.launcher import WorkerError
 from ..interop.serve_config import TOOLS as SERVE_TOOLS
 from ..config import AUTO_PRECISION, TrainConfig, allowed
-from ..modeled.serve_plan import BATCHING, CONTEXT as SERVE_CONTEXT, ELEM, FORMAT
+from ..modeled.serve_plan import BATCHING, CONTEXT as SERVE_CONTEXT, FORMAT, WEIGHT_FORMAT, WEIGHTS
 from ..modeled.shapes import PART_KINDS, SHAPE
 from ..values import GPUS_PER_NODE, POSITIVE, POSITIVE_NUMBER, RANKS, SEQUENCES, TOKENS, Name, number
 from .common import SAVED_RUN, UsageError, add_layout_args, check_writable, config_from, write_json
@@ -22,7 +22,8 @@ from .common import SAVED_RUN, UsageError, add_layout_args, check_writable, conf
 TRAIN = TrainConfig()  # the training defaults, which memory --serve does not take
 LAID_OUT = 1 << 13  # forwards `schedule` lays out: 64 stages of 128 microbatches take seconds, a million minutes
 SERVE_WEIGHTS = "bf16"  # how a served model's weights are stored unless told
-MEMORY_PRECISION = Name(dict.fromkeys([*allowed("precision").names(), *ELEM]))  # training's or serving's
+MEMORY_PRECISION = Name(dict.fromkeys([*allowed("precision").names(), *WEIGHTS]))  # training's or serving's
+PLAN_PRECISION = Name(dict.fromkeys([*PLAN_PRECISIONS, *WEIGHTS]))  # a planned run's or a served model's weights'
 
 
 def cmd_schedule(args) -> int:
@@ -117,7 +118,7 @@ def _serve_memory(args) -> int:
     from ..modeled import serve_plan
     from ..modeled.shapes import Shape
 
-    weights = FORMAT.check(args.precision or SERVE_WEIGHTS, "--precision")
+    weights = WEIGHT_FORMAT.check(args.precision or SERVE_WEIGHTS, "--precision")
     if args.shape:
         shape, context = args.shape, args.seq_len or SERVE_CONTEXT
     else:
@@ -154,6 +155,9 @@ def cmd_plan(args) -> int:
         raise UsageError(str(e)) from None
     if args.serve:
         return _serve_plan(args, shape)
+    if args.precision not in PLAN_PRECISIONS:
+        raise UsageError(f"--precision {args.precision} stores a served model's weights (plan --serve); a planned "
+                         f"training run computes in {', '.join(PLAN_PRECISIONS)}.")
     result = plan.plan(args.params, args.gpus, args.gpu, args.gpus_per_node, args.batch_size, args.seq_len,
                        args.precision, args.efficiency, shape=shape, framework=args.framework,
                        offload=args.offload)
@@ -169,10 +173,7 @@ def _serve_plan(args, shape) -> int:
 
     if shape is None:
         raise UsageError("plan --serve needs --shape or the shape's parts: a KV cache's size depends on its heads.")
-    weights = "fp8" if args.precision == "fp8" else "bf16"
-    if args.precision not in ("bf16", "fp8"):
-        raise UsageError(f"plan --serve stores weights in bf16 or fp8, not {args.precision}.")
-    result = serve_plan.plan(shape, args.gpus, args.gpu, args.context, args.tpot_ms / 1e3, weights, args.kv,
+    result = serve_plan.plan(shape, args.gpus, args.gpu, args.context, args.tpot_ms / 1e3, args.precision, args.kv,
                              args.gpus_per_node, args.prompt, args.output, args.batching)
     if args.print_config is not None:  # the fastest layout in the server's own names; the table stays unprinted
         best = result["layouts"][0]
@@ -295,7 +296,7 @@ def add_commands(sub) -> None:
     add_layout_args(p, changed={
         "precision": {"type": MEMORY_PRECISION, "default": None,
                       "help": f"training: {', '.join(allowed('precision').names())} (default {TRAIN.precision}); "
-                              f"with --serve, the weights' format: {', '.join(ELEM)} (default {SERVE_WEIGHTS})"},
+                              f"with --serve, the weights' format: {', '.join(WEIGHTS)} (default {SERVE_WEIGHTS})"},
         "seq_len": {"default": None,
                     "help": f"training: tokens per sequence (default {TRAIN.seq_len}); with --serve, the tokens "
                             f"each sequence holds, prompt and answer (default {SERVE_CONTEXT}, or the model's "
@@ -333,8 +334,10 @@ def add_commands(sub) -> None:
                    help="GPUs per server (tensor parallelism stays inside)")
     p.add_argument("--batch-size", type=SEQUENCES, default=1024, help="global batch in sequences")
     p.add_argument("--seq-len", type=TOKENS, default=4096, help="tokens per sequence")
-    p.add_argument("--precision", type=Name(PLAN_PRECISIONS), default="bf16",
-                   help="bf16 (with fp32 master weights), fp8 (fp8 matmuls, the rest as bf16) or fp32")
+    p.add_argument("--precision", type=PLAN_PRECISION, default="bf16",
+                   help="bf16 (with fp32 master weights), fp8 (fp8 matmuls, the rest as bf16) or fp32; with --serve, "
+                        "how the weights are stored: fp32, bf16, fp8 (W8A8 where the GPU multiplies FP8, weight-only "
+                        "elsewhere), int8 or int4 (weight-only: W8A16, W4A16)")
     p.add_argument("--efficiency", type=EFFICIENCY, default=None,
                    help="time compute as this fraction of peak FLOP/s, spread evenly (default: kernel by kernel "
                         "on the model's shape)")

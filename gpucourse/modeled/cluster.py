@@ -165,33 +165,41 @@ class Cluster:
         return max(math_s, memory_s) + kernels * LAUNCH_S
 
     # --- kernels by shape ---------------------------------------------------------------------------------------------
-    def gemm_s(self, m: float, n: float, k: float, precision: str = "bf16", count: float = 1) -> float:
+    def gemm_s(self, m: float, n: float, k: float, precision: str = "bf16", count: float = 1,
+               weight_elem: float | None = None, activation_elem: float | None = None) -> float:
         """Seconds of ``count`` matmuls of an m×k by a k×n matrix (a grouped GEMM when ``count`` > 1): a roofline
-        on the matmul's own shape (see "Kernels by shape" in the module docstring)."""
+        on the matmul's own shape (see "Kernels by shape" in the module docstring). ``precision`` is what the
+        tensor cores multiply in; the k×n weights and the m×k and m×n activations are read and written in its
+        bytes unless ``weight_elem`` or ``activation_elem`` say otherwise (a weight-only quantized matmul reads
+        INT4 weights and bf16 activations and multiplies in bf16)."""
         g = self.gpu
         share = g.gemm_fp8_efficiency if precision == "fp8" and g.gemm_fp8_efficiency else g.gemm_efficiency
         per_sm = g.peak_flops(precision) * share * g.sustained / g.sm_count
         math_s = min(math.ceil(count * math.ceil(m / a) * math.ceil(n / b) / g.sm_count) * 2 * a * b * (k + g.gemm_overhead_k)
                      for a, b in TILES) / per_sm
-        elem = 1 if precision == "fp8" else 4 if precision == "fp32" else 2
-        memory_s = count * (m * k + k * n + m * n) * elem / self.hbm_Bps
-        return max(math_s, memory_s) + LAUNCH_S
+        return max(math_s, self._matmul_bytes_s(m, n, k, precision, count, weight_elem, activation_elem)) + LAUNCH_S
 
-    def skinny_gemm_s(self, m: float, n: float, k: float, precision: str = "bf16", count: float = 1) -> float:
+    def _matmul_bytes_s(self, m, n, k, precision, count, weight_elem, activation_elem) -> float:
+        elem = 1 if precision == "fp8" else 4 if precision == "fp32" else 2
+        weight = elem if weight_elem is None else weight_elem
+        activation = elem if activation_elem is None else activation_elem
+        return count * ((m * k + m * n) * activation + k * n * weight) / self.hbm_Bps
+
+    def skinny_gemm_s(self, m: float, n: float, k: float, precision: str = "bf16", count: float = 1,
+                      weight_elem: float | None = None, activation_elem: float | None = None) -> float:
         """Seconds of ``count`` matmuls of only ``m`` ≤ :data:`SKINNY_ROWS` rows (a decode step's: one row a sequence),
         as serving engines run them: a GEMV, or a GEMM with the weights' n in the tile's long side and k split over
         the SMs (split-K), so every SM streams its share of the weights instead of one 64-row tile a weight column.
         Compute pads the rows to the tensor cores' smallest tile height (:data:`SKINNY_PAD`: mma.sync m16n8k16) at
         the same ``gemm_efficiency × sustained`` as :meth:`gemm_s`; bytes are the weights and activations at the
         bandwidth a streaming kernel reaches (:attr:`hbm_Bps`). A 1-row product is memory-bound on every GPU here.
-        Serving's model uses it (``serve_plan``); training's matmuls never have so few rows."""
+        Serving's model uses it (``serve_plan``); training's matmuls never have so few rows. ``weight_elem`` and
+        ``activation_elem``: as :meth:`gemm_s`."""
         g = self.gpu
         share = g.gemm_fp8_efficiency if precision == "fp8" and g.gemm_fp8_efficiency else g.gemm_efficiency
         math_s = count * 2 * math.ceil(m / SKINNY_PAD) * SKINNY_PAD * n * k / (g.peak_flops(precision) * share
                                                                              * g.sustained)
-        elem = 1 if precision == "fp8" else 4 if precision == "fp32" else 2
-        memory_s = count * (m * k + k * n + m * n) * elem / self.hbm_Bps
-        return max(math_s, memory_s) + LAUNCH_S
+        return max(math_s, self._matmul_bytes_s(m, n, k, precision, count, weight_elem, activation_elem)) + LAUNCH_S
 
     @property
     def hbm_Bps(self) -> float:

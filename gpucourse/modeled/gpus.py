@@ -83,12 +83,20 @@ class GPUSpec:
     gemm_fp8_efficiency: float = 0.0  # the best large fp8 GEMM over the fp8 peak (0: as gemm_efficiency)
     pcie_GBps: float = 32.0  # the GPU's PCIe link to the host, one direction (Gen4 x16; Gen5 x16 64)
     host_GBps: float = 50.0  # the server's CPU memory bandwidth over its GPUs (what CPU offload works with)
+    compute_capability: float = 0.0  # CUDA's compute capability as a number, 8.9 for sm_89 (0: not known)
 
     def usable_bytes(self) -> float:
         """The memory a training run may fill: the card's ``memory_gb`` counted as GiB, as its HBM stacks are and
         nvidia-smi shows them (an "80 GB" H100 reports 81559 MiB, 79.6 GiB), less ``RESERVED_BYTES`` for what is
         not the run's tensors."""
         return self.memory_gb * 2**30 - RESERVED_BYTES
+
+    def multiplies_fp8(self) -> bool:
+        """Whether the tensor cores multiply FP8: from compute capability 8.9 (Ada; then Hopper's 9.0, Blackwell's
+        10.0), not on Ampere's 8.0. A GPU whose capability is not known: whether it has an fp8 peak."""
+        if self.compute_capability:
+            return self.compute_capability >= 8.9
+        return bool(self.peak_fp8_flops)
 
     def peak_flops(self, precision: str = "bf16") -> float:
         """Peak FLOP/s for a run in ``precision``: fp32 uses the fp32 figure, fp8 the fp8 one, else bf16's."""
@@ -116,6 +124,9 @@ RESERVED_BYTES = 2 * 2**30
 #   FP32 75 T, 180 GB HBM3e at 7.7 TB/s, NVLink 5 1.8 TB/s; DGX B200: 400 Gb/s per GPU.
 # - L4: NVIDIA L4 datasheet: BF16 242 T and FP8 485 T with sparsity (Ada's fourth-generation tensor cores have
 #   FP8), 24 GB GDDR6 300 GB/s, PCIe Gen4 x16 (32 GB/s).
+# - compute_capability: NVIDIA's CUDA GPUs list (developer.nvidia.com/cuda-gpus): A100 8.0, L4 8.9, H100 and H200
+#   9.0, B200 10.0. FP8 tensor cores come with 8.9 (the CUDA programming guide's FP8 MMA, sm_89 and later): the
+#   A100 has none, so its table gives no fp8 peak.
 # Latencies are orders of magnitude for one NCCL step: a few µs over NVLink, about 10 µs across
 # InfiniBand. ``achievable`` and ``bus_efficiency``: see docs/modeled-timing.md for what they were
 # fitted on and how the model compares with published runs.
@@ -148,25 +159,25 @@ GPUS: dict[str, GPUSpec] = {g.name: g for g in (
             peak_fp8_flops=1979 * T, hbm_GBps=3350, achievable=0.4, bus_efficiency=0.8, sm_count=132,
             gemm_efficiency=0.8, attention_efficiency=0.62, attention_bwd_efficiency=0.5, flash2_share=0.55,
             sustained=0.85, gemm_overhead_k=1024, nvls_efficiency=0.61, gemm_fp8_efficiency=0.71,
-            pcie_GBps=64, host_GBps=76.8),
+            pcie_GBps=64, host_GBps=76.8, compute_capability=9.0),
     GPUSpec("h200", 989 * T, 67 * T, 141, 450, 50, "H200 SXM: H100's compute with more, faster memory",
             peak_fp8_flops=1979 * T, hbm_GBps=4800, achievable=0.4, bus_efficiency=0.8, sm_count=132,
             gemm_efficiency=0.8, attention_efficiency=0.62, attention_bwd_efficiency=0.5, flash2_share=0.55,
             sustained=0.85, gemm_overhead_k=1024, nvls_efficiency=0.61, gemm_fp8_efficiency=0.73,
-            pcie_GBps=64, host_GBps=76.8),
+            pcie_GBps=64, host_GBps=76.8, compute_capability=9.0),
     GPUSpec("b200", 2250 * T, 75 * T, 180, 900, 50, "B200 (HGX): NVLink 5 (1.8 TB/s both ways), 400 Gb/s NIC per GPU",
             peak_fp8_flops=4500 * T, hbm_GBps=7700, achievable=0.4, bus_efficiency=0.8, sm_count=148,
             gemm_efficiency=0.78, attention_efficiency=0.62, attention_bwd_efficiency=0.5, flash2_share=0.55,
             sustained=0.85, gemm_overhead_k=1024, nvls_efficiency=0.53, gemm_fp8_efficiency=0.76,
-            pcie_GBps=64, host_GBps=89.6),
+            pcie_GBps=64, host_GBps=89.6, compute_capability=10.0),
     GPUSpec("a100", 312 * T, 19.5 * T, 80, 300, 25, "A100 SXM 80 GB: NVLink 3 (600 GB/s both ways), 200 Gb/s NIC",
             hbm_GBps=2039, achievable=0.55, bus_efficiency=0.8, sm_count=108, gemm_efficiency=0.87,
             attention_efficiency=0.62, attention_bwd_efficiency=0.55, hbm_efficiency=0.88, sustained=0.8,
-            gemm_overhead_k=128, pcie_GBps=32, host_GBps=51.2),
+            gemm_overhead_k=128, pcie_GBps=32, host_GBps=51.2, compute_capability=8.0),
     GPUSpec("l4", 121 * T, 30.3 * T, 24, 32, 12.5, "L4: no NVLink, PCIe 4.0 x16; 100 Gb/s Ethernet",
             peak_fp8_flops=242.5 * T,
             hbm_GBps=300, intra_node_latency_us=10, inter_node_latency_us=20, achievable=0.5, bus_efficiency=0.8,
-            sm_count=58),
+            sm_count=58, compute_capability=8.9),
     GPUSpec("cpu", 0.1 * T, 0.1 * T, 16, 10, 1.25, "one CPU core as a 'virtual GPU': rough orders of magnitude",
             hbm_GBps=20, intra_node_latency_us=20, inter_node_latency_us=50, achievable=0.3, bus_efficiency=0.5,
             sm_count=1, gemm_efficiency=0.3, attention_efficiency=0.2, attention_bwd_efficiency=0.2,

@@ -13,6 +13,9 @@ Generation has two phases with opposite bottlenecks:
   the larger of its compute and its bytes; one of a few rows runs as a GEMV (``Cluster.skinny_gemm_s``), so batch 1
   reads the weights at the bandwidth a streaming kernel reaches. A **mixture of experts** reads only the experts the
   step's tokens are routed to (:func:`experts_touched`): Mixtral's 2 of 8 at batch 1, nearly all 8 by batch 16.
+  Weights stored in fewer bytes (:data:`WEIGHTS`) shorten what reads them: FP8 multiplied as FP8 (W8A8) where the GPU
+  has FP8 tensor cores, weight-only elsewhere; INT8 and INT4 weight-only (W8A16, W4A16), read small and multiplied
+  in bf16 — decode faster, a long prefill not.
 
 On several GPUs (``tp`` × ``pp`` per replica, ``gpus / (tp·pp)`` replicas):
 
@@ -34,7 +37,9 @@ the training planner (``gpucourse/modeled/cluster.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..config import ConfigError
@@ -45,8 +50,74 @@ from .cluster import SKINNY_ROWS, Cluster
 from .gpus import get_gpu
 from .shapes import ShapeError, get_shape
 
-ELEM = {"fp32": 4, "bf16": 2, "fp8": 1}  # bytes a weight or a cached number is stored in
-FORMAT = Name(ELEM)  # a stored number's format: the weights' or the KV cache's
+ELEM = {"fp32": 4, "bf16": 2, "fp8": 1}  # bytes a cached number (or a plain weight) is stored in
+FORMAT = Name(ELEM)  # the KV cache's number format
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How a served model's matmul weights are stored, read and multiplied.
+
+    ``scheme`` names the bits of the weights and of the activations the tensor cores multiply (W8A8: both FP8;
+    W4A16: 4-bit weights widened to bf16 inside the kernel before a bf16 multiply, what vLLM's Marlin and AWQ kernels
+    and TensorRT-LLM's weight-only GEMMs do). ``group``: the weights along k that share one fp16 scale (None: one
+    scale a tensor, nothing a weight; 0: one an output channel, k weights). ``others``: the format of the weights
+    outside the blocks' matmuls — embedding, output head, norms, router — which AWQ's and GPTQ's checkpoints leave
+    in bf16 (vLLM quantizes the head only when asked: ``lm_head_quantized``); "" where they are stored as the rest."""
+
+    name: str
+    scheme: str
+    bits: float
+    multiply: str
+    group: int | None = None
+    others: str = ""
+
+    def bytes(self, k: float) -> float:
+        """Bytes one weight of a k-deep matmul is read in, its share of the scales included."""
+        scales = 0.0 if self.group is None else 2 / (self.group or k)
+        return self.bits / 8 + scales
+
+    @property
+    def plain(self) -> bool:
+        """Weights and activations in the format the tensor cores multiply, with no scales a weight to read."""
+        return self.group is None and self.bits / 8 == ELEM[self.multiply]
+
+
+WEIGHTS = {f.name: f for f in (
+    WeightFormat("fp32", "W32A32", 32, "fp32"),
+    WeightFormat("bf16", "W16A16", 16, "bf16"),
+    # FP8 weights and activations, one scale a tensor, on tensor cores that multiply FP8 (compute capability 8.9 on).
+    WeightFormat("fp8", "W8A8", 8, "fp8"),
+    # Weight-only: INT8 with one scale an output channel (TensorRT-LLM's int8 weight-only, the course's quantize.py),
+    # INT4 in groups of 128 along k with fp16 scales (GPTQ's and AWQ's usual group).
+    WeightFormat("int8", "W8A16", 8, "bf16", group=0, others="bf16"),
+    WeightFormat("int4", "W4A16", 4, "bf16", group=128, others="bf16"),
+)}
+WEIGHT_FORMAT = Name(WEIGHTS)  # how the weights are stored
+
+
+def weight_format(weights: str, gpu) -> WeightFormat:
+    """``weights``' format as ``gpu`` runs it: FP8 weights on a GPU whose tensor cores do not multiply FP8 (compute
+    capability under 8.9: the A100) run weight-only, W8A16 — widened to bf16 in the kernel, as vLLM's FP8 Marlin does
+    ("FP8 computation is supported on NVIDIA GPUs with compute capability >= 8.9 ... FP8 models will run on compute
+    capability >= 7.5 as weight-only W8A16", vLLM's FP8 W8A8 documentation)."""
+    fmt = WEIGHTS[WEIGHT_FORMAT.check(weights, "weights")]
+    spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if fmt.multiply == "fp8" and not spec.multiplies_fp8():
+        return dataclasses.replace(fmt, scheme="W8A16", multiply="bf16")
+    return fmt
+
+
+def weights_note(weights: str, gpu) -> str | None:
+    """The sentence that says FP8 weights run weight-only on ``gpu``, or None where they do not."""
+    spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if weights != "fp8" or weight_format(weights, spec).multiply == "fp8":
+        return None
+    cc = f"compute capability {spec.compute_capability:.1f}" if spec.compute_capability else "no fp8 peak in its record"
+    return (f"fp8 weights on the {spec.name} ({cc}) run weight-only, W8A16: its tensor cores do not multiply FP8, so "
+            f"each matmul widens the weights to bf16 — half bf16's bytes read, bf16's arithmetic.")
+
+
 CONTEXT = 4096  # tokens a served sequence may hold (prompt and answer) unless told: a common serving window
 BLOCK_SIZE = 16  # tokens a KV block holds: vLLM's default block size, and the course's paged cache's (serving.paged)
 BATCHING = Name(("continuous", "static"))  # how an engine batches: per iteration (vLLM, TensorRT-LLM), or whole batches
@@ -65,8 +136,30 @@ def kv_bytes_per_token(shape, tp: int = 1, kv: str = "bf16") -> float:
 
 
 def weight_bytes(shape, tp: int = 1, pp: int = 1, weights: str = "bf16", ep: int = 1) -> float:
-    """Bytes of weights on the busiest GPU of a tp × pp replica (experts also split ep ways)."""
-    return max(shape.stage_params(pp, stage, tp, ep)[0] for stage in range(pp)) * ELEM[weights]
+    """Bytes of weights on the busiest GPU of a tp × pp replica (experts also split ep ways): the blocks' matmul
+    weights in ``weights`` (:data:`WEIGHTS`: scales counted, one a channel taken as k = hidden), the embedding, head,
+    norms and router in the format's ``others``."""
+    fmt, shape = WEIGHTS[WEIGHT_FORMAT.check(weights, "weights")], get_shape(shape)
+    per = fmt.bytes(shape.hidden)
+    other = ELEM[fmt.others] if fmt.others else per
+    return max((params - rest) * per + rest * other
+               for params, rest in ((shape.stage_params(pp, stage, tp, ep)[0], _other_params(shape, pp, stage, tp))
+                                    for stage in range(pp)))
+
+
+def _other_params(shape, pp: int, stage: int, tp: int) -> float:
+    """The parameters of pipeline stage ``stage`` outside its blocks' matmuls, as ``Shape.stage_params`` counts them:
+    its blocks' two norms and routers, the embedding on the first stage, the head and final norm on the last."""
+    per, extra = divmod(shape.layers, pp)
+    start = stage * per + min(stage, extra)
+    ids = range(start, start + per + (stage < extra))
+    C = shape.hidden
+    rest = 2 * C * len(ids) + C * shape.experts * sum(1 for i in ids if shape.experts and i >= shape.dense_layers)
+    if stage == 0:
+        rest += shape.vocab * C / tp
+    if stage == pp - 1:
+        rest += (0 if shape.tied and pp == 1 else shape.vocab * C / tp) + C
+    return rest
 
 
 def experts_touched(shape, tokens: float, skew: float = 0.0) -> float:
@@ -98,7 +191,8 @@ def _block(shape, cluster, tokens: float, seq_len: int, tp: int, ep: int, weight
         rows = tokens * shape.top_k / local  # a rank receives, balanced, as many choices as its own tokens make
         kernels = [dict(k, m=rows, count=local) if k.get("name") in ("expert_up", "expert_down") else k
                    for k in kernels]
-    return kernels, [_seconds(cluster, k, weights) for k in kernels], local
+    fmt = weight_format(weights, cluster.gpu)
+    return kernels, [_seconds(cluster, k, fmt) for k in kernels], local
 
 
 def _check(shape, tp: int, pp: int, weights: str, kv: str, ep: int = 1) -> None:
@@ -115,15 +209,23 @@ def _check(shape, tp: int, pp: int, weights: str, kv: str, ep: int = 1) -> None:
         raise ConfigError(str(e)) from None
     if pp > shape.layers:
         raise ConfigError(f"pp={pp} stages cannot each hold a block of a model of {shape.layers} blocks.")
-    FORMAT.check(weights, "weights")
+    WEIGHT_FORMAT.check(weights, "weights")
     FORMAT.check(kv, "kv")
 
 
-def _seconds(cluster, kernel: dict, weights: str) -> float:
-    """One kernel's seconds as serving runs it: a matmul of few rows as a GEMV or split-K kernel."""
-    if kernel["kind"] == "gemm" and kernel["m"] <= SKINNY_ROWS:
-        return cluster.skinny_gemm_s(kernel["m"], kernel["n"], kernel["k"], weights, kernel["count"])
-    return cluster.kernel_s(kernel, weights)
+def _seconds(cluster, kernel: dict, fmt: WeightFormat) -> float:
+    """One kernel's seconds as serving runs it, its weights in ``fmt``: a matmul of few rows as a GEMV or split-K
+    kernel. A weight-only format's matmul reads its weights (and their scales) at their own bytes and its activations
+    in bf16, and multiplies in bf16: it saves bytes, never arithmetic."""
+    if kernel["kind"] != "gemm":
+        return cluster.kernel_s(kernel, fmt.multiply)
+    if fmt.others and kernel.get("name") in ("head", "router"):
+        fmt = WEIGHTS[fmt.others]
+    m, n, k, count = kernel["m"], kernel["n"], kernel["k"], kernel["count"]
+    elems = {} if fmt.plain else {"weight_elem": fmt.bytes(k), "activation_elem": ELEM[fmt.multiply]}
+    if m <= SKINNY_ROWS:
+        return cluster.skinny_gemm_s(m, n, k, fmt.multiply, count, **elems)
+    return cluster.gemm_s(m, n, k, fmt.multiply, count, **elems)
 
 
 def _expert_exchange_s(shape, cluster, tokens: float, tp: int, ep: int, blocks: int) -> float:
@@ -193,7 +295,8 @@ def step(shape, gpu, decodes: float = 0, context: float = 0, chunks=(), tp: int 
                       c.count * c.cached * per_token / cluster.hbm_Bps) for c in chunks)
     attention = decode_read / cluster.hbm_Bps + chunk_s
     sampled = decodes * new_tokens + sum(c.count for c in chunks if c.last)
-    head = _seconds(cluster, shape.head_kernels(sampled, tp)[0], weights) if sampled else 0.0  # no loss serving
+    head = _seconds(cluster, shape.head_kernels(sampled, tp)[0], weight_format(weights, cluster.gpu)) \
+        if sampled else 0.0  # no loss when serving
     elem = ELEM[ACTIVATIONS]
     all_reduces = 2 * cluster.collective_s("all_reduce", rows * shape.hidden * elem, range(tp))[0] if tp > 1 else 0.0
     exchange = _expert_exchange_s(shape, cluster, rows, tp, ep, 1) if shape.experts else 0.0
@@ -202,7 +305,8 @@ def step(shape, gpu, decodes: float = 0, context: float = 0, chunks=(), tp: int 
     send = cluster.collective_s("send", rows * shape.hidden * elem, (0, tp))[0] if pp > 1 else 0.0
     unread = 0.0
     if shape.experts:  # the experts on this GPU no token of the step routes to
-        unread = (shape.experts / ep - local) * shape.expert_params() / (shape.experts * tp * pp) * ELEM[weights]
+        unread = (shape.experts / ep - local) * shape.expert_params() / (shape.experts * tp * pp) * \
+            WEIGHTS[weights].bytes(shape.hidden)
     kv_read = (decode_read + sum(c.count * c.cached for c in chunks) * per_token) * shape.layers / pp
     attended = decodes * new_tokens * context + sum(c.count * c.tokens * (c.cached + c.tokens / 2) for c in chunks)
     return {"seconds": shape.layers * layer + head + (pp - 1) * send + STEP_OVERHEAD_S,
@@ -504,7 +608,7 @@ def plan(shape, gpus: int, gpu: str = "h100", context: int = CONTEXT, tpot_s: fl
                          "token_s": best["token_s"] if best else None, "step": best["step"] if best else None,
                          "served": best})
     rows.sort(key=lambda r: -r["tokens_per_s"])
-    notes = []
+    notes = [note] if (note := weights_note(weights, spec)) else []
     if left_out:
         kv_heads = f" and split or replicate its {shape.kv} K/V heads evenly" if shape.kv != shape.heads else ""
         notes.append(f"tp {', '.join(map(str, left_out))} left out: tensor parallelism must divide the model's "
