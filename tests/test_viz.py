@@ -529,3 +529,12 @@ def test_schedule_and_timeline_titles_fit_the_figure(runs):
         texts += [f.layout.title.text for f in fig.frames or () if f.layout.title.text]
         for line in (line for text in texts for line in text.split("<br>")):
             assert len(line) <= TITLE_CHARS, line
+
+
+def test_memory_measured_another_way_per_rank_beside_the_estimate():
+    """A peak measured by profiling.peak_memory on each rank, {rank: {kind: bytes}}, drawn beside the estimate."""
+    peaks = {0: {"weights": 10, "temporaries": 5}, 1: {"weights": 10, "temporaries": 7}}
+    fig = viz.memory(peaks, predicted={0: {"weights": 12}, 1: {"weights": 12}})
+    assert sorted(_stacks(fig).values()) == [12, 12, 15, 17]
+    assert {t.name for t in _bars(fig)} == {"weights", "temporaries"}
+    assert next(t for t in _bars(fig) if t.name == "temporaries").marker.color == PALETTE["memory"]["temporaries"]

@@ -83,7 +83,9 @@ def _per_rank(memory: dict, ranks=None) -> dict[str, dict]:
 def memory(measured=None, predicted=None, title: str | None = None):
     """Memory per rank as stacked bars by category (weights, gradients, optimizer state, activations…).
 
-    ``measured``: a RunResult or JSON path (its ``memory``). ``predicted``: an
+    ``measured``: a RunResult or JSON path (its ``memory``), or, with ``predicted``,
+    ``{rank: {category: bytes}}`` measured another way (each rank's
+    :func:`gpucourse.profiling.peak_memory`). ``predicted``: an
     estimate, ``{category: bytes}`` (the same on every rank) or
     ``{rank: {category: bytes}}`` (or a JSON file of one); drawn hatched beside
     the measured bar of each rank.
@@ -99,7 +101,9 @@ def memory(measured=None, predicted=None, title: str | None = None):
         raise ValueError("give a run's result, an estimate, or both.")
     columns: dict[str, dict] = {}
     name = "estimate"
-    if measured is not None:
+    if measured is not None and _is_estimate(measured):  # bytes per rank, measured without a run's record
+        columns["measured"], name = _per_rank(measured), "measured"
+    elif measured is not None:
         r = load_result(measured)
         if not r.memory:
             raise ValueError("this run recorded no memory.")

@@ -29,6 +29,7 @@ PALETTE = {
         "gradients": "#F58518",
         "optimizer": "#B279A2",   # the optimizer's state: the colour of its span
         "activations": "#54A24B",
+        "temporaries": "#EECA3B",  # what backward makes and drops: activations' gradients, gradients on their way
         "other": "#BAB0AC",
     },
     "op": {
