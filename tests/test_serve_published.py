@@ -159,6 +159,26 @@ def test_the_docs_say_what_timing_every_step_at_the_window_did():
         in flat
 
 
+def test_the_docs_say_what_the_one_clock_changed():
+    """The simulator's old clock, a line (4 ms an iteration, 20 µs a token fed, 0.16 µs a cached token read), against
+    serve_plan.step, which serve-bench's modeled clock now is."""
+    from gpucourse.modeled.serve_plan import Chunk, step
+
+    def line(fed, read):
+        return 4e-3 + 2e-5 * fed + 1.6e-7 * read
+
+    one = decode_step(sp.LLAMA2_7B, "h100", 1, 200)["token_s"]
+    old_chunks = sum(line(256, 256 * (i + 1)) for i in range(8)) / line(2048, 2048)
+    whole = prefill(sp.LLAMA2_7B, "h100", 1, 2048)["first_token_s"]
+    chunks = sum(step(sp.LLAMA2_7B, "h100", chunks=[Chunk(256, 256 * i, 1, i == 7)])["seconds"] for i in range(8))
+    flat = " ".join(DOC.read_text().split())
+    said = (f"it charged a step of one decode at 200 tokens {line(1, 201) * 1e3:.2f} ms where the model says "
+            f"{one * 1e3:.2f}, and 8 chunks of 256 tokens {old_chunks:.2f} times one prefill of 2048")
+    assert said == ("it charged a step of one decode at 200 tokens 4.05 ms where the model says 6.72, and 8 chunks of "
+                    "256 tokens 1.64 times one prefill of 2048") and said in flat
+    assert f"each chunk reads the chunks before it): {chunks / whole:.2f} times in all" in flat
+
+
 def test_the_left_out_request_would_test_a_guess():
     """The 1.7 s batch-1 request (2048 in, 128 out) whose precision and layout its source does not state."""
     def request_s(weights):

@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 from gpucourse.model import MODELS, build_model
-from gpucourse.serving import (BlockAllocator, LinearCost, ModelRunner, Scheduler, Simulated, generate, poisson_trace,
+from gpucourse.serving import (BlockAllocator, ModeledClock, ModelRunner, Scheduler, Simulated, generate, poisson_trace,
                                serve)
 from gpucourse.serving.prefix_cache import PrefixCachingAllocator, block_hash, with_prefix
 
@@ -77,7 +77,7 @@ def test_a_chain_is_evicted_from_its_tail():
 
 def served(trace, blocks, runner):
     """The trace served on the modeled clock: the same schedule on every machine."""
-    return serve(trace, Scheduler(blocks), runner, LinearCost())
+    return serve(trace, Scheduler(blocks), runner, ModeledClock())
 
 
 def test_serving_with_the_prefix_cache_makes_the_same_tokens():
@@ -111,7 +111,7 @@ def test_a_shared_system_prompt_saves_prefill_and_memory_on_the_modeled_clock():
         runs[name] = report.summary(ttft_s=2.0, tpot_s=0.05), held
     (plain, plain_blocks), (cached, cached_blocks) = runs["plain"], runs["prefix cache"]
     assert pool.hit_tokens == 48 * 512 and pool.evicted == 0
-    assert cached["ttft_median_s"] < 0.3 * plain["ttft_median_s"]
-    assert cached["peak_blocks"] < 0.6 * plain["peak_blocks"] and cached_blocks < 0.6 * plain_blocks
+    assert cached["ttft_median_s"] < 0.35 * plain["ttft_median_s"]
+    assert cached["peak_blocks"] < 0.75 * plain["peak_blocks"] and cached_blocks < 0.65 * plain_blocks
     assert cached["preemptions"] == 0 < plain["preemptions"]
     assert cached["output_tokens"] == plain["output_tokens"]

@@ -49,7 +49,8 @@ def _served(requests: int, static: bool):
 @figure("continuous_vs_static_throughput", target=">= 1.5", quick=dict(requests=160), full=dict(requests=320))
 def continuous_vs_static_throughput(requests: int) -> Reading:
     """Output tokens per second of continuous batching over static batching, the same bursty trace and the same
-    KV memory (256 blocks of 16 tokens), on the modeled clock (scheduler.LinearCost: a 7 B model on one H100),
+    KV memory (256 blocks of 16 tokens), on the modeled clock (scheduler.ModeledClock: serve_plan's step function
+    for Llama 2 7B in bf16 on one H100),
     not this machine's. The details hold each side's summary, goodput under TTFT <= 2 s and TPOT <= 50 ms."""
     continuous, static = _served(requests, False), _served(requests, True)
     sides = {"continuous": continuous.summary(**TARGETS), "static": static.summary(**TARGETS)}

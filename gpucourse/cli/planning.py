@@ -174,7 +174,8 @@ def _serve_plan(args, shape) -> int:
     if shape is None:
         raise UsageError("plan --serve needs --shape or the shape's parts: a KV cache's size depends on its heads.")
     result = serve_plan.plan(shape, args.gpus, args.gpu, args.context, args.tpot_ms / 1e3, args.precision, args.kv,
-                             args.gpus_per_node, args.prompt, args.output, args.batching)
+                             args.gpus_per_node, args.prompt, args.output, args.batching,
+                             token_budget=args.token_budget)
     if args.print_config is not None:  # the fastest layout in the server's own names; the table stays unprinted
         best = result["layouts"][0]
         if not best["batch"]:
@@ -348,9 +349,14 @@ def add_commands(sub) -> None:
                    help=f"with --serve: the most tokens a sequence may hold, prompt + answer (the server's "
                         f"max_model_len; default {SERVE_CONTEXT})")
     p.add_argument("--prompt", type=TOKENS, default=None,
-                   help="with --serve: a request's prompt tokens (default: what --output leaves of the context, or half)")
+                   help="with --serve: a request's prompt tokens (default: what --output leaves of the context, or "
+                        "half)")
     p.add_argument("--output", type=TOKENS, default=None,
-                   help="with --serve: a request's answer tokens (default: what --prompt leaves of the context, or half)")
+                   help="with --serve: a request's answer tokens (default: what --prompt leaves of the context, or "
+                        "half)")
+    p.add_argument("--token-budget", type=TOKENS, default=None,
+                   help="with --serve: tokens a step feeds, decodes first, prompts in chunks of the rest (chunked "
+                        "prefill: vLLM's max_num_batched_tokens); default whole prompts")
     p.add_argument("--batching", type=BATCHING, default="continuous",
                    help="with --serve: continuous (a seat refilled as soon as it is free, paged KV cache) or static "
                         "(whole batches); each batch sized and timed at what its sequences hold")

@@ -17,7 +17,7 @@ WALL_POOL_BYTES = 1 << 30  # what --clock wall sets aside for its KV pool: the c
 
 def cmd_serve_bench(args) -> int:
     from ..model import build_model
-    from ..serving import BlockAllocator, LinearCost, ModelRunner, Scheduler, Simulated, poisson_trace
+    from ..serving import BlockAllocator, ModeledClock, ModelRunner, Scheduler, Simulated, poisson_trace
     from ..serving import serve, wall_clock
 
     if args.json:
@@ -47,7 +47,7 @@ def cmd_serve_bench(args) -> int:
                              f"--clock wall allocates here ({human_bytes(WALL_POOL_BYTES, binary=True)}); use fewer.")
         runner, clock = ModelRunner(build_model(cfg, args.seed), scheduler.blocks), wall_clock
     else:  # no model: the schedule alone, each iteration's seconds modeled
-        runner, clock = Simulated(eos=-1, cfg=cfg), LinearCost()  # the requests must fit the model's context
+        runner, clock = Simulated(eos=-1, cfg=cfg), ModeledClock()  # the requests must fit the model's context
     on_iteration = None if args.quiet else _finished_bar(ProgressBar(unit="request"))
     try:
         report = serve(trace, scheduler, runner, clock, on_iteration)
@@ -57,7 +57,8 @@ def cmd_serve_bench(args) -> int:
     waste = report.kv_waste()
     kind = "static" if args.static else "continuous" + (f", {args.token_budget} tokens an iteration"
                                                         if args.token_budget else "")
-    clock_name = "this machine's clock" if args.clock == "wall" else "the modeled clock (a 7 B model on one H100)"
+    clock_name = "this machine's clock" if args.clock == "wall" else \
+        "the modeled clock (serve_plan's step: Llama 2 7B in bf16 on one H100)"
     print(f"{s['requests']} requests, {kind} batching, {args.blocks} KV blocks of {args.block_size} tokens, "
           f"on {clock_name}:")
     print(f"  throughput        {s['throughput_tok_s']:,.0f} output tokens/s ({s['output_tokens']:,} tokens in "
@@ -101,8 +102,9 @@ def add_commands(sub) -> None:
     p.add_argument("--model", type=Name(MODELS), default="tiny",
                    help="the course model: it decodes with --clock wall, and its context bounds every request")
     p.add_argument("--clock", choices=("modeled", "wall"), default="modeled",
-                   help="modeled: no model, each iteration's seconds from a 7 B model on one H100; wall: the model "
-                        "decodes here and this machine's clock times it")
+                   help="modeled: no model, each iteration's seconds from the serving planner's step function "
+                        "(serve_plan.step: Llama 2 7B in bf16 on one H100); wall: the model decodes here and this "
+                        "machine's clock times it")
     p.add_argument("--blocks", type=BLOCKS, default=64, help="KV blocks in the pool")
     p.add_argument("--block-size", type=TOKENS, default=16, help="tokens a KV block holds")
     p.add_argument("--static", action="store_true", help="static batching instead of continuous")

@@ -88,7 +88,8 @@ def layout_from_plan(result: dict, row: dict, model: str = DEFAULTS["model"]) ->
     pipeline microbatch, and pp of them are in flight, so a replica holds pp × batch sequences."""
     return {"model": model, "tp": row["tp"], "pp": row["pp"], "replicas": row["replicas"],
             "context": result["context"], "batch": row["pp"] * row["batch"], "weights": result["weights"],
-            "kv": result["kv"], "shape": result["shape"], "gpu": result["gpu"]}
+            "kv": result["kv"], "shape": result["shape"], "gpu": result["gpu"],
+            "token_budget": result.get("token_budget")}
 
 
 # --- the layout ------------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ the training planner (``gpucourse/modeled/cluster.py``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import textwrap
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -139,7 +140,12 @@ def weight_bytes(shape, tp: int = 1, pp: int = 1, weights: str = "bf16", ep: int
     """Bytes of weights on the busiest GPU of a tp × pp replica (experts also split ep ways): the blocks' matmul
     weights in ``weights`` (:data:`WEIGHTS`: scales counted, one a channel taken as k = hidden), the embedding, head,
     norms and router in the format's ``others``."""
-    fmt, shape = WEIGHTS[WEIGHT_FORMAT.check(weights, "weights")], get_shape(shape)
+    return _weight_bytes(get_shape(shape), tp, pp, WEIGHT_FORMAT.check(weights, "weights"), ep)
+
+
+@functools.lru_cache(maxsize=1024)
+def _weight_bytes(shape, tp: int, pp: int, weights: str, ep: int) -> float:
+    fmt = WEIGHTS[weights]
     per = fmt.bytes(shape.hidden)
     other = ELEM[fmt.others] if fmt.others else per
     return max((params - rest) * per + rest * other
@@ -179,6 +185,7 @@ def experts_touched(shape, tokens: float, skew: float = 0.0) -> float:
     return sum(1 - (1 - min(1.0, k * w / total)) ** tokens for w in weights)
 
 
+@functools.lru_cache(maxsize=4096)  # a simulated trace's iterations repeat their sizes
 def _block(shape, cluster, tokens: float, seq_len: int, tp: int, ep: int, weights: str, skew: float):
     """One block's kernels on one GPU and their seconds, the MoE block's experts as a step runs them: only the
     experts its tokens route to (``experts_touched``, over the ``ep`` ranks' tokens together: a rank's E/ep experts
@@ -291,8 +298,8 @@ def step(shape, gpu, decodes: float = 0, context: float = 0, chunks=(), tp: int 
     heads = shape.heads / tp
     # A layer's attention: each decode reads its cache; each chunk's queries attend to its cached keys and its own.
     decode_read = decodes * context * per_token
-    chunk_s = sum(max(cluster.attention_s(c.count, heads, c.tokens, 2 * c.cached + c.tokens, shape.head_dim),
-                      c.count * c.cached * per_token / cluster.hbm_Bps) for c in chunks)
+    chunk_s = sum(max(_attention_s(cluster, c, heads, shape.head_dim), c.count * c.cached * per_token / cluster.hbm_Bps)
+                  for c in chunks)
     attention = decode_read / cluster.hbm_Bps + chunk_s
     sampled = decodes * new_tokens + sum(c.count for c in chunks if c.last)
     head = _seconds(cluster, shape.head_kernels(sampled, tp)[0], weight_format(weights, cluster.gpu)) \
@@ -314,8 +321,22 @@ def step(shape, gpu, decodes: float = 0, context: float = 0, chunks=(), tp: int 
             "attention_s": blocks * attention, "tp_comm_s": blocks * all_reduces, "ep_comm_s": blocks * exchange,
             "pp_send_s": (pp - 1) * send, "send_s": send, "experts_read": local, "tokens_fed": rows,
             "tokens_made": sampled, "bytes_read": weight_bytes(shape, tp, pp, weights, ep) - unread + kv_read,
-            "flops": (2 * rows * shape.active_params() + 4 * attended * shape.heads * shape.head_dim * shape.layers)
+            "flops": (2 * rows * _active_params(shape) + 4 * attended * shape.heads * shape.head_dim * shape.layers)
             / (tp * pp)}
+
+
+@functools.lru_cache(maxsize=256)
+def _active_params(shape) -> int:
+    return shape.active_params()
+
+
+def _attention_s(cluster, chunk: Chunk, heads: float, head_dim: int) -> float:
+    """A layer's fused attention over ``chunk``'s queries: whole chunks share the kernel's waves; a fraction of one (a
+    steady state's share of a prompt a step) costs that share of a whole one's."""
+    whole, part = divmod(chunk.count, 1)
+    keys = 2 * chunk.cached + chunk.tokens  # the kernel takes the causal span: cached + tokens / 2 keys a query
+    return (cluster.attention_s(whole, heads, chunk.tokens, keys, head_dim) if whole else 0.0) + \
+        (part * cluster.attention_s(1, heads, chunk.tokens, keys, head_dim) if part else 0.0)
 
 
 def decode_step(shape, gpu, batch: int, context: int, tp: int = 1, pp: int = 1, weights: str = "bf16",
@@ -387,7 +408,7 @@ def held(prompt: float, output: float, batching: str = "continuous", block: int 
 
 def serve(shape, gpu, batch: int, prompt: int, output: int, batching: str = "continuous", tp: int = 1, pp: int = 1,
           weights: str = "bf16", kv: str = "bf16", gpus_per_node: int = 8, block: int = BLOCK_SIZE, ep: int = 1,
-          skew: float = 0.0) -> dict:
+          skew: float = 0.0, token_budget: int | None = None) -> dict:
     """``batch`` sequences of ``prompt`` tokens in and ``output`` out served together on one tp × pp replica, each
     step timed by :func:`step` at the context the sequences actually hold (:func:`held`):
 
@@ -397,14 +418,21 @@ def serve(shape, gpu, batch: int, prompt: int, output: int, batching: str = "con
       and its ``out_tps = output_seqlen × batch_size / total_latency``);
     - ``"continuous"``: the steady state of an engine that refills a seat as soon as it is free. Each step a sequence
       in ``output`` finishes and a new one takes its seat, so every step feeds, beside the decodes, batch / output
-      whole prompts (``Chunk``: vLLM's scheduler puts prefill and decode tokens in one batch), and makes ``batch``
-      tokens; the time per output token is that step, the throughput ``batch`` tokens a step.
+      prompts' worth of prompt tokens (``Chunk``: vLLM's scheduler puts prefill and decode tokens in one batch), and
+      makes ``batch`` tokens; the time per output token is that step, the throughput ``batch`` tokens a step. Under a
+      ``token_budget`` (vLLM's ``max_num_batched_tokens``, TensorRT-LLM's ``max_num_tokens``) a step feeds at most
+      that many tokens, the decodes first: a prompt is fed in chunks of what the decodes leave, each attending to the
+      chunks before it (on average half the prompt less half a chunk), and a batch whose decodes and prompts need
+      more than the budget a step cannot be kept up.
 
     With pp > 1 the batch is one microbatch of the pp in flight; with ep > 1 each of the ep groups serves its own."""
     h = held(prompt, output, batching, block)
     shape = get_shape(shape)
     common = dict(tp=tp, pp=pp, weights=weights, kv=kv, gpus_per_node=gpus_per_node, ep=ep, skew=skew)
     if batching == "static":
+        if token_budget is not None:
+            raise ConfigError("static batching feeds whole prompts; a token budget (chunked prefill) is for "
+                              "continuous batching.")
         first = step(shape, gpu, chunks=[Chunk(prompt, 0, batch)], **common)
         decode = step(shape, gpu, batch, h["read"], **common) if output > 1 else None
         pace = decode["stage_s"] + decode["send_s"] + STEP_OVERHEAD_S / pp if decode else 0.0
@@ -413,10 +441,30 @@ def serve(shape, gpu, batch: int, prompt: int, output: int, batching: str = "con
                 "token_s": decode["seconds"] if decode else first["seconds"], "total_s": total,
                 "tokens_per_s": ep * batch * output / total}
     arriving = batch / output  # sequences that finish, and as many that are admitted, each step
-    mixed = step(shape, gpu, batch - arriving, h["read"], [Chunk(prompt, 0, arriving)], **common)
-    return {"held": h, "step": mixed, "token_s": mixed["seconds"], "prefill_tokens": arriving * prompt,
+    decodes, fed = batch - arriving, arriving * prompt
+    chunks = [Chunk(prompt, 0, arriving)]
+    if token_budget is not None:
+        POSITIVE.check(token_budget, "token_budget")
+        if decodes + fed > token_budget:
+            raise ConfigError(f"a batch of {batch} sequences of {prompt} tokens in and {output} out feeds "
+                              f"{decodes + fed:,.0f} tokens a step, more than the token budget of {token_budget:,}; "
+                              f"at most {budget_batch(prompt, output, token_budget)} sequences keep up.")
+        size = min(prompt, token_budget - decodes)  # a chunk: what the decodes leave of the budget
+        pieces = fed / size
+        chunks = [Chunk(size, (prompt - size) / 2, pieces - arriving, False), Chunk(size, (prompt - size) / 2,
+                                                                                     arriving, True)]
+        chunks = [c for c in chunks if c.count > 1e-12]
+    mixed = step(shape, gpu, decodes, h["read"], chunks, **common)
+    return {"held": h, "step": mixed, "token_s": mixed["seconds"], "prefill_tokens": fed,
+            "chunk": chunks[-1].tokens,
             # pp microbatches in flight, one leaving the last stage every stage time; ep groups side by side
             "tokens_per_s": ep * batch / (mixed["stage_s"] + mixed["send_s"] + STEP_OVERHEAD_S / pp)}
+
+
+def budget_batch(prompt: int, output: int, token_budget: int) -> int:
+    """The most sequences of ``prompt`` in and ``output`` out continuous batching keeps up under ``token_budget``
+    tokens a step: batch × (1 − 1/output) decodes and batch × prompt / output prompt tokens a step."""
+    return int(token_budget // (1 - 1 / output + prompt / output))
 
 
 # A draft for Llama 3's vocabulary: Llama 3.2 1B (Meta's released config.json: 16 layers, hidden 2048, 32 heads,
@@ -539,7 +587,7 @@ def format_memory(m: dict) -> str:
 
 def plan(shape, gpus: int, gpu: str = "h100", context: int = CONTEXT, tpot_s: float = 0.05, weights: str = "bf16",
          kv: str = "bf16", gpus_per_node: int = 8, prompt: int | None = None, output: int | None = None,
-         batching: str = "continuous", block: int = BLOCK_SIZE) -> dict:
+         batching: str = "continuous", block: int = BLOCK_SIZE, token_budget: int | None = None) -> dict:
     """Every tp × pp layout of ``gpus`` GPUs (replicas over what is left), each at the batch with the most tokens
     per second among those that fit its memory and meet the time-per-output-token target ``tpot_s`` (the largest
     such batch, or a round number of rows below it when the largest just spills into one more row of matmul
@@ -548,7 +596,8 @@ def plan(shape, gpus: int, gpu: str = "h100", context: int = CONTEXT, tpot_s: fl
     Requests hold ``prompt`` tokens in and ``output`` out (default: the ``context`` window filled, half of it each
     when neither is given); a batch is
     sized and timed at what its sequences actually hold in a paged cache (:func:`held`, :func:`serve`) under
-    ``batching``, not at the whole window for every sequence.
+    ``batching``, not at the whole window for every sequence; continuous batching under a ``token_budget`` holds
+    no more sequences than the budget keeps up (:func:`budget_batch`).
     A layout that fits no sequence, or misses the target even at a batch of one, ranks last."""
     try:
         shape = get_shape(shape)
@@ -569,6 +618,11 @@ def plan(shape, gpus: int, gpu: str = "h100", context: int = CONTEXT, tpot_s: fl
         raise ConfigError(f"{' and '.join(given)} leave{'s' * (len(given) == 1)} no room for {room} in the "
                           f"context={context} tokens a sequence may hold.")
     BATCHING.check(batching, "batching")
+    if token_budget is not None:
+        POSITIVE.check(token_budget, "token_budget")
+        if batching == "static":
+            raise ConfigError("static batching feeds whole prompts; a token budget (chunked prefill) is for "
+                              "continuous batching.")
     spec = get_gpu(gpu)
     _check(shape, 1, 1, weights, kv)
     h = held(prompt, output, batching, block)
@@ -582,9 +636,12 @@ def plan(shape, gpus: int, gpu: str = "h100", context: int = CONTEXT, tpot_s: fl
         for pp in (p for p in range(1, gpus // tp + 1) if (gpus // tp) % p == 0 and p <= shape.layers):
             replicas = gpus // (tp * pp)
             fits = largest_batch(shape, spec, h["slots"], tp, pp, weights, kv)
+            if token_budget is not None:
+                fits = min(fits, budget_batch(prompt, output, token_budget))
 
             def served(size):
-                return serve(shape, spec, size, prompt, output, batching, tp, pp, weights, kv, gpus_per_node, block)
+                return serve(shape, spec, size, prompt, output, batching, tp, pp, weights, kv, gpus_per_node, block,
+                             token_budget=token_budget)
 
             batch, best = 0, None
             lo, hi = 1, fits  # the largest batch whose step meets the target: a step grows with the batch
@@ -615,6 +672,7 @@ def plan(shape, gpus: int, gpu: str = "h100", context: int = CONTEXT, tpot_s: fl
                      f"{shape.heads} attention heads{kv_heads}.")
     return {"shape": shape.as_dict(), "gpus": gpus, "gpu": spec.name, "context": context, "tpot_s": tpot_s,
             "weights": weights, "kv": kv, "prompt": prompt, "output": output, "batching": batching, "held": h,
+            "token_budget": token_budget,
             "layouts": rows, "notes": notes}
 
 
@@ -625,7 +683,9 @@ def format_plan(result: dict, top: int = 10) -> str:
     h = result["held"]
     lines = [f"serving {result['shape']['name'] or 'the shape'} on {result['gpus']} × {result['gpu']}, "
              f"{result['prompt']} tokens in / {result['output']} out ({result['context']}-token window), "
-             f"{result['batching']} batching, time per output token ≤ {result['tpot_s'] * 1e3:g} ms "
+             f"{result['batching']} batching"
+             + (f" ({result['token_budget']:,} tokens a step)" if result.get("token_budget") else "")
+             + f", time per output token ≤ {result['tpot_s'] * 1e3:g} ms "
              f"(modeled; weights {result['weights']}, KV cache {result['kv']})",
              f"  a sequence holds {h['read']:,.0f} tokens on average, " + (
                  f"{h['slots']:,.0f} KV slots paged in blocks of {h['block']}, not the {h['window']:,} of its window"

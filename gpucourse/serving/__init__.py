@@ -21,13 +21,13 @@ Short lessons, each a file to read top to bottom:
 from .kv_cache import Cache, KVCache, check_fits, generate, next_token
 from .metrics import Iteration, Report
 from .paged import BlockAllocator, OutOfBlocks, PagedKVCache
-from .scheduler import LinearCost, ModelRunner, Scheduler, Sequence, Simulated, serve, simulate, wall_clock
+from .scheduler import ModelRunner, ModeledClock, Scheduler, Sequence, Simulated, serve, simulate, wall_clock
 from .trace import Request, load_trace, poisson_trace, save_trace
 from .quantize import (FP8KVCache, QuantizedLinear, dequantize_weight, quantization_effect, quantize_model,
                        quantize_weight, stored_bytes, weight_bytes)
 from .speculative import ModelDraft, PromptLookupDraft, speculative_generate, truncated
 
-__all__ = ["BlockAllocator", "Cache", "Iteration", "KVCache", "LinearCost", "ModelRunner", "OutOfBlocks",
+__all__ = ["BlockAllocator", "Cache", "Iteration", "KVCache", "ModelRunner", "ModeledClock", "OutOfBlocks",
            "PagedKVCache", "Report", "Request", "Scheduler", "Sequence", "Simulated", "check_fits", "generate",
            "load_trace", "next_token", "poisson_trace", "save_trace", "serve", "simulate", "wall_clock",
            "FP8KVCache", "QuantizedLinear", "dequantize_weight", "quantization_effect", "quantize_model",

@@ -21,11 +21,12 @@ nothing is re-planned until the batch ends.
 
 :func:`serve` drives a trace through a scheduler with a *runner* — :class:`ModelRunner` decodes with the
 model through a paged cache (its tokens equal plain generation for every request); :class:`Simulated` only
-counts tokens — and a *clock*: :func:`wall_clock` measures this machine, :class:`LinearCost` models one
-iteration's seconds from the tokens it feeds and the KV tokens it reads. The result is a
-:class:`~gpucourse.serving.metrics.Report`: time to first token, time per output token, throughput, goodput.
+counts tokens — and a *clock*: :func:`wall_clock` measures this machine, :class:`ModeledClock` models one
+iteration's seconds with the serving planner's own step function (``gpucourse.modeled.serve_plan.step``). The
+result is a :class:`~gpucourse.serving.metrics.Report`: time to first token, time per output token, throughput,
+goodput.
 On the bench's bursty trace (``gpucourse bench --only continuous_vs_static_throughput``, modeled clock) continuous
-batching makes 2.3 to 2.4 times static batching's tokens per second in the same KV memory.
+batching makes 2.5 to 2.6 times static batching's tokens per second in the same KV memory.
 """
 
 from __future__ import annotations
@@ -227,30 +228,55 @@ def wall_clock(work, run):
 
 
 @dataclass(frozen=True)
-class LinearCost:
-    """Modeled seconds of an iteration: ``fixed_s`` + each prefill and decode token's cost + each KV token read.
+class ModeledClock:
+    """Modeled seconds of an iteration: :func:`gpucourse.modeled.serve_plan.step` on the iteration's own work, the
+    step-time function the serving planner and ``gpucourse plan --serve`` use. The sequences that feed the one
+    token they made last are decodes, each reading its cache (what it holds cached, and the new token); the others
+    feed prompt chunks (a whole prompt, a token budget's piece of one, or a preempted sequence's recompute), each
+    attending to what it has cached and to its own tokens — all in one forward, every matmul one row a token fed,
+    as vLLM's scheduler batches prefill and decode. An iteration of one sequence or of fifty costs nearly the same,
+    as decode does.
 
-    The defaults are about a 7 B-parameter model in bf16 on one H100: reading its 14 GB of weights once per
-    iteration at 3.35 TB/s (4 ms), 2 · 7 G FLOPs per token at about 700 TFLOP/s (20 µs), and 0.5 MB of keys
-    and values per cached token read at 3.35 TB/s (0.16 µs). Decode is memory-bound: a batch of one or of
-    fifty decode tokens costs nearly the same ``fixed_s`` — which is why batching more sequences pays.
-    """
+    ``shape`` (None: Llama 2 7B, the 7 B model with a 0.5 MB cache a token), ``gpu``, ``tp``, ``weights``, ``kv``:
+    what is served, as :mod:`gpucourse.modeled.serve_plan` takes them; the default is Llama 2 7B in bf16 on one H100."""
 
-    fixed_s: float = 4e-3
-    prefill_token_s: float = 2e-5
-    decode_token_s: float = 2e-5
-    kv_token_s: float = 1.6e-7
+    shape: object = None
+    gpu: str = "h100"
+    tp: int = 1
+    weights: str = "bf16"
+    kv: str = "bf16"
+
+    def parts(self, work) -> tuple[int, float, list]:
+        """The iteration as ``serve_plan.step`` takes it: (decodes, their mean context, prompt chunks)."""
+        from ..modeled.serve_plan import Chunk
+
+        decodes, held, chunks = 0, 0, []
+        for seq, n in work:
+            if n == 1 and seq.generated > 0 and seq.cached == len(seq.tokens) - 1:  # the token it made last
+                decodes, held = decodes + 1, held + seq.cached + 1
+            else:
+                chunks.append(Chunk(n, seq.cached, 1, seq.cached + n == len(seq.tokens)))
+        return decodes, held / decodes if decodes else 0.0, chunks
+
+    def step(self, work) -> dict:
+        """``serve_plan.step``'s whole answer for the iteration: seconds, and what they are made of."""
+        from ..modeled.serve_plan import step
+
+        decodes, context, chunks = self.parts(work)
+        return step(self._shape(), self.gpu, decodes, context, chunks, self.tp, weights=self.weights, kv=self.kv)
 
     def seconds(self, work) -> float:
-        # A decode token: a sequence feeding just the token it generated last.
-        decode = sum(n == 1 and seq.generated > 0 and seq.cached == len(seq.tokens) - 1 for seq, n in work)
-        fed = sum(n for _, n in work)
-        read = sum(seq.cached + n for seq, n in work)
-        return (self.fixed_s + self.prefill_token_s * (fed - decode) + self.decode_token_s * decode
-                + self.kv_token_s * read)
+        return self.step(work)["seconds"]
 
     def __call__(self, work, run):
         return self.seconds(work), run()
+
+    def _shape(self):
+        if self.shape is not None:
+            return self.shape
+        from ..modeled.serve_published import LLAMA2_7B
+
+        return LLAMA2_7B
 
 
 def serve(trace: list[Request], scheduler: Scheduler, runner, clock=wall_clock, on_iteration=None) -> Report:
@@ -288,7 +314,7 @@ def serve(trace: list[Request], scheduler: Scheduler, runner, clock=wall_clock, 
 
 
 def simulate(trace: list[Request], num_blocks: int, block_size: int, static: bool = False,
-             token_budget: int | None = None, cost: LinearCost = LinearCost()) -> Report:
+             token_budget: int | None = None, cost: ModeledClock = ModeledClock()) -> Report:
     """Serve ``trace`` with no model, on the modeled clock: what the schedule alone does, in a blink."""
     scheduler = Scheduler(BlockAllocator(num_blocks, block_size), static, token_budget, eos=-1)
     return serve(trace, scheduler, Simulated(eos=-1), cost)
