@@ -1566,15 +1566,15 @@ def test_the_plan_ranks_what_fits_first():
 
     fast, first = row(64, 1, 1, 3), rows[0]
     assert fast["step_s"] < 1.01 * min(r["step_s"] for r in rows) and not fast["fits"]
-    assert (f"{fast['step_s']:.1f}", f"{fast['memory_total'] / 1e9:.1f}") == ("52.3", "107.7")
+    assert (f"{fast['step_s']:.1f}", f"{fast['memory_total'] / 1e9:.1f}") == ("52.3", "110.5")
     assert (first["dp"], first["tp"], first["pp"], first["zero"]) == (32, 2, 1, 3)
     assert not first["checkpoint_activations"]
     assert (f"{first['memory_total'] / 1e9:.1f}", f"{first['step_s']:.1f}", f"{first['tp_comm_s']:.1f}") \
-        == ("68.4", "55.4", "2.2")
+        == ("70.3", "55.4", "2.2")
     wide, deep = row(8, 8, 1, 3), row(1, 8, 8, 0)
     assert wide["fits"] and deep["fits"] and deep["bubble_s"] > 0
     assert (f"{wide['memory_total'] / 1e9:.1f}", f"{wide['step_s']:.1f}", f"{wide['tp_comm_s']:.1f}",
-            f"{wide['parts']['dp']:.1f}", wide["grad_accum"]) == ("39.6", "158.0", "11.6", "88.8", 128)
+            f"{wide['parts']['dp']:.1f}", wide["grad_accum"]) == ("40.9", "158.0", "11.6", "88.8", 128)
     assert wide["step_s"] == max(r["step_s"] for r in (first, wide, deep))
     assert (f"{deep['memory_total'] / 1e9:.1f}", f"{deep['step_s']:.1f}", f"{deep['tp_comm_s']:.1f}") \
         == ("44.6", "72.6", "12.1")

@@ -32,6 +32,16 @@ Four categories (bytes per rank):
 ``estimate(config)`` takes the same TrainConfig as ``train`` — so any run can be
 sized before it starts, at any model size and layout — and
 ``estimate_params(N, ...)`` the parameter-only part for a model of N parameters.
+
+Beside the categories, each estimate names its parts (:class:`MemoryParts`, as
+:class:`gpucourse.modeled.costs.StepTime` names a step's): the weights and their
+bytes a parameter, fp8 copies, gradients, the optimizer's shard, the activations
+by factor (:class:`Activations`: one layer, the layers, the microbatches the
+schedule holds, the recomputation and the attention kernel) and the
+**communication buffers** a strategy keeps besides (here: from-scratch ZeRO-3's
+weights gathered whole). ``gpucourse memory`` prints them (:func:`format_parts`),
+and so does ``gpucourse plan --explain`` for the frameworks it sizes
+(:func:`gpucourse.modeled.plan.memory_parts`).
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import AUTO_PRECISION, TrainConfig, allowed
 from ..model import GPTConfig
@@ -54,6 +64,137 @@ CATEGORIES = ("weights", "gradients", "optimizer", "activations")
 
 # Bytes saved per (token × channel) of one block: (replicated, sharded over tp).
 _BLOCK_BYTES = {"fp32": (16, 48), "autocast": (16, 30.5), "half": (8, 24)}
+
+
+@dataclass(frozen=True)
+class Activations:
+    """What autograd keeps for backward on one rank at its peak, by factor (bytes)."""
+
+    layer_bytes: float  # one layer (a block), one microbatch
+    layers: int         # the layers this rank holds
+    in_flight: float    # microbatches held at the peak, in whole stages (the layer-microbatches held ÷ layers)
+    total: float        # all of it: the layers' and what the pipeline's ends keep (token ids, the loss's logits)
+    recompute: str = "none"    # none, selective (attention's core recomputed) or full (each layer keeps its input)
+    attention: str = "flash"   # flash: fused, no T × T scores kept; math: the scores written out
+
+    @property
+    def ends_bytes(self) -> float:
+        """Beside the layers: the first stage's token ids, the last's final norm, head, logits and targets."""
+        return self.total - self.layer_bytes * self.layers * self.in_flight
+
+
+@dataclass(frozen=True)
+class MemoryParts:
+    """One rank's memory by named part, in bytes, each beside what it is made of.
+
+    ``weights``: the parameters it computes with (``params`` of them held, ``weight_bytes`` each; ZeRO-3 keeps
+    1/``shards`` of them). ``fp8_copies``: Transformer Engine's fp8 copy and transpose of each matmul weight.
+    ``gradients``: ``grad_bytes`` each (ZeRO-2 and 3: 1/``shards``). ``optimizer``: ``optimizer_bytes`` each —
+    Adam's two fp32 moments, and the fp32 master copy where the weights are half precision — 1/``shards`` of
+    them from ZeRO-1 on (Megatron-LM's distributed optimizer is ZeRO-1). ``activations``: :class:`Activations`.
+    ``buffers``: each communication buffer kept besides, by name. ``categories`` folds them into the four a run
+    measures (fp8 copies are weights); ``total`` is everything.
+    """
+
+    stage: int
+    params: float
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: Activations
+    weight_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    zero: int = 0
+    shards: int = 1
+    fp8_copies: float = 0.0
+    buffers: dict = field(default_factory=dict)
+    kept_by: str = "gpucourse"   # whose tensors these are: the course's runtime, or a framework's name
+
+    @property
+    def categories(self) -> dict:
+        return {"weights": self.weights + self.fp8_copies, "gradients": self.gradients,
+                "optimizer": self.optimizer, "activations": self.activations.total}
+
+    @property
+    def buffers_bytes(self) -> float:
+        return sum(self.buffers.values())
+
+    @property
+    def total(self) -> float:
+        return sum(self.categories.values()) + self.buffers_bytes
+
+    def as_dict(self) -> dict:
+        """The parts as plain data (a plan's rows and ``--json`` hold this): every field, the activations' factors
+        flat beside them (``layer_bytes``, ``layers``, ``in_flight``, ``ends_bytes``, ``recompute``,
+        ``attention``), ``activations`` and ``buffers_bytes`` in bytes and the ``total``."""
+        act = self.activations
+        return {"stage": self.stage, "params": self.params, "weights": self.weights, "fp8_copies": self.fp8_copies,
+                "gradients": self.gradients, "optimizer": self.optimizer, "activations": act.total,
+                "buffers": dict(self.buffers), "buffers_bytes": self.buffers_bytes, "total": self.total,
+                "weight_bytes": self.weight_bytes, "grad_bytes": self.grad_bytes,
+                "optimizer_bytes": self.optimizer_bytes, "zero": self.zero, "shards": self.shards,
+                "kept_by": self.kept_by, "layer_bytes": act.layer_bytes, "layers": act.layers,
+                "in_flight": act.in_flight, "ends_bytes": act.ends_bytes, "recompute": act.recompute,
+                "attention": act.attention}
+
+
+# What each communication buffer is, as format_parts names it.
+BUFFERS = {
+    "zero3_gathered": "ZeRO-3's weights gathered whole while they compute",
+    "zero3_gradients": "ZeRO-3's gradients of a unit whole until their reduce-scatter",
+    "sp_gather": "the all-gathered sequence a column-parallel matmul reads (sequence parallelism)",
+    "ddp_buckets": "DDP's buckets, a copy of the gradients",
+}
+
+
+def bytes_per_param(precision: str, master_weights: bool) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer) bytes a parameter: half-precision weights and gradients with an fp32 master
+    copy beside Adam's two fp32 moments (2, 2, 12: ZeRO's (2 + 2 + K)·Ψ with K = 12); otherwise fp32 weights and
+    gradients (autocast computes in half precision from them) and the two moments (4, 4, 8)."""
+    half = precision != "fp32" and master_weights
+    return (2, 2, 12) if half else (4, 4, 8)
+
+
+def chunk_layers(layers: int, pp: int, v: int = 1, placement: str = "loop",
+                 ends_as_layers: bool = False) -> list[list[list[int]]]:
+    """Per pipeline rank, per model chunk it holds, the layer ids of the chunk.
+
+    The layers split over the pp·v virtual stages as the runtime splits blocks over stages (balanced and
+    contiguous, earlier ones one more), placed as the schedule's record says (``placement``: looping through the
+    ranks, or in a V). ``ends_as_layers``: the input embedding and the loss each take one layer's place in the split
+    (Llama 3's balancing, Dubey et al. 2024, section 3.3.2: a layer fewer on the first and the last stage, so the
+    first chunk of the first stage may hold the embedding alone; Megatron-LM's
+    ``--account-for-embedding-in-pipeline-split`` and ``--account-for-loss-in-pipeline-split``).
+    """
+    from ..parallel.schedules_virtual import Layout
+
+    layout = Layout(pp, v, "v" if placement == "v" else "loop")
+    slots = layers + 2 if ends_as_layers else layers
+    held = [[[] for _ in range(v)] for _ in range(pp)]
+    for vstage in range(layout.stages):
+        ids = stage_blocks(slots, layout.stages, vstage)
+        rank, chunk = layout.place(vstage)
+        held[rank][chunk] = [i - 1 for i in ids if 0 < i <= layers] if ends_as_layers else list(ids)
+    return held
+
+
+def held_layers(schedule: str, pp: int, m: int, chunks: list[list[list[int]]]) -> list[float]:
+    """Per rank, the most layer-microbatches it holds activations for at once: the schedule's ops replayed in the
+    order the rank runs them, each forward adding its chunk's layers and the op that frees them (the backward, or W
+    where it is split off) taking them away. A one-chunk schedule's record gives its peak in closed form."""
+    return list(_held_layers(schedule, pp, m, tuple(tuple(len(chunk) for chunk in row) for row in chunks)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _held_layers(schedule: str, pp: int, m: int, counts: tuple) -> tuple:
+    if pp == 1:
+        return (float(sum(counts[0])),)
+    record = get_schedule(schedule)
+    if record.in_flight is not None:
+        return tuple(float(peak * counts[rank][0]) for rank, peak in enumerate(record.in_flight(pp, m)))
+    ops, _ = _virtual(schedule, pp, m, len(counts[0]))
+    return tuple(_weighted_peaks(ops, counts))
 
 
 @dataclass(frozen=True)
@@ -337,6 +478,9 @@ def _weighted_peaks(ops, shares) -> list[float]:
 def estimate(cfg: TrainConfig, every_rank: bool = True) -> dict:
     """Memory per rank for ``cfg``: ``{"per_rank": {rank: {category: bytes}}, "max": {...}, ...}``.
 
+    ``max``: the busiest rank's four categories; ``max_total``: their sum and the communication buffers it keeps
+    besides; ``parts``: that rank's :class:`MemoryParts` (``as_dict``).
+
     Ranks follow the run's DeviceMesh (dims pp, dp, tp; tp innermost), so rank r
     is on pipeline stage r // (dp·tp). ``every_rank=False``: ``per_rank`` holds the first rank of each
     pipeline stage only (the others of a stage hold the same), as a planner sizing thousands of GPUs wants.
@@ -372,19 +516,56 @@ def estimate(cfg: TrainConfig, every_rank: bool = True) -> dict:
                 experts, cfg.dp // cfg.ep, cfg.zero, cfg.precision, cfg.master_weights,
                 scratch_padding=cfg.impl == "scratch").values())}
         mem["activations"] = _activation_bytes(cfg, mc, stage, held[stage])
-        per_stage.append((n, mem, _gathered_bytes(cfg, units)))
+        gathered = _gathered_bytes(cfg, units)
+        per_stage.append((n, mem, gathered, _course_parts(cfg, mc, stage, n, mem, held[stage], gathered)))
     stage_ranks = cfg.world_size // cfg.pp  # the mesh is (pp, dp, cp, tp): each stage's ranks are contiguous
     ranks = range(cfg.world_size) if every_rank else range(0, cfg.world_size, stage_ranks)
     per_rank = {r: dict(per_stage[r // stage_ranks][1]) for r in ranks}
-    worst = dict(max((mem for _, mem, _ in per_stage), key=lambda m: sum(m.values())))
+    _, worst, gathered, parts = max(per_stage, key=lambda s: sum(s[1].values()) + s[2])
     est = {"config": cfg.to_dict(), "num_params": num_params(mc),
            "params_per_rank": {r: per_stage[r // stage_ranks][0] for r in ranks},
-           "per_rank": per_rank, "max": worst, "max_total": sum(worst.values()), "in_flight": list(held)}
+           "per_rank": per_rank, "max": dict(worst), "max_total": sum(worst.values()) + gathered,
+           "in_flight": list(held), "parts": parts.as_dict()}
     if cfg.zero == 3 and cfg.impl == "scratch":
         est["gathered"] = {r: per_stage[r // stage_ranks][2] for r in ranks}
     if mc.moe_experts:
         est["moe"] = moe_summary(cfg)
     return est
+
+
+def _course_parts(cfg: TrainConfig, mc: GPTConfig, stage: int, n: int, mem: dict, held: float,
+                  gathered: float) -> MemoryParts:
+    """:class:`MemoryParts` of one rank of pipeline stage ``stage`` as the course's runtime keeps them: the
+    categories of :func:`estimate` and, as buffers, from-scratch ZeRO-3's weights gathered whole."""
+    per_block, blocks, _, _ = _activation_parts(cfg, mc, stage)
+    w, g, o = bytes_per_param(cfg.precision, cfg.master_weights)
+    act = Activations(per_block, blocks, held, mem["activations"], cfg.recompute, cfg.attention)
+    return MemoryParts(stage, n, mem["weights"], mem["gradients"], mem["optimizer"], act, w, g, o, cfg.zero,
+                       cfg.dp * cfg.cp, buffers={"zero3_gathered": gathered} if gathered else {})
+
+
+def format_parts(parts: dict, indent: str = "  ") -> list[str]:
+    """The lines ``gpucourse memory`` prints for one rank's :class:`MemoryParts` (as ``as_dict`` gives them): each
+    part, its bytes and what it is made of."""
+    hb = functools.partial(human_bytes, binary=True)
+    n, d, zero = parts["params"], parts["shards"], parts["zero"]
+    shard = {"weights": zero == 3, "gradients": zero >= 2, "optimizer": zero >= 1}
+    over = {k: f", ÷ {d} (ZeRO-{zero})" if on and d > 1 else "" for k, on in shard.items()}
+    moments = "fp32 master copy and Adam's two moments" if parts["optimizer_bytes"] == 12 else "Adam's two moments"
+    rows = [("weights", parts["weights"], f"{n:,.0f} parameters × {parts['weight_bytes']} bytes{over['weights']}")]
+    if parts["fp8_copies"]:
+        rows.append(("fp8 copies", parts["fp8_copies"], "each matmul weight once more in fp8, and transposed"))
+    rows += [("gradients", parts["gradients"], f"× {parts['grad_bytes']} bytes{over['gradients']}"),
+             ("optimizer", parts["optimizer"], f"× {parts['optimizer_bytes']} bytes ({moments}){over['optimizer']}"),
+             ("activations", parts["activations"],
+              f"{hb(parts['layer_bytes'])} a layer and microbatch × {parts['layers']} layers × "
+              f"{parts['in_flight']:.3g} microbatch{'es' * (parts['in_flight'] != 1)} in flight + "
+              f"{hb(parts['ends_bytes'])} at the pipeline's ends; "
+              f"recompute {parts['recompute']}, {parts['attention']} attention")]
+    rows += [("buffers", b, BUFFERS.get(name, name)) for name, b in parts["buffers"].items()]
+    lines = [f"{indent}{name:<12}{hb(value):>12}  {why}" for name, value, why in rows]
+    lines.append(f"{indent}{'total':<12}{hb(parts['total']):>12}")
+    return lines
 
 
 def all_to_all_bytes(cfg: TrainConfig) -> int:
@@ -468,29 +649,29 @@ def format_estimate(est: dict) -> str:
     lines = [f"model {cfg.model}: {est['num_params'] / 1e6:,.1f} M parameters; layout {cfg.layout()} "
              f"(zero {cfg.zero}, {cfg.precision}{', master weights' if cfg.master_weights else ''}"
              f"{'' if cfg.recompute == 'none' else f', {cfg.recompute} recomputation'})"]
-    header = f"  {'ranks':<10}" + "".join(f"{c:>14}" for c in CATEGORIES) + f"{'total':>14}"
+    buffers = est.get("gathered")  # the only buffer the course's runtime keeps besides: ZeRO-3's gathered weights
+    header = f"  {'ranks':<10}" + "".join(f"{c:>14}" for c in CATEGORIES) + f"{'buffers':>14}" * bool(buffers) \
+        + f"{'total':>14}"
     lines.append(header)
     group = cfg.world_size // cfg.pp
     for stage in range(cfg.pp):
         mem = est["per_rank"][stage * group]
+        extra = [buffers[stage * group]] if buffers else []
         label = f"{stage * group}-{stage * group + group - 1}" if group > 1 else str(stage)
-        lines.append(f"  {label:<10}" + "".join(f"{human_bytes(mem[c], binary=True):>14}" for c in CATEGORIES)
-                     + f"{human_bytes(sum(mem.values()), binary=True):>14}")
+        lines.append(f"  {label:<10}" + "".join(f"{human_bytes(v, binary=True):>14}"
+                                                for v in [mem[c] for c in CATEGORIES] + extra)
+                     + f"{human_bytes(sum(mem.values()) + sum(extra), binary=True):>14}")
     mc = cfg.model_config()
-    half = cfg.precision != "fp32" and cfg.master_weights
-    lines.append(f"  bytes a parameter: weights {2 if half else 4}, gradients {2 if half else 4}, optimizer "
-                 f"{12 if half else 8} (Adam's two fp32 moments{' and the fp32 master copy' if half else ''})"
-                 + (f", the optimizer ÷ {cfg.dp * cfg.cp}" if cfg.zero >= 1 else "")
-                 + (f", the gradients ÷ {cfg.dp * cfg.cp}" if cfg.zero >= 2 else "")
-                 + (f", the weights ÷ {cfg.dp * cfg.cp}" if cfg.zero == 3 else ""))
     lines.append(f"  activations: recompute {cfg.recompute}, {cfg.attention} attention"
                  + (f", sequence parallel over tp {cfg.tp}" if cfg.sequence_parallel and cfg.tp > 1 else "")
                  + (f"; microbatches in flight per stage ({cfg.schedule}"
                     + (f", {cfg.virtual_stages} chunks a rank" if get_schedule(cfg.schedule).chunks == 0 else "")
                     + "): " + ", ".join(f"{h:.3g}" for h in est["in_flight"]) if "in_flight" in est and cfg.pp > 1
                     else ""))
-    lines.append("  buffers and workspaces (NCCL, cuBLAS, the allocator's slack) are not counted:")
-    lines.append("  they are the reserve a GPU's usable memory leaves out")
+    lines.append(f"  the busiest rank's parts (stage {est['parts']['stage']}):")
+    lines += format_parts(est["parts"], "    ")
+    lines.append("  NCCL's own buffers, cuBLAS's workspaces and the allocator's slack are not counted: they are the")
+    lines.append("  reserve a GPU's usable memory leaves out")
     paper = korthikanti_layer_bytes(cfg.seq_len // cfg.cp, cfg.batch_size // _forwards(cfg), mc.n_embd, mc.n_head,
                                     cfg.tp, cfg.sequence_parallel, cfg.recompute)
     lines.append(f"  Korthikanti et al.'s count for one layer at this shape (16-bit activations, per GPU): "
@@ -505,7 +686,4 @@ def format_estimate(est: dict) -> str:
         if m["all_to_all_bytes_per_step"]:
             lines.append(f"  expert parallelism's all-to-all: {human_bytes(m['all_to_all_bytes_per_step'])} per "
                          f"step over all ranks (no dropping; about (ep - 1)/ep of it leaves each rank)")
-    if "gathered" in est:
-        lines.append(f"  ZeRO-3 also holds up to {human_bytes(max(est['gathered'].values()), binary=True)} of "
-                     f"gathered weights while computing (the root unit and one block, whole).")
     return "\n".join(lines)

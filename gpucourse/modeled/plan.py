@@ -58,7 +58,7 @@ from . import shapes
 from .cluster import Cluster
 from .costs import COSTS, Step, StepTime
 from .gpus import get_gpu
-from .memory import estimate, estimate_params
+from .memory import Activations, MemoryParts, bytes_per_param, estimate, estimate_params
 from .offload import offload_memory, offload_time
 from .shapes import Shape, ShapeError, for_params, get_shape
 
@@ -134,45 +134,83 @@ def candidates(shape: Shape, gpus: int, gpus_per_node: int, batch_size: int, seq
                                           checkpoint_activations=ckpt, attention=attention)
 
 
-def activation_bytes(cfg: TrainConfig, shape: Shape, stage: int) -> float:
-    """Activations a rank of pipeline stage ``stage`` holds at its peak, for a practitioner's ``shape``: Korthikanti
-    et al.'s (2022) count of what a 16-bit transformer layer saves (their section 4, eq. 1: 34·s·b·h + 5·a·s²·b
-    bytes a layer without recomputation, Table 2 with tensor and sequence parallelism), with FlashAttention (no T×T
-    scores: their ``5·a·s/h`` term is gone; with ``attention="math"`` it is back — the softmax's output, 2·a·s/h, and
-    with dropout its mask and output, 3 more — unless recomputed selectively) and the shape's own widths — per
-    token, the norms' and residual's 10·C bytes
-    (÷ tp under sequence parallelism), Q, K and V (K and V only kv_heads wide), attention's output, the MLP's
-    hidden values (GELU: its input and output, 4·F bytes; SwiGLU: gate, up and their product, 6·F), all ÷ tp;
-    with full recomputation only each layer's input, 2·C (÷ tp under sequence parallelism). Times the
-    microbatches the schedule keeps in flight on that stage (:func:`gpucourse.modeled.memory.in_flight`), plus the fp32
-    logits of the loss on the last stage."""
-    return _activation_terms(cfg, shape, stage)["total"]
+def activation_bytes(cfg: TrainConfig, shape: Shape, stage: int, ends_as_layers: bool = False) -> float:
+    """Activations a rank of pipeline stage ``stage`` holds at its peak, for a practitioner's ``shape``
+    (:func:`activations`, its total)."""
+    return activations(cfg, shape, stage, ends_as_layers).total
 
 
-def _activation_terms(cfg: TrainConfig, shape: Shape, stage: int) -> dict:
-    """:func:`activation_bytes` as its factors: one layer's bytes for one microbatch, the layers, the microbatches
-    in flight (stage-fulls: on an interleaved schedule each chunk is a share of the stage), the logits."""
-    from .memory import in_flight
+def layer_bytes_per_token(cfg: TrainConfig, shape: Shape) -> float:
+    """What one layer keeps for backward per token of a microbatch, 16-bit activations: Korthikanti et al.'s (2022)
+    count (their section 4.1: 34·s·b·h + 5·a·s²·b bytes a GPT layer without recomputation; Table 2 with tensor
+    and sequence parallelism) with the shape's own widths, term by term:
 
+    - the two norms' inputs, 2·C bytes each, and their outputs that q, k, v and the MLP's first matmul read, 2·C
+      each (÷ tp under sequence parallelism: kept scattered, all-gathered again in backward);
+    - with dropout, its masks after attention and after the MLP, C bytes each (÷ tp likewise); none without;
+    - Q, K and V (K and V only kv_heads wide), ÷ tp, and attention's output, the output projection's input, 2·C ÷ tp;
+    - the MLP's hidden values ÷ tp: GELU's input and output, 2 × 2·F; SwiGLU's gate and up projections (the fused
+      activation's input) and their product (the down projection's input), 3 × 2·F; experts: top_k of them;
+    - attention's core: a fused kernel (FlashAttention) keeps only its log-sum-exp, 4 bytes a head (fp32); written
+      out (``attention="math"``), the softmax's output, 2 bytes a head and key, and with dropout its mask and
+      output, 3 more (Korthikanti's 5·a·s/h); selective recomputation keeps neither;
+    - full recomputation: the layer's input alone, 2·C (÷ tp under sequence parallelism).
+    """
     C, d, tp = shape.hidden, shape.head_dim, cfg.tp
     sp = tp if cfg.sequence_parallel and tp > 1 else 1
+    if cfg.recompute == "full":
+        return 2 * C / sp
+    norms = 4 * C + 4 * C                      # the norms' inputs, and their outputs the matmuls read
+    masks = 2 * C if cfg.dropout else 0.0      # dropout's masks after attention and after the MLP
+    qkv = 2 * d * (shape.heads / tp + 2 * shape.kv_heads_per_rank(tp))
+    width = shape.expert_width * shape.top_k if shape.experts else shape.width
+    mlp = (6 if shape.mlp == "swiglu" else 4) * width / tp
+    core = 0.0
+    if cfg.recompute == "none":
+        core = (5 if cfg.dropout else 2) * shape.heads / tp * cfg.seq_len if cfg.attention == "math" \
+            else 4 * shape.heads / tp
+    return (norms + masks) / sp + qkv + 2 * C / tp + mlp + core
+
+
+def pipeline_chunks(cfg: TrainConfig, layers: int, ends_as_layers: bool = False) -> list:
+    """The layer ids of each chunk of each pipeline rank of ``cfg`` (:func:`gpucourse.modeled.memory.chunk_layers`,
+    as many chunks and placed as the schedule's record says)."""
+    from .memory import chunk_layers
+
+    record = get_schedule(cfg.schedule)
+    v = record.chunks_per_rank(cfg.virtual_stages) if cfg.pp > 1 else 1
+    return chunk_layers(layers, cfg.pp, v, record.placement if cfg.pp > 1 else "loop", ends_as_layers)
+
+
+def _ends(cfg: TrainConfig) -> tuple[int, int]:
+    """(the rank holding the embedding, the rank holding the head and the loss): the first and the last virtual
+    stage's."""
+    from ..parallel.schedules_virtual import Layout
+
+    if cfg.pp == 1:
+        return 0, 0
+    record = get_schedule(cfg.schedule)
+    layout = Layout(cfg.pp, record.chunks_per_rank(cfg.virtual_stages), "v" if record.placement == "v" else "loop")
+    return layout.place(0)[0], layout.place(layout.stages - 1)[0]
+
+
+def activations(cfg: TrainConfig, shape: Shape, stage: int, ends_as_layers: bool = False) -> Activations:
+    """What a rank of pipeline stage ``stage`` keeps at its peak (:class:`gpucourse.modeled.memory.Activations`):
+    :func:`layer_bytes_per_token` times a microbatch's tokens on the rank (÷ cp) for each layer-microbatch the
+    schedule holds at once — its ops replayed, each chunk weighed by its layers
+    (:func:`gpucourse.modeled.memory.held_layers`: 1F1B's first stage holds pp microbatches, interleaving more) —
+    and on the loss's rank the fp32 logits of one microbatch."""
+    from .memory import held_layers
+
     m = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
     tokens = cfg.batch_size / (cfg.dp * m) * cfg.seq_len / cfg.cp
-    if cfg.recompute == "full":
-        per_token = 2 * C / sp
-    else:
-        qkv = 2 * d * (shape.heads / tp + 2 * shape.kv_heads_per_rank(tp))
-        width = shape.expert_width * shape.top_k if shape.experts else shape.width
-        mlp = (6 if shape.mlp == "swiglu" else 4) * width / tp
-        per_token = 10 * C / sp + qkv + 2 * C / tp + mlp
-        if cfg.attention == "math" and cfg.recompute == "none":
-            per_token += (5 if cfg.dropout else 2) * shape.heads / tp * cfg.seq_len
-    blocks = len(_stage_ids(shape, cfg.pp, stage))
-    held = in_flight(cfg.schedule, cfg.pp, _enough(cfg), cfg.virtual_stages)[stage] if cfg.pp > 1 else 1
-    logits = 4 * tokens * shape.vocab / tp if stage == cfg.pp - 1 else 0.0
-    layer = per_token * tokens
-    return {"layer_bytes": layer, "layers": blocks, "in_flight": held, "logits_bytes": logits,
-            "recompute": cfg.recompute, "attention": cfg.attention, "total": blocks * layer * held + logits}
+    chunks = pipeline_chunks(cfg, shape.layers, ends_as_layers)
+    layers = sum(len(c) for c in chunks[stage])
+    held = held_layers(cfg.schedule, cfg.pp, _enough(cfg), chunks)[stage]
+    layer = layer_bytes_per_token(cfg, shape) * tokens
+    logits = 4 * tokens * shape.vocab / cfg.tp if stage == _ends(cfg)[1] else 0.0
+    return Activations(layer, layers, held / layers if layers else 0.0, layer * held + logits, cfg.recompute,
+                       cfg.attention)
 
 
 def _enough(cfg: TrainConfig) -> int:
@@ -182,32 +220,25 @@ def _enough(cfg: TrainConfig) -> int:
     return min(cfg.microbatches, 3 * cfg.pp) if get_schedule(cfg.schedule).interleaved else cfg.microbatches
 
 
-def memory_of(cfg: TrainConfig, shape: Shape, offload: bool = False, framework=None, fp8: bool = False) -> dict:
-    """Memory per GPU of ``cfg`` training ``shape``, on the worst pipeline stage.
+def memory_of(cfg: TrainConfig, shape: Shape, offload: bool = False, framework=None, fp8: bool = False,
+              ends_as_layers: bool = False) -> dict:
+    """Memory per GPU of ``cfg`` training ``shape``, on the busiest pipeline rank: ``max`` (the four categories),
+    ``max_total`` (those and the communication buffers) and ``parts`` (:meth:`MemoryParts.as_dict`).
 
     The course's own block with no ``framework`` named: :func:`gpucourse.modeled.memory.estimate` (``gpucourse memory``,
     what the course's runtime keeps, checked against its runs). Otherwise what ``framework`` (:data:`FRAMEWORKS`;
-    None: ``DEFAULT_FRAMEWORK``) keeps, from the shape's own parameters (GQA, SwiGLU, its vocabulary, experts over
-    ep) and Korthikanti et al.'s activations (:func:`activation_bytes`), term by term:
+    None: ``DEFAULT_FRAMEWORK``) keeps, part by part (:func:`memory_parts`). ``ends_as_layers``: the embedding and
+    the loss each take a layer's place in the pipeline's split (Llama 3's balancing).
 
-    - weights in bf16 with an fp32 master copy and Adam's two moments in the optimizer, 12 bytes a parameter
-      divided by dp·cp under ZeRO-1 and up (Megatron-Core's distributed optimizer is ZeRO-1); gradients in fp32
-      where the framework accumulates them so (:attr:`Overlap.fp32_grads`): Megatron-LM's
-      docs/source/distrib_optimizer.md table, "bf16 param, fp32 grads": 18 bytes a parameter, 6 + 12/d with the
-      distributed optimizer; Rajbhandari et al. 2020 (ZeRO), section 3 and Table 1: (2 + 2 + K)·Ψ, K = 12;
-    - ``fp8``: Transformer Engine's fp8 copy of every matmul weight and its transpose (1 byte each, kept between
-      microbatches), beside the bf16 weights;
-    - activations: :func:`activation_bytes`, by the recomputation and the attention kernel, times the microbatches
-      the schedule keeps in flight.
-
-    Buffers and workspaces (NCCL's, cuBLAS's, the allocator's slack) are not counted here: they are the reserve
+    NCCL's own buffers, cuBLAS's workspaces and the allocator's slack are not counted here: they are the reserve
     :meth:`gpucourse.modeled.gpus.GPUSpec.usable_bytes` keeps out of the card. ``offload``: the optimizer's state on the
-    host (:func:`gpucourse.modeled.offload.offload_memory`; ``host_bytes`` says how much). ``parts`` says what each term
-    is made of (:func:`memory_parts`)."""
+    host (:func:`gpucourse.modeled.offload.offload_memory`; ``host_bytes`` says how much)."""
     if offload:
-        held = memory_of(cfg, shape, framework=framework, fp8=fp8)
+        held = memory_of(cfg, shape, framework=framework, fp8=fp8, ends_as_layers=ends_as_layers)
         on_gpu, host = offload_memory(held["max"], cfg.master_weights and cfg.precision != "fp32")
-        return {**held, "max": on_gpu, "max_total": sum(on_gpu.values()), "host_bytes": host}
+        moved = held["max"]["optimizer"]
+        parts = {**held["parts"], "optimizer": 0, "total": held["parts"]["total"] - moved}
+        return {**held, "max": on_gpu, "max_total": held["max_total"] - moved, "host_bytes": host, "parts": parts}
     if shape.is_course_block and framework is None:
         m = _enough(cfg)
         if m == cfg.microbatches:
@@ -217,49 +248,83 @@ def memory_of(cfg: TrainConfig, shape: Shape, offload: bool = False, framework=N
         return {**estimate(fewer, every_rank=False), "config": cfg.to_dict()}
     check(cfg, runnable=False)
     overlap = get_framework(framework)
-    worst = worst_parts = None
-    for stage in range(cfg.pp):
-        parts = memory_parts(cfg, shape, stage, overlap, fp8)
-        mem = {c: parts[c] for c in ("weights", "gradients", "optimizer", "activations")}
-        if worst is None or sum(mem.values()) > sum(worst.values()):
-            worst, worst_parts = mem, parts
-    return {"config": cfg.to_dict(), "num_params": shape.params(), "max": worst, "max_total": sum(worst.values()),
-            "parts": worst_parts, "framework": overlap.name}
+    worst = max((memory_parts(cfg, shape, stage, overlap, fp8, ends_as_layers) for stage in range(cfg.pp)),
+                key=lambda parts: parts.total)
+    return {"config": cfg.to_dict(), "num_params": shape.params(), "max": worst.categories,
+            "max_total": worst.total, "parts": worst.as_dict(), "framework": overlap.name}
 
 
-def memory_parts(cfg: TrainConfig, shape: Shape, stage: int, framework=None, fp8: bool = False) -> dict:
-    """One rank of pipeline stage ``stage``: the four categories :func:`memory_of` sums (fp8 weight copies in
-    ``weights``) and what they are made of: parameters held, bytes a parameter for each, fp8 copies, the
-    activations of one layer and one microbatch, the layers held, the microbatches in flight, the recomputation
-    and the attention kernel."""
+def memory_parts(cfg: TrainConfig, shape: Shape, stage: int, framework=None, fp8: bool = False,
+                 ends_as_layers: bool = False) -> MemoryParts:
+    """One rank of pipeline stage ``stage`` as ``framework`` keeps it, part by part
+    (:class:`gpucourse.modeled.memory.MemoryParts`), from the shape's own parameters (GQA, SwiGLU, its vocabulary,
+    experts over ep) and the layers the rank's chunks hold:
+
+    - **weights** in bf16, **optimizer**: an fp32 master copy and Adam's two moments, 12 bytes a parameter, divided
+      by dp·cp under ZeRO-1 and up (Megatron-Core's distributed optimizer is ZeRO-1); **gradients** in fp32 where
+      the framework accumulates them so (:attr:`Overlap.fp32_grads`): Megatron-LM's docs/source/distrib_optimizer.md
+      table, "bf16 param, fp32 grads": 18 bytes a parameter, 6 + 12/d with the distributed optimizer; Rajbhandari
+      et al. 2020 (ZeRO), section 3 and Table 1: (2 + 2 + K)·Ψ, K = 12; ZeRO-2 and 3 shard the gradients, ZeRO-3
+      the weights;
+    - ``fp8``: Transformer Engine's fp8 copy of every matmul weight and its transpose (1 byte each: Hopper's fp8
+      GEMMs take only the "TN" layout, so backward reads a transposed copy), kept between microbatches;
+    - **activations**: :func:`activations`, by the recomputation and the attention kernel, times the
+      layer-microbatches the schedule keeps in flight;
+    - **buffers**: ZeRO-3's gathered weights, the unit computing and the next one prefetched, with the root unit
+      (embedding, final norm, head: FSDP gathers it for the whole forward and again for the whole backward), in
+      the precision the matmuls read, and the gradients of the root and of one unit whole until they are
+      reduce-scattered — a unit is a block, or under DeepSpeed a submodule, the largest matrix
+      (:attr:`Overlap.zero3_unit`); under sequence parallelism the all-gathered sequence a column-parallel matmul
+      reads (one microbatch's tokens × C, 2 bytes: Megatron-LM's global memory buffer); PyTorch DDP's buckets, a
+      copy of the gradients (``gradient_as_bucket_view=False``, its default). Pipeline transfers add none: a
+      received activation is its first layer's saved input, and Megatron-LM frees a sent output's data
+      (``deallocate_pipeline_outputs``).
+    """
     overlap = get_framework(framework)
-    n, experts = shape.stage_params(cfg.pp, stage, cfg.tp, cfg.ep)
+    chunks = pipeline_chunks(cfg, shape.layers, ends_as_layers)
+    ids = [i for chunk in chunks[stage] for i in chunk]
+    first, last = (stage == rank for rank in _ends(cfg))
+    n, experts = shape.stage_params(cfg.pp, stage, cfg.tp, cfg.ep, ids=ids, first=first, last=last)
     mem = estimate_params(int(n - experts), cfg.dp * cfg.cp, cfg.zero, cfg.precision, cfg.master_weights,
                           scratch_padding=False)
     if experts:
         more = estimate_params(int(experts), cfg.dp // cfg.ep, cfg.zero, cfg.precision, cfg.master_weights,
                                scratch_padding=False)
         mem = {c: v + more[c] for c, v in mem.items()}
+    w, g, o = bytes_per_param(cfg.precision, cfg.master_weights)
     half = cfg.precision != "fp32" and cfg.master_weights
     if half and overlap.fp32_grads:  # Megatron-LM accumulates and reduces bf16 runs' gradients in fp32
         mem["gradients"] *= 2
-    # Every matmul weight the rank holds, once more in fp8 and once transposed (Hopper's fp8 GEMMs take only
-    # the "TN" layout, so the backward's weight operand is a transposed copy): 2 bytes a parameter.
-    # (the blocks' matmuls only: embedding, head and norms stay in bf16).
-    matmul = n - 2 * shape.hidden * len(_stage_ids(shape, cfg.pp, stage)) \
-        - (shape.vocab * shape.hidden / cfg.tp) * ((stage == 0) + (stage == cfg.pp - 1))
-    copies = 2 * matmul / (cfg.dp * cfg.cp if cfg.zero == 3 else 1) if fp8 else 0.0
-    mem["weights"] += copies
-    act = _activation_terms(cfg, shape, stage)
-    mem["activations"] = act["total"]
-    return {**mem, "params": n, "fp8_copies": copies, "grad_bytes": 4 if half and overlap.fp32_grads else
-            2 if half else 4, "stage": stage, **act}
-
-
-def _stage_ids(shape: Shape, pp: int, stage: int) -> range:
-    from ..parallel.pipeline import stage_blocks
-
-    return stage_blocks(shape.layers, pp, stage)
+        g = 4
+    # Every matmul weight the rank holds (not the norms, 2·C a layer, the embedding or the head, nor the final norm).
+    root = shape.stage_params(cfg.pp, stage, cfg.tp, cfg.ep, ids=[], first=first, last=last)[0]
+    matmul = n - 2 * shape.hidden * len(ids) - root
+    sharded = cfg.dp * cfg.cp if cfg.zero == 3 else 1
+    copies = 2 * matmul / sharded if fp8 else 0.0
+    buffers = {}
+    compute = 4 if cfg.precision == "fp32" else 2  # what the matmuls read and what backward produces, a value
+    if cfg.zero == 3 and cfg.dp * cfg.cp > 1:
+        if overlap.zero3_unit == "module":  # the largest matrix: the embedding or head, q-k-v, an MLP matrix
+            C, tp = shape.hidden, cfg.tp
+            mlp = shape.expert_width if shape.experts else shape.width
+            unit = max(shape.vocab * C / tp if first or last else 0.0,
+                       C * shape.head_dim * (shape.heads / tp + 2 * shape.kv_heads_per_rank(tp)), C * mlp / tp)
+            whole = 0.0
+        else:
+            unit = max((shape.stage_params(cfg.pp, stage, cfg.tp, cfg.ep, ids=[i], first=False, last=False)[0]
+                        for i in ids), default=0.0)
+            whole = root
+        buffers["zero3_gathered"] = compute * (whole + 2 * unit)  # the unit computing and the next, prefetched
+        buffers["zero3_gradients"] = compute * (whole + unit)     # until their reduce-scatter is done
+    act = activations(cfg, shape, stage, ends_as_layers)
+    if cfg.sequence_parallel and cfg.tp > 1:
+        tokens = cfg.batch_size / (cfg.dp * (cfg.microbatches if cfg.pp > 1 else cfg.grad_accum)) \
+            * cfg.seq_len / cfg.cp
+        buffers["sp_gather"] = 2 * tokens * shape.hidden
+    if overlap.bucket_copy and cfg.dp * cfg.cp > 1:
+        buffers["ddp_buckets"] = mem["gradients"]
+    return MemoryParts(stage, n, mem["weights"], mem["gradients"], mem["optimizer"], act, w, g, o, cfg.zero,
+                       cfg.dp * cfg.cp, copies, buffers, overlap.name)
 
 
 def attention_flops(n_layer: int, n_embd: int, seq_len: int, recompute: bool = False) -> float:
@@ -351,6 +416,12 @@ class Overlap:
     # bf16 runs' gradients accumulated and reduced in fp32, 4 bytes a parameter (Megatron-LM's arguments.py sets
     # accumulate_allreduce_grads_in_fp32 for bf16); others keep them in the weights' bf16.
     fp32_grads: bool = False
+    # Gradients copied into the all-reduce's buckets, a second copy of them (PyTorch DDP's default,
+    # gradient_as_bucket_view=False; Megatron-LM and FSDP reduce in the gradients' own buffer).
+    bucket_copy: bool = False
+    # What ZeRO-3 gathers whole at a time: "block" (FSDP's units: each block, and the root of embedding, final norm
+    # and head) or "module" (DeepSpeed gathers each submodule's parameters as its forward or backward runs).
+    zero3_unit: str = "block"
 
 
 FRAMEWORKS = {o.name: o for o in (
@@ -372,12 +443,12 @@ FRAMEWORKS = {o.name: o for o in (
                    "behind backward; scaled-dot-product attention with the flash backend (FlashAttention-2); eager "
                    "element-wise kernels"),
     Overlap("deepspeed-zero3", dp="backward", prefetch=True, tp=False, cp=False, attention="unfused",
-            pp_scatter=False, one_card=True, zero=(0, 1, 2, 3),
+            pp_scatter=False, one_card=True, zero=(0, 1, 2, 3), zero3_unit="module",
             source="DeepSpeed ZeRO-3 as SC21 measured it (Narayanan et al. 2021, Table 2): prefetched gathers, but "
                    "each rank's traffic crosses its own network card, so a gather takes S ÷ one card's bandwidth "
                    "(total throughput stays flat as GPUs double at a fixed batch, as the table shows)"),
     Overlap("ddp", dp="backward", prefetch=False, tp=False, cp=False, attention="flash2", pp_scatter=False,
-            elementwise=3, zero=(0, 1), source="PyTorch DistributedDataParallel: bucketed all-reduces started during backward; eager PyTorch"),
+            elementwise=3, zero=(0, 1), bucket_copy=True, source="PyTorch DistributedDataParallel: bucketed all-reduces started during backward; eager PyTorch"),
 )}
 DEFAULT_FRAMEWORK = "megatron-core"
 FRAMEWORK = Name(FRAMEWORKS)  # a framework's name (plan --framework)
@@ -636,18 +707,29 @@ def explain(row: dict) -> str:
 
 
 def memory_terms(mem: dict, parts: dict | None = None) -> str:
-    """The memory of one GPU as its terms: ``: weights …, gradients …, optimizer …, activations …``, and where
-    :func:`memory_parts` says what they are made of, the fp8 copies, the gradients' bytes and the activations'
-    factors (one layer × layers × microbatches in flight, the recomputation and the attention kernel)."""
-    terms = [f"{k} {human_bytes(mem[k])}" for k in ("weights", "gradients", "optimizer", "activations")]
-    if parts:
-        if parts["fp8_copies"]:
-            terms[0] += f" (of which fp8 copies {human_bytes(parts['fp8_copies'])})"
-        terms[1] += f" ({parts['grad_bytes']} bytes each)"
-        terms[3] += (f" ({human_bytes(parts['layer_bytes'])} a layer and microbatch × {parts['layers']} layers × "
-                     f"{parts['in_flight']:.3g} microbatches in flight + logits "
-                     f"{human_bytes(parts['logits_bytes'])}; recompute {parts['recompute']}, "
-                     f"{parts['attention']} attention)")
+    """The memory of one GPU as its parts: ``: weights …, gradients …, optimizer …, activations …``, and where the
+    row has its :class:`~gpucourse.modeled.memory.MemoryParts` (``as_dict``), what each is made of: bytes a
+    parameter and the ZeRO shards, the fp8 copies, the activations' factors (one layer × layers × microbatches in
+    flight, the recomputation and the attention kernel) and each communication buffer."""
+    if not parts:
+        return ": " + ", ".join(f"{k} {human_bytes(mem[k])}" for k in ("weights", "gradients", "optimizer",
+                                                                         "activations"))
+    d, zero = parts["shards"], parts["zero"]
+
+    def each(name: str, sharded: bool) -> str:
+        return f"{parts[name + '_bytes']} bytes a parameter" + (f" ÷ {d}" if sharded and d > 1 else "")
+
+    terms = [f"weights {human_bytes(parts['weights'])} ({each('weight', zero == 3)})"]
+    if parts["fp8_copies"]:
+        terms.append(f"fp8 copies {human_bytes(parts['fp8_copies'])}")
+    terms += [f"gradients {human_bytes(parts['gradients'])} ({each('grad', zero >= 2)})",
+              f"optimizer {human_bytes(parts['optimizer'])} ({each('optimizer', zero >= 1)})",
+              f"activations {human_bytes(parts['activations'])} ({human_bytes(parts['layer_bytes'])} a layer and "
+              f"microbatch × {parts['layers']} layers × {parts['in_flight']:.3g} "
+              f"microbatch{'es' * (parts['in_flight'] != 1)} in flight + "
+              f"{human_bytes(parts['ends_bytes'])} at the ends; recompute {parts['recompute']}, "
+              f"{parts['attention']} attention)"]
+    terms += [f"{name.replace('_', ' ')} buffer {human_bytes(b)}" for name, b in parts["buffers"].items()]
     return ": " + ", ".join(terms)
 
 

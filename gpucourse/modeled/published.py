@@ -43,6 +43,7 @@ class Published:
     split: str = "heldout"           # "fit": constants may be tuned on it; "heldout": only ever checked
     choice: str = ""                 # where the source compared layouts: the one it chose, and against what
     chosen: tuple = ()               # that choice as (field, value) pairs a planned row must match (see agreement)
+    ends_as_layers: bool = False     # the embedding and the loss each take a layer's place in the pipeline's split
 
     @property
     def tolerance(self) -> float:
@@ -81,9 +82,14 @@ SC21 = ("Narayanan et al. 2021, Efficient Large-Scale Language Model Training on
 MCORE_H100 = ("Megatron-LM README (github.com/NVIDIA/Megatron-LM), weak-scaling table of GPT models on H100 "
               "(images/model_table.png): sequence 4096, vocabulary 131072")
 LLAMA3 = "Llama 3 Herd of Models (Dubey et al. 2024, arXiv:2407.21783), Table 4"
+# Its section 3.3.2 says how the 405B ran besides: no activation checkpointing at 8K tokens, and a Transformer layer
+# fewer on the first and the last pipeline stage, where the embedding and the loss go (``ends_as_layers``).
 FOUNDRY = ("MosaicML llm-foundry, scripts/train/benchmarking/README.md: MFU tables (FSDP FULL_SHARD, FlashAttention; "
            "MFU = (6·N + 12·L·C·T per token) over the bf16 peak)")
 MEGASCALE = "Jiang et al. 2024, MegaScale: Scaling Large Language Model Training to More Than 10,000 GPUs (NSDI), Table 2"
+# Megatron-LM's --hidden-dropout and --attention-dropout default to 0.1 and the Megatron rows' sources do not change
+# them: their layers keep dropout's masks (what the memory model counts; the timing model does not read it).
+MEGATRON_DROPOUT = 0.1
 
 
 def _chose(tp: int, pp: int, at_scale: bool) -> dict:
@@ -106,7 +112,7 @@ def _sc21(layers, hidden, heads, tp, pp, dp, batch, tflops, split, v=0, name="")
         + (f"the interleaved schedule with {v} chunks per rank " if v else "") + "assumed (not in the table)",
         "a100", tflops * 1e12, "FLOP/s per GPU (Megatron's count)", "compute",
         dict(**_gpt(layers, hidden, heads, 51200, 2048), dp=dp, tp=tp, pp=pp, batch_size=batch,
-             precision="bf16", master_weights=True,
+             precision="bf16", master_weights=True, dropout=MEGATRON_DROPOUT,
              checkpoint_activations=True, **grid, **sched),
         params=12 * layers * hidden**2 + 51200 * hidden, metric="megatron_flops", framework="megatron-2021",
         split=split, **_chose(tp, pp, at_scale=tp * pp * dp >= 512))
@@ -142,7 +148,7 @@ def _mcore(params_b, layers, hidden, heads, tp, pp, batch, tflops, split, v=0):
         + (f", the interleaved schedule with {v} chunks per rank" if v else "") + " assumed (not in the table)",
         "h100", tflops * 1e12, "FLOP/s per GPU (model FLOPs)", "compute",
         dict(**_gpt(layers, hidden, heads, 131072, 4096), dp=dp, tp=tp, pp=pp, batch_size=batch,
-             precision="bf16", master_weights=True,
+             precision="bf16", master_weights=True, dropout=MEGATRON_DROPOUT,
              sequence_parallel=tp > 1, zero=1, **grid, **sched),
         params=12 * layers * hidden**2 + 2 * 131072 * hidden, metric="model_flops",
         framework="megatron-core-tp-overlap", split=split, **_chose(tp, pp, at_scale=tp * pp * dp >= 512))
@@ -176,7 +182,7 @@ def _megascale(dp: int, batch: int, mfu: float) -> Published:
         "a100", mfu / 100, "MFU", "compute",
         dict(**_gpt(96, 12288, 128, 64000, 2048), dp=dp, tp=8, pp=8, microbatches=batch // dp, batch_size=batch,
              schedule="interleaved-1f1b", virtual_stages=6, precision="bf16", master_weights=True,
-             sequence_parallel=True),
+             sequence_parallel=True, dropout=MEGATRON_DROPOUT),
         params=174.6e9, metric="mfu", framework="megatron-core")
 
 
@@ -247,7 +253,8 @@ RUNS = tuple([
         dict(**_gpt(126, 16384, 128, 128256, 8192), dp=64, tp=8, pp=16, microbatches=32, batch_size=2048,
              schedule="interleaved-1f1b", virtual_stages=2, precision="bf16", master_weights=True,
              sequence_parallel=True, zero=2),
-        params=405e9, metric="model_flops", shape="llama3-405b", framework="megatron-core", split="fit",
+        params=405e9, metric="model_flops", shape="llama3-405b", framework="megatron-core", ends_as_layers=True,
+        split="fit",
         choice="tp 8 × pp 16 (no cp) at 8192 tokens", chosen=(("tp", 8), ("pp", 16), ("cp", 1))),
     Published(
         "Llama 3 405B, 16384 H100 (tp 8, pp 16, dp 128)",
@@ -257,7 +264,7 @@ RUNS = tuple([
         dict(**_gpt(126, 16384, 128, 128256, 8192), dp=128, tp=8, pp=16, microbatches=16, batch_size=2048,
              schedule="interleaved-1f1b", virtual_stages=2, precision="bf16", master_weights=True,
              sequence_parallel=True, zero=2),
-        params=405e9, metric="model_flops", shape="llama3-405b", framework="megatron-core",
+        params=405e9, metric="model_flops", shape="llama3-405b", framework="megatron-core", ends_as_layers=True,
         choice="tp 8 × pp 16 (no cp) at 8192 tokens", chosen=(("tp", 8), ("pp", 16), ("cp", 1))),
     Published(
         "Llama 3 405B, 16384 H100, 131072 tokens (tp 8, cp 16, pp 16, dp 8)",
@@ -269,7 +276,7 @@ RUNS = tuple([
              zigzag=True, schedule="interleaved-1f1b", virtual_stages=2, precision="bf16", master_weights=True,
              sequence_parallel=True,
              zero=2),
-        params=405e9, metric="model_flops", shape="llama3-405b", framework="megatron-core",
+        params=405e9, metric="model_flops", shape="llama3-405b", framework="megatron-core", ends_as_layers=True,
         choice="tp 8 × cp 16 × pp 16 at 131072 tokens", chosen=(("tp", 8), ("pp", 16), ("cp", 16))),
     # --- H100: FSDP (llm-foundry) ---------------------------------------------------------------------------------
     _foundry("MPT-70B", 80, 8192, 64, "h100", 512, 2048, 8, 1, 41.25, True, "fit"),
@@ -359,7 +366,7 @@ def memory(run: Published) -> dict:
 
     cfg = TrainConfig(**run.layout)
     shape = get_shape(run.shape or {k: v for k, v in cfg.overrides.items() if k != "block_size"})
-    mem = memory_of(cfg, shape, framework=run.framework or DEFAULT_FRAMEWORK)
+    mem = memory_of(cfg, shape, framework=run.framework or DEFAULT_FRAMEWORK, ends_as_layers=run.ends_as_layers)
     usable = get_gpu(run.gpu).usable_bytes()
     return {**mem, "name": run.name, "usable": usable, "fits": mem["max_total"] <= usable}
 

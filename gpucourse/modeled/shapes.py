@@ -132,14 +132,19 @@ class Shape:
         """Every routed expert's parameters, over all MoE blocks (what expert parallelism splits)."""
         return self.moe_layers * self.experts * self._mlp_params(self.expert_width)
 
-    def stage_params(self, pp: int, stage: int, tp: int = 1, ep: int = 1) -> tuple[float, float]:
+    def stage_params(self, pp: int, stage: int, tp: int = 1, ep: int = 1, ids=None, first: bool | None = None,
+                     last: bool | None = None) -> tuple[float, float]:
         """(all, of which routed experts) parameters one rank holds on pipeline stage ``stage`` of ``pp``: its
         blocks' 1/tp (experts also 1/ep; replicated K/V heads whole), the embedding on the first stage, the head and
         final norm on the last. The blocks split as the runtime splits them (``parallel.pipeline.stage_blocks``,
-        which imports torch: an even split, earlier stages one more)."""
-        per, extra = divmod(self.layers, pp)
-        start = stage * per + min(stage, extra)
-        ids = range(start, start + per + (stage < extra))
+        which imports torch: an even split, earlier stages one more), or are the layer ``ids`` given; ``first`` and
+        ``last`` say whether the rank holds the embedding and the head, where they are not its stage's."""
+        if ids is None:
+            per, extra = divmod(self.layers, pp)
+            start = stage * per + min(stage, extra)
+            ids = range(start, start + per + (stage < extra))
+        first = stage == 0 if first is None else first
+        last = stage == pp - 1 if last is None else last
         C, d = self.hidden, self.head_dim
         attention = 2 * C * self.heads * d / tp + 2 * C * d * self.kv_heads_per_rank(tp)
         total = experts = 0.0
@@ -151,10 +156,10 @@ class Shape:
                 experts += routed
             else:
                 total += self._mlp_params(self.width) / tp
-        if stage == 0:
+        if first:
             total += self.vocab * C / tp
-        if stage == pp - 1:
-            total += (0 if self.tied and pp == 1 else self.vocab * C / tp) + C
+        if last:
+            total += (0 if self.tied and first else self.vocab * C / tp) + C
         return total, experts
 
     # --- FLOPs -------------------------------------------------------------------------------------------------------
