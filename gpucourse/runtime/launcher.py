@@ -461,8 +461,9 @@ def _worker_error(run_dir: str, failures: dict) -> WorkerError:
         # exit the agent saw first came before those. When that rank is not listed, it ended after this note was
         # taken, so nothing had been stopped yet and every rank listed ended on its own.
         rank = agent_first if agent_first in gone else gone[0]
-    # The agent's exit code is known for its first exit only, which may be a peer's.
-    code = failures[rank].exitcode if rank in failures else None
+    # The agent's exit code is known for its first exit only, which may be a peer's; an isolated rank's wait status
+    # is written by its namespace's init before that ends (worker._enter_namespaces).
+    code = failures[rank].exitcode if rank in failures else _ended_code(run_dir, rank)
     if code is not None and code < 0:
         what = f"was killed by {signal.Signals(-code).name}"
     elif code is not None:
@@ -472,6 +473,17 @@ def _worker_error(run_dir: str, failures: dict) -> WorkerError:
     # A rank killed inside a collective (gloo aborts on a size mismatch) was last seen there.
     where = collective_status.read(collective_status.status_path(run_dir, rank)).get("waiting")
     return WorkerError(rank, "ProcessExit", f"the process {what}" + (f" while in collective {where}" if where else ""))
+
+
+def _ended_code(run_dir: str, rank: int) -> int | None:
+    """How an isolated rank's process ended, as an exit code (minus the signal's number if a signal ended it), from
+    the note its namespace's init wrote; None where there is none."""
+    try:
+        with open(os.path.join(run_dir, f"ended-{rank}.json")) as f:
+            status = json.load(f)["status"]
+        return os.waitstatus_to_exitcode(status)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 @contextlib.contextmanager

@@ -157,7 +157,7 @@ def _rank_main(fn, args: tuple, kwargs: dict, spec: dict):
         # on that lock forever.
         spec["all_started"].wait(spec["startup_s"])
         if spec.get("isolate"):
-            child = _enter_namespaces()
+            child = _enter_namespaces(os.path.join(run_dir, f"ended-{rank}.json"))
             if isinstance(child, str):
                 unisolated = child
             elif child is not None:  # this process, outside: the rank is the child
@@ -198,12 +198,14 @@ _OUTSIDE: socket.socket | None = None  # in an isolated rank: its end of the cha
 _OUTSIDE_LINE_BYTES = 1 << 20  # longest message the process outside reads (a note with a traceback fits)
 
 
-def _enter_namespaces():
+def _enter_namespaces(ended_path: str):
     """Fork this rank into new PID and IPC namespaces (and a user namespace, unless this process is root).
 
     In the parent: the child's pid and this end of their channel. The child is the first process of the new PID
-    namespace, its init: it forks the rank, reaps what ends there, and when the rank has ended says how on the
-    channel and ends too (the namespace with it). In the rank, with every descriptor closed but its output and that
+    namespace, its init: it forks the rank, reaps what ends there, and when the rank has ended writes its wait
+    status to ``ended_path`` (opened here, outside, and closed in the rank), says it on the channel, and ends too
+    (the namespace with it). The file is written before the init ends, so a peer that finds this rank gone and
+    blames it finds how it ended there too, whichever process the launcher's agent saw exit first. In the rank, with every descriptor closed but its output and that
     channel: None. The rank is not the init itself because a namespace's init takes no signal it has no handler
     for, even from itself: an abort() there would end as a SIGSEGV, a kill of itself not at all. Where
     the machine allows no such namespaces: why not, and nothing changed. The child's mount namespace is its
@@ -224,9 +226,11 @@ def _enter_namespaces():
         except OSError as e:
             return f"the user namespace could not map this user ({e})"
     ours, theirs = socket.socketpair()
+    ended = os.open(ended_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     pid = os.fork()
     if pid:
         theirs.close()
+        os.close(ended)
         return pid, ours
     # The child: it dies with the process outside, which it checks is still there after asking for that.
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -241,7 +245,7 @@ def _enter_namespaces():
     # Nothing of the launcher's is the rank's to use: of its descriptors only its output stays, and none of the
     # memory every rank shares with the launcher (its queues' locks, the barrier's counters), which would carry data
     # from rank to rank through /proc/self/mem.
-    keep = sorted({0, 1, 2, theirs.fileno()})
+    keep = sorted({0, 1, 2, theirs.fileno(), ended})
     for low, high in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
         os.closerange(low + 1, high)
     with open("/proc/self/maps") as f:
@@ -250,6 +254,7 @@ def _enter_namespaces():
         libc.munmap(ctypes.c_void_p(int(start, 16)), ctypes.c_size_t(int(end, 16) - int(start, 16)))
     rank = os.fork()
     if rank:  # the namespace's init: reap, and end once the rank has, saying how (its wait status)
+        theirs.sendall(b'{"forked": true}\n')  # the process outside looks its pid up (see _stand_in)
         while True:
             try:
                 pid, status = os.waitpid(-1, 0)
@@ -257,9 +262,11 @@ def _enter_namespaces():
                 os._exit(1)
             if pid == rank:
                 try:
+                    os.write(ended, json.dumps({"status": status}).encode())
                     theirs.sendall(json.dumps({"ended": status}).encode() + b"\n")
                 finally:
                     os._exit(0)
+    os.close(ended)  # the rank's own code must not write how it ended
     _OUTSIDE = theirs
     return None
 
@@ -271,7 +278,9 @@ def _tell_outside(message: dict) -> None:
 def _stand_in(child: int, channel: socket.socket, run_dir: str, rank: int):
     """Outside an isolated rank: write the notes it sends, then end as it ended (its value, or its exit, as the
     namespace's init saw it)."""
-    _note(run_dir, f"pid-{rank}.json", {"pid": child})  # the process that runs the rank, for silent_exits
+    # For silent_exits, the process that runs the rank: the init until it says it has forked the rank, then the rank
+    # itself (as pid here), which a peer failing on its closed connections finds gone as soon as its exit begins.
+    _note(run_dir, f"pid-{rank}.json", {"pid": child})
     ended = None
     with channel, channel.makefile("rb") as lines:
         for line in iter(lambda: lines.readline(_OUTSIDE_LINE_BYTES), b""):
@@ -280,6 +289,9 @@ def _stand_in(child: int, channel: socket.socket, run_dir: str, rank: int):
                 name, payload = message.get("note"), message.get("payload")
             except (ValueError, AttributeError):
                 continue  # a line cut at the limit, or not ours: the rank's own code can write here too
+            if message.get("forked"):
+                _note(run_dir, f"pid-{rank}.json", {"pid": _only_child(child) or child})
+                continue
             if "ended" in message and isinstance(message["ended"], int):
                 ended = message["ended"]  # the init's word, its last: how the rank ended
                 continue
@@ -299,6 +311,16 @@ def _stand_in(child: int, channel: socket.socket, run_dir: str, rank: int):
         os.kill(os.getpid(), os.WTERMSIG(status))
     sys.stdout.flush()
     os._exit(os.waitstatus_to_exitcode(status))  # ended without its value: as it ended (os._exit(0) too)
+
+
+def _only_child(pid: int) -> int | None:
+    """The one child of process ``pid``, by its pid here (an isolated rank's, seen from outside its namespace)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = f.read().split()
+    except OSError:  # a kernel without the children file
+        return None
+    return int(children[0]) if len(children) == 1 else None
 
 
 _PF_EXITING = 0x4  # in the flags of /proc/<pid>/stat: the process has begun to exit
