@@ -88,7 +88,11 @@ def test_waiting_for_a_peer_is_idle_in_the_measured_timeline(runs):
     naive, one_f_one_b = (profiling.time_shares(runs[n].timeline, [1, 2]) for n in ("naive", "1f1b"))
     idle = {n: sum(s["idle"] for s in shares.values()) / PP for n, shares in (("naive", naive), ("1f1b", one_f_one_b))}
     # The naive pipeline keeps one stage of four busy: (p-1)/p = 75% idle, measured as waiting, not as transfer.
-    assert idle["naive"] >= 0.5
+    # Quiet, each rank measures about 0.7 idle; with four ranks on two busy cores, a rank descheduled inside its
+    # compute stretches that span, and the mean idle share fell to 0.48 at a load of 2. On every rank, idle still
+    # outweighs compute and transfer each: a wait counted as transfer would make transfer the larger.
+    for rank, share in naive.items():
+        assert share["idle"] > max(share["compute"], share["comm"]), (rank, share)
     assert idle["1f1b"] < idle["naive"]
     waits = [s for s in runs["naive"].timeline if s["kind"] == "comm" and s.get("wait_s")]
     assert waits and all(0 <= s["wait_s"] <= s["end_s"] - s["start_s"] for s in waits)
