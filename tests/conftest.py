@@ -27,16 +27,20 @@ def own_progress_file(tmp_path, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def no_seat_users_left():
+def no_seat_users_left(tmp_path_factory):
     """As root, a workshop's prepare() makes a Unix user per seat (gpucourse.workshop.accounts): those a test made
-    are removed after it, whether it ended well or not, so that none is left on the machine."""
+    are removed after it, whether it ended well or not, so that none is left on the machine. Only those whose home
+    (the seat's folder) lies in this run's own temporary folders: another run of the suite on the machine at the
+    same time keeps its own."""
     if os.geteuid() != 0:
         yield
         return
     before = {entry.pw_name for entry in pwd.getpwall()}
     yield
+    ours = str(tmp_path_factory.getbasetemp()) + os.sep
     for entry in pwd.getpwall():
-        if entry.pw_name not in before and re.fullmatch(r"gc[0-9a-f]{6}-seat\d+", entry.pw_name):
+        if entry.pw_name not in before and re.fullmatch(r"gc[0-9a-f]{6}-seat\d+", entry.pw_name) \
+                and entry.pw_dir.startswith(ours):
             subprocess.run(["userdel", entry.pw_name], check=True, capture_output=True)
 
 

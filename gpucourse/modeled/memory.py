@@ -559,11 +559,13 @@ def format_parts(parts: dict, indent: str = "  ") -> list[str]:
              ("optimizer", parts["optimizer"], f"× {parts['optimizer_bytes']} bytes ({moments}){over['optimizer']}"),
              ("activations", parts["activations"],
               f"{hb(parts['layer_bytes'])} a layer and microbatch × {parts['layers']} layers × "
-              f"{parts['in_flight']:.3g} microbatch{'es' * (parts['in_flight'] != 1)} in flight + "
-              f"{hb(parts['ends_bytes'])} at the pipeline's ends; "
+              f"{parts['in_flight']:.3g} microbatch{'es' * (parts['in_flight'] != 1)} in flight\n"
+              f"+ {hb(parts['ends_bytes'])} at the pipeline's ends; "
               f"recompute {parts['recompute']}, {parts['attention']} attention")]
     rows += [("buffers", b, BUFFERS.get(name, name)) for name, b in parts["buffers"].items()]
-    lines = [f"{indent}{name:<12}{hb(value):>12}  {why}" for name, value, why in rows]
+    # A why of two lines goes on under its first, so that each printed line keeps to a notebook's width.
+    under = "\n" + " " * (len(indent) + 26)
+    lines = [f"{indent}{name:<12}{hb(value):>12}  {why.replace(chr(10), under)}" for name, value, why in rows]
     lines.append(f"{indent}{'total':<12}{hb(parts['total']):>12}")
     return lines
 
