@@ -105,6 +105,12 @@ WRONG_ANSWERS = {
     "ex02_data_parallel/compacts_batch_in_place": ([EX02_CONTRACT], "contract 'inputs unchanged'"),
     "ex02_data_parallel/shares_by_view": ([EX02_CONTRACT], "contract 'any strides'"),
     "ex02_data_parallel/float32_buffer": ([EX02_CONTRACT], "contract 'keeps the dtype'"),
+    # Inputs the cases never took before they were drawn (gpucourse.grading.generated): a gradient strided as a
+    # parameter stored transposed has it, a model with no gradient at all.
+    "ex02_data_parallel/flattens_a_copy": (["average_gradients averages over 2 ranks"], "stored transposed"),
+    "ex02_data_parallel/one_flat_buffer": (["average_gradients averages over 2 ranks"], "a gradient on no parameters"),
+    "ex02_data_parallel/steps_by_hand": (["one step on 2 ranks equals the single-device step"],
+                                         "1 row a rank, a float32 model"),
     "ex03_gradient_buckets/forward_order": (["buckets follow gradient-ready order"], "forward order"),
     "ex03_gradient_buckets/cap_off_by_one": (["buckets respect the size cap"], "as far as the cap allows"),
     "ex03_gradient_buckets/sync_in_finish": (["one async all-reduce per bucket, during backward"],
@@ -190,7 +196,7 @@ WRONG_ANSWERS = {
                                               "after the overflow"),
     # Inputs the cases never took before they were drawn (gpucourse.grading.generated): several parameter groups.
     "ex08_loss_scaler/first_group_only": (["training with overflows follows torch.amp.GradScaler"],
-                                          "2 parameter groups"),
+                                          "1 row a rank, a float32 model"),
     "ex08_loss_scaler/no_allreduce": (["ranks agree on skipping a step (2 ranks)",
                                        "collectives use the group passed in (3 ranks)"], "stepped anyway"),
     "ex08_loss_scaler/step_drops_group": (["collectives use the group passed in (3 ranks)"], "on the default group"),

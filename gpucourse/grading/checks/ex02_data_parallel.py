@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import contracts
+from .. import contracts, generated
 from ..core import Exercise, Fail, describe_mismatch
-from ..probes.ex02_data_parallel import Net, build_net
+from ..generated import DTYPES, Int, Many, One, Shape, Space
+from ..probes.ex02_data_parallel import Net, build_net, make_optimizer
 
 EXERCISE = Exercise("ex02_data_parallel", "Data-parallel gradient averaging", "notebooks/02_data_parallelism.ipynb",
                     forbidden_names=("torch.nn.parallel.DistributedDataParallel",
@@ -131,20 +132,66 @@ def _judge_average(ctx, outs: list, grads: list, weights: dict) -> None:
 
 @EXERCISE.check("average_gradients averages over 2 ranks", points=2, world_size=2, hint=(
     "dist.all_reduce sums a tensor over the ranks, in place. The average is that sum divided by the world "
-    "size, once. Each rank must end with the same gradients, and only .grad may change."))
+    "size, once. Each rank must end with the same gradients, and only .grad may change. All-reduce p.grad "
+    "itself: for a parameter stored transposed .reshape(-1) and .flatten() hand you a copy, whose average never "
+    "reaches p.grad, and a model with no gradient at all makes torch.cat([]) raise."))
 def averages(ctx):
     for key in ("fixed", "random"):
         _judge_average(ctx, *_average(ctx, key))
+    generated.for_all(ctx, MODELS, lambda case: _averages_drawn(ctx, case), count=6, describe=_model_words)
+
+
+# Models a training loop hands average_gradients: a matrix and 0 to 3 other parameters (0-d, one element, odd,
+# empty), in one of fp32, fp64, fp16 and bf16; matrices stored transposed or not, their gradients strided alike, as
+# autograd makes them; a gradient on every parameter, on every other one, or on none; rank 0's all exactly zero.
+MODELS = Space(pairs=("layout", "grads"), matrix=Shape(("matrix",)), others=Many(Shape(), 0, 3), dtype=One(DTYPES),
+               layout=One(("contiguous", "transposed")), grads=One(("every", "every other", "no")),
+               zero=One((False, True)))
+
+
+def _model_words(case: dict) -> str:
+    transposed = case["layout"] == "transposed"
+    shapes = [generated.shape_words(s) + (" stored transposed" if transposed and len(s) == 2 and min(s) > 1 else "")
+              for s in (case["matrix"], *case["others"])]
+    return (f"a {generated.name(case['dtype'])} model with parameters [{', '.join(shapes)}], a gradient on "
+            f"{case['grads']} parameter{'s' * (case['grads'] == 'no')}"
+            + (", rank 0's gradients all exactly zero" if case["zero"] else ""))
+
+
+def _averages_drawn(ctx, case: dict) -> str | None:
+    shapes, dtype, n = (case["matrix"], *case["others"]), case["dtype"], ctx.world_size
+    weights = [generated.tensor(case, s, dtype, "weight", i) for i, s in enumerate(shapes)]
+    has = [case["grads"] == "every" or (case["grads"] == "every other" and i % 2 == 0) for i in range(len(shapes))]
+    grads = [[generated.tensor(case, s, dtype, "grad", r, i) * (0 if r == 0 and case["zero"] else 1) if h else None
+              for i, (s, h) in enumerate(zip(shapes, has))] for r in range(n)]
+    outs = ctx.probe_all("average_drawn", [(weights, grads[r], case["layout"] == "transposed") for r in range(n)])
+    for out in outs:
+        for i, (w, h) in enumerate(zip(weights, has)):
+            got = out.value["grads"].get(f"p{i}")
+            what = f"rank {out.rank}: p{i}.grad"
+            if not h:
+                if got is not None:
+                    return f"{what} is {generated.kind(got)} after average_gradients; it was None, and must stay so"
+                continue
+            want = (sum(g[i].double() for g in grads) / n).to(dtype)
+            problem = generated.mismatch(what, got, want)
+            if problem and torch.is_tensor(got) and contracts.same_bits(got, grads[out.rank][i]):
+                return f"{problem}; it is still this rank's own gradient, not averaged with the others'"
+            if problem:
+                return problem
+            if not contracts.same_bits(out.value["weights"].get(f"p{i}"), w):
+                return f"rank {out.rank}: average_gradients changed the weight p{i}; only .grad may change"
+    return None
 
 
 # --- data_parallel_step --------------------------------------------------------------------------------------
 
 
-def _step_alone(weights: dict, x: torch.Tensor, y: torch.Tensor):
-    """The step one device takes on rows ``x``: the model after it (its .grad the gradient of the mean loss), in the
-    weights' dtype."""
+def _step_alone(weights: dict, x: torch.Tensor, y: torch.Tensor, optimizer: dict | None = None):
+    """The step one device takes on rows ``x`` (plain SGD, or the optimizer ``optimizer`` describes): the model after
+    it (its .grad the gradient of the mean loss), in the weights' dtype."""
     model = build_net(weights)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = make_optimizer(model, LR, optimizer)
     opt.zero_grad()
     F.mse_loss(model(x), y).backward()
     opt.step()
@@ -269,9 +316,40 @@ def _equals_single_device(ctx):
     "Every rank's loss is a mean over its share, so averaging the ranks' gradients (dividing the sum by n "
     "once) gives the gradient of the mean over the whole batch. Clear the gradients left from an earlier "
     "step before backward (optimizer.zero_grad()), or they are added in. Average the gradients, not the "
-    "weights, before optimizer.step(): with momentum or Adam only that is the single device's step."))
+    "weights, before optimizer.step(): with momentum or Adam only that is the single device's step, and "
+    "optimizer.step() itself takes it, whatever the optimizer and its parameter groups."))
 def equals_single_2(ctx):
     _equals_single_device(ctx)
+    generated.for_all(ctx, STEPS, lambda case: _steps_drawn(ctx, case), count=3, describe=_step_words)
+
+
+# Steps a training loop takes: 1 to 3 rows a rank, a float32 or float64 model, plain SGD, SGD with momentum or
+# Adam, over one parameter group or two with their own learning rates.
+STEPS = Space(optimizer=One(("SGD", "SGD with momentum", "Adam")), groups=Int(1, 2), rows=Int(1, 3),
+              dtype=One((torch.float32, torch.float64)))
+
+
+def _step_words(case: dict) -> str:
+    groups = "one parameter group" if case["groups"] == 1 else f"2 parameter groups (lr {LR:g} and {LR / 5:g})"
+    return (f"{case['rows']} row{'s' * (case['rows'] > 1)} a rank, a {generated.name(case['dtype'])} model, "
+            f"{case['optimizer']} over {groups}")
+
+
+def _steps_drawn(ctx, case: dict) -> str | None:
+    n, dtype = ctx.world_size, case["dtype"]
+    rows = n * case["rows"]
+    x, y = generated.tensor(case, (rows, 5), dtype, "x"), generated.tensor(case, (rows, 3), dtype, "y")
+    weights = {k: w.to(dtype) for k, w in _weights(ctx).items()}
+    spec = {"kind": case["optimizer"], "groups": case["groups"]}
+    outs = ctx.probe_all("step", [(x, y, weights, {}, LR, spec)] * n)
+    alone = dict(_step_alone(weights, x, y, spec).named_parameters())
+    for out in outs:
+        for k in (*TRAINABLE, *NO_GRAD):
+            problem = generated.mismatch(f"rank {out.rank}: {k} after the step", out.value["weights"].get(k),
+                                         alone[k].detach())
+            if problem:
+                return f"{problem} (compared with one device taking the step on the whole batch)"
+    return None
 
 
 @EXERCISE.check("the contract: the batch left as it was, views accepted, float64 kept (2 ranks)", points=1,

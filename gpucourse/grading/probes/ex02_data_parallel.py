@@ -56,18 +56,56 @@ def average(learner, weights: dict, grads: dict) -> dict:
     return _state(model)
 
 
-def step(learner, inputs: torch.Tensor, targets: torch.Tensor, weights: dict, stale: dict, lr: float) -> dict:
-    """One ``data_parallel_step`` with plain SGD and the mean squared error, on a model whose gradients hold
-    ``stale`` (left from "an earlier step"), given ``inputs`` and ``targets`` as they came (views stay views).
+class Drawn(nn.Module):
+    """Parameters of drawn shapes and one dtype, named p0, p1, ...: the model of a drawn case."""
+
+    def __init__(self, weights: list, transposed: bool):
+        super().__init__()
+        for i, w in enumerate(weights):
+            # A matrix stored transposed (column-major, as a weight converted from a (in, out) checkpoint is): its
+            # gradient has the same strides, as autograd gives it.
+            kept = w.t().contiguous().t() if transposed and w.dim() == 2 else w.clone()
+            self.register_parameter(f"p{i}", nn.Parameter(kept))
+
+
+def average_drawn(learner, weights: list, grads: list, transposed: bool) -> dict:
+    """``average_gradients`` on a :class:`Drawn` model whose parameter i holds ``grads[i]`` (None: no gradient),
+    laid out like the parameter; every parameter's weight and gradient afterwards."""
+    model = Drawn(weights, transposed)
+    for p, g in zip(model.parameters(), grads):
+        if g is not None:
+            p.grad = torch.empty_like(p).copy_(g)
+    learner.average_gradients(model)
+    return _state(model)
+
+
+def make_optimizer(model: Net, lr: float, spec: dict | None = None) -> torch.optim.Optimizer:
+    """Plain SGD at ``lr``; or as ``spec`` says: ``{"kind": "SGD" | "SGD with momentum" | "Adam", "groups": 1 or 2}``,
+    two groups putting fc1's parameters at ``lr`` and the others at ``lr / 5``."""
+    spec = spec or {"kind": "SGD", "groups": 1}
+    named = list(model.named_parameters())
+    groups = ([{"params": [p for _, p in named]}] if spec["groups"] == 1 else
+              [{"params": [p for n, p in named if n.startswith("fc1")]},
+               {"params": [p for n, p in named if not n.startswith("fc1")], "lr": lr / 5}])
+    if spec["kind"] == "Adam":
+        return torch.optim.Adam(groups, lr=lr)
+    return torch.optim.SGD(groups, lr=lr, momentum=0.9 if spec["kind"] == "SGD with momentum" else 0.0)
+
+
+def step(learner, inputs: torch.Tensor, targets: torch.Tensor, weights: dict, stale: dict, lr: float,
+         optimizer: dict | None = None) -> dict:
+    """One ``data_parallel_step`` with the mean squared error and plain SGD (or the optimizer ``optimizer`` describes,
+    see :func:`make_optimizer`), on a model whose gradients hold ``stale`` (left from "an earlier step"), given
+    ``inputs`` and ``targets`` as they came (views stay views).
     What the model's forward saw, the weights and gradients afterwards, when the optimizer stepped (the clock of
     the collectives' records), and under ``"contract"`` what the call returned and left of its inputs."""
     model = build_net(weights)
     for name, p in model.named_parameters():
         if name in stale:
             p.grad = stale[name].clone()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = make_optimizer(model, lr, optimizer)
     steps: list[float] = []
-    optimizer.register_step_pre_hook(lambda *_: steps.append(elapsed()))
-    value = learner.data_parallel_step(model, optimizer, F.mse_loss, inputs, targets)
+    opt.register_step_pre_hook(lambda *_: steps.append(elapsed()))
+    value = learner.data_parallel_step(model, opt, F.mse_loss, inputs, targets)
     return {**_state(model), "seen": list(model.seen), "steps": steps,
             "contract": {"value": value, "after": {"step": (inputs, targets)}}}
