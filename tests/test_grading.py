@@ -104,7 +104,8 @@ WRONG_ANSWERS = {
                                              "one step on 3 ranks equals the single-device step"], "not averaged"),
     "ex02_data_parallel/compacts_batch_in_place": ([EX02_CONTRACT], "contract 'inputs unchanged'"),
     "ex02_data_parallel/shares_by_view": ([EX02_CONTRACT], "contract 'any strides'"),
-    "ex02_data_parallel/float32_buffer": ([EX02_CONTRACT], "contract 'keeps the dtype'"),
+    "ex02_data_parallel/float32_buffer": ([EX02_CONTRACT, "average_gradients averages over 2 ranks"],
+                                          "contract 'keeps the dtype'"),
     # Inputs the cases never took before they were drawn (gpucourse.grading.generated): a gradient strided as a
     # parameter stored transposed has it, a model with no gradient at all.
     "ex02_data_parallel/flattens_a_copy": (["average_gradients averages over 2 ranks"], "stored transposed"),
@@ -120,7 +121,12 @@ WRONG_ANSWERS = {
                                             "after the last gradient"),
     "ex03_gradient_buckets/wait_in_hook": (["one async all-reduce per bucket, during backward"],
                                            "waited for the all-reduce"),
-    "ex03_gradient_buckets/float32_buffers": ([EX03_CONTRACT], "contract 'keeps the dtype'"),
+    "ex03_gradient_buckets/float32_buffers": ([EX03_CONTRACT, "finish() leaves the averaged gradients"],
+                                             "contract 'keeps the dtype'"),
+    # Inputs the cases never took before they were drawn (gpucourse.grading.generated): parameters in bf16, fp16 or
+    # float64, a gradient strided as a parameter stored transposed has it.
+    "ex03_gradient_buckets/four_bytes_each": (["buckets respect the size cap"], "at numel() * element_size() bytes"),
+    "ex03_gradient_buckets/views_in_hook": (["finish() leaves the averaged gradients"], "stored transposed"),
     "ex04_zero1/no_allgather": (["a ZeRO-1 step equals Adam on one device (2 ranks)",
                                  "3 ranks, sizes not divisible by 3", EX04_CONTRACT], "never arrived"),
     "ex04_zero1/floor_shard": (["shard_bounds cuts a buffer into padded shards",

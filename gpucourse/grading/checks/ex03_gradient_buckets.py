@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 
 from ...parallel.data_parallel_buckets import assign_buckets as reference_buckets
-from .. import contracts, traffic
+from .. import contracts, generated, traffic
 from ..core import Exercise, Fail, describe_mismatch
-from ..probes.ex03_gradient_buckets import build_model, loss_of
+from ..generated import DTYPES, Many, One, Shape, Space
+from ..probes.ex03_gradient_buckets import Drawn, build_model, drawn_loss, loss_of
 
 EXERCISE = Exercise("ex03_gradient_buckets", "Gradient buckets overlapped with backward",
                     "notebooks/02_data_parallelism.ipynb",
@@ -108,7 +109,8 @@ def ready_order(ctx):
 @EXERCISE.check("buckets respect the size cap", points=2, hint=(
     "Walk the parameters once, keeping the current bucket's size in bytes (numel * element_size). A "
     "parameter joins the current bucket if the bucket stays at or under the cap with it; otherwise it starts "
-    "a new one. A parameter larger than the cap still needs a bucket: its own. A bucket may be exactly full."))
+    "a new one. A parameter larger than the cap still needs a bucket: its own. A bucket may be exactly full. A "
+    "parameter's bytes are numel() * element_size(), whatever its dtype: 2 for bf16, 8 for float64."))
 def size_cap(ctx):
     spec = _spec(ctx)
     params = dict(build_model(spec).named_parameters())
@@ -129,11 +131,53 @@ def size_cap(ctx):
                            f"({', '.join(got[over[0]])})")
             raise Fail(f"with a cap of {cap} bytes the buckets are {got} (sizes {sizes} bytes); "
                        f"filling each as far as the cap allows gives {want}")
+    generated.for_all(ctx, BUCKETS, lambda case: _buckets_drawn(ctx, case), count=5, describe=_bucket_words)
 
 
 def _name_buckets(params: dict, order: list[str], cap: int) -> list[list[str]]:
     name_of = {id(params[n]): n for n in order}
     return [[name_of[id(p)] for p in b] for b in reference_buckets([params[n] for n in order], cap)]
+
+
+# Models a training loop hands the sync: 1 to 5 parameters, 0-d, of one element, odd, matrices or empty, each in its
+# own dtype of fp32, fp64, fp16 and bf16 (a bf16 model keeps its norms in fp32), every other one frozen or none;
+# caps smaller than any parameter, of half the model, or of all of it.
+BUCKETS = Space(shapes=Many(Shape(), 1, 5), dtypes=Many(One(DTYPES), 5, 5), frozen=One((False, True)))
+
+
+def _param_words(shape: tuple, dtype: torch.dtype, transposed: bool = False) -> str:
+    """A parameter in words: "float16, 1 element", "float64, 3×5 stored transposed", "float32, 0-d"."""
+    size = (f"{shape[0]} element{'s' * (shape[0] > 1)}" if len(shape) == 1 and shape[0] else
+            generated.shape_words(shape))
+    return f"{generated.name(dtype)}, {size}" + (" stored transposed" if transposed and len(shape) == 2 and
+                                                 min(shape) > 1 else "")
+
+
+def _bucket_words(case: dict) -> str:
+    params = [_param_words(s, d) + (" frozen" if case["frozen"] and i % 2 else "")
+              for i, (s, d) in enumerate(zip(case["shapes"], case["dtypes"]))]
+    return f"a model with parameters [{'; '.join(params)}]"
+
+
+def _buckets_drawn(ctx, case: dict) -> str | None:
+    weights = [generated.tensor(case, s, d, i) for i, (s, d) in enumerate(zip(case["shapes"], case["dtypes"]))]
+    frozen = [i for i in range(len(weights)) if case["frozen"] and i % 2]
+    params = dict(Drawn(weights, frozen).named_parameters())
+    sizes = [_nbytes(p) for p in params.values()]
+    caps = sorted({max(min(sizes) - 1, 0), sum(sizes) // 2, sum(sizes)})
+    for cap, got in zip(caps, ctx.probe("buckets_drawn", weights, frozen, caps).value):
+        got = _as_names(got, f"assign_buckets(model, {cap})")
+        flat = [n for b in got for n in b]
+        trainable = [n for n, p in params.items() if p.requires_grad]
+        if sorted(flat) != sorted(trainable):
+            return (f"with a cap of {cap} bytes the buckets hold {sorted(flat)}; the trainable parameters are "
+                    f"{trainable}, each once")
+        want = _name_buckets(params, flat, cap)  # in the learner's own order: a wrong order costs the order check
+        if got != want:
+            bytes_of = [[_nbytes(params[n]) for n in b] for b in got]
+            return (f"with a cap of {cap} bytes the buckets are {got}, of {bytes_of} bytes; filling each as far as "
+                    f"the cap allows, at numel() * element_size() bytes a parameter, gives {want}")
+    return None
 
 
 # --- the sync, during training ----------------------------------------------------------------------------
@@ -206,9 +250,49 @@ def _step_comm(out, step: int) -> list[dict]:
 @EXERCISE.check("finish() leaves the averaged gradients", points=1, world_size=2, hint=(
     "Each hook copies p.grad into its place in the bucket's flat buffer; the all-reduce sums the buffers of "
     "all ranks in place. After waiting for it, divide by the world size and copy each parameter's slice back "
-    "into p.grad, shaped like the parameter."))
+    "into p.grad, shaped like the parameter. A gradient may be strided (a parameter stored transposed), where "
+    "p.grad.view(-1) raises: flatten with .reshape(-1), and copy back with p.grad.copy_(piece.view_as(p))."))
 def averages(ctx):
     _train(ctx, 1)
+    generated.for_all(ctx, SYNCS, lambda case: _syncs_drawn(ctx, case), count=4, describe=_sync_words)
+
+
+# Models trained through the sync: 1 to 4 parameters (0-d, one element, odd, matrices, empty) and a matrix, in one
+# of fp32, fp64, fp16 and bf16; matrices stored transposed or not (their gradients strided alike, as autograd makes
+# them); a cap smaller than any parameter or of half the model. One step: a second is its own check.
+SYNCS = Space(pairs=("layout", "cap"), matrix=Shape(("matrix",)), others=Many(Shape(), 0, 3), dtype=One(DTYPES),
+              layout=One(("contiguous", "transposed")), cap=One(("half the model", "below every parameter")))
+
+
+def _sync_words(case: dict) -> str:
+    transposed = case["layout"] == "transposed"
+    params = "; ".join(_param_words(s, case["dtype"], transposed) for s in (case["matrix"], *case["others"]))
+    return f"{case['cap']} as the cap, a model with parameters [{params}]"
+
+
+def _syncs_drawn(ctx, case: dict) -> str | None:
+    n, dtype = ctx.world_size, case["dtype"]
+    shapes = (case["matrix"], *case["others"])
+    weights = [generated.tensor(case, s, dtype, "weight", i) for i, s in enumerate(shapes)]
+    steps = [[[generated.tensor(case, s, dtype, "x", r, i) for i, s in enumerate(shapes)]] for r in range(n)]
+    sizes = [w.numel() * w.element_size() for w in weights]
+    cap = sum(sizes) // 2 if case["cap"] == "half the model" else max(min(sizes) - 1, 0)
+    outs = ctx.probe_all("train_drawn", [(weights, case["layout"] == "transposed", cap, steps[r]) for r in range(n)])
+    own = []  # each rank's gradients, as its autograd makes them
+    for r in range(n):
+        model = Drawn(weights)
+        drawn_loss(model, steps[r][0]).backward()
+        own.append([p.grad for p in model.parameters()])
+    for out in outs:
+        for i in range(len(shapes)):
+            got = out.value[0].get(f"p{i}")
+            want = (sum(g[i].double() for g in own) / n).to(dtype)
+            problem = generated.mismatch(f"rank {out.rank}: p{i}.grad after finish()", got, want)
+            if problem and torch.is_tensor(got) and contracts.same_bits(got, own[out.rank][i]):
+                return f"{problem}; it is still this rank's own gradient, not averaged"
+            if problem:
+                return problem
+    return None
 
 
 @EXERCISE.check("one async all-reduce per bucket, during backward", points=2, world_size=2, hint=(

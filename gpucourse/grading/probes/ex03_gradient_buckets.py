@@ -36,6 +36,43 @@ def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return (model(x) ** 2).mean()
 
 
+class Drawn(nn.Module):
+    """Parameters of drawn shapes and dtypes, named p0, p1, ...: the model of a drawn case. A matrix may be stored
+    transposed (column-major, as a weight converted from an (in, out) checkpoint is): autograd then makes its
+    gradient with the same strides."""
+
+    def __init__(self, weights: list, frozen: list | tuple = (), transposed: bool = False):
+        super().__init__()
+        for i, w in enumerate(weights):
+            kept = w.t().contiguous().t() if transposed and w.dim() == 2 else w.clone()
+            self.register_parameter(f"p{i}", nn.Parameter(kept, requires_grad=i not in frozen))
+
+
+def drawn_loss(model: Drawn, xs: list) -> torch.Tensor:
+    """The sum over the parameters of ``tanh(p * x)``, with this rank's ``xs`` (one tensor per parameter)."""
+    return sum((torch.tanh(p * x)).sum() for p, x in zip(model.parameters(), xs))
+
+
+def buckets_drawn(learner, weights: list, frozen: list, caps: list) -> list:
+    """What ``assign_buckets`` returns for a :class:`Drawn` model, for each cap."""
+    model = Drawn(weights, frozen)
+    return [learner.assign_buckets(model, cap) for cap in caps]
+
+
+def train_drawn(learner, weights: list, transposed: bool, cap: int, steps: list) -> list:
+    """A ``BucketedGradientSync`` on a :class:`Drawn` model; for each step's ``xs``: clear the gradients, backward of
+    :func:`drawn_loss`, ``finish()``. Every parameter's gradient after each step."""
+    model = Drawn(weights, (), transposed)
+    sync = learner.BucketedGradientSync(model, cap)
+    out = []
+    for xs in steps:
+        model.zero_grad(set_to_none=True)
+        drawn_loss(model, xs).backward()
+        sync.finish()
+        out.append({n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
 def buckets(learner, spec: dict, caps: list) -> list:
     """What ``assign_buckets`` returns for the model of ``spec``, for each cap."""
     model = build_model(spec)
