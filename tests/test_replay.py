@@ -85,15 +85,16 @@ def test_replay_schedule_and_planner_report_the_same_bubble(runs, name):
 
 
 def test_waiting_for_a_peer_is_idle_in_the_measured_timeline(runs):
-    naive, one_f_one_b = (profiling.time_shares(runs[n].timeline, [1, 2]) for n in ("naive", "1f1b"))
-    idle = {n: sum(s["idle"] for s in shares.values()) / PP for n, shares in (("naive", naive), ("1f1b", one_f_one_b))}
+    naive = profiling.time_shares(runs["naive"].timeline, [1, 2])
     # The naive pipeline keeps one stage of four busy: (p-1)/p = 75% idle, measured as waiting, not as transfer.
     # Quiet, each rank measures about 0.7 idle; with four ranks on two busy cores, a rank descheduled inside its
-    # compute stretches that span, and the mean idle share fell to 0.48 at a load of 2. On every rank, idle still
-    # outweighs compute and transfer each: a wait counted as transfer would make transfer the larger.
-    for rank, share in naive.items():
-        assert share["idle"] > max(share["compute"], share["comm"]), (rank, share)
-    assert idle["1f1b"] < idle["naive"]
+    # compute or a transfer stretches that span: the mean idle share fell to 0.48 at a load of 2, and at a load of 8
+    # one rank's idle share (0.39) was below its transfer's (0.41). Over the ranks, idle still outweighs compute and
+    # transfer each: a wait counted as transfer would make transfer the larger.
+    mean = {kind: sum(s[kind] for s in naive.values()) / PP for kind in ("compute", "comm", "idle")}
+    assert mean["idle"] > max(mean["compute"], mean["comm"]), (mean, naive)
+    # That 1F1B idles less (0.41 against 0.70 quiet, 0.42 against 0.48 at a load of 2) is held on the modeled
+    # clock below, where no other process shares the cores.
     waits = [s for s in runs["naive"].timeline if s["kind"] == "comm" and s.get("wait_s")]
     assert waits and all(0 <= s["wait_s"] <= s["end_s"] - s["start_s"] for s in waits)
     # A receive cannot end before its send started: the ranks' spans are on one clock.
