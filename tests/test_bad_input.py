@@ -212,7 +212,7 @@ def test_a_token_outside_the_vocabulary_is_refused_before_the_model_sees_it(tmp_
 
 
 def test_an_empty_trace_is_refused(tmp_path, capsys):
-    from gpucourse.serving import simulate
+    from gpucourse.modeled.serve_clock import simulate
 
     path = _json_file(tmp_path, [])
     assert refused(capsys, ["serve-bench", "--trace", path]).endswith(

@@ -11,7 +11,8 @@ import pytest
 from gpucourse.modeled import serve_plan
 from gpucourse.modeled.cluster import Cluster
 from gpucourse.modeled.gpus import get_gpu
-from gpucourse.serving import BlockAllocator, ModeledClock, Scheduler, Simulated, poisson_trace, serve
+from gpucourse.modeled.serve_clock import ModeledClock
+from gpucourse.serving import BlockAllocator, Scheduler, Simulated, poisson_trace, serve
 from gpucourse.serving.prefix_cache import PrefixCachingAllocator, with_prefix
 from gpucourse.modeled.shapes import get_shape
 from procs import REPO

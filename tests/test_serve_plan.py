@@ -329,7 +329,8 @@ def test_serve_benchs_clock_and_the_serving_model_are_one_step_function():
     said 7.25); a prompt chunk with decodes riding along costs less than the two steps apart."""
     from gpucourse.modeled.serve_plan import Chunk, step
     from gpucourse.modeled.serve_published import LLAMA2_7B
-    from gpucourse.serving import BlockAllocator, ModeledClock, Request, Scheduler
+    from gpucourse.modeled.serve_clock import ModeledClock
+    from gpucourse.serving import BlockAllocator, Request, Scheduler
 
     clock, sched = ModeledClock(), Scheduler(BlockAllocator(4096, 16), token_budget=512)
     for i in range(32):
@@ -361,7 +362,8 @@ def test_eight_chunks_cost_one_prefill_and_what_chunking_adds():
     reads the chunks before it — together under a quarter of the prefill. The clock of before charged 1.64 times."""
     from gpucourse.modeled.serve_plan import Chunk, step
     from gpucourse.modeled.serve_published import LLAMA2_7B
-    from gpucourse.serving import ModeledClock, Request, simulate
+    from gpucourse.modeled.serve_clock import ModeledClock, simulate
+    from gpucourse.serving import Request
 
     report = simulate([Request(0, 0.0, tuple(range(2048)), max_new_tokens=1)], 256, 16, token_budget=256)
     chunks = [it.seconds for it in report.iterations]

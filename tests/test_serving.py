@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpucourse.model import MODELS, GPTConfig, build_model
-from gpucourse.serving import (BlockAllocator, KVCache, ModeledClock, ModelRunner, OutOfBlocks, PagedKVCache, Request,
-                               Scheduler, generate, load_trace, poisson_trace, save_trace, serve, simulate,
-                               wall_clock)
+from gpucourse.modeled.serve_clock import ModeledClock, simulate
+from gpucourse.serving import (BlockAllocator, KVCache, ModelRunner, OutOfBlocks, PagedKVCache, Request, Scheduler,
+                               generate, load_trace, poisson_trace, save_trace, serve, wall_clock)
 from gpucourse.serving.kv_cache import inference
 
 MOE = GPTConfig(n_layer=2, moe_experts=4, moe_top_k=2)
@@ -307,7 +307,8 @@ def test_serve_bench_from_the_command_line(tmp_path, capsys):
     import json
 
     from gpucourse.cli import main
-    from gpucourse.serving import poisson_trace, save_trace, simulate
+    from gpucourse.modeled.serve_clock import simulate
+    from gpucourse.serving import poisson_trace, save_trace
 
     out = tmp_path / "s.json"
     assert main(["serve-bench", "--requests", "40", "--burst", "8", "--blocks", "48", "--json", str(out)]) == 0

@@ -21,8 +21,8 @@ from gpucourse.modeled import serve_plan
 from gpucourse.comm import RING_FACTOR
 from gpucourse.modeled.gpus import RESERVED_BYTES, get_gpu
 from gpucourse.model import MODELS, build_model
-from gpucourse.serving import (BlockAllocator, ModeledClock, Request, Scheduler, Sequence, generate, poisson_trace,
-                               simulate)
+from gpucourse.modeled.serve_clock import ModeledClock, simulate
+from gpucourse.serving import BlockAllocator, Request, Scheduler, Sequence, generate, poisson_trace
 from gpucourse.serving.metrics import Report
 from gpucourse.serving.parallel_decode import Layout, kv_heads_per_rank, step_bytes
 from gpucourse.serving.quantize import stored_bytes

@@ -10,8 +10,8 @@ import statistics
 import pytest
 
 from gpucourse.model import MODELS, build_model
-from gpucourse.serving import (BlockAllocator, ModeledClock, ModelRunner, Scheduler, Simulated, generate, poisson_trace,
-                               serve)
+from gpucourse.modeled.serve_clock import ModeledClock
+from gpucourse.serving import BlockAllocator, ModelRunner, Scheduler, Simulated, generate, poisson_trace, serve
 from gpucourse.serving.prefix_cache import PrefixCachingAllocator, block_hash, with_prefix
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]

@@ -9,7 +9,8 @@ import time
 
 from ..model import MODELS, build_model
 from ..course.readings import Reading, figure, interleave, ratio
-from ..serving import generate, poisson_trace, simulate
+from ..modeled.serve_clock import simulate
+from ..serving import generate, poisson_trace
 
 # A bursty trace: bursts of 16 requests, 4 bursts a second, more than the server keeps up with. The KV budget,
 # 256 blocks of 16 tokens (4096 tokens), holds at most 10 sequences at their maximum length (prompt + 256, what
@@ -49,7 +50,7 @@ def _served(requests: int, static: bool):
 @figure("continuous_vs_static_throughput", target=">= 1.5", quick=dict(requests=160), full=dict(requests=320))
 def continuous_vs_static_throughput(requests: int) -> Reading:
     """Output tokens per second of continuous batching over static batching, the same bursty trace and the same
-    KV memory (256 blocks of 16 tokens), on the modeled clock (scheduler.ModeledClock: serve_plan's step function
+    KV memory (256 blocks of 16 tokens), on the modeled clock (modeled.serve_clock.ModeledClock: serve_plan's step function
     for Llama 2 7B in bf16 on one H100),
     not this machine's. The details hold each side's summary, goodput under TTFT <= 2 s and TPOT <= 50 ms."""
     continuous, static = _served(requests, False), _served(requests, True)

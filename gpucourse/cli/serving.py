@@ -17,7 +17,8 @@ WALL_POOL_BYTES = 1 << 30  # what --clock wall sets aside for its KV pool: the c
 
 def cmd_serve_bench(args) -> int:
     from ..model import build_model
-    from ..serving import BlockAllocator, ModeledClock, ModelRunner, Scheduler, Simulated, poisson_trace
+    from ..modeled.serve_clock import ModeledClock
+    from ..serving import BlockAllocator, ModelRunner, Scheduler, Simulated, poisson_trace
     from ..serving import serve, wall_clock
 
     if args.json:

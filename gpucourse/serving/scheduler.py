@@ -21,8 +21,8 @@ nothing is re-planned until the batch ends.
 
 :func:`serve` drives a trace through a scheduler with a *runner* — :class:`ModelRunner` decodes with the
 model through a paged cache (its tokens equal plain generation for every request); :class:`Simulated` only
-counts tokens — and a *clock*: :func:`wall_clock` measures this machine, :class:`ModeledClock` models one
-iteration's seconds with the serving planner's own step function (``gpucourse.modeled.serve_plan.step``). The
+counts tokens — and a *clock*: :func:`wall_clock` measures this machine, :class:`gpucourse.modeled.serve_clock.ModeledClock`
+models one iteration's seconds with the serving planner's own step function (``gpucourse.modeled.serve_plan.step``). The
 result is a :class:`~gpucourse.serving.metrics.Report`: time to first token, time per output token, throughput,
 goodput.
 On the bench's bursty trace (``gpucourse bench --only continuous_vs_static_throughput``, modeled clock) continuous
@@ -227,58 +227,6 @@ def wall_clock(work, run):
     return time.perf_counter() - start, tokens
 
 
-@dataclass(frozen=True)
-class ModeledClock:
-    """Modeled seconds of an iteration: :func:`gpucourse.modeled.serve_plan.step` on the iteration's own work, the
-    step-time function the serving planner and ``gpucourse plan --serve`` use. The sequences that feed the one
-    token they made last are decodes, each reading its cache (what it holds cached, and the new token); the others
-    feed prompt chunks (a whole prompt, a token budget's piece of one, or a preempted sequence's recompute), each
-    attending to what it has cached and to its own tokens — all in one forward, every matmul one row a token fed,
-    as vLLM's scheduler batches prefill and decode. An iteration of one sequence or of fifty costs nearly the same,
-    as decode does.
-
-    ``shape`` (None: Llama 2 7B, the 7 B model with a 0.5 MB cache a token), ``gpu``, ``tp``, ``weights``, ``kv``:
-    what is served, as :mod:`gpucourse.modeled.serve_plan` takes them; the default is Llama 2 7B in bf16 on one H100."""
-
-    shape: object = None
-    gpu: str = "h100"
-    tp: int = 1
-    weights: str = "bf16"
-    kv: str = "bf16"
-
-    def parts(self, work) -> tuple[int, float, list]:
-        """The iteration as ``serve_plan.step`` takes it: (decodes, their mean context, prompt chunks)."""
-        from ..modeled.serve_plan import Chunk
-
-        decodes, held, chunks = 0, 0, []
-        for seq, n in work:
-            if n == 1 and seq.generated > 0 and seq.cached == len(seq.tokens) - 1:  # the token it made last
-                decodes, held = decodes + 1, held + seq.cached + 1
-            else:
-                chunks.append(Chunk(n, seq.cached, 1, seq.cached + n == len(seq.tokens)))
-        return decodes, held / decodes if decodes else 0.0, chunks
-
-    def step(self, work) -> dict:
-        """``serve_plan.step``'s whole answer for the iteration: seconds, and what they are made of."""
-        from ..modeled.serve_plan import step
-
-        decodes, context, chunks = self.parts(work)
-        return step(self._shape(), self.gpu, decodes, context, chunks, self.tp, weights=self.weights, kv=self.kv)
-
-    def seconds(self, work) -> float:
-        return self.step(work)["seconds"]
-
-    def __call__(self, work, run):
-        return self.seconds(work), run()
-
-    def _shape(self):
-        if self.shape is not None:
-            return self.shape
-        from ..modeled.serve_published import LLAMA2_7B
-
-        return LLAMA2_7B
-
-
 def serve(trace: list[Request], scheduler: Scheduler, runner, clock=wall_clock, on_iteration=None) -> Report:
     """Serve every request of ``trace``: arrivals join the queue on the clock, the scheduler plans each iteration,
     the runner makes its tokens and the clock says how long it took (``clock(work, run)`` calls ``run()`` and
@@ -311,10 +259,3 @@ def serve(trace: list[Request], scheduler: Scheduler, runner, clock=wall_clock, 
         if on_iteration is not None:
             on_iteration(len(scheduler.finished), len(trace), now)
     return Report(sorted(scheduler.finished, key=lambda s: s.request.id), log, scheduler.blocks.block_size)
-
-
-def simulate(trace: list[Request], num_blocks: int, block_size: int, static: bool = False,
-             token_budget: int | None = None, cost: ModeledClock = ModeledClock()) -> Report:
-    """Serve ``trace`` with no model, on the modeled clock: what the schedule alone does, in a blink."""
-    scheduler = Scheduler(BlockAllocator(num_blocks, block_size), static, token_budget, eos=-1)
-    return serve(trace, scheduler, Simulated(eos=-1), cost)
