@@ -167,8 +167,12 @@ WRONG_ANSWERS = {
     "ex06_tensor_parallel/column_grad_hook": (["column-parallel backward"], "once per layer"),
     "ex06_tensor_parallel/weight_view": (["column-parallel forward"], "view into a storage"),
     "ex06_tensor_parallel/frees_input_in_backward": ([EX06_CONTRACT], "contract 'inputs unchanged'"),
-    "ex06_tensor_parallel/float32_sum": ([EX06_CONTRACT], "contract 'keeps the dtype'"),
-    "ex06_tensor_parallel/flattens_with_view": ([EX06_CONTRACT], "contract 'any strides'"),
+    "ex06_tensor_parallel/float32_sum": ([EX06_CONTRACT, "row-parallel forward"], "contract 'keeps the dtype'"),
+    "ex06_tensor_parallel/flattens_with_view": ([EX06_CONTRACT, "column-parallel forward"], "contract 'any strides'"),
+    # Inputs the cases never took before they were drawn (gpucourse.grading.generated): a whole weight stored
+    # transposed, an input of one dimension.
+    "ex06_tensor_parallel/cuts_with_view": (["column-parallel forward"], "its weight stored transposed"),
+    "ex06_tensor_parallel/bias_unsqueezed": (["row-parallel forward"], "an input of 1 dimension"),
     "ex07_memory_estimate/adam_one_moment": (["fp32 with Adam: 16 bytes per parameter",
                                               "half precision: master weights, or autocast",
                                               "ZeRO stages 1 to 3 shard over dp",

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import contracts
+from .. import contracts, generated
 from ..core import Exercise, Fail, describe_mismatch, expect_close
+from ..generated import DTYPES, Int, One, Space
 
 EXERCISE = Exercise(
     "ex06_tensor_parallel", "Tensor-parallel linear layers", "notebooks/05_tensor_parallelism.ipynb",
@@ -137,7 +138,8 @@ def _run_column(ctx, cases: list, key, x_requires_grad: bool = True, backward: b
     "Rank r keeps rows r*out/n to (r+1)*out/n of the weight and of the bias (weight.chunk(n, dim=0)[r], "
     ".clone()d, so the whole weight can be freed) as new Parameters, or no bias at all when the layer has "
     "none (nn.Linear(..., bias=False)). Its forward is an ordinary linear layer on that slice: the whole input "
-    "in, this rank's slice of the output features out, no communication needed, the input left as it was."))
+    "in, this rank's slice of the output features out, no communication needed, the input left as it was. The "
+    "whole weight may be stored transposed, where .view of it refuses: cut it with chunk or narrow."))
 def column_forward(ctx):
     n = ctx.world_size
     for bias in (True, False):
@@ -151,6 +153,54 @@ def column_forward(ctx):
                               None if b is None else b.chunk(n, dim=0)[r])
             _expect(f"rank {r}: the output{'' if bias else ' (no bias)'}", report["ys"][0],
                     ref["ys"][0].chunk(n, dim=-1)[r])
+    generated.for_all(ctx, LAYERS, lambda case: _forward_drawn(ctx, COLUMN, case), count=8, describe=_layer_words)
+
+
+# Layers a model hands the constructors, and inputs a caller hands their forward: 1 to 3 features a rank on the side
+# that is cut, 3 to 7 on the other; with a bias or without; the whole weight stored as usual or transposed (as a
+# GPT-2 Conv1D weight converted with .t() is); in fp32, fp64, fp16 or bf16 (half precision as small whole numbers,
+# exact in any order of the sums); inputs of 1 to 4 dimensions (one token's features, a batch, a batch of sequences,
+# ...), the first of 0 to 3 rows. Every number of dimensions with a bias and without.
+LAYERS = Space(pairs=("dims", "bias"), dims=One((2, 1, 3, 4)), bias=One((True, False)), dtype=One(DTYPES),
+               layout=One(("contiguous", "transposed")), each=Int(1, 3), other=Int(3, 7), rows=Int(0, 3))
+
+
+def _layer_words(case: dict) -> str:
+    shape = "×".join(map(str, _x_shape(case, case["other"])))
+    return (f"a whole {generated.name(case['dtype'])} layer with {case['each']} feature{'s' * (case['each'] > 1)} a "
+            f"rank on the cut side, {case['other']} on the other, {'a bias' if case['bias'] else 'no bias'}"
+            f"{', its weight stored transposed' if case['layout'] == 'transposed' else ''}; an input of "
+            f"{case['dims']} dimension{'s' * (case['dims'] > 1)}, {shape} whole")
+
+
+def _x_shape(case: dict, features: int) -> tuple:
+    return ((case["rows"], 2, 1)[:case["dims"] - 1]) + (features,)
+
+
+def _numbers(case: dict, shape: tuple, dtype, *key) -> torch.Tensor:
+    """Normal numbers; in half precision small whole numbers, whose products and sums are exact in any order."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.randint(-3, 4, shape, generator=generated.generator(case, *key)).to(dtype)
+    return generated.tensor(case, shape, dtype, *key)
+
+
+def _forward_drawn(ctx, kind: str, case: dict) -> str | None:
+    n, dtype = ctx.world_size, case["dtype"]
+    cut = n * case["each"]
+    fan_in, fan_out = (case["other"], cut) if kind == COLUMN else (cut, case["other"])
+    w = _numbers(case, (fan_out, fan_in), dtype, "weight")
+    b = _numbers(case, (fan_out,), dtype, "bias") if case["bias"] else None
+    x = _numbers(case, _x_shape(case, fan_in), dtype, "x")
+    y = F.linear(x.double(), w.double(), None if b is None else b.double()).to(dtype)
+    mine = ([(x, y.chunk(n, dim=-1)[r]) for r in range(n)] if kind == COLUMN else
+            [(x.chunk(n, dim=-1)[r].contiguous(), y) for r in range(n)])
+    transposed = case["layout"] == "transposed"
+    outs = ctx.probe_all("layers", [(xr, kind, [(w, b)], [], True, False, transposed) for xr, _ in mine])
+    for out, (_, want) in zip(outs, mine):
+        problem = generated.mismatch(f"rank {out.rank}'s output", out.value["ys"][0], want)
+        if problem:
+            return problem
+    return None
 
 
 def _column_grads(r: int, n: int, report: dict, cases: list, ref: dict, probes: list, x_requires_grad: bool,
@@ -220,7 +270,8 @@ def _run_row(ctx, bias: bool, key, backward: bool = True, fan_in: int = 6, fan_o
     "Rank r keeps columns r*in/n to (r+1)*in/n of the weight (.clone()d) and the whole bias, or none when the "
     "layer has none. It multiplies its slice of the input by its columns of the weight: that is one part of a "
     "sum, and the output is the sum of all ranks' parts. Add them with an all-reduce in the forward "
-    "(Megatron's g), then add the bias — once, after the sum, or it is counted n times."))
+    "(Megatron's g), then add the bias — once, after the sum, or it is counted n times — as the vector it is: an "
+    "input of one dimension (one token's features) gives an output of one dimension."))
 def row_forward(ctx):
     n = ctx.world_size
     for bias in (True, False):
@@ -237,6 +288,7 @@ def row_forward(ctx):
                 known.append((ref["ys"][0] + (n - 1) * b, f"the bias is in it {n} times: it was added before the sum"))
                 known.append((ref["ys"][0] - b, "the bias is missing from it"))
             _expect(f"rank {r}: the output{'' if bias else ' (no bias)'}", report["ys"][0], ref["ys"][0], known)
+    generated.for_all(ctx, LAYERS, lambda case: _forward_drawn(ctx, ROW, case), count=8, describe=_layer_words)
 
 
 @EXERCISE.check("row-parallel backward", points=1, world_size=2, hint=(

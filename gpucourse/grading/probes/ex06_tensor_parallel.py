@@ -19,12 +19,16 @@ import torch.nn.functional as F
 from ..sandbox import elapsed
 
 
-def _whole(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+def _whole(weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool = False) -> nn.Linear:
+    """An ``nn.Linear`` holding ``weight`` and ``bias``; with ``transposed``, its weight stored transposed
+    (column-major, as a GPT-2 Conv1D weight converted with ``.t()`` is)."""
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)
     with torch.no_grad():
         layer.weight.copy_(weight)
         if bias is not None:
             layer.bias.copy_(bias)
+    if transposed:
+        layer.weight = nn.Parameter(layer.weight.detach().t().contiguous().t())
     return layer
 
 
@@ -43,7 +47,7 @@ def _whole_after(full: nn.Linear) -> dict:
 
 
 def layers(learner, x: torch.Tensor, kind: str, whole: list, grads_out: list, x_requires_grad: bool = True,
-           backward: bool = True) -> dict:
+           backward: bool = True, transposed: bool = False) -> dict:
     """``learner.<kind>`` (``"ColumnParallelLinear"`` or ``"RowParallelLinear"``) made from each whole layer
     ``(weight, bias)`` of ``whole``, all applied to one input ``x`` (as it came: a view stays a view); then (with
     ``backward``) backward of ``sum_i (y_i * grads_out[i])``.
@@ -51,9 +55,10 @@ def layers(learner, x: torch.Tensor, kind: str, whole: list, grads_out: list, x_
     Reports ``ys`` (each layer's output), ``dx`` (the input's gradient), ``layers`` (each layer's parameters, see
     :func:`_describe`, after backward), ``whole_after`` (each whole layer after backward), ``marks``: the times
     the forward and the backward began and ended (``{"forward": [t0, t1], "backward": [t2, t3]}``), and under
-    ``"contract"`` the outputs and the input as it was after forward and after backward.
+    ``"contract"`` the outputs and the input as it was after forward and after backward. With ``transposed``, the whole
+    layers' weights are stored transposed.
     """
-    fulls = [_whole(w, b) for w, b in whole]
+    fulls = [_whole(w, b, transposed) for w, b in whole]
     built = [getattr(learner, kind)(full) for full in fulls]
     mine = x.detach().requires_grad_(x_requires_grad)
     t0 = elapsed()
