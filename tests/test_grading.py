@@ -104,7 +104,8 @@ WRONG_ANSWERS = {
                                              "one step on 3 ranks equals the single-device step"], "not averaged"),
     "ex02_data_parallel/compacts_batch_in_place": ([EX02_CONTRACT], "contract 'inputs unchanged'"),
     "ex02_data_parallel/shares_by_view": ([EX02_CONTRACT], "contract 'any strides'"),
-    "ex02_data_parallel/float32_buffer": ([EX02_CONTRACT, "average_gradients averages over 2 ranks"],
+    "ex02_data_parallel/float32_buffer": ([EX02_CONTRACT, "average_gradients averages over 2 ranks",
+                                           "one step on 2 ranks equals the single-device step"],
                                           "contract 'keeps the dtype'"),
     # Inputs the cases never took before they were drawn (gpucourse.grading.generated): a gradient strided as a
     # parameter stored transposed has it, a model with no gradient at all.
@@ -171,7 +172,7 @@ WRONG_ANSWERS = {
     "ex06_tensor_parallel/flattens_with_view": ([EX06_CONTRACT, "column-parallel forward"], "contract 'any strides'"),
     # Inputs the cases never took before they were drawn (gpucourse.grading.generated): a whole weight stored
     # transposed, an input of one dimension.
-    "ex06_tensor_parallel/cuts_with_view": (["column-parallel forward"], "its weight stored transposed"),
+    "ex06_tensor_parallel/cuts_with_view": (["column-parallel forward"], "view size is not compatible"),
     "ex06_tensor_parallel/bias_unsqueezed": (["row-parallel forward"], "an input of 1 dimension"),
     "ex07_memory_estimate/adam_one_moment": (["fp32 with Adam: 16 bytes per parameter",
                                               "half precision: master weights, or autocast",

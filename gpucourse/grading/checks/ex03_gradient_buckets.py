@@ -131,7 +131,7 @@ def size_cap(ctx):
                            f"({', '.join(got[over[0]])})")
             raise Fail(f"with a cap of {cap} bytes the buckets are {got} (sizes {sizes} bytes); "
                        f"filling each as far as the cap allows gives {want}")
-    generated.for_all(ctx, BUCKETS, lambda case: _buckets_drawn(ctx, case), count=5, describe=_bucket_words)
+    generated.for_all(ctx, BUCKETS, lambda case: _buckets_drawn(ctx, case), count=4, describe=_bucket_words)
 
 
 def _name_buckets(params: dict, order: list[str], cap: int) -> list[list[str]]:
@@ -139,10 +139,19 @@ def _name_buckets(params: dict, order: list[str], cap: int) -> list[list[str]]:
     return [[name_of[id(p)] for p in b] for b in reference_buckets([params[n] for n in order], cap)]
 
 
-# Models a training loop hands the sync: 1 to 5 parameters, 0-d, of one element, odd, matrices or empty, each in its
-# own dtype of fp32, fp64, fp16 and bf16 (a bf16 model keeps its norms in fp32), every other one frozen or none;
-# caps smaller than any parameter, of half the model, or of all of it.
-BUCKETS = Space(shapes=Many(Shape(), 1, 5), dtypes=Many(One(DTYPES), 5, 5), frozen=One((False, True)))
+# Models a training loop hands the sync: 2 to 4 parameters (0-d, one element, odd, matrices) in fp32, fp64, fp16 or
+# bf16, every other one in fp32 or not (a bf16 model keeps its norms in fp32), an empty parameter or not, a frozen one
+# or not; caps smaller than any trainable parameter, of half of them and of all of them.
+BUCKETS = Space(dtype=One(DTYPES), shapes=Many(Shape(("one", "odd", "matrix", "0-d")), 2, 4),
+                fp32_norms=One((False, True)), empty=One((False, True)), frozen=One((False, True)))
+
+
+def _bucket_params(case: dict) -> tuple[list, list]:
+    """The weights of a drawn model (named p0, p1, ... in this order) and which of them are frozen."""
+    shapes = list(case["shapes"]) + [(0,)] * case["empty"] + [(3,)] * case["frozen"]
+    dtypes = [torch.float32 if case["fp32_norms"] and i % 2 else case["dtype"] for i in range(len(shapes))]
+    weights = [generated.tensor(case, s, d, i) for i, (s, d) in enumerate(zip(shapes, dtypes))]
+    return weights, [len(shapes) - 1] if case["frozen"] else []
 
 
 def _param_words(shape: tuple, dtype: torch.dtype, transposed: bool = False) -> str:
@@ -154,17 +163,16 @@ def _param_words(shape: tuple, dtype: torch.dtype, transposed: bool = False) -> 
 
 
 def _bucket_words(case: dict) -> str:
-    params = [_param_words(s, d) + (" frozen" if case["frozen"] and i % 2 else "")
-              for i, (s, d) in enumerate(zip(case["shapes"], case["dtypes"]))]
+    weights, frozen = _bucket_params(case)
+    params = [_param_words(tuple(w.shape), w.dtype) + (" frozen" if i in frozen else "") for i, w in enumerate(weights)]
     return f"a model with parameters [{'; '.join(params)}]"
 
 
 def _buckets_drawn(ctx, case: dict) -> str | None:
-    weights = [generated.tensor(case, s, d, i) for i, (s, d) in enumerate(zip(case["shapes"], case["dtypes"]))]
-    frozen = [i for i in range(len(weights)) if case["frozen"] and i % 2]
+    weights, frozen = _bucket_params(case)
     params = dict(Drawn(weights, frozen).named_parameters())
-    sizes = [_nbytes(p) for p in params.values()]
-    caps = sorted({max(min(sizes) - 1, 0), sum(sizes) // 2, sum(sizes)})
+    sizes = [_nbytes(p) for p in params.values() if p.requires_grad and p.numel()]
+    caps = sorted({min(sizes) - 1, sum(sizes) // 2, sum(sizes)})
     for cap, got in zip(caps, ctx.probe("buckets_drawn", weights, frozen, caps).value):
         got = _as_names(got, f"assign_buckets(model, {cap})")
         flat = [n for b in got for n in b]

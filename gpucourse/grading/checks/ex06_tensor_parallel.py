@@ -153,24 +153,25 @@ def column_forward(ctx):
                               None if b is None else b.chunk(n, dim=0)[r])
             _expect(f"rank {r}: the output{'' if bias else ' (no bias)'}", report["ys"][0],
                     ref["ys"][0].chunk(n, dim=-1)[r])
-    generated.for_all(ctx, LAYERS, lambda case: _forward_drawn(ctx, COLUMN, case), count=8, describe=_layer_words)
+    generated.for_all(ctx, LAYERS, lambda case: _forward_drawn(ctx, COLUMN, case), count=4, describe=_layer_words)
 
 
 # Layers a model hands the constructors, and inputs a caller hands their forward: 1 to 3 features a rank on the side
-# that is cut, 3 to 7 on the other; with a bias or without; the whole weight stored as usual or transposed (as a
-# GPT-2 Conv1D weight converted with .t() is); in fp32, fp64, fp16 or bf16 (half precision as small whole numbers,
-# exact in any order of the sums); inputs of 1 to 4 dimensions (one token's features, a batch, a batch of sequences,
-# ...), the first of 0 to 3 rows. Every number of dimensions with a bias and without.
-LAYERS = Space(pairs=("dims", "bias"), dims=One((2, 1, 3, 4)), bias=One((True, False)), dtype=One(DTYPES),
-               layout=One(("contiguous", "transposed")), each=Int(1, 3), other=Int(3, 7), rows=Int(0, 3))
+# that is cut, 3 to 7 on the other; in fp32, fp64, fp16 or bf16 (half precision as small whole numbers, exact in any
+# order of the sums); inputs of 1 to 4 dimensions (one token's features, a batch, a batch of sequences, ...), the first
+# of 1 to 3 rows. Each case runs four layers on its input, with a bias and without, each with its whole weight stored
+# as usual and transposed (as a GPT-2 Conv1D weight converted with .t() is), and an input of more than one dimension
+# cut to no rows too (an empty batch).
+LAYERS = Space(dims=One((2, 1, 3, 4)), dtype=One(DTYPES), each=Int(1, 3), other=Int(3, 7), rows=Int(1, 3))
+FOUR = ((True, False), (False, False), (True, True), (False, True))  # (a bias, the weight stored transposed)
 
 
 def _layer_words(case: dict) -> str:
     shape = "×".join(map(str, _x_shape(case, case["other"])))
-    return (f"a whole {generated.name(case['dtype'])} layer with {case['each']} feature{'s' * (case['each'] > 1)} a "
-            f"rank on the cut side, {case['other']} on the other, {'a bias' if case['bias'] else 'no bias'}"
-            f"{', its weight stored transposed' if case['layout'] == 'transposed' else ''}; an input of "
-            f"{case['dims']} dimension{'s' * (case['dims'] > 1)}, {shape} whole")
+    return (f"whole {generated.name(case['dtype'])} layers with {case['each']} feature{'s' * (case['each'] > 1)} a "
+            f"rank on the cut side, {case['other']} on the other, with a bias and without, each with its weight "
+            f"stored as usual and transposed; an input of {case['dims']} dimension{'s' * (case['dims'] > 1)}, "
+            f"{shape} whole{', and its first cut to 0 rows' if case['dims'] > 1 else ''}")
 
 
 def _x_shape(case: dict, features: int) -> tuple:
@@ -189,17 +190,26 @@ def _forward_drawn(ctx, kind: str, case: dict) -> str | None:
     cut = n * case["each"]
     fan_in, fan_out = (case["other"], cut) if kind == COLUMN else (cut, case["other"])
     w = _numbers(case, (fan_out, fan_in), dtype, "weight")
-    b = _numbers(case, (fan_out,), dtype, "bias") if case["bias"] else None
+    b = _numbers(case, (fan_out,), dtype, "bias")
     x = _numbers(case, _x_shape(case, fan_in), dtype, "x")
-    y = F.linear(x.double(), w.double(), None if b is None else b.double()).to(dtype)
-    mine = ([(x, y.chunk(n, dim=-1)[r]) for r in range(n)] if kind == COLUMN else
-            [(x.chunk(n, dim=-1)[r].contiguous(), y) for r in range(n)])
-    transposed = case["layout"] == "transposed"
-    outs = ctx.probe_all("layers", [(xr, kind, [(w, b)], [], True, False, transposed) for xr, _ in mine])
-    for out, (_, want) in zip(outs, mine):
-        problem = generated.mismatch(f"rank {out.rank}'s output", out.value["ys"][0], want)
-        if problem:
-            return problem
+    wholes = [(w, b if bias else None) for bias, _ in FOUR]
+    ys = [F.linear(x.double(), w.double(), None if c is None else c.double()).to(dtype) for _, c in wholes]
+    mine = ([(x, [y.chunk(n, dim=-1)[r] for y in ys]) for r in range(n)] if kind == COLUMN else
+            [(x.chunk(n, dim=-1)[r].contiguous(), ys) for r in range(n)])
+    empty = x.dim() > 1
+    outs = ctx.probe_all("layers", [(xr, kind, wholes, [], True, False, [t for _, t in FOUR], empty)
+                                    for xr, _ in mine])
+    for out, (_, wants) in zip(outs, mine):
+        for (bias, transposed), got, want, got_empty in zip(FOUR, out.value["ys"], wants,
+                                                            out.value["ys_empty"] or [None] * len(FOUR)):
+            layer = f"the layer {'with a bias' if bias else 'without a bias'}, its weight stored " + \
+                    ("transposed" if transposed else "as usual")
+            problem = generated.mismatch(f"rank {out.rank}'s output of {layer}", got, want)
+            if problem is None and empty:
+                problem = generated.mismatch(f"rank {out.rank}'s output of {layer} for an empty batch", got_empty,
+                                             want[:0])
+            if problem:
+                return problem
     return None
 
 
@@ -288,7 +298,7 @@ def row_forward(ctx):
                 known.append((ref["ys"][0] + (n - 1) * b, f"the bias is in it {n} times: it was added before the sum"))
                 known.append((ref["ys"][0] - b, "the bias is missing from it"))
             _expect(f"rank {r}: the output{'' if bias else ' (no bias)'}", report["ys"][0], ref["ys"][0], known)
-    generated.for_all(ctx, LAYERS, lambda case: _forward_drawn(ctx, ROW, case), count=8, describe=_layer_words)
+    generated.for_all(ctx, LAYERS, lambda case: _forward_drawn(ctx, ROW, case), count=4, describe=_layer_words)
 
 
 @EXERCISE.check("row-parallel backward", points=1, world_size=2, hint=(

@@ -80,8 +80,8 @@ def average_drawn(learner, weights: list, grads: list, transposed: bool) -> dict
 
 
 def make_optimizer(model: Net, lr: float, spec: dict | None = None) -> torch.optim.Optimizer:
-    """Plain SGD at ``lr``; or as ``spec`` says: ``{"kind": "SGD" | "SGD with momentum" | "Adam", "groups": 1 or 2}``,
-    two groups putting fc1's parameters at ``lr`` and the others at ``lr / 5``."""
+    """Plain SGD at ``lr``; or as ``spec`` says: ``{"kind": "SGD" | "SGD with Nesterov momentum" | "Adam", "groups": 1
+    or 2}``, two groups putting fc1's parameters at ``lr`` and the others at ``lr / 5``."""
     spec = spec or {"kind": "SGD", "groups": 1}
     named = list(model.named_parameters())
     groups = ([{"params": [p for _, p in named]}] if spec["groups"] == 1 else
@@ -89,7 +89,9 @@ def make_optimizer(model: Net, lr: float, spec: dict | None = None) -> torch.opt
                {"params": [p for n, p in named if not n.startswith("fc1")], "lr": lr / 5}])
     if spec["kind"] == "Adam":
         return torch.optim.Adam(groups, lr=lr)
-    return torch.optim.SGD(groups, lr=lr, momentum=0.9 if spec["kind"] == "SGD with momentum" else 0.0)
+    if spec["kind"] == "SGD with Nesterov momentum":  # its first step differs from plain SGD's, as momentum's does not
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9, nesterov=True)
+    return torch.optim.SGD(groups, lr=lr)
 
 
 def step(learner, inputs: torch.Tensor, targets: torch.Tensor, weights: dict, stale: dict, lr: float,

@@ -47,7 +47,7 @@ def _whole_after(full: nn.Linear) -> dict:
 
 
 def layers(learner, x: torch.Tensor, kind: str, whole: list, grads_out: list, x_requires_grad: bool = True,
-           backward: bool = True, transposed: bool = False) -> dict:
+           backward: bool = True, transposed: list | None = None, empty: bool = False) -> dict:
     """``learner.<kind>`` (``"ColumnParallelLinear"`` or ``"RowParallelLinear"``) made from each whole layer
     ``(weight, bias)`` of ``whole``, all applied to one input ``x`` (as it came: a view stays a view); then (with
     ``backward``) backward of ``sum_i (y_i * grads_out[i])``.
@@ -55,11 +55,14 @@ def layers(learner, x: torch.Tensor, kind: str, whole: list, grads_out: list, x_
     Reports ``ys`` (each layer's output), ``dx`` (the input's gradient), ``layers`` (each layer's parameters, see
     :func:`_describe`, after backward), ``whole_after`` (each whole layer after backward), ``marks``: the times
     the forward and the backward began and ended (``{"forward": [t0, t1], "backward": [t2, t3]}``), and under
-    ``"contract"`` the outputs and the input as it was after forward and after backward. With ``transposed``, the whole
-    layers' weights are stored transposed.
+    ``"contract"`` the outputs and the input as it was after forward and after backward. ``transposed`` says, for each
+    whole layer, whether its weight is stored transposed. With ``empty``, ``ys_empty`` holds each layer's output for
+    no rows of ``x`` (its first dimension cut to 0), run before the forward on ``x``.
     """
-    fulls = [_whole(w, b, transposed) for w, b in whole]
+    fulls = [_whole(w, b, t) for (w, b), t in zip(whole, transposed or [False] * len(whole))]
     built = [getattr(learner, kind)(full) for full in fulls]
+    ys_empty = ([layer(x.detach()[:0].clone().requires_grad_(x_requires_grad)).detach().clone() for layer in built]
+                if empty else None)
     mine = x.detach().requires_grad_(x_requires_grad)
     t0 = elapsed()
     ys = [layer(mine) for layer in built]
@@ -73,7 +76,7 @@ def layers(learner, x: torch.Tensor, kind: str, whole: list, grads_out: list, x_
         t3 = elapsed()
         after["backward"] = (mine.detach().clone(),)
     ys = [y.detach().clone() for y in ys]
-    return {"ys": ys, "dx": None if mine.grad is None else mine.grad.clone(),
+    return {"ys": ys, "ys_empty": ys_empty, "dx": None if mine.grad is None else mine.grad.clone(),
             "layers": [_describe(layer) for layer in built], "whole_after": [_whole_after(f) for f in fulls],
             "marks": {"forward": [t0, t1], "backward": [t2, t3]}, "contract": {"value": ys, "after": after}}
 
