@@ -265,8 +265,8 @@ def averages(ctx):
     generated.for_all(ctx, SYNCS, lambda case: _syncs_drawn(ctx, case), count=4, describe=_sync_words)
 
 
-# Models trained through the sync: 1 to 4 parameters (0-d, one element, odd, matrices, empty) and a matrix, in one
-# of fp32, fp64, fp16 and bf16; matrices stored transposed or not (their gradients strided alike, as autograd makes
+# Models trained through the sync: a matrix and 0 to 3 other parameters (0-d, one element, odd, matrices, empty), in
+# one of fp32, fp64, fp16 and bf16; matrices stored transposed or not (their gradients strided alike, as autograd makes
 # them); a cap smaller than any parameter or of half the model. One step: a second is its own check.
 SYNCS = Space(pairs=("layout", "cap"), matrix=Shape(("matrix",)), others=Many(Shape(), 0, 3), dtype=One(DTYPES),
               layout=One(("contiguous", "transposed")), cap=One(("half the model", "below every parameter")))
