@@ -207,7 +207,7 @@ WRONG_ANSWERS = {
                                               "after the overflow"),
     # Inputs the cases never took before they were drawn (gpucourse.grading.generated): several parameter groups.
     "ex08_loss_scaler/first_group_only": (["training with overflows follows torch.amp.GradScaler"],
-                                          "1 row a rank, a float32 model"),
+                                          "2 parameter groups"),
     "ex08_loss_scaler/no_allreduce": (["ranks agree on skipping a step (2 ranks)",
                                        "collectives use the group passed in (3 ranks)"], "stepped anyway"),
     "ex08_loss_scaler/step_drops_group": (["collectives use the group passed in (3 ranks)"], "on the default group"),
