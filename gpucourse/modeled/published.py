@@ -23,6 +23,7 @@ from ..config import TrainConfig
 from .cluster import Cluster
 from .gpus import GPUSpec, get_gpu
 from .plan import RECOMPUTE_NOTE, step_time
+from .shapes import get_shape
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class Published:
     choice: str = ""                 # where the source compared layouts: the one it chose, and against what
     chosen: tuple = ()               # that choice as (field, value) pairs a planned row must match (see agreement)
     ends_as_layers: bool = False     # the embedding and the loss each take a layer's place in the pipeline's split
+    matmuls: str = ""                # what the matmuls multiply in, when not the layout's precision ("fp8")
+    assumed: str = ""                # what the source leaves out of the setting, and what the row takes for it
 
     @property
     def tolerance(self) -> float:
@@ -186,6 +189,49 @@ def _megascale(dp: int, batch: int, mfu: float) -> Published:
         params=174.6e9, metric="mfu", framework="megatron-core")
 
 
+NEMO_2502 = ("NeMo Framework performance summary, container NeMo 25.02, 'Pretraining' (FP8, per-tensor scaling "
+             "computed in the current step), docs.nvidia.com/nemo-framework/user-guide/latest/performance/"
+             "performance_summary.html as published for 25.02")
+BRIDGE_2509 = ("Megatron-Bridge docs/performance-summary.md, '25.09 NeMo Container' (github.com/NVIDIA-NeMo/"
+               "Megatron-Bridge, commit fa0315a, 2025-10-10)")
+BRIDGE_2511 = ("Megatron-Bridge docs/performance-summary.md, '25.11 NeMo Container' (github.com/NVIDIA-NeMo/"
+               "Megatron-Bridge, commit 97ad8cc, 2025-12-04)")
+# What the NeMo and Megatron-Bridge tables leave out, the same for each of their rows: the recipes' tensor-parallel
+# communication overlap and sequence parallelism where tp > 1, the distributed optimizer, FlashAttention (cuDNN's
+# fused attention through Transformer Engine) and no activation recomputation.
+NEMO_ASSUMED = ("sequence parallelism and --tp-comm-overlap where tp > 1, the distributed optimizer (ZeRO-1), fused "
+                "attention and no activation recomputation; microbatches as the table's MBS")
+NEMOTRON_15B = {"layers": 32, "hidden": 6144, "heads": 48, "kv_heads": 8, "vocab": 256000}
+# Nemotron-4 340B Technical Report (NVIDIA 2024, arXiv:2406.11704), Table 1: 96 layers, hidden 18432, 96 heads,
+# 8 K/V heads, vocabulary 256000; its MLP is squared ReLU, 4 × hidden (73728).
+NEMOTRON_340B = {"layers": 96, "hidden": 18432, "heads": 96, "kv_heads": 8, "vocab": 256000}
+
+
+def _nemo(source: str, system: str, gpu: str, model: str, shape, params: float, gpus: int, batch: int,
+          micro: int, seq: int, tp: int, pp: int, cp: int, v: int, tokens: float, split: str, zero: int = 1,
+          precision: str = "FP8", note: str = "") -> Published:
+    """A dense row of NVIDIA's NeMo / Megatron-Bridge performance tables: tokens/s per GPU of ``model`` on ``gpus``
+    GPUs of ``system`` (DGX-B200, DGX-H100) at the table's layout, FP8 matmuls (Transformer Engine's recipe) with
+    bf16 weights and fp32 master weights."""
+    dp = gpus // (tp * pp * cp)
+    m = batch // (dp * micro)
+    sched = dict(schedule="interleaved-1f1b", virtual_stages=v) if pp > 1 and v > 1 else {}
+    grid = dict(microbatches=m) if pp > 1 else dict(grad_accum=m)
+    sizes = get_shape(shape)
+    hidden, layers, heads, vocab = sizes.hidden, sizes.layers, sizes.heads, sizes.vocab
+    layout = dict(**_gpt(layers, hidden, heads, vocab, seq), dp=dp, tp=tp, pp=pp, cp=cp, batch_size=batch,
+                  precision="bf16", master_weights=True, sequence_parallel=tp > 1, zero=zero, zigzag=cp > 1,
+                  **grid, **sched)
+    return Published(
+        f"{model}, {gpus} {gpu.upper()} {precision} (tp {tp}, pp {pp}" + f", cp {cp}" * (cp > 1) + f", dp {dp})",
+        f"{source}, System: {system}: {model}, {gpus} GPUs, precision {precision}, GBS {batch}, MBS {micro}, "
+        f"sequence {seq}, TP {tp}, PP {pp}, CP {cp}, VP {v if pp > 1 else 'n/a'}, GA {m}"
+        + (", FSDP" if zero == 3 else "") + f": {tokens:,} tokens/s per GPU{note}",
+        gpu, float(tokens), "tokens/s per GPU", "compute", layout, params=params,
+        shape=shape, framework="megatron-core-tp-overlap" if tp > 1 else "megatron-core", split=split,
+        ends_as_layers=layers == 126, matmuls="fp8", assumed=NEMO_ASSUMED)
+
+
 def _moe(layout: dict, experts: int, top_k: int) -> dict:
     return {**layout, "overrides": {**layout["overrides"], "moe_experts": experts, "moe_top_k": top_k}}
 
@@ -308,6 +354,44 @@ RUNS = tuple([
              sequence_parallel=True, zero=1),
         params=15.7e9, metric="mfu", framework="megatron-core",
         shape={"layers": 32, "hidden": 6144, "heads": 48, "kv_heads": 8, "vocab": 256000}),
+    # --- B200 and H100 in FP8: NVIDIA's NeMo and Megatron-Bridge performance tables -------------------------------
+    # The split was set before any of these rows was compared with the model, by a rule blind to errors: the B200
+    # rows alternate within each source's table, in its order, starting with a fitting row (B200's fitted constants
+    # come from those alone); the H100 rows are all held out (H100's constants were fitted on the runs above).
+    _nemo(NEMO_2502, "DGX-B200", "b200", "GPT3-175B", "gpt3-175b", 175e9, 512, 2048, 2, 2048, 4, 4, 1, 6, 1600,
+          "fit"),
+    _nemo(NEMO_2502, "DGX-B200", "b200", "LLAMA3-8B", "llama3-8b", 8.03e9, 8, 128, 2, 8192, 1, 1, 1, 1, 26006,
+          "heldout"),
+    _nemo(NEMO_2502, "DGX-B200", "b200", "LLAMA3-70B", "llama3-70b", 70.6e9, 64, 128, 1, 8192, 2, 4, 2, 5, 3062,
+          "fit"),
+    _nemo(NEMO_2502, "DGX-B200", "b200", "LLAMA3-405B", "llama3-405b", 405e9, 128, 64, 1, 8192, 4, 8, 2, 8, 625,
+          "heldout"),
+    _nemo(NEMO_2502, "DGX-B200", "b200", "Nemotron-15B", NEMOTRON_15B, 15.7e9, 64, 256, 2, 4096, 1, 1, 1, 1, 14760,
+          "fit"),
+    _nemo(NEMO_2502, "DGX-B200", "b200", "Nemotron-340B", NEMOTRON_340B, 341e9, 128, 32, 1, 4096, 8, 4, 1, 12, 602,
+          "heldout"),
+    _nemo(NEMO_2502, "DGX-H100", "h100", "GPT3-175B", "gpt3-175b", 175e9, 512, 2048, 2, 2048, 4, 8, 1, 6, 866,
+          "heldout"),
+    _nemo(BRIDGE_2509, "DGX-B200", "b200", "LLAMA3_8B", "llama3-8b", 8.03e9, 8, 128, 2, 8192, 1, 1, 1, 1, 29994,
+          "fit", note=" (FP8 current scaling: the table's figure outside parentheses; MXFP8 inside)"),
+    _nemo(BRIDGE_2509, "DGX-B200", "b200", "LLAMA3.1_405B", "llama3-405b", 405e9, 128, 64, 1, 8192, 4, 8, 2, 8, 664,
+          "heldout", note=" (FP8 current scaling: the table's figure outside parentheses; MXFP8 inside)"),
+    _nemo(BRIDGE_2509, "DGX-H100", "h100", "LLAMA3_8B", "llama3-8b", 8.03e9, 8, 128, 1, 8192, 1, 1, 1, 1, 14079,
+          "heldout", zero=3),
+    _nemo(BRIDGE_2509, "DGX-H100", "h100", "LLAMA3_70B", "llama3-70b", 70.6e9, 64, 128, 1, 8192, 4, 8, 1, 5, 1619,
+          "heldout"),
+    _nemo(BRIDGE_2509, "DGX-H100", "h100", "LLAMA3.1_405B", "llama3-405b", 405e9, 1024, 512, 1, 8192, 8, 8, 2, 8, 302,
+          "heldout"),
+    _nemo(BRIDGE_2511, "DGX-B200", "b200", "LLAMA3_8B", "llama3-8b", 8.03e9, 8, 128, 2, 8192, 1, 1, 1, 1, 30624,
+          "fit", precision="FP8-CS"),
+    _nemo(BRIDGE_2511, "DGX-B200", "b200", "LLAMA3.1_405B", "llama3-405b", 405e9, 128, 64, 1, 8192, 4, 8, 2, 8, 661,
+          "heldout", precision="FP8-CS"),
+    _nemo(BRIDGE_2511, "DGX-H100", "h100", "LLAMA3_8B", "llama3-8b", 8.03e9, 8, 128, 1, 8192, 1, 1, 1, 1, 14451,
+          "heldout", zero=3, precision="FP8-CS"),
+    _nemo(BRIDGE_2511, "DGX-H100", "h100", "LLAMA3_70B", "llama3-70b", 70.6e9, 64, 128, 1, 8192, 4, 8, 1, 5, 1602,
+          "heldout", precision="FP8-CS"),
+    _nemo(BRIDGE_2511, "DGX-H100", "h100", "LLAMA3.1_405B", "llama3-405b", 405e9, 1024, 512, 1, 8192, 8, 8, 2, 8, 292,
+          "heldout", precision="FP8-CS"),
     # --- collectives ----------------------------------------------------------------------------------------------
     _bus("all-reduce bus bandwidth, 8 A100 (NVLink 3)",
          "nccl-tests all_reduce_perf on 8 A100 SXM4 (NVSwitch), large messages: 230-250 GB/s bus bandwidth "
@@ -322,6 +406,24 @@ RUNS = tuple([
          "NVIDIA/nccl-tests issue #290, a maintainer: 'For NDR @ 400Gbps you should see 46-48GB/s per NIC': eight "
          "cards a server, 376 GB/s (four servers here)", "h100", 376, 32),
 ])
+
+
+# Rows of the same sources left out, and why: each names the table and what the model cannot take or the source
+# does not give.
+EXCLUDED = (
+    ("NeMo 25.02, DGX-B200 and DGX-H100: Mixtral-8x7B, Mixtral-8x22B",
+     "mixtures of experts whose token routing the tables do not state (dropless or capped); the B200 rows are FP8 "
+     "with experts in grouped GEMMs the model times as one"),
+    ("NeMo 25.02, DGX-H100: the rows after GPT3-175B",
+     "the stored copy of the page is cut after the first H100 row; no figure is taken from memory"),
+    ("Megatron-Bridge 25.09/25.11, DGX-B200 and DGX-H100: DeepSeekV3, Qwen3 30B-A3B and 235B-A22B, GPT OSS 120B",
+     "mixtures of experts with token dropping, multi-head latent attention or sliding-window attention, which the "
+     "model's shapes do not have; GPT OSS 120B is the only B200 BF16 row of these tables"),
+    ("Megatron-Bridge 25.09/25.11, the figures in parentheses (MXFP8)",
+     "block-scaled FP8 (32 × 32), another GEMM than the per-tensor FP8 the rows take"),
+    ("H200: no NeMo, Megatron-Bridge or Megatron-LM table of training throughput on H200",
+     "MLPerf Training prints minutes to a quality target, not a step's time at a stated layout"),
+)
 
 
 METRICS = {
@@ -342,7 +444,7 @@ def predict(run: Published, gpu: GPUSpec | None = None) -> float:
         return Cluster(gpu, run.gpus_per_node).bus_bandwidth(op, nbytes, n)
     cfg = TrainConfig(**run.layout)
     t = step_time(cfg, int(run.params), gpu, run.gpus_per_node, shape=run.shape or None,
-                  framework=run.framework or None)
+                  framework=run.framework or None, matmuls=run.matmuls or None)
     if run.metric == "step_s":
         return t.step_s
     if run.metric == "megatron_flops":
@@ -366,7 +468,8 @@ def memory(run: Published) -> dict:
 
     cfg = TrainConfig(**run.layout)
     shape = get_shape(run.shape or {k: v for k, v in cfg.overrides.items() if k != "block_size"})
-    mem = memory_of(cfg, shape, framework=run.framework or DEFAULT_FRAMEWORK, ends_as_layers=run.ends_as_layers)
+    mem = memory_of(cfg, shape, framework=run.framework or DEFAULT_FRAMEWORK, fp8=run.matmuls == "fp8",
+                    ends_as_layers=run.ends_as_layers)
     usable = get_gpu(run.gpu).usable_bytes()
     return {**mem, "name": run.name, "usable": usable, "fits": mem["max_total"] <= usable}
 
