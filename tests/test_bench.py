@@ -89,7 +89,9 @@ def test_the_figures_are_registered_with_their_targets():
                      "pp_zb_vs_1f1b_idle": "report", "pp_interleaved_scratch_vs_torch": "<= 1.20",
                      "quiz_best_heuristic_accuracy": "<= 0.35", "kv_cache_decode_speedup": "report",
                      "continuous_vs_static_throughput": ">= 1.5", "paged_kv_waste": "report",
-                     "serve_model_vs_published_max_error": "<= 0.30", "grader_mutation_score": ">= 0.95"}
+                     "serve_model_vs_published_max_error": "<= 0.30", "grader_mutation_score": ">= 0.95",
+                     "model_heldout_max_error": "<= 0.20", "model_heldout_median_error": "<= 0.08",
+                     "model_heldout_max_error_b200_fp8": "<= 0.20"}
     assert {k: targets[k] for k in issue_targets} == issue_targets
     for f in bench.FIGURES:
         bench.parse_target(f.target)  # every target parses
@@ -187,6 +189,7 @@ SMALLEST = {
     "continuous_vs_static_throughput": {"requests": 48},
     "paged_kv_waste": {"requests": 48},
     "serve_model_vs_published_max_error": {},
+    "model_heldout_max_error_b200_fp8": {},
 }
 
 
@@ -288,3 +291,18 @@ def test_a_run_that_went_as_simulated_measures_the_simulators_bubble_and_costs(n
     assert cost["ops"] == [[[pytest.approx(b - a) for op, a, b in row if op.kind in ("F", "B", "W")]
                             for row in sim.timeline]]  # one steady step
     assert bench.parallel_figures.simulated_bubble(config, cost) == pytest.approx(sim.bubble_fraction)
+
+
+def test_the_model_figures_are_the_published_tables_own():
+    """Each model figure the bench reports is recomputed here from gpucourse.modeled.published's table."""
+    from gpucourse.modeled import published
+
+    rows = published.compare()
+    held = sorted(abs(r["error"]) for r in rows if r["split"] == "heldout")
+    want = {"model_fit_max_error": max(abs(r["error"]) for r in rows if r["split"] == "fit"),
+            "model_heldout_max_error": held[-1], "model_heldout_median_error": published.statistics.median(held),
+            "model_heldout_max_error_b200_fp8": max(abs(r["error"]) for r in rows if r["split"] == "heldout"
+                                                    and r["gpu"] == "b200" and r["fp8"])}
+    for key, value in want.items():
+        reading = next(f for f in bench.FIGURES if f.key == key).measure()
+        assert reading.value == value, key

@@ -24,8 +24,9 @@ RUNS = [r for r in published.RUNS if r.metric != "bus_bandwidth"]
 # 131072-token row).
 UNEXPLAINED = {"Llama 3 405B, 8192 H100 (tp 8, pp 16, dp 64)"}
 # NVIDIA's performance tables (published.NEMO_2502, BRIDGE_2509, BRIDGE_2511) print the layout but not whether the
-# recipe recomputes activations or offloads them; timed, as their rows are, without recomputation, these hold more
-# than the card by the memory model (with Transformer Engine's fp8 copy and transpose of each weight).
+# recipe recomputes activations or offloads them (NeMo's B200 recipe file says neither, for its 405B too); without
+# recomputation these hold more than the card by the memory model (with Transformer Engine's fp8 copy and transpose
+# of each weight, which Blackwell's tensor cores may not need).
 UNSTATED = {"LLAMA3-405B, 128 B200 FP8 (tp 4, pp 8, cp 2, dp 2)", "LLAMA3_70B, 64 H100 FP8 (tp 4, pp 8, dp 2)",
             "GPT3-175B, 512 H100 FP8 (tp 4, pp 8, dp 16)", "LLAMA3.1_405B, 128 B200 FP8 (tp 4, pp 8, cp 2, dp 2)",
             "LLAMA3.1_405B, 1024 H100 FP8 (tp 8, pp 8, cp 2, dp 8)",

@@ -20,15 +20,33 @@ ROWS = published.compare()
 def test_each_published_run_is_within_its_sets_bound(row):
     """15 % on the fitting set, 25 % on the held-out set (the issue's figures)."""
     assert abs(row["error"]) <= row["tolerance"], (row["name"], row["predicted"], row["reported"])
-    assert row["tolerance"] == (0.15 if row["split"] == "fit" else 0.25)
+    fit = 0.20 if row["gpu"] == "b200" else 0.15
+    assert row["tolerance"] == (fit if row["split"] == "fit" else 0.25)
 
 
 def test_the_held_out_median_and_the_figures_bench_reports():
     e = published.errors(ROWS)
     held = sorted(abs(r["error"]) for r in ROWS if r["split"] == "heldout")
     assert e["heldout_median"] == statistics.median(held) <= 0.10
-    assert e["fit_max"] <= 0.15 and e["heldout_max"] <= 0.25
+    assert e["fit_max"] == max(abs(r["error"]) for r in ROWS if r["split"] == "fit") <= 0.20
+    assert max(abs(r["error"]) for r in ROWS if r["split"] == "fit" and r["gpu"] != "b200") <= 0.15
+    assert e["heldout_max"] == held[-1] <= 0.25
     assert e["fit_runs"] + e["heldout_runs"] == len(published.RUNS)
+
+
+def test_the_b200_fp8_held_out_runs_are_within_20_percent():
+    """NVIDIA's B200 FP8 tables held out: each run within 20 % (with H100's fitted constants and attention borrowed,
+    the model ran them up to 28 % fast; their worst is the bench's model_heldout_max_error_b200_fp8)."""
+    rows = [r for r in ROWS if r["gpu"] == "b200" and r["fp8"] and r["split"] == "heldout"]
+    assert len(rows) == 5
+    assert published.errors(ROWS)["heldout_max_b200_fp8"] == max(abs(r["error"]) for r in rows) <= 0.20
+
+
+def test_the_new_rows_state_what_their_source_leaves_out_and_the_excluded_say_why():
+    fp8 = [r for r in published.RUNS if r.matmuls == "fp8"]
+    assert len(fp8) >= 15 and {r.gpu for r in fp8} == {"b200", "h100"}
+    assert all(r.assumed and "GBS" in r.source and "tokens/s per GPU" in r.source for r in fp8)
+    assert all(len(what) > 20 and len(why) > 40 for what, why in published.EXCLUDED)
 
 
 def test_the_table_is_broad_enough_to_mean_something():
@@ -50,14 +68,14 @@ def test_the_table_is_broad_enough_to_mean_something():
         assert len(r.source) > 60 and r.split in ("fit", "heldout")
 
 
-@pytest.mark.parametrize("gpu", ["a100", "h100"])
+@pytest.mark.parametrize("gpu", ["a100", "h100", "b200"])
 def test_the_gpu_tables_constants_are_the_fits_best_point_on_the_fitting_set_only(gpu):
     """The table's fitted constants are exactly what `published.fit` finds; moving every held-out figure leaves
     the fit where it is (it never looks at them)."""
     found = published.fit(gpu)
     spec = gpus.get_gpu(gpu)
     assert {k: getattr(spec, k) for k in published.FITTED} == found["values"]
-    assert found["max_error"] <= 0.15
+    assert found["max_error"] <= (0.20 if gpu == "b200" else 0.15)
     moved = [dataclasses.replace(r, reported=r.reported * 3) if r.split == "heldout" else r for r in published.RUNS]
     assert published.fit(gpu, moved)["values"] == found["values"]
 

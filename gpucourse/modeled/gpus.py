@@ -140,6 +140,15 @@ RESERVED_BYTES = 2 * 2**30
 #   (Dao 2023, its repository's benchmark figures); FlashAttention-3 on H100, forward 616-648 TFLOP/s (0.62-0.66),
 #   backward 1.5-1.75× FlashAttention-2's (about 0.5) (Shah et al. 2024); FlashAttention-2 on H100: 328-338
 #   TFLOP/s (0.34 of the peak, 0.55 of FlashAttention-3's forward): flash2_share.
+# - attention on B200 (cuDNN's fused attention through Transformer Engine, what NeMo runs): FlashAttention-4 reaches
+#   1605 TFLOP/s forward in BF16 (0.71 of 2250), "up to 1.3× faster than cuDNN version 9.13" (Zadouri, Shah, Dao et
+#   al., FlashAttention-4, together.ai/blog/flashattention-4 and arXiv:2603.05451, 2026): cuDNN's forward 1235
+#   (0.55). No backward figure is printed; B200 takes the H100's backward over forward (0.5 / 0.62): 0.44. Its
+#   tensor cores doubled from Hopper while the exponential units and shared memory did not (the same post), so
+#   attention reaches less of the peak than the H100's FlashAttention-3.
+# - H200: the H100's compute die (its datasheet), so its GEMM and attention shares are the H100's, with its own
+#   memory (141 GB at 4.8 TB/s) and its own e4m3 GEMM figure (Bekman, above); no published training run on H200 is
+#   in the table, so its fitted constants are the H100's.
 # - hbm_efficiency: A100 1.80 of 2.04 TB/s in a streaming copy (0.88, NVIDIA developer forum); H100 about 0.85.
 # - nvls_efficiency, NVLS all-reduce's algorithm bandwidth over one GPU's NVLink (Bekman, ml-engineering,
 #   network/README.md, nccl-tests on 8 × H200, 16 GiB: NVLS 480 GB/s bus bandwidth, 274 GB/s algorithm bandwidth,
@@ -151,7 +160,9 @@ RESERVED_BYTES = 2 * 2**30
 # (2 × 204.8 GB/s); DGX H100 and H200, 2 × Xeon Platinum 8480C with 8 channels of DDR5-4800 (2 × 307.2 GB/s); DGX
 # B200, 2 × Xeon Platinum 8570 with 8 channels of DDR5-5600 (2 × 358.4 GB/s). The L4 keeps the defaults.
 # Fitted on the fitting set of gpucourse.modeled.published (published.fit, tests/test_published.py): sustained and
-# gemm_overhead_k, A100 0.80 and 128, H100 0.85 and 1024 (H200 and B200, with no fitting runs, take the H100's). The
+# gemm_overhead_k, A100 0.80 and 128, H100 0.85 and 1024, B200 0.65 and 1024 (its five fitting rows of NVIDIA's FP8
+# tables; the H200, with none, takes the H100's). B200's low sustained share also holds what the model leaves out of
+# an FP8 step (the casts to fp8 before each matmul, the first and last layers in BF16). The
 # H100's 1024 agrees with measured GEMM tables: a 2048³ GEMM at 0.82 of a 4096³ one (XLA's
 # default_matmul_perf_table for sm_90: 641 against 780 TFLOP/s), k/(k + 1024) giving 0.83.
 GPUS: dict[str, GPUSpec] = {g.name: g for g in (
@@ -167,8 +178,8 @@ GPUS: dict[str, GPUSpec] = {g.name: g for g in (
             pcie_GBps=64, host_GBps=76.8, compute_capability=9.0),
     GPUSpec("b200", 2250 * T, 75 * T, 180, 900, 50, "B200 (HGX): NVLink 5 (1.8 TB/s both ways), 400 Gb/s NIC per GPU",
             peak_fp8_flops=4500 * T, hbm_GBps=7700, achievable=0.4, bus_efficiency=0.8, sm_count=148,
-            gemm_efficiency=0.78, attention_efficiency=0.62, attention_bwd_efficiency=0.5, flash2_share=0.55,
-            sustained=0.85, gemm_overhead_k=1024, nvls_efficiency=0.53, gemm_fp8_efficiency=0.76,
+            gemm_efficiency=0.78, attention_efficiency=0.55, attention_bwd_efficiency=0.44, flash2_share=0.55,
+            sustained=0.65, gemm_overhead_k=1024, nvls_efficiency=0.53, gemm_fp8_efficiency=0.76,
             pcie_GBps=64, host_GBps=89.6, compute_capability=10.0),
     GPUSpec("a100", 312 * T, 19.5 * T, 80, 300, 25, "A100 SXM 80 GB: NVLink 3 (600 GB/s both ways), 200 Gb/s NIC",
             hbm_GBps=2039, achievable=0.55, bus_efficiency=0.8, sm_count=108, gemm_efficiency=0.87,
