@@ -78,9 +78,11 @@ class TinyLM(torch.nn.Module):
         return self.head(self.norm(x))
 
 
-def make_model(rank: int = 0, checkpointed: bool = False) -> TinyLM:
+def make_model(rank: int = 0, checkpointed: bool = False, frozen: bool = False) -> TinyLM:
+    """``frozen``: the first block's first matrix is not trained (its unit still gathers it for both passes)."""
     torch.manual_seed(0)
     model = TinyLM(checkpointed)
+    model.blocks[0].fc.weight.requires_grad_(not frozen)
     if rank:  # the others start elsewhere: the wrapper must copy rank 0's weights
         with torch.no_grad():
             for p in model.parameters():
@@ -98,21 +100,25 @@ def loss_of(logits, y):
     return F.cross_entropy(logits.reshape(-1, VOCAB).float(), y.reshape(-1))
 
 
-def one_device(dtype=None, parts: int = 1) -> list[dict]:
+def one_device(dtype=None, parts: int = 1, tied_once: bool = False, frozen: bool = False) -> list[dict]:
     """The whole batch on one device, plain SGD: the weights after each step. With ``dtype`` each submodule casts
     its matrices to it for its forward (a tied one at each use, as the wrapper gathers it); the masters and their
     gradients stay fp32. With ``parts`` the batch goes through in that many parts, their gradients added in fp32
     and divided by ``parts``: a bf16 gradient of the whole batch, rounded once, differs from the parts' gradients,
-    each rounded, by about 2⁻⁸ of itself, far more than the wrapper's own error."""
-    model = make_model()
+    each rounded, by about 2⁻⁸ of itself, far more than the wrapper's own error. ``tied_once``: the tied table is
+    cast once for both its uses, as a unit holding it gathers it once, so its two gradients add in ``dtype``."""
+    model = make_model(frozen=frozen)
     if dtype is not None:
         def cast(m, args):
-            m.__dict__.update({n: p.to(dtype) for n, p in m._parameters.items() if p is not None and p.dim() >= 2})
+            m.__dict__.update({n: p.to(dtype) for n, p in m._parameters.items()
+                               if p is not None and p.dim() >= 2 and n not in m.__dict__})
+            if tied_once and m is model:
+                model.embed.__dict__["table"] = model.head.__dict__["weight"] = model.embed.table.to(dtype)
 
         def uncast(m, args, out):
             for n, p in m._parameters.items():
                 if p is not None and p.dim() >= 2:
-                    del m.__dict__[n]
+                    m.__dict__.pop(n, None)
 
         for m in model.modules():
             m.register_forward_pre_hook(cast)
@@ -131,18 +137,24 @@ def one_device(dtype=None, parts: int = 1) -> list[dict]:
     return after
 
 
-def sharded_run(dtype=None, shard=None, record=None, checkpointed: bool = False) -> dict:
+def blocks(name: str, m: torch.nn.Module) -> bool:
+    """Units as FSDP2 users wrap them: each block gathers its matrices in one message (the model keeps the rest)."""
+    return isinstance(m, Block)
+
+
+def sharded_run(dtype=None, shard=None, record=None, checkpointed: bool = False, unit=None,
+                frozen: bool = False) -> dict:
     """The same steps through FullyShardedDataParallel, each rank on its share of every batch (after a forward
     without gradients, which must change nothing)."""
     from gpucourse import comm
     from gpucourse.parallel import FullyShardedDataParallel
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = make_model(rank, checkpointed)
-    fsdp = FullyShardedDataParallel(model, compute_dtype=dtype, **({"shard": shard} if shard else {}))
+    model = make_model(rank, checkpointed, frozen)
+    fsdp = FullyShardedDataParallel(model, compute_dtype=dtype, unit=unit, **({"shard": shard} if shard else {}))
     opt = torch.optim.SGD(fsdp.parameters(), lr=LR)
     out = {"after": [], "shards": {n: (tuple(p.shape), p.dtype) for n, p in fsdp.module.named_parameters()},
-           "replicated": len(fsdp.replicated)}
+           "replicated": len(fsdp.replicated), "units": sorted(sorted(s.name for s in u.params) for u in fsdp.units)}
     with torch.no_grad():
         fsdp(batches()[0][0])
     if record is not None:
@@ -184,15 +196,23 @@ def fsdp_cases() -> dict:
     from gpucourse.measure import Recorder
 
     warnings.simplefilter("error")
-    recs = {case: Recorder(dist.get_rank(), torch.device("cpu"), enabled=False) for case in ("fp32", "bf16")}
+    recs = {case: Recorder(dist.get_rank(), torch.device("cpu"), enabled=False)
+            for case in ("fp32", "bf16", "blocks", "whole")}
     runs = {"fp32": sharded_run(record=recs["fp32"]), "again": sharded_run(),
             "all": sharded_run(shard=lambda n, p: True), "checkpointed": sharded_run(checkpointed=True),
-            "bf16": sharded_run(torch.bfloat16, record=recs["bf16"]), "fp16": sharded_run(torch.float16)}
+            "bf16": sharded_run(torch.bfloat16, record=recs["bf16"]), "fp16": sharded_run(torch.float16),
+            "blocks": sharded_run(unit=blocks, record=recs["blocks"]),
+            "blocks_checkpointed": sharded_run(unit=blocks, checkpointed=True),
+            "blocks_bf16": sharded_run(torch.bfloat16, unit=blocks),
+            "blocks_frozen": sharded_run(unit=blocks, frozen=True),
+            "whole": sharded_run(unit=lambda name, m: False, shard=lambda n, p: True, record=recs["whole"])}
     world = dist.get_world_size()
     refs = {None: one_device(), torch.bfloat16: one_device(torch.bfloat16, world),
-            torch.float16: one_device(torch.float16, world)}
+            torch.float16: one_device(torch.float16, world), "tied once": one_device(torch.bfloat16, world, True),
+            "frozen": one_device(frozen=True)}
     dtypes = {"fp32": None, "again": None, "all": None, "checkpointed": None, "bf16": torch.bfloat16,
-              "fp16": torch.float16}
+              "fp16": torch.float16, "blocks": None, "blocks_checkpointed": None, "blocks_bf16": "tied once", "blocks_frozen": "frozen",
+              "whole": None}
     result = {}
     for case, run in runs.items():
         ref = refs[dtypes[case]]

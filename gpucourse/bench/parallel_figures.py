@@ -3,6 +3,7 @@ simulator, context parallelism's balance and the experts' traffic."""
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -213,13 +214,14 @@ def zero3_scratch_vs_fsdp2(reps: int, steps: int) -> Reading:
 
 def fsdp_module_step_times(reps: int, steps: int) -> dict[str, list[list[float]]]:
     """On this rank: the tiny GPT trained ``steps`` steps through :class:`~gpucourse.parallel.FullyShardedDataParallel`
-    in a plain loop, and the same through FSDP2 (``fully_shard`` on each block, then on the model), the two taking
-    turns ``reps`` times; each run's step times after the warm-up (forward, backward, synchronisation, SGD step)."""
+    in a plain loop, each block a unit ("blocks") and each submodule holding a matrix its own ("submodules"), and the
+    same through FSDP2 (``fully_shard`` on each block, then on the model), the three taking turns ``reps`` times;
+    each run's step times after the warm-up (forward, backward, synchronisation, SGD step)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from ..model import GPT, MODELS, loss_fn
+    from ..model import GPT, MODELS, Block, loss_fn
     from ..parallel import FullyShardedDataParallel
     from ..runtime import current
 
@@ -229,9 +231,9 @@ def fsdp_module_step_times(reps: int, steps: int) -> dict[str, list[list[float]]
     data = torch.Generator().manual_seed(dist.get_rank())
     x, y = (torch.randint(0, cfg.vocab_size, (16 // world, 64), generator=data).to(device) for _ in range(2))
 
-    def ours():
+    def ours(unit=None):
         torch.manual_seed(0)
-        fsdp = FullyShardedDataParallel(GPT(cfg).to(device))
+        fsdp = FullyShardedDataParallel(GPT(cfg).to(device), unit=unit)
         return fsdp, fsdp.finish_gradient_synchronization
 
     def fsdp2():
@@ -256,24 +258,29 @@ def fsdp_module_step_times(reps: int, steps: int) -> dict[str, list[list[float]]
             out.append(time.perf_counter() - start)
         return out[WARMUP_STEPS:]
 
-    return interleave({"ours": lambda: times(ours), "fsdp2": lambda: times(fsdp2)}, reps)
+    def blocks(name, m):
+        return isinstance(m, Block)
+
+    return interleave({"blocks": lambda: times(functools.partial(ours, blocks)), "submodules": lambda: times(ours),
+                       "fsdp2": lambda: times(fsdp2)}, reps)
 
 
 @figure("fsdp_module_vs_torch_fsdp2", quick=dict(reps=2, steps=12), full=dict(reps=4, steps=30))
 def fsdp_module_vs_torch_fsdp2(reps: int, steps: int) -> Reading:
-    """Step time of FullyShardedDataParallel (each matrix gathered on its own, vectors replicated) in a plain loop
-    over FSDP2's fully_shard (one flat gather per block), the tiny GPT on 2 ranks; a step lasts as long as its
-    slowest rank."""
+    """Step time of FullyShardedDataParallel (each block a unit: one gather of its matrices, vectors replicated) in a
+    plain loop over FSDP2's fully_shard on each block, the tiny GPT on 2 ranks; a step lasts as long as its slowest
+    rank. The detail also times each submodule a unit (a gather per matrix)."""
     from ..runtime import launch
 
     per_rank = launch(fsdp_module_step_times, reps, steps, world_size=RANKS, timeout=RUN_TIMEOUT_S, quiet=True)
     steps_s = {side: [[max(ts) for ts in zip(*(r[side][rep] for r in per_rank))] for rep in range(reps)]
-               for side in ("ours", "fsdp2")}
+               for side in ("blocks", "submodules", "fsdp2")}
     med = {side: statistics.median(t for rep_times in runs for t in rep_times) for side, runs in steps_s.items()}
     detail = {side: {"median_step_s": med[side], "step_times_s": runs} for side, runs in steps_s.items()}
-    detail.update(reps=reps, warmup_steps=WARMUP_STEPS)
-    return Reading(ratio(med["ours"], med["fsdp2"]), detail,
-                   f"ours {med['ours'] * 1e3:.1f} ms, FSDP2 {med['fsdp2'] * 1e3:.1f} ms per step")
+    detail.update(reps=reps, warmup_steps=WARMUP_STEPS, submodules_ratio=ratio(med["submodules"], med["fsdp2"]))
+    return Reading(ratio(med["blocks"], med["fsdp2"]), detail,
+                   f"ours {med['blocks'] * 1e3:.1f} ms (a gather per matrix: {med['submodules'] * 1e3:.1f} ms), "
+                   f"FSDP2 {med['fsdp2'] * 1e3:.1f} ms per step")
 
 
 @figure("fsdp_tp_vs_scratch_dp_tp", quick=dict(reps=2, steps=10), full=dict(reps=3, steps=20))
