@@ -616,7 +616,7 @@ def test_notebook_06_says_how_the_planner_times_compute():
     assert (h100.sm_count, h100.gemm_efficiency, h100.sustained) == (132, 0.80, 0.85)
     assert "H100's 132 SMs (a large one at 0.80 of the bf16 peak" in text and "times 0.85, `sustained`" in text
     assert round(1024 * 4096 / 1e6, 1) == 4.2 and "4.2 million tokens per step" in text
-    assert len(published.RUNS) == 48 and "48 of them" in text
+    assert f"{len(published.RUNS)} of them" in text
     e = published.errors()
     assert e["heldout_max"] <= 0.25 and "within a quarter of published runs it was never fitted to" in text
     rows = published.agreement()
