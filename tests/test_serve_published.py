@@ -15,6 +15,15 @@ from gpucourse.modeled.shapes import get_shape
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "modeled-timing.md"
 ROWS = sp.compare()
+FITTED_SOURCES = (sp.TRTLLM_URL, sp.NIM_URL)  # the tables serve_plan's constant was fitted on (alternate rows)
+GPT_FAST_URLS = (sp.GPT_FAST_URL, sp.GPT_FAST_MOE_URL)
+# The 24 rows the table held before LMDeploy's, the H200 blogs' and gpt-fast's quantized rows were added.
+FIRST = [r for r in ROWS
+         if r["url"] in FITTED_SOURCES or (r["url"] in GPT_FAST_URLS and "bf16 weights" in r["setting"])]
+FIT = ("Llama 2 70B, H100 fp8, batch 1024, 128/128", "Llama 2 70B, H100 fp8, batch 96, 2048/128",
+       "Llama 2 7B, H100 fp8, batch 896, 128/128", "Llama 2 7B, H100 fp8, batch 84, 2048/128",
+       "Llama 2 7B, H100 fp8, first token of 128", "Llama 2 70B, H100 fp8, first token of 128",
+       "Llama 3.3 70B, 2 H100 fp8, concurrency 1, 5000/500")
 # The TensorRT-LLM and NIM rows' errors with every expert read and batch-1 matmuls timed as tiles (before the GEMV and
 # routed-experts model), in RUNS' order.
 BEFORE = (-0.0991, 0.0787, -0.0988, 0.0569, -0.0305, -0.0273, -0.1125, -0.0809, -0.1037, 0.2177, -0.0976, -0.0787,
@@ -26,9 +35,9 @@ def test_each_row_has_its_source_and_its_whole_setting(run):
     assert run.url.startswith("https://") and run.url in sp.SOURCES
     assert len(run.source) > 100 and any(mark in run.source for mark in ("v0.9.0", "version 1.8.0", "at commit"))
     assert run.metric in sp.METRICS and run.split in ("fit", "heldout") and run.reported > 0
-    assert run.gpu in ("h100", "a100") and run.batch >= 1 and run.prompt >= 1 and run.output >= 1
+    assert run.gpu in ("h100", "h200", "a100") and run.batch >= 1 and run.prompt >= 1 and run.output >= 1
     assert run.tp in (1, 2, 4, 8)
-    assert get_shape(run.shape).name in ("llama2-7b", "llama2-70b", "llama3-70b", "mixtral-8x7b")
+    assert get_shape(run.shape).name in ("llama2-7b", "llama2-70b", "llama3-70b", "mixtral-8x7b", "gpt-j-6b")
     setting = run.setting
     for part in (f"tp {run.tp}", f"batch {run.batch}", f"{run.prompt} in", f"{run.weights} weights"):
         assert part in setting, (part, setting)
@@ -38,18 +47,50 @@ def test_each_row_has_its_source_and_its_whole_setting(run):
 
 def test_the_table_is_split_by_a_rule_that_ignores_the_errors():
     """Within each source table the constant was fitted on, in the source's order, rows alternate fit, held-out,
-    fit, …; gpt-fast's rows, added after the fit, are all held out."""
+    fit, …; every row of a source added after the fit (gpt-fast, LMDeploy, the H200 blogs) is held out."""
     tables = {}
     for run in sp.RUNS:
         tables.setdefault((run.url, run.metric, get_shape(run.shape).name if run.metric == "tpot_s" else ""),
                           []).append(run.split)
     for (url, *_), splits in tables.items():
-        if url in (sp.GPT_FAST_URL, sp.GPT_FAST_MOE_URL):
-            assert set(splits) == {"heldout"}
-        else:
+        if url in FITTED_SOURCES:
             assert splits == ["fit", "heldout"] * (len(splits) // 2)
+        else:
+            assert set(splits) == {"heldout"}
     e = sp.errors(ROWS)
-    assert e["fit_runs"] + e["heldout_runs"] == len(sp.RUNS) and 6 <= len(sp.RUNS) <= 30
+    assert e["fit_runs"] + e["heldout_runs"] == len(sp.RUNS) and e["fit_runs"] == 7
+
+
+def test_the_table_has_thirty_rows_from_five_sources_across_gpus_models_formats_and_metrics():
+    """At least 30 rows from at least 5 sources: A100, H100 and H200; dense models and a mixture of experts; FP8
+    and INT4 (and INT8) weights; a static batch's throughput, one request's tokens, a time per output token and a
+    first token. The fitting rows are the 7 they were when the constant was fitted: nothing added moved the split."""
+    assert len(sp.RUNS) >= 30 and len({r.name for r in sp.RUNS}) == len(sp.RUNS)
+    assert len({sp.SOURCES[r.url] for r in sp.RUNS}) >= 5
+    assert {"a100", "h100", "h200"} <= {r.gpu for r in sp.RUNS}
+    assert any(get_shape(r.shape).experts for r in sp.RUNS) and any(not get_shape(r.shape).experts for r in sp.RUNS)
+    assert {"fp8", "int4", "int8", "bf16"} <= {r.weights for r in sp.RUNS}
+    assert {r.metric for r in sp.RUNS} == set(sp.METRICS)
+    assert tuple(r.name for r in sp.RUNS if r.split == "fit") == FIT
+    assert all(r.url in FITTED_SOURCES for r in sp.RUNS if r.split == "fit")
+    assert len(FIRST) == 24 and sum(r["split"] == "heldout" for r in FIRST) == 17
+
+
+def test_the_blog_rows_are_kept_by_what_an_unstated_kv_cache_moves_not_by_their_error():
+    """No TensorRT-LLM blog says whether its KV cache was FP8: a row is kept where a bf16 cache moves its modeled
+    figure by at most 5 %, left out (EXCLUDED) where it moves it more; every blog row of RUNS either passes or does
+    not read a cache (a first token)."""
+    moves = {r.name: sp.kv_moves(r) for r in sp.KV_UNSTATED}
+    kept = {name for name, m in moves.items() if m <= sp.KV_UNSTATED_MOVES}
+    blogs = {sp.H200_LAUNCH_URL, sp.H200_FALCON_URL, sp.H100_A100_URL}
+    fp8_blog_rows = [r for r in sp.RUNS if r.url in blogs and r.weights == "fp8"]
+    assert kept == set(sp.KV_KEPT) == {r.name for r in fp8_blog_rows if r.metric != "first_token_s"}
+    assert all(sp.kv_moves(r) == 0 for r in fp8_blog_rows if r.metric == "first_token_s")
+    left = sorted(m for name, m in moves.items() if name not in kept)
+    assert len(left) == 7 and (round(left[0] * 100), round(left[-1] * 100)) == (14, 41)
+    assert "14 to 41 %" in " ".join(why for _, why in sp.EXCLUDED)
+    assert "moves their modeled figure by 14 to 41 %" in " ".join(DOC.read_text().split())
+    assert max(moves[name] for name in kept) < 0.032
 
 
 def test_a_static_batch_is_its_prefill_and_every_decode_step_in_turn():
@@ -67,11 +108,13 @@ def test_latency_rows_are_one_decode_step_or_one_prefill(metric):
         if metric == "tpot_s":
             want = decode_step(run.shape, run.gpu, run.batch, run.prompt + run.output / 2, run.tp,
                                weights=run.weights, kv=run.kv)["token_s"]
-        elif metric == "tokens_per_s":  # one request: its prefill, then output − 1 steps, as gpt-fast times it
-            first = prefill(run.shape, run.gpu, 1, run.prompt, run.tp, weights=run.weights)["first_token_s"]
-            step = decode_step(run.shape, run.gpu, 1, run.prompt + run.output / 2, run.tp, weights=run.weights,
-                               kv=run.kv)["token_s"]
-            want = run.output / (first + (run.output - 1) * step)
+        elif metric == "tokens_per_s":  # a static batch: its prefill, then output − 1 steps, as gpt-fast times it
+            first = prefill(run.shape, run.gpu, run.batch, run.prompt, run.tp, weights=run.weights)["first_token_s"]
+            step = decode_step(run.shape, run.gpu, run.batch, run.prompt + run.output / 2, run.tp,
+                               weights=run.weights, kv=run.kv)["token_s"]
+            want = run.batch * run.output / (first + (run.output - 1) * step)
+            assert sp.modeled(run) == pytest.approx(want, rel=1e-9)
+            continue
         else:
             want = prefill(run.shape, run.gpu, run.batch, run.prompt, run.tp, weights=run.weights)["first_token_s"]
         assert sp.modeled(run) == want
@@ -85,26 +128,28 @@ def test_the_errors_are_the_rows_own():
 
 
 def test_large_batches_are_close_and_a_cost_of_each_step_fitted_on_the_fitting_rows_brings_the_rest_in():
-    """Throughput of static batches within 12 %; serve_plan's one serving constant (1.4 ms an iteration) is the value
-    on a 0.1 ms grid that makes the largest fitting error smallest; without it every latency-bound row of
-    TensorRT-LLM and NIM (one request's tokens, a 128-token prompt) came out 16-33 % too fast. The worst row is
-    gpt-fast's Llama 2 7B on 8 A100s, 3 ms a token, of which the model's 1.4 ms an iteration is a large part."""
+    """TensorRT-LLM v0.9.0's static batches within 12 %; serve_plan's one serving constant (1.4 ms an iteration) is
+    the value on a 0.1 ms grid that makes the largest fitting error smallest; without it every latency-bound row of
+    TensorRT-LLM and NIM (one request's tokens, a 128-token prompt) came out 16-33 % too fast. The worst of the first
+    24 rows is gpt-fast's Llama 2 7B on 8 A100s, 3 ms a token, of which the model's 1.4 ms an iteration is a large
+    part."""
     from gpucourse.modeled import serve_plan
 
-    assert all(abs(r["error"]) <= 0.12 for r in ROWS if r["metric"] == "output_tokens_per_s_per_gpu")
-    e = sp.errors(ROWS)
+    assert all(abs(r["error"]) <= 0.12 for r in ROWS if r["metric"] == "output_tokens_per_s_per_gpu"
+               and r["url"] == sp.TRTLLM_URL)
+    e = sp.errors(FIRST)
     assert e["max"] <= 0.25 and e["worst"] == "Llama 2 7B, 8 A100 bf16, batch 1, gpt-fast"
     assert e["heldout_median"] <= 0.10 and serve_plan.STEP_OVERHEAD_S == 1.4e-3
     fitted = {}
     try:
         for tenths in range(31):
             serve_plan.STEP_OVERHEAD_S = tenths * 1e-4
-            fitted[tenths] = sp.errors()["fit_max"]
+            fitted[tenths] = sp.errors(sp.compare([r for r in sp.RUNS if r.url in FITTED_SOURCES]))["fit_max"]
     finally:
         serve_plan.STEP_OVERHEAD_S = 1.4e-3
     assert min(fitted, key=fitted.get) == 14
-    bound = [r["name"] for r in ROWS if r["metric"] == "tpot_s" or (r["metric"] == "first_token_s"
-                                                                     and "128 in" in r["setting"])]
+    bound = [r["name"] for r in FIRST if r["metric"] == "tpot_s" or (r["metric"] == "first_token_s"
+                                                                      and "128 in" in r["setting"])]
     serve_plan.STEP_OVERHEAD_S = 0.0
     try:
         fitted_sources = [run for run in sp.RUNS if run.url in (sp.TRTLLM_URL, sp.NIM_URL)]
@@ -216,5 +261,60 @@ def test_mixtral_at_batch_one_is_near_gpt_fasts_published_figure():
     32.6 (−66 %), reading the two routed experts is within 25 %; every gpt-fast row within 25 %."""
     row = next(r for r in ROWS if r["name"] == "Mixtral 8x7B, 2 A100 bf16, batch 1, gpt-fast")
     assert row["reported"] == 96.67 and abs(row["error"]) <= 0.25
-    gpt_fast = [r for r in ROWS if r["metric"] == "tokens_per_s"]
+    gpt_fast = [r for r in FIRST if r["metric"] == "tokens_per_s"]
     assert len(gpt_fast) == 10 and all(abs(r["error"]) <= 0.25 and r["split"] == "heldout" for r in gpt_fast)
+
+
+def test_the_added_rows_far_off_are_explained_by_their_setting():
+    """Six added rows are off by more than 30 %: gpt-fast's INT4 on Llama 2 70B (its G=32 scale and zero point cost
+    bytes the model's INT4 does not read; its kernels stream slower than bf16's, which the model does not charge),
+    LMDeploy's Llama 2 70B on 4 A100s (5 ms a step more than the model's and gpt-fast's), and LMDeploy's first tokens
+    of 128-token prompts (about one decode step after the model's prefill). No constant was changed for them."""
+    from gpucourse.modeled import serve_plan
+
+    far = sorted(r["name"] for r in ROWS if abs(r["error"]) > 0.30)
+    assert far == sorted(["Llama 2 70B, 1 A100 int4, batch 1, gpt-fast", "Llama 2 70B, 8 A100 int4, batch 1, gpt-fast",
+                          "Llama 2 70B, 4 A100 fp16, batch 32, 128/128, LMDeploy",
+                          "Llama 2 70B, 4 A100 fp16, batch 64, 128/128, LMDeploy",
+                          "Llama 2 7B, 1 A100 fp16, first token of 128, LMDeploy",
+                          "Llama 2 70B, 4 A100 fp16, first token of 128, LMDeploy"])
+    assert all(r["split"] == "heldout" and r["url"] not in FITTED_SOURCES for r in ROWS if r["name"] in far)
+    flat = " ".join(DOC.read_text().split())
+    by_name = {r["name"]: r for r in ROWS}
+    for name, said in (("Llama 2 70B, 1 A100 int4, batch 1, gpt-fast", "INT4 +72.1 %"),
+                       ("Llama 2 70B, 1 A100 int8, batch 1, gpt-fast", "INT8 +26.0 %"),
+                       ("Llama 2 70B, 8 A100 int4, batch 1, gpt-fast", "INT4 +34.3 %"),
+                       ("Llama 2 7B, 1 A100 int4, batch 1, gpt-fast", "INT4 +24.3 %"),
+                       ("Llama 2 70B, 4 A100 fp16, batch 1, 128/128, LMDeploy", "+23.2 % at batch 1"),
+                       ("Llama 2 70B, 4 A100 fp16, batch 64, 128/128, LMDeploy", "+33.3 % at batch 64"),
+                       ("Llama 2 70B, 4 A100 fp16, batch 1, 2048/2048, LMDeploy", "+29.1 % for one request"),
+                       ("Llama 2 7B, 1 A100 fp16, batch 1, 128/128, LMDeploy", "from +3.0 % at batch 1"),
+                       ("Llama 2 7B, 1 A100 fp16, batch 64, 128/128, LMDeploy", "to +21.8 % at batch 64"),
+                       ("Llama 2 7B, 1 A100 fp16, first token of 128, LMDeploy", "−38.4 % for Llama 2 7B"),
+                       ("Llama 2 70B, 4 A100 fp16, first token of 128, LMDeploy", "−37.1 % for 70B")):
+        number = said.split("%")[0].split()[-1]
+        assert f"{by_name[name]['error'] * 100:+.1f}".replace("-", "−") == number and said in flat, (name, said)
+    # gpt-fast's INT4 read at its own 0.625 bytes a weight (a bf16 scale and zero point every 32 weights).
+    g32 = dataclasses.replace(serve_plan.WEIGHTS["int4"], group=16)
+    assert g32.bytes(4096) == 0.625 and round(serve_plan.WEIGHTS["int4"].bytes(4096), 3) == 0.516
+    int4 = [r for r in sp.RUNS if r.weights == "int4"]
+    saved = serve_plan.WEIGHTS["int4"]
+    try:
+        serve_plan.WEIGHTS["int4"] = g32
+        serve_plan._weight_bytes.cache_clear()
+        serve_plan._block.cache_clear()
+        reread = {r.name: sp.modeled(r) / r.reported - 1 for r in int4}
+    finally:
+        serve_plan.WEIGHTS["int4"] = saved
+        serve_plan._weight_bytes.cache_clear()
+        serve_plan._block.cache_clear()
+    assert sp.modeled(int4[0]) == by_name[int4[0].name]["modeled"]
+    assert (f"the 70B row on one A100 comes to {reread['Llama 2 70B, 1 A100 int4, batch 1, gpt-fast'] * 100:+.1f} % "
+            f"and the 7B row to {reread['Llama 2 7B, 1 A100 int4, batch 1, gpt-fast'] * 100:+.1f} %") in flat
+    # LMDeploy's Llama 2 70B at tp 4: the model's step and its all-reduces; LMDeploy's first tokens.
+    step = decode_step("llama2-70b", "a100", 1, 128 + 64, 4)
+    assert (f"the model's {step['token_s'] * 1e3:.1f} ms, {step['tp_comm_s'] * 1e3:.1f} ms of it for the step's 160 "
+            f"all-reduces ({step['tp_comm_s'] / 160 * 1e6:.0f} µs each)") in flat
+    first = [by_name[f"Llama 2 {m}, first token of 128, LMDeploy"]["modeled"] * 1e3
+             for m in ("7B, 1 A100 fp16", "70B, 4 A100 fp16")]
+    assert f"against the model's prefill, {first[0]:.1f} and {first[1]:.1f} ms" in flat

@@ -8,8 +8,8 @@ from ..course.readings import Reading, figure
 @figure("serve_model_vs_published_max_error", target="<= 0.30", quick=dict(), full=dict())
 def serve_model_vs_published_max_error() -> Reading:
     """The largest relative error of the modeled decode and prefill (gpucourse.modeled.serve_plan) over the published
-    serving measurements of Llama-class models and Mixtral on H100 and A100 in gpucourse.modeled.serve_published; the
-    details list each row's setting, published and modeled value (modeled)."""
+    serving measurements of Llama-class models, GPT-J and Mixtral on A100, H100 and H200 in
+    gpucourse.modeled.serve_published; the details list each row's setting, published and modeled value (modeled)."""
     from ..modeled.serve_published import compare, errors
 
     rows = compare()
