@@ -7,7 +7,7 @@ ran with, the figure the source reports, how to turn the model's step time into 
 belongs to. The table was split into a fitting and a held-out set before any constant was tuned: :func:`fit`
 tunes a GPU's fitted constants (:data:`FITTED`) on its fitting runs alone; :func:`compare` predicts every run,
 :func:`errors` gives the figures ``gpucourse bench`` reports, and ``tests/test_published.py`` holds the model to
-15 % on the fitting set and 25 % on the held-out one. :func:`agreement` asks the planner to rank the layouts the
+15 % on the fitting set (20 % on B200's) and 25 % on the held-out one. :func:`agreement` asks the planner to rank the layouts the
 sources chose. ``docs/modeled-timing.md`` prints both tables.
 """
 
@@ -218,7 +218,9 @@ def _nemo(source: str, system: str, gpu: str, model: str, shape, params: float, 
           precision: str = "FP8", note: str = "") -> Published:
     """A dense row of NVIDIA's NeMo / Megatron-Bridge performance tables: tokens/s per GPU of ``model`` on ``gpus``
     GPUs of ``system`` (DGX-B200, DGX-H100) at the table's layout, FP8 matmuls (Transformer Engine's recipe) with
-    bf16 weights and fp32 master weights."""
+    bf16 weights and fp32 master weights. Llama 3.1 405B's embedding and loss each take a layer's place in the
+    pipeline's split, as NeMo's recipe sets (nemo/collections/llm/recipes/llama31_405b.py:
+    account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split, True)."""
     dp = gpus // (tp * pp * cp)
     m = batch // (dp * micro)
     sched = dict(schedule="interleaved-1f1b", virtual_stages=v) if pp > 1 and v > 1 else {}
@@ -235,7 +237,7 @@ def _nemo(source: str, system: str, gpu: str, model: str, shape, params: float, 
         + (", FSDP" if zero == 3 else "") + f": {tokens:,} tokens/s per GPU{note}",
         gpu, float(tokens), "tokens/s per GPU", "compute", layout, params=params,
         shape=shape, framework="megatron-core-tp-overlap" if tp > 1 else "megatron-core", split=split,
-        ends_as_layers=layers == 126, matmuls="fp8", assumed=NEMO_ASSUMED)
+        ends_as_layers=shape == "llama3-405b", matmuls="fp8", assumed=NEMO_ASSUMED)
 
 
 def _moe(layout: dict, experts: int, top_k: int) -> dict:
