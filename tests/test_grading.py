@@ -359,6 +359,11 @@ WRONG_ANSWERS = {
 }
 
 
+# Cheats graded beside the wrong answers, in the same grading processes: cheat -> (exercise, words every check's
+# message holds). A module that replaces the probe's own function (the one that reports what the forward saw).
+CHEATS_GRADED = {"cheats/ex02_replaces_probe": ("ex02", "replaced the grader's probe (step of")}
+
+
 def _by_id(result: dict) -> dict[str, dict]:
     return {e["exercise"]: e for e in result["exercises"]}
 
@@ -402,6 +407,7 @@ def mutant_results() -> dict[str, dict]:
     for the newest exercise)."""
     seed = secrets.randbelow(2**31)
     runs = [(name[:4], str(MUTANTS / f"{name}.py"), seed) for name in sorted(WRONG_ANSWERS)]
+    runs += [(ex_id, str(MUTANTS / f"{name}.py"), seed) for name, (ex_id, _) in sorted(CHEATS_GRADED.items())]
     halves = [runs[k::4] for k in range(4)]
     with ThreadPoolExecutor(max_workers=len(halves)) as pool:
         graded = list(pool.map(runner.grade_runs, halves))
@@ -430,6 +436,13 @@ def test_wrong_answer_loses_points_with_the_intended_hint(mutant_results, mutant
     assert words in intended["message"], intended["message"]
     assert check.hint in report.text_report({"folder": "x", "seed": 1, "score": 0, "max_score": 10,
                                              "exercises": [result]}).replace("\n         ", " ")
+
+
+@pytest.mark.parametrize("cheat", sorted(CHEATS_GRADED))
+def test_a_cheat_graded_beside_them_scores_zero_and_says_why(mutant_results, cheat):
+    result, words = mutant_results[cheat], CHEATS_GRADED[cheat][1]
+    assert result["score"] == 0 and result["checks"], result
+    assert all(words in c["message"] for c in result["checks"]), [c["message"] for c in result["checks"]]
 
 
 def test_the_terminal_shows_the_checks_of_a_file_that_raises_nothing():

@@ -28,8 +28,9 @@ where this process is not root). Each rank:
    forbidden names (``DistributedDataParallel``, ``GradScaler``...) replaced
    by refusals;
 3. answers the host's requests — load the learner's file afresh, call one of
-   its functions, or run a probe that drives it — with replies of tensors and
-   plain data (:mod:`gpucourse.grading.wire`), until the host closes the channel.
+   its functions, or run a probe that drives it (refused once the learner's code
+   has replaced any part of the probe) — with replies of tensors and plain data
+   (:mod:`gpucourse.grading.wire`), until the host closes the channel.
 
 Nothing here decides a verdict: a rank only reports what the learner's code did.
 """
@@ -376,6 +377,7 @@ class Server:
         self.batch, self.sock, self.recorder = batch, sock, recorder
         self.module: types.ModuleType | None = None
         self.probes = __import__(batch["probes"], fromlist=["*"]) if batch.get("probes") else None
+        self.probe_parts = probe_parts(self.probes) if self.probes else {}  # taken before any learner code runs
 
     def load(self) -> types.ModuleType:
         """The learner's file, executed afresh as module ``batch["module"]``."""
@@ -406,11 +408,15 @@ class Server:
                 fn = getattr(self.module, request["name"], None)
                 if fn is None:
                     raise AttributeError(f"the file defines no {request['name']}")
+            if request["op"] == "probe":
+                self.hold_probe()
             with self.recorder:
                 value = fn(*args, **kwargs)
                 if self.recorder not in _get_current_dispatch_mode_stack():
                     raise ForbiddenCall("the code took the grader's dispatch mode off the stack; the checks need "
                                         "to see every collective, so this call is not graded")
+            if request["op"] == "probe":
+                self.hold_probe()
             return {"ok": True, "value": value, "args": args if request["op"] == "call" else (),
                     "aliases": _aliases(value, args), "comm": list(self.recorder.records),
                     "time_s": elapsed()}
@@ -418,19 +424,51 @@ class Server:
             return {"ok": False, "type": type(e).__name__, "message": _message(e),
                     "traceback": traceback.format_exc()[-8000:], "comm": list(self.recorder.records)}
 
+    def hold_probe(self) -> None:
+        """Refuse the call if the learner's code replaced any part of the probe (its functions, their code, its
+        classes' methods): what the probe reports is what the checks judge."""
+        now, was = probe_parts(self.probes), self.probe_parts
+        changed = sorted(k for k in now.keys() | was.keys() if now.get(k, now) is not was.get(k, now))
+        if changed:
+            names = list(dict.fromkeys(k.split(".__")[0] for k in changed))  # step, not also step.__code__
+            raise ForbiddenCall(f"the code replaced the grader's probe ({', '.join(names[:4])} of "
+                                f"{self.probes.__name__}); the checks judge what the probe observes, so this call "
+                                f"is not graded")
+
     def serve(self) -> None:
+        handle = self.handle  # bound before any learner code runs: a replaced Server.handle is never called
         while True:
             try:
                 data = wire.recv_bytes(self.sock)
             except (wire.ChannelClosed, OSError):
                 return
-            reply = self.handle(wire.decode_request(data))
+            reply = handle(wire.decode_request(data))
             try:
                 encoded = wire.encode_reply(reply)
             except BaseException as e:  # noqa: BLE001 -- a value torch.save cannot write
                 encoded = wire.encode_reply({"ok": False, "type": type(e).__name__, "message": _message(e),
                                              "traceback": ""})
             wire.send_bytes(self.sock, encoded)
+
+
+def probe_parts(module: types.ModuleType) -> dict[str, object]:
+    """Every part of a probe module a learner could replace to change what it reports: each name it holds, each
+    function's code and defaults, each of its own classes' attributes and their functions' code."""
+    parts: dict[str, object] = {}
+
+    def add(name: str, value) -> None:
+        parts[name] = value
+        if isinstance(value, types.FunctionType):
+            parts[f"{name}.__code__"] = value.__code__
+            parts[f"{name}.__defaults__"] = value.__defaults__
+            parts[f"{name}.__kwdefaults__"] = value.__kwdefaults__
+
+    for name, value in list(vars(module).items()):
+        add(name, value)
+        if isinstance(value, type) and value.__module__ == module.__name__:
+            for attr, member in list(vars(value).items()):
+                add(f"{name}.{attr}", member)
+    return parts
 
 
 def _message(e: BaseException) -> str:
