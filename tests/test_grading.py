@@ -88,6 +88,8 @@ WRONG_ANSWERS = {
     "ex01_ring_allreduce/returns_input_alone": (["one rank"], "contract 'a new tensor'"),
     "ex01_ring_allreduce/float32_buffer": ([EX01_DTYPE], "contract 'keeps the dtype'"),
     "ex01_ring_allreduce/flat_view": ([EX01_FRESH], "contract 'any strides'"),
+    # Inputs the cases never took before they were drawn (gpucourse.grading.generated): a 0-d tensor.
+    "ex01_ring_allreduce/splits_rows": (["3 ranks, lengths not divisible by 3"], "of 0-d"),
     "ex02_data_parallel/no_divide": (["average_gradients averages over 2 ranks",
                                       "one step on 2 ranks equals the single-device step",
                                       "average_gradients skips parameters without a gradient",
@@ -113,6 +115,8 @@ WRONG_ANSWERS = {
     "ex02_data_parallel/one_flat_buffer": (["average_gradients averages over 2 ranks"], "a gradient on no parameters"),
     "ex02_data_parallel/steps_by_hand": (["one step on 2 ranks equals the single-device step"],
                                          "1 row a rank, a float32 model"),
+    "ex02_data_parallel/counts_nonzero_ranks": (["average_gradients averages over 2 ranks"],
+                                                "rank 0's gradients all exactly zero"),
     "ex03_gradient_buckets/forward_order": (["buckets follow gradient-ready order"], "forward order"),
     "ex03_gradient_buckets/cap_off_by_one": (["buckets respect the size cap"], "as far as the cap allows"),
     "ex03_gradient_buckets/sync_in_finish": (["one async all-reduce per bucket, during backward"],
@@ -143,6 +147,8 @@ WRONG_ANSWERS = {
     "ex04_zero1/float32_padding": ([EX04_CONTRACT], "contract 'keeps the dtype'"),
     # Inputs the cases never took before they were drawn (gpucourse.grading.generated): model.parameters().
     "ex04_zero1/reads_params_twice": (["a ZeRO-1 step equals Adam on one device (2 ranks)"], "as a generator"),
+    # Another learning rate than the default.
+    "ex04_zero1/default_lr": (["a ZeRO-1 step equals Adam on one device (2 ranks)"], "the default, where this"),
     "ex05_one_f_one_b/warmup_off_by_one": (["stage s warms up with min(pp - s - 1, m) forwards",
                                             "then one forward, one backward, in turn",
                                             "stage s holds at most pp - s microbatches"], "warm-up of"),
@@ -208,6 +214,8 @@ WRONG_ANSWERS = {
     # Inputs the cases never took before they were drawn (gpucourse.grading.generated): several parameter groups.
     "ex08_loss_scaler/first_group_only": (["training with overflows follows torch.amp.GradScaler"],
                                           "2 parameter groups"),
+    # An empty list of gradients.
+    "ex08_loss_scaler/stacks_the_flags": (["scale multiplies the loss, unscale_ divides in place"], "of [])"),
     "ex08_loss_scaler/no_allreduce": (["ranks agree on skipping a step (2 ranks)",
                                        "collectives use the group passed in (3 ranks)"], "stepped anyway"),
     "ex08_loss_scaler/step_drops_group": (["collectives use the group passed in (3 ranks)"], "on the default group"),
@@ -322,6 +330,9 @@ WRONG_ANSWERS = {
     "ex14_paged_attention/tables_as_tensors": ([EX14_CONTRACT], "changed its input tables"),
     "ex14_paged_attention/slot_as_tensor": (["slot_of finds a token's block and offset"],
                                             "a 0-d tensor, where an int is specified"),
+    # q and the caches in different dtypes; a grow call whose table already holds more than enough.
+    "ex14_paged_attention/output_in_cache_dtype": ([EX14_CONTRACT], "contract 'keeps the dtype'"),
+    "ex14_paged_attention/gives_back_surplus": ([EX14_GROW], "left the table"),
     "ex15_fsdp/all_reduce_not_reduce_scatter": ([EX15_BYTES], "all_reduces of"),
     "ex15_fsdp/casts_after_gather": ([EX15_BYTES], "fp16 compute: rank"),
     "ex15_fsdp/gathers_once_per_step": ([EX15_FREED, EX15_BYTES], "still held"),

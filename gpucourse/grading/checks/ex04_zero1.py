@@ -176,11 +176,14 @@ def _compare(ctx, sizes, key="", lr: float = LR, container: str = "list"):
             elif n > 1 and bool(own[moved].all()) and _close(got[lo:hi], expected[lo:hi]):
                 problem += (f"; only elements {lo} to {hi - 1}, this rank's own shard, changed: the other ranks' "
                             f"updated shards never arrived")
-            elif n > 1 and _close(got, _adam(weights, grads, factor=n)[step]):
+            elif lr != LR and _close(got, _adam(weights, grads)[step]):
+                problem += (f"; they are Adam's weights at lr={LR:g}, the default, where this ZeroOneAdam was made "
+                            f"with lr={lr:g}: the shard's optimizer must step at the learning rate it was given")
+            elif n > 1 and _close(got, _adam(weights, grads, factor=n, lr=lr)[step]):
                 problem += (f"; they are Adam's weights for gradients {n} times as large: the gradients were "
                             f"summed over the ranks, but they arrive already averaged (the same on every rank), "
                             f"and Adam's update depends on their scale where they are as small as its eps")
-            elif step > 0 and _close(got, _adam(weights, grads, fresh=True)[step]):
+            elif step > 0 and _close(got, _adam(weights, grads, fresh=True, lr=lr)[step]):
                 problem += (f"; step 1 was right, but step {step + 1} is what a fresh Adam's first step gives: "
                             f"Adam's moments and step count were not kept from one step to the next")
             elif n > 1 and _misplaced(got, expected, numel, n):
