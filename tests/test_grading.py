@@ -344,6 +344,8 @@ WRONG_ANSWERS = {
     "ex15_fsdp/replicated_not_reduced": ([EX15_TWO, EX15_THREE, EX15_HALF, EX15_BYTES],
                                          "a vector (replicated on every rank)"),
     "ex15_fsdp/sums_not_averages": ([EX15_TWO, EX15_THREE, EX15_HALF], "not divided by the world size"),
+    # Gradient accumulation over several backwards.
+    "ex15_fsdp/sets_grad_each_backward": ([EX15_TWO], "2 backwards a step (gradient accumulation)"),
     "ex16_speculative_verify/accepted_off_by_one": ([EX16_EDGES], "returned (2, ["),
     # Not planned with the checks: a draw from the global generator shifts the given one's stream.
     "ex16_speculative_verify/draws_from_global_generator": ([EX16_SAMPLED], "sampled_verify(p"),

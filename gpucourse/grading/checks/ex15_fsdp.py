@@ -69,10 +69,11 @@ def _batches(ctx, spec, n: int, key="") -> list[torch.Tensor]:
     return [torch.randn(n * ROWS, spec["widths"][0], generator=g) for _ in range(STEPS)]
 
 
-def _one_device(spec, batches, n: int, cast=None) -> list[dict]:
+def _one_device(spec, batches, n: int, cast=None, accumulate: int = 1) -> list[dict]:
     """The whole parameters and the averaged gradients after each SGD step on one device: the step's batch in the
-    n parts the ranks get, each part's gradient (of the fp32 weights, each cast to ``cast`` at each use), their
-    sum over the parts divided by n."""
+    n parts the ranks get, each part's gradient (of the fp32 weights, each cast to ``cast`` at each use; with
+    ``accumulate``, the sum of its microbatches' gradients, each loss divided by their number), their sum over the
+    parts divided by n."""
     model = build_model(spec, cast)
     params = dict(model.named_parameters())
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -81,7 +82,9 @@ def _one_device(spec, batches, n: int, cast=None) -> list[dict]:
         total = {k: torch.zeros_like(p) for k, p in params.items()}
         for r in range(n):
             model.zero_grad(set_to_none=True)
-            loss_of(model(x[r * ROWS:(r + 1) * ROWS])).backward()
+            for part in x[r * ROWS:(r + 1) * ROWS].tensor_split(accumulate):
+                loss = loss_of(model(part))
+                (loss / accumulate if accumulate > 1 else loss).backward()
             for k, p in params.items():
                 total[k] += p.grad
         for k, p in params.items():
@@ -92,9 +95,9 @@ def _one_device(spec, batches, n: int, cast=None) -> list[dict]:
     return out
 
 
-def _run(ctx, spec, batches, cast=None, steps=STEPS) -> list:
+def _run(ctx, spec, batches, cast=None, steps=STEPS, accumulate: int = 1) -> list:
     n = ctx.world_size
-    args = [([x[r * ROWS:(r + 1) * ROWS] for x in batches[:steps]], spec, LR, cast) for r in range(n)]
+    args = [([x[r * ROWS:(r + 1) * ROWS] for x in batches[:steps]], spec, LR, cast, accumulate) for r in range(n)]
     return contracts.probe_all(ctx, TRAIN, "train", args)
 
 
@@ -116,16 +119,18 @@ def _whole(outs, step: int, what: str, name: str, shape) -> torch.Tensor | str:
     return torch.cat(pieces)[:math.prod(shape)].view(shape)
 
 
-def _compare(ctx, spec, batches, cast=None, tol=None, grad_tol=None) -> list:
-    """Fails unless, after each step, every rank's shards and gradients put together are one device's."""
+def _compare(ctx, spec, batches, cast=None, tol=None, grad_tol=None, accumulate: int = 1) -> list:
+    """Fails unless, after each step, every rank's shards and gradients put together are one device's (with
+    ``accumulate``, gradients accumulated over that many backwards a step)."""
     n = ctx.world_size
-    outs = _run(ctx, spec, batches, cast)
-    want = _one_device(spec, batches, n, cast)
+    outs = _run(ctx, spec, batches, cast, accumulate=accumulate)
+    want = _one_device(spec, batches, n, cast, accumulate)
     for step, expected in enumerate(want):
         for what in ("grads", "params"):
             for name, w in expected[what].items():
                 label = f"{name}{'.grad after finish_gradient_synchronization()' if what == 'grads' else ''}"
-                where = f"step {step + 1} of {STEPS}, {n} rank{'s' * (n > 1)}"
+                where = (f"step {step + 1} of {len(want)}, {n} rank{'s' * (n > 1)}"
+                         + (f", {accumulate} backwards a step (gradient accumulation)" if accumulate > 1 else ""))
                 if name in SHARDED:
                     got = _whole(outs, step, what, name, w.shape)
                     if isinstance(got, str):
@@ -179,10 +184,13 @@ def one_rank(ctx):
     "Shard the flattened weight padded to a multiple of the world size, piece r on rank r; gather it whole "
     "before each call of the submodule that holds it, and in that call's backward reduce-scatter its gradient "
     "(padded the same way) so that rank r receives the sum of piece r; divide by the world size. Vectors stay "
-    "whole on every rank: all-reduce their gradients and divide them too."))
+    "whole on every rank: all-reduce their gradients and divide them too. Under gradient accumulation (several "
+    "backwards, each followed by finish_gradient_synchronization(), before one step) add each piece to the .grad "
+    "an earlier backward left, as autograd does."))
 def two_ranks(ctx):
     spec = _spec(ctx)
     _compare(ctx, spec, _batches(ctx, spec, 2), tol=FP32_TOL)
+    _compare(ctx, spec, _batches(ctx, spec, 2, "accumulate")[:1], tol=FP32_TOL, accumulate=2)  # one step of two
 
 
 @EXERCISE.check("3 ranks: sizes no rank count divides, padding on the last rank", points=2, world_size=3, hint=(

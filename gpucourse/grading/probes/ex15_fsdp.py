@@ -134,10 +134,12 @@ def _whole_weights(tensors: list, sharded: dict, params: list) -> list:
     return out
 
 
-def train(learner, xs: list, spec: dict, lr: float, compute_dtype=None) -> dict:
+def train(learner, xs: list, spec: dict, lr: float, compute_dtype=None, accumulate: int = 1) -> dict:
     """Wrap the model of ``spec`` in ``learner.FSDP(model, compute_dtype=...)``; for each batch of ``xs`` (this
     rank's part of the step's batch): clear the gradients, forward, the loss, backward,
-    ``finish_gradient_synchronization()``, one step of ``torch.optim.SGD(fsdp.parameters(), lr)``.
+    ``finish_gradient_synchronization()``, one step of ``torch.optim.SGD(fsdp.parameters(), lr)``. With
+    ``accumulate`` > 1, the batch is cut into that many microbatches, each forwarded and backwarded (its loss divided
+    by their number) and followed by ``finish_gradient_synchronization()``, the gradients accumulating, before the step.
 
     Reports ``shards`` (each parameter of the model by name, after construction), ``same_parameters`` (whether
     ``fsdp.parameters()`` are the model's own parameters), and for each step ``grads`` and ``params`` (after the
@@ -155,20 +157,24 @@ def train(learner, xs: list, spec: dict, lr: float, compute_dtype=None) -> dict:
     steps, after = [], {}
     for i, x in enumerate(xs):
         opt.zero_grad(set_to_none=True)
-        saved: list = []
+        for k, part in enumerate(x.tensor_split(accumulate)):
+            saved: list = []
 
-        def pack(t):
-            saved.append(t)
-            return t
+            def pack(t):
+                saved.append(t)
+                return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = loss_of(fsdp(x))
-        held = _whole_weights(saved + _reachable_tensors([fsdp]), sharded, list(params.values()))
-        del saved
-        if i == 0:
-            after["forward"] = ([t.clone() for t in xs],)
-        loss.backward()
-        fsdp.finish_gradient_synchronization()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = loss_of(fsdp(part))
+            if accumulate > 1:
+                loss = loss / accumulate
+            if k == 0:
+                held = _whole_weights(saved + _reachable_tensors([fsdp]), sharded, list(params.values()))
+            del saved
+            if i == 0 and k == 0:
+                after["forward"] = ([t.clone() for t in xs],)
+            loss.backward()
+            fsdp.finish_gradient_synchronization()
         grads = {n: None if params[n].grad is None else params[n].grad.detach().clone() for n in names}
         opt.step()
         steps.append({"held": held, "grads": grads, "params": {n: params[n].detach().clone() for n in names}})
