@@ -4,8 +4,10 @@ learner writes that parses, and the scoring tells a caught mutant, an equivalent
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
+import wrong_answers
 from gpucourse.grading import mutation
 from gpucourse.grading.mutation import Mutant
 
@@ -66,3 +68,36 @@ def test_a_sample_is_caught_a_no_op_is_equivalent_and_a_gap_survives():
     assert [s["id"] for s in r["survivors"]] == ["ex14-half-sums"], r
     assert "paged_attention(...)" in r["survivors"][0]["difference"], r["survivors"][0]
     assert r["score"] == 8 / 9
+
+
+def test_the_table_of_each_kind_of_mistake_names_only_what_exists():
+    """docs/mutation.md's table of each kind of mistake cannot go stale: every wrong answer it names is kept and graded
+    with its words (tests/test_grading.py's WRONG_ANSWERS), every cheat is a file a test grades, every test it names
+    exists, and every kind is shown by at least one of them."""
+    section = (REPO / "docs" / "mutation.md").read_text(encoding="utf-8").split(
+        "## Each kind of mistake, and the check that catches it\n", 1)[1].split("\n## ", 1)[0]
+    tests = dict(re.findall(r"^- ([a-z]): `([^`]+)`", section, flags=re.MULTILINE))
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| kind of mistake")]
+    assert len(rows) >= 20 and tests
+    graded = (REPO / "tests" / "test_grading.py").read_text(encoding="utf-8")
+    test_files = [p.read_text(encoding="utf-8") for p in (REPO / "tests").glob("test_*.py")
+                  if p.name != Path(__file__).name]
+    for kind, shown, letters in rows:
+        named = re.findall(r"`((?:ex\d\d_\w+|cheats)/\w+)`", shown)
+        keys = [k.strip() for k in letters.split(",") if k.strip()]
+        assert named or keys, f"{kind!r}: shown by nothing"
+        assert all(k in tests for k in keys), (kind, keys)
+        for name in named:
+            folder, answer = name.split("/")
+            if folder == "cheats":
+                assert (wrong_answers.ROOT / "cheats" / f"{answer}.py").is_file(), name
+                assert any(answer in text for text in test_files), f"{name}: no test grades it"
+            else:
+                kept = wrong_answers.ROOT / folder / f"{answer}.py"
+                assert answer in wrong_answers.read(folder) or kept.is_file(), f"{name}: no such wrong answer"
+                assert f'"{name}"' in graded, f"{name}: not graded in tests/test_grading.py"
+    for key, name in tests.items():
+        path, function = name.split("::")
+        tree = ast.parse((REPO / path).read_text(encoding="utf-8"))
+        assert function in {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}, f"{key}: {name}"
