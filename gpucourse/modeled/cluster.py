@@ -18,8 +18,8 @@ worse on GPUs than a big one).
   whichever finishes first) that the GPU's ``sm_count`` SMs work through in *waves*: ⌈tiles ÷ SMs⌉ waves, each
   as long as one tile's 2·a·b·(k + ``gemm_overhead_k``) FLOPs at the SM's share of ``peak × gemm_efficiency ×
   sustained`` (NVIDIA's Matrix Multiplication Background guide: tile and wave quantization). A tile's prologue
-  and epilogue cost as much as ``gemm_overhead_k`` more of k, so small matmuls run further from the peak than
-  large ones; a skinny one is bound by the bytes it reads (its inputs and output over ``hbm_efficiency`` of the
+  and epilogue cost as much as ``gemm_overhead_k`` more of k (``gemm_fp8_overhead`` times that in fp8), so small
+  matmuls run further from the peak than large ones, and gain less from fp8; a skinny one is bound by the bytes it reads (its inputs and output over ``hbm_efficiency`` of the
   memory bandwidth). One of fewer rows than the smallest tile (a decode step's, timed by serving's model) runs as a
   GEMV or split-K kernel instead (:meth:`Cluster.skinny_gemm_s`): every SM streams its share of the weights, so a
   1-row product costs its bytes over that bandwidth;
@@ -175,7 +175,8 @@ class Cluster:
         g = self.gpu
         share = g.gemm_fp8_efficiency if precision == "fp8" and g.gemm_fp8_efficiency else g.gemm_efficiency
         per_sm = g.peak_flops(precision) * share * g.sustained / g.sm_count
-        math_s = min(math.ceil(count * math.ceil(m / a) * math.ceil(n / b) / g.sm_count) * 2 * a * b * (k + g.gemm_overhead_k)
+        overhead = g.gemm_overhead_k * (g.gemm_fp8_overhead if precision == "fp8" else 1.0)
+        math_s = min(math.ceil(count * math.ceil(m / a) * math.ceil(n / b) / g.sm_count) * 2 * a * b * (k + overhead)
                      for a, b in TILES) / per_sm
         return max(math_s, self._matmul_bytes_s(m, n, k, precision, count, weight_elem, activation_elem)) + LAUNCH_S
 
