@@ -91,7 +91,8 @@ def test_the_figures_are_registered_with_their_targets():
                      "continuous_vs_static_throughput": ">= 1.5", "paged_kv_waste": "report",
                      "serve_model_vs_published_max_error": "<= 0.30", "grader_mutation_score": ">= 0.95",
                      "model_heldout_max_error": "<= 0.20", "model_heldout_median_error": "<= 0.08",
-                     "model_heldout_max_error_b200_fp8": "<= 0.20"}
+                     "model_heldout_max_error_b200_fp8": "<= 0.20", "serve_model_heldout_median_error": "<= 0.10",
+                     "serve_model_heldout_max_error": "<= 0.30", "serve_model_fit_max_error": "report"}
     assert {k: targets[k] for k in issue_targets} == issue_targets
     for f in bench.FIGURES:
         bench.parse_target(f.target)  # every target parses
@@ -306,3 +307,24 @@ def test_the_model_figures_are_the_published_tables_own():
     for key, value in want.items():
         reading = next(f for f in bench.FIGURES if f.key == key).measure()
         assert reading.value == value, key
+
+
+def test_the_serving_model_figures_are_the_published_serving_tables_own():
+    """Each serving-model figure the bench reports is recomputed here from gpucourse.modeled.serve_published's table:
+    the held-out median and largest error over the held-out rows only, the largest fitting error beside them."""
+    from gpucourse.modeled import serve_published
+
+    rows = serve_published.compare()
+    held = sorted(abs(r["error"]) for r in rows if r["split"] == "heldout")
+    want = {"serve_model_heldout_median_error": serve_published.statistics.median(held),
+            "serve_model_heldout_max_error": held[-1],
+            "serve_model_fit_max_error": max(abs(r["error"]) for r in rows if r["split"] == "fit"),
+            "serve_model_vs_published_max_error": max(abs(r["error"]) for r in rows)}
+    for key, value in want.items():
+        fig = next(f for f in bench.FIGURES if f.key == key)
+        reading = fig.measure()
+        assert reading.value == value, key
+        assert reading.summary.startswith("modeled")
+        if key != "serve_model_vs_published_max_error":
+            split = "fit" if key == "serve_model_fit_max_error" else "heldout"
+            assert set(reading.detail) == {r["name"] for r in rows if r["split"] == split}
