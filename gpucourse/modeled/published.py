@@ -7,8 +7,8 @@ ran with, the figure the source reports, how to turn the model's step time into 
 belongs to. The table was split into a fitting and a held-out set before any constant was tuned: :func:`fit`
 tunes a GPU's fitted constants (:data:`FITTED`) on its fitting runs alone; :func:`compare` predicts every run,
 :func:`errors` gives the figures ``gpucourse bench`` reports, and ``tests/test_published.py`` holds the model to
-15 % on the fitting set (20 % on B200's) and 25 % on the held-out one. :func:`agreement` asks the planner to rank the layouts the
-sources chose. ``docs/modeled-timing.md`` prints both tables.
+15 % on the fitting set (20 % on B200's) and 25 % on the held-out one. :func:`agreement` asks the planner to rank
+the layouts the sources chose. ``docs/modeled-timing.md`` prints both tables.
 """
 
 from __future__ import annotations
@@ -207,6 +207,9 @@ BRIDGE_2511 = ("Megatron-Bridge docs/performance-summary.md, '25.11 NeMo Contain
 # 2025-03-21: recompute_layers 0 and no activation offloading on each of these layouts).
 NEMO_ASSUMED = ("sequence parallelism and --tp-comm-overlap where tp > 1, the distributed optimizer (ZeRO-1), fused "
                 "attention and no activation recomputation; microbatches as the table's MBS")
+# The 25.09 table has no precision column; its footnote says the figures in parentheses use 32 × 32 block scaling.
+BRIDGE_2509_ASSUMED = ("; FP8 with per-tensor current scaling for the figure outside the parentheses (the 25.11 "
+                       "table labels the same rows 'FP8-CS (FP8-MX)')")
 NEMOTRON_15B = {"layers": 32, "hidden": 6144, "heads": 48, "kv_heads": 8, "vocab": 256000}
 # Nemotron-4 340B Technical Report (NVIDIA 2024, arXiv:2406.11704), Table 1: 96 layers, hidden 18432, 96 heads,
 # 8 K/V heads, vocabulary 256000; its MLP is squared ReLU, 4 × hidden (73728).
@@ -215,12 +218,13 @@ NEMOTRON_340B = {"layers": 96, "hidden": 18432, "heads": 96, "kv_heads": 8, "voc
 
 def _nemo(source: str, system: str, gpu: str, model: str, shape, params: float, gpus: int, batch: int,
           micro: int, seq: int, tp: int, pp: int, cp: int, v: int, tokens: float, split: str, zero: int = 1,
-          precision: str = "FP8", note: str = "") -> Published:
+          precision: str = "FP8", assumed: str = "") -> Published:
     """A dense row of NVIDIA's NeMo / Megatron-Bridge performance tables: tokens/s per GPU of ``model`` on ``gpus``
     GPUs of ``system`` (DGX-B200, DGX-H100) at the table's layout, FP8 matmuls (Transformer Engine's recipe) with
-    bf16 weights and fp32 master weights. Llama 3.1 405B's embedding and loss each take a layer's place in the
-    pipeline's split, as NeMo's recipe sets (nemo/collections/llm/recipes/llama31_405b.py:
-    account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split, True)."""
+    bf16 weights and fp32 master weights. ``precision``: what the table prints ("" where it prints none). Llama 3.1
+    405B's embedding and loss each take a layer's place in the pipeline's split, as NeMo's recipe sets
+    (nemo/collections/llm/recipes/llama31_405b.py: account_for_embedding_in_pipeline_split and
+    account_for_loss_in_pipeline_split, True)."""
     dp = gpus // (tp * pp * cp)
     m = batch // (dp * micro)
     sched = dict(schedule="interleaved-1f1b", virtual_stages=v) if pp > 1 and v > 1 else {}
@@ -231,13 +235,14 @@ def _nemo(source: str, system: str, gpu: str, model: str, shape, params: float, 
                   precision="bf16", master_weights=True, sequence_parallel=tp > 1, zero=zero, zigzag=cp > 1,
                   **grid, **sched)
     return Published(
-        f"{model}, {gpus} {gpu.upper()} {precision} (tp {tp}, pp {pp}" + f", cp {cp}" * (cp > 1) + f", dp {dp})",
-        f"{source}, System: {system}: {model}, {gpus} GPUs, precision {precision}, GBS {batch}, MBS {micro}, "
-        f"sequence {seq}, TP {tp}, PP {pp}, CP {cp}, VP {v if pp > 1 else 'n/a'}, GA {m}"
-        + (", FSDP" if zero == 3 else "") + f": {tokens:,} tokens/s per GPU{note}",
+        f"{model}, {gpus} {gpu.upper()} {precision or 'FP8'} (tp {tp}, pp {pp}" + f", cp {cp}" * (cp > 1)
+        + f", dp {dp})",
+        f"{source}, System: {system}: {model}, {gpus} GPUs, " + f"precision {precision}, " * bool(precision)
+        + f"GBS {batch}, MBS {micro}, sequence {seq}, TP {tp}, PP {pp}, CP {cp}, VP {v if pp > 1 else 'n/a'}, GA {m}"
+        + (", FSDP" if zero == 3 else "") + f": {tokens:,} tokens/s per GPU",
         gpu, float(tokens), "tokens/s per GPU", "compute", layout, params=params,
         shape=shape, framework="megatron-core-tp-overlap" if tp > 1 else "megatron-core", split=split,
-        ends_as_layers=shape == "llama3-405b", matmuls="fp8", assumed=NEMO_ASSUMED)
+        ends_as_layers=shape == "llama3-405b", matmuls="fp8", assumed=NEMO_ASSUMED + assumed)
 
 
 def _moe(layout: dict, experts: int, top_k: int) -> dict:
@@ -381,15 +386,15 @@ RUNS = tuple([
     _nemo(NEMO_2502, "DGX-H100", "h100", "GPT3-175B", "gpt3-175b", 175e9, 512, 2048, 2, 2048, 4, 8, 1, 6, 866,
           "heldout"),
     _nemo(BRIDGE_2509, "DGX-B200", "b200", "LLAMA3_8B", "llama3-8b", 8.03e9, 8, 128, 2, 8192, 1, 1, 1, 1, 29994,
-          "fit", note=" (FP8 current scaling: the table's figure outside parentheses; MXFP8 inside)"),
+          "fit", precision="", assumed=BRIDGE_2509_ASSUMED),
     _nemo(BRIDGE_2509, "DGX-B200", "b200", "LLAMA3.1_405B", "llama3-405b", 405e9, 128, 64, 1, 8192, 4, 8, 2, 8, 664,
-          "heldout", note=" (FP8 current scaling: the table's figure outside parentheses; MXFP8 inside)"),
+          "heldout", precision="", assumed=BRIDGE_2509_ASSUMED),
     _nemo(BRIDGE_2509, "DGX-H100", "h100", "LLAMA3_8B", "llama3-8b", 8.03e9, 8, 128, 1, 8192, 1, 1, 1, 1, 14079,
-          "heldout", zero=3),
+          "heldout", zero=3, precision="", assumed=BRIDGE_2509_ASSUMED),
     _nemo(BRIDGE_2509, "DGX-H100", "h100", "LLAMA3_70B", "llama3-70b", 70.6e9, 64, 128, 1, 8192, 4, 8, 1, 5, 1619,
-          "heldout"),
+          "heldout", precision="", assumed=BRIDGE_2509_ASSUMED),
     _nemo(BRIDGE_2509, "DGX-H100", "h100", "LLAMA3.1_405B", "llama3-405b", 405e9, 1024, 512, 1, 8192, 8, 8, 2, 8, 302,
-          "heldout"),
+          "heldout", precision="", assumed=BRIDGE_2509_ASSUMED),
     _nemo(BRIDGE_2511, "DGX-B200", "b200", "LLAMA3_8B", "llama3-8b", 8.03e9, 8, 128, 2, 8192, 1, 1, 1, 1, 30624,
           "fit", precision="FP8-CS"),
     _nemo(BRIDGE_2511, "DGX-B200", "b200", "LLAMA3.1_405B", "llama3-405b", 405e9, 128, 64, 1, 8192, 4, 8, 2, 8, 661,
