@@ -11,7 +11,9 @@ starts, with one sentence that names the broken constraint. Precision ``"auto"``
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from .model import MODELS, GPTConfig
@@ -50,7 +52,18 @@ def run_option(default, help: str, train_only: bool = False, **flag):
 
 def allowed(name: str):
     """The kind of value (:mod:`gpucourse.values`) :class:`TrainConfig`'s field ``name`` takes."""
-    return next(f.metadata["allowed"] for f in dataclasses.fields(TrainConfig) if f.name == name)
+    if not _ALLOWED:  # looked up by name: a planner sizing thousands of layouts asks hundreds of thousands of times
+        _ALLOWED.update((f.name, f.metadata["allowed"]) for f in dataclasses.fields(TrainConfig)
+                        if "allowed" in f.metadata)
+    return _ALLOWED[name]
+
+
+_ALLOWED: dict = {}
+
+
+@functools.lru_cache(maxsize=1)
+def _field_names() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(TrainConfig))
 
 
 def fields_of(kind: str) -> tuple[str, ...]:
@@ -178,7 +191,9 @@ class TrainConfig:
                                             **self.overrides})
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every field by name, as :func:`dataclasses.asdict` gives them (containers copied, not shared)."""
+        return {name: copy.deepcopy(value) if isinstance(value, (dict, list, tuple)) else value
+                for name, value in ((name, getattr(self, name)) for name in _field_names())}
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":

@@ -167,16 +167,21 @@ def chunk_layers(layers: int, pp: int, v: int = 1, placement: str = "loop",
     first chunk of the first stage may hold the embedding alone; Megatron-LM's
     ``--account-for-embedding-in-pipeline-split`` and ``--account-for-loss-in-pipeline-split``).
     """
+    return [[list(chunk) for chunk in row] for row in _chunk_layers(layers, pp, v, placement, ends_as_layers)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunk_layers(layers: int, pp: int, v: int, placement: str, ends_as_layers: bool) -> tuple:
     from ..parallel.schedules_virtual import Layout
 
     layout = Layout(pp, v, "v" if placement == "v" else "loop")
     slots = layers + 2 if ends_as_layers else layers
-    held = [[[] for _ in range(v)] for _ in range(pp)]
+    held = [[() for _ in range(v)] for _ in range(pp)]
     for vstage in range(layout.stages):
         ids = stage_blocks(slots, layout.stages, vstage)
         rank, chunk = layout.place(vstage)
-        held[rank][chunk] = [i - 1 for i in ids if 0 < i <= layers] if ends_as_layers else list(ids)
-    return held
+        held[rank][chunk] = tuple(i - 1 for i in ids if 0 < i <= layers) if ends_as_layers else tuple(ids)
+    return tuple(tuple(row) for row in held)
 
 
 def held_layers(schedule: str, pp: int, m: int, chunks: list[list[list[int]]]) -> list[float]:
