@@ -53,6 +53,7 @@ from .shapes import ShapeError, get_shape
 
 ELEM = {"fp32": 4, "bf16": 2, "fp8": 1}  # bytes a cached number (or a plain weight) is stored in
 FORMAT = Name(ELEM)  # the KV cache's number format
+SCALE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}  # bytes a weight-only format's scale (and zero point) is stored in
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,14 @@ class WeightFormat:
 
     ``scheme`` names the bits of the weights and of the activations the tensor cores multiply (W8A8: both FP8;
     W4A16: 4-bit weights widened to bf16 inside the kernel before a bf16 multiply, what vLLM's Marlin and AWQ kernels
-    and TensorRT-LLM's weight-only GEMMs do). ``group``: the weights along k that share one fp16 scale (None: one
-    scale a tensor, nothing a weight; 0: one an output channel, k weights). ``others``: the format of the weights
-    outside the blocks' matmuls — embedding, output head, norms, router — which AWQ's and GPTQ's checkpoints leave
-    in bf16 (vLLM quantizes the head only when asked: ``lm_head_quantized``); "" where they are stored as the rest."""
+    and TensorRT-LLM's weight-only GEMMs do). ``group``: the weights along k that share one scale (None: one scale a
+    tensor, nothing a weight; 0: one an output channel, k weights), stored in ``scale`` (:data:`SCALE_BYTES`);
+    ``zero``: whether each group also stores a zero point in the scale's format (an asymmetric format: gpt-fast's
+    INT4 keeps a bf16 scale and a bf16 zero point every 32 weights). ``others``: the format of the weights outside
+    the blocks' matmuls — embedding, output head, norms, router — which AWQ's and GPTQ's checkpoints leave in bf16
+    (vLLM quantizes the head only when asked: ``lm_head_quantized``); "" where they are stored as the rest.
+    ``head``: the output head stored in this format all the same (gpt-fast quantizes every ``nn.Linear``, the head
+    included, and leaves the embedding, the norms and a Mixtral router in bf16)."""
 
     name: str
     scheme: str
@@ -72,11 +77,25 @@ class WeightFormat:
     multiply: str
     group: int | None = None
     others: str = ""
+    scale: str = "fp16"
+    zero: bool = False
+    head: bool = False
+
+    def __str__(self) -> str:
+        return self.name
 
     def bytes(self, k: float) -> float:
-        """Bytes one weight of a k-deep matmul is read in, its share of the scales included."""
-        scales = 0.0 if self.group is None else 2 / (self.group or k)
+        """Bytes one weight of a k-deep matmul is read in, its share of the scales (and zero points) included."""
+        scales = 0.0 if self.group is None else SCALE_BYTES[self.scale] * (1 + self.zero) / (self.group or k)
         return self.bits / 8 + scales
+
+    @property
+    def described(self) -> str:
+        """The format in one line: its scheme, and what shares a scale (and a zero point) where it has them."""
+        if self.group is None:
+            return self.scheme + (", one scale a tensor" if self.bits < 16 else "")
+        share = "an output channel" if self.group == 0 else f"every {self.group} weights along k"
+        return f"{self.scheme}, one {self.scale} scale{' and zero point' * self.zero} {share}"
 
     @property
     def plain(self) -> bool:
@@ -97,22 +116,27 @@ WEIGHTS = {f.name: f for f in (
 WEIGHT_FORMAT = Name(WEIGHTS)  # how the weights are stored
 
 
-def weight_format(weights: str, gpu) -> WeightFormat:
+def _format(weights) -> WeightFormat:
+    """``weights``: a name of :data:`WEIGHTS`, or a :class:`WeightFormat` of its own (a source's stated format)."""
+    return weights if isinstance(weights, WeightFormat) else WEIGHTS[WEIGHT_FORMAT.check(weights, "weights")]
+
+
+def weight_format(weights, gpu) -> WeightFormat:
     """``weights``' format as ``gpu`` runs it: FP8 weights on a GPU whose tensor cores do not multiply FP8 (compute
     capability under 8.9: the A100) run weight-only, W8A16 — widened to bf16 in the kernel, as vLLM's FP8 Marlin does
     ("FP8 computation is supported on NVIDIA GPUs with compute capability >= 8.9 ... FP8 models will run on compute
     capability >= 7.5 as weight-only W8A16", vLLM's FP8 W8A8 documentation)."""
-    fmt = WEIGHTS[WEIGHT_FORMAT.check(weights, "weights")]
+    fmt = _format(weights)
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if fmt.multiply == "fp8" and not spec.multiplies_fp8():
         return dataclasses.replace(fmt, scheme="W8A16", multiply="bf16")
     return fmt
 
 
-def weights_note(weights: str, gpu) -> str | None:
+def weights_note(weights, gpu) -> str | None:
     """The sentence that says FP8 weights run weight-only on ``gpu``, or None where they do not."""
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
-    if weights != "fp8" or weight_format(weights, spec).multiply == "fp8":
+    if _format(weights).multiply != "fp8" or weight_format(weights, spec).multiply == "fp8":
         return None
     cc = f"compute capability {spec.compute_capability:.1f}" if spec.compute_capability else "no fp8 peak in its record"
     return (f"fp8 weights on the {spec.name} ({cc}) run weight-only, W8A16: its tensor cores do not multiply FP8, so "
@@ -140,16 +164,18 @@ def weight_bytes(shape, tp: int = 1, pp: int = 1, weights: str = "bf16", ep: int
     """Bytes of weights on the busiest GPU of a tp × pp replica (experts also split ep ways): the blocks' matmul
     weights in ``weights`` (:data:`WEIGHTS`: scales counted, one a channel taken as k = hidden), the embedding, head,
     norms and router in the format's ``others``."""
-    return _weight_bytes(get_shape(shape), tp, pp, WEIGHT_FORMAT.check(weights, "weights"), ep)
+    return _weight_bytes(get_shape(shape), tp, pp, _format(weights), ep)
 
 
 @functools.lru_cache(maxsize=1024)
-def _weight_bytes(shape, tp: int, pp: int, weights: str, ep: int) -> float:
-    fmt = WEIGHTS[weights]
+def _weight_bytes(shape, tp: int, pp: int, fmt: WeightFormat, ep: int) -> float:
     per = fmt.bytes(shape.hidden)
     other = ELEM[fmt.others] if fmt.others else per
+    # A head stored in the format moves out of the rest (a tied head on one stage is the embedding, kept as the rest).
+    head = shape.vocab * shape.hidden / tp if fmt.head and fmt.others and not (shape.tied and pp == 1) else 0.0
     return max((params - rest) * per + rest * other
-               for params, rest in ((shape.stage_params(pp, stage, tp, ep)[0], _other_params(shape, pp, stage, tp))
+               for params, rest in ((shape.stage_params(pp, stage, tp, ep)[0],
+                                     _other_params(shape, pp, stage, tp) - head * (stage == pp - 1))
                                     for stage in range(pp)))
 
 
@@ -216,7 +242,7 @@ def _check(shape, tp: int, pp: int, weights: str, kv: str, ep: int = 1) -> None:
         raise ConfigError(str(e)) from None
     if pp > shape.layers:
         raise ConfigError(f"pp={pp} stages cannot each hold a block of a model of {shape.layers} blocks.")
-    WEIGHT_FORMAT.check(weights, "weights")
+    _format(weights)
     FORMAT.check(kv, "kv")
 
 
@@ -226,7 +252,7 @@ def _seconds(cluster, kernel: dict, fmt: WeightFormat) -> float:
     in bf16, and multiplies in bf16: it saves bytes, never arithmetic."""
     if kernel["kind"] != "gemm":
         return cluster.kernel_s(kernel, fmt.multiply)
-    if fmt.others and kernel.get("name") in ("head", "router"):
+    if fmt.others and (kernel.get("name") == "router" or kernel.get("name") == "head" and not fmt.head):
         fmt = WEIGHTS[fmt.others]
     m, n, k, count = kernel["m"], kernel["n"], kernel["k"], kernel["count"]
     elems = {} if fmt.plain else {"weight_elem": fmt.bytes(k), "activation_elem": ELEM[fmt.multiply]}
@@ -313,7 +339,7 @@ def step(shape, gpu, decodes: float = 0, context: float = 0, chunks=(), tp: int 
     unread = 0.0
     if shape.experts:  # the experts on this GPU no token of the step routes to
         unread = (shape.experts / ep - local) * shape.expert_params() / (shape.experts * tp * pp) * \
-            WEIGHTS[weights].bytes(shape.hidden)
+            _format(weights).bytes(shape.hidden)
     kv_read = (decode_read + sum(c.count * c.cached for c in chunks) * per_token) * shape.layers / pp
     attended = decodes * new_tokens * context + sum(c.count * c.tokens * (c.cached + c.tokens / 2) for c in chunks)
     return {"seconds": shape.layers * layer + head + (pp - 1) * send + STEP_OVERHEAD_S,

@@ -28,9 +28,11 @@ source's order, rows alternate fit, held-out, fit, … — so a constant tuned o
 others. Every row added since (gpt-fast's bf16, INT8 and INT4 rows on A100s; LMDeploy's FP16 rows on A100s;
 TensorRT-LLM's H200 blogs) came after the constant was fitted and is held out; no constant was changed for them.
 
-Where the model is far off a held-out row, the setting says why (``docs/modeled-timing.md``, "Serving"): INT4 and
-INT8 weight-only kernels at batch 1 read their weights more slowly than a plain streaming kernel (the model charges
-nothing for widening them, and reads gpt-fast's G=32 INT4 as its own 0.516 bytes a weight against 0.625); LMDeploy's
+A row's weights are the format its source ran (:class:`serve_plan.WeightFormat`): gpt-fast's INT8 and INT4 are
+:data:`GPT_FAST_FORMATS`, their groups, scales and zero points as its quantize.py stores them, not the model's own
+``int8`` and ``int4``. Where the model is far off a held-out row, the setting says why (``docs/modeled-timing.md``,
+"Serving"): INT4 and INT8 weight-only kernels at batch 1 read their weights more slowly than a plain streaming kernel
+(the model charges nothing for widening them); LMDeploy's
 first tokens reach its client about one decode step after the model's prefill ends; its Llama 2 70B on 4 A100s spends
 about 5 ms a step more than the model's and gpt-fast's. ``tests/test_serve_published.py`` recomputes every row and
 keeps the table in ``docs/modeled-timing.md`` equal to :func:`markdown_table`; ``gpucourse bench`` reports the largest
@@ -43,7 +45,7 @@ import dataclasses
 import statistics
 from dataclasses import dataclass
 
-from .serve_plan import decode_step, held, prefill, serve
+from .serve_plan import WeightFormat, decode_step, held, prefill, serve
 from .shapes import Shape, get_shape
 
 TRTLLM_V09 = ("NVIDIA TensorRT-LLM, docs/source/performance.md at release v0.9.0 "
@@ -131,7 +133,7 @@ class ServeRun:
     prompt: int       # input tokens a sequence
     output: int       # output tokens a sequence
     tp: int = 1
-    weights: str = "bf16"
+    weights: object = "bf16"  # a name of serve_plan.WEIGHTS, or the WeightFormat the source states
     kv: str = "bf16"
     split: str = "heldout"   # "fit": serve_plan's constants may be tuned on it; "heldout": only ever checked
     assumed: str = ""        # what the source leaves out and the row assumes
@@ -141,9 +143,10 @@ class ServeRun:
         """The setting in words: GPUs, layout, precision, batch and lengths."""
         model = self.name.split(",")[0]
         kv = f", KV cache {self.kv}" if self.kv != self.weights else ", KV cache too"
+        stated = f" ({self.weights.described})" if isinstance(self.weights, WeightFormat) else ""
         lengths = f"{self.prompt} in" if self.metric == "first_token_s" else f"{self.prompt} in / {self.output} out"
         return (f"{model} ({get_shape(self.shape).name}), {self.tp} × {self.gpu.upper()} (tp {self.tp}), "
-                f"{self.weights} weights{kv}, batch {self.batch}, {lengths}")
+                f"{self.weights} weights{stated}{kv}, batch {self.batch}, {lengths}")
 
 
 def _trtllm_tput(shape, batch, tp, prompt, output, tokens_s, split) -> ServeRun:
@@ -174,18 +177,18 @@ def _nim_itl(prompt, output, ms, split) -> ServeRun:
 
 # gpt-fast's quantize.py: "8-bit" is int8 weight-only with one bf16 scale an output channel, "4-bit (G=32)" int4 with
 # a bf16 scale and a bf16 zero point every 32 weights along k, run by tinygemm's _weight_int4pack_mm; both replace
-# every nn.Linear, the output head included (a Mixtral router excepted).
+# every nn.Linear, the output head included (mixtral-moe/quantize.py leaves the router, "gate", in bf16); the
+# embedding and the norms are no nn.Linear and stay bf16.
+GPT_FAST_FORMATS = {
+    "int8": WeightFormat("gpt-fast int8", "W8A16", 8, "bf16", group=0, others="bf16", scale="bf16", head=True),
+    "int4": WeightFormat("gpt-fast int4", "W4A16", 4, "bf16", group=32, others="bf16", scale="bf16", zero=True,
+                         head=True)}
 GPT_FAST_QUANT = {"int8": "int8 weight-only, one bf16 scale an output channel (quantize.py --mode int8)",
                   "int4": "int4 weight-only, a bf16 scale and zero point every 32 weights (quantize.py --mode int4 "
                           "--groupsize 32)"}
 GPT_FAST_ASSUMED = ("the A100's bandwidth at its datasheet figure (the 330 W power limit slows its arithmetic, which "
                     "batch 1 barely uses); 200 new tokens after 5 prompt tokens, timed from the prefill to the last "
                     "token as generate.py does")
-GPT_FAST_QUANT_ASSUMED = {
-    "int8": "; the output head read as bf16, as the model keeps it (gpt-fast quantizes it too: 1-2 % of the bytes)",
-    "int4": "; the model's INT4 reads 0.516 bytes a weight (an fp16 scale every 128), gpt-fast's G=32 0.625 (a bf16 "
-            "scale and zero point every 32), and its output head is read as bf16: the model reads 17 % fewer bytes "
-            "a step than the run did"}
 
 
 def _gpt_fast(shape, tp, tokens_s, moe=False, weights="bf16", table="Tensor Parallelism") -> ServeRun:
@@ -195,7 +198,7 @@ def _gpt_fast(shape, tp, tokens_s, moe=False, weights="bf16", table="Tensor Para
     return ServeRun(f"{model}, {tp} A100 {weights}, batch 1, gpt-fast",
                     f"{source}, '{table}' table: {model}, {tp} GPU{'s' * (tp > 1)}{how}: {tokens_s} tokens/s",
                     GPT_FAST_MOE_URL if moe else GPT_FAST_URL, "a100", shape, "tokens_per_s", tokens_s, 1, 5, 200,
-                    tp, weights, "bf16", "heldout", assumed=GPT_FAST_ASSUMED + GPT_FAST_QUANT_ASSUMED.get(weights, ""))
+                    tp, GPT_FAST_FORMATS.get(weights, weights), "bf16", "heldout", assumed=GPT_FAST_ASSUMED)
 
 
 def _lmdeploy(shape, tp, batch, prompt, output, figure, metric="tokens_per_s") -> ServeRun:
