@@ -76,6 +76,11 @@ LMDEPLOY = ("InternLM LMDeploy, docs/en/benchmark/a100_fp16.md at commit ebe90bc
             "the run's wall time (throughput) and the first token's latency at the client (FTL)")
 LMDEPLOY_URL = ("https://github.com/InternLM/lmdeploy/blob/ebe90bc943eeace841b33fa54fbf1726311b63db/docs/en/benchmark/"
                 "a100_fp16.md")
+# What a decode step costs as its batch grows, as LMDeploy's client saw it: the same table's per-token latency, the
+# median ('50%(s)', printed in whole ms), at 128 in / 128 out and batch 1, 16, 32 and 64 (not rows of RUNS: the
+# table's rows RUNS takes are its throughput and first tokens).
+LMDEPLOY_BATCHES = (1, 16, 32, 64)
+LMDEPLOY_STEP_S = {("llama2-7b", 1): (0.010, 0.011, 0.012, 0.014), ("llama2-70b", 4): (0.029, 0.030, 0.032, 0.037)}
 H200_LAUNCH = ("NVIDIA TensorRT-LLM, docs/source/blogs/H200launch.md at commit 1555478 (github.com/NVIDIA/TensorRT-LLM/"
                "blob/1555478c1b417a0b34de05209862ea5a2ab9add1/docs/source/blogs/H200launch.md), 'H200 FP8 Max "
                "throughput' table; 'TensorRT-LLM v0.5.0, TensorRT v9.1.0.4 | H200, H100 FP8'; static batches, "
