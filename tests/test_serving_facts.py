@@ -485,16 +485,38 @@ def test_what_to_predict_the_largest_batch_from():
     # The cell's formula (an even share of the weights) stays within the check's 5 % of the planner's count.
     code = notebook("code")
     assert 'value="llama3-70b"' in code and "value=8192" in code and "value=4," in code
+    # Every weight format the model takes is offered, each said in one line; INT8 and INT4 keep the embedding and
+    # the head, 2 × vocabulary × hidden, in bf16, as the formula says.
+    assert 'options=["bf16", "fp8", "int8", "int4"]' in code and "fmt.described" in code
+    ends = {name: 2 * s.vocab * s.hidden for name, s in shapes.items()}
+    said = [f"{e / 1e9:.2f} B" for e in ends.values()]
+    assert f"2 × vocabulary × hidden ({said[0]}, {said[1]} and {said[2]}), in bf16" in text
+    assert all(not s.tied for s in shapes.values())
+    for gpu in ("h100", "a100"):
+        for weights in ("bf16", "fp8", "int8", "int4"):
+            fmt = serve_plan.weight_format(weights, gpu)
+            size = f"{fmt.bytes(8192):.3g}"
+            line = f"weights {weights}: {fmt.described}; {size} byte{'s' * (size != '1')} a weight" + \
+                ("; embedding, head bf16" if fmt.others else "")
+            assert len(line) <= 110, line
+    assert "1 + 2/hidden and 0.5 + 2/128 bytes a weight" in text
+    assert serve_plan.WEIGHTS["int4"].bytes(8192) == 0.5 + 2 / 128
+    assert serve_plan.WEIGHTS["int8"].bytes(8192) == 1 + 2 / 8192
     for name, s in shapes.items():
         for gpu in ("h100", "h200", "a100"):
             for context in (1024, 4096, 8192, 32768):
                 for tp in (1, 2, 4, 8, 16):
-                    for kv in ("bf16", "fp8"):
-                        usable = get_gpu(gpu).usable_bytes()
-                        formula = max(0, int((usable - s.params() * 2 / tp) //
-                                             (context * 2 * s.layers * max(1, 8 // tp) * 128 * serve_plan.ELEM[kv])))
-                        planner = serve_plan.largest_batch(s, gpu, context, tp=tp, kv=kv)
-                        assert abs(formula - planner) <= max(1, 0.05 * planner), (name, gpu, context, tp, kv)
+                    for weights in ("bf16", "fp8", "int8", "int4"):
+                        fmt = serve_plan.WEIGHTS[weights]
+                        rest = ends[name] if fmt.others else 0
+                        weight = ((s.params() - rest) * fmt.bytes(s.hidden) + 2 * rest) / tp
+                        for kv in ("bf16", "fp8"):
+                            usable = get_gpu(gpu).usable_bytes()
+                            per_token = 2 * s.layers * max(1, 8 // tp) * 128 * serve_plan.ELEM[kv]
+                            formula = max(0, int((usable - weight) // (context * per_token)))
+                            planner = serve_plan.largest_batch(s, gpu, context, tp=tp, weights=weights, kv=kv)
+                            assert abs(formula - planner) <= max(1, 0.05 * planner), \
+                                (name, gpu, context, tp, weights, kv)
 
 
 def test_the_tool_statements_match_the_notebooks_table():
