@@ -32,11 +32,14 @@ A row's weights are the format its source ran (:class:`serve_plan.WeightFormat`)
 :data:`GPT_FAST_FORMATS`, their groups, scales and zero points as its quantize.py stores them, not the model's own
 ``int8`` and ``int4``. Where the model is far off a held-out row, the setting says why (``docs/modeled-timing.md``,
 "Serving"): INT4 and INT8 weight-only kernels at batch 1 read their weights more slowly than a plain streaming kernel
-(the model charges nothing for widening them); LMDeploy's
-first tokens reach its client about one decode step after the model's prefill ends; its Llama 2 70B on 4 A100s spends
-about 5 ms a step more than the model's and gpt-fast's. ``tests/test_serve_published.py`` recomputes every row and
+(the model charges nothing for widening them); LMDeploy's first tokens reach its client about one decode step after
+the model's prefill ends, and at batch 16 and more in turns; its Llama 2 70B on 4 A100s spends about 5 ms a step more
+than the model's and gpt-fast's. A step's growth with its batch is checked against LMDeploy's own time per token
+(:data:`LMDEPLOY_STEP_S`). ``tests/test_serve_published.py`` recomputes every row and
 keeps the table in ``docs/modeled-timing.md`` equal to :func:`markdown_table`; ``gpucourse bench`` reports the largest
-error (``serve_model_vs_published_max_error``).
+error (``serve_model_vs_published_max_error``), the held-out rows' largest and median errors
+(``serve_model_heldout_max_error``, ``serve_model_heldout_median_error``) and the fitting rows' largest
+(``serve_model_fit_max_error``).
 """
 
 from __future__ import annotations
