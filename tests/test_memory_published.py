@@ -243,6 +243,25 @@ def test_fp8_keeps_a_copy_and_a_transpose_of_every_block_matmul_weight():
     blocks = 12 * shape.hidden**2 / 4 * bf16.activations.layers
     assert fp8.fp8_copies == pytest.approx(2 * blocks, rel=1e-3) and bf16.fp8_copies == 0
     assert fp8.categories["weights"] - bf16.categories["weights"] == fp8.fp8_copies
+    assert memory_parts(cfg, shape, 1, fp8=True, gpu="h100").fp8_copies == fp8.fp8_copies
+
+
+def test_blackwells_fp8_gemms_read_either_layout_so_no_transpose_is_kept():
+    """Transformer Engine makes a transposed fp8 copy only where the fp8 GEMMs take the TN layout alone
+    (is_non_tn_fp8_gemm_supported: compute capability 10.x and from 13 on): on a B200 the copy is 1 byte a matmul
+    weight, half the H100's, and ``gpucourse plan --explain`` says so."""
+    from gpucourse.modeled.gpus import get_gpu
+    from gpucourse.modeled.plan import memory_terms
+
+    assert [get_gpu(g).fp8_any_layout() for g in ("b200", "h100", "h200", "l4", "a100")] == [True] + [False] * 4
+    shape = get_shape("gpt3-175b")
+    cfg = TrainConfig(model="gpt2-small", overrides={**shape.overrides(), "block_size": 2048}, seq_len=2048, tp=4,
+                      pp=8, dp=4, microbatches=16, batch_size=128, schedule="interleaved-1f1b", virtual_stages=6,
+                      zero=1, precision="bf16", master_weights=True, sequence_parallel=True)
+    hopper, blackwell = (memory_parts(cfg, shape, 1, fp8=True, gpu=g) for g in ("h100", "b200"))
+    assert blackwell.fp8_copies == pytest.approx(hopper.fp8_copies / 2) and not blackwell.fp8_transposed
+    words = memory_terms(blackwell.categories, blackwell.as_dict())
+    assert "once more in fp8 (GEMMs that read either layout: no transpose)" in words
 
 
 def test_the_course_block_unframed_is_still_the_course_runtimes_estimate():

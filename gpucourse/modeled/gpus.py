@@ -99,6 +99,15 @@ class GPUSpec:
             return self.compute_capability >= 8.9
         return bool(self.peak_fp8_flops)
 
+    def fp8_any_layout(self) -> bool:
+        """Whether the fp8 GEMMs read a matrix in either layout, so that Transformer Engine keeps no transposed fp8
+        copy of a weight for backward: compute capability 10.x and from 13 on (TransformerEngine v2.3 to v2.9,
+        transformer_engine/pytorch/utils.py, is_non_tn_fp8_gemm_supported; v2.0 to v2.2 from 10 on, named
+        non_tn_fp8_gemm_supported). Hopper and Ada (9.0, 8.9) take only the "TN" layout: a weight's fp8 copy is
+        kept with its transpose. A GPU whose capability is not known: TN only."""
+        cc = self.compute_capability
+        return 10 <= cc < 12 or cc >= 13
+
     def peak_flops(self, precision: str = "bf16") -> float:
         """Peak FLOP/s for a run in ``precision``: fp32 uses the fp32 figure, fp8 the fp8 one, else bf16's."""
         if precision in ("fp32", "float32"):

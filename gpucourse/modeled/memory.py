@@ -87,8 +87,10 @@ class Activations:
 class MemoryParts:
     """One rank's memory by named part, in bytes, each beside what it is made of.
 
-    ``weights``: the parameters it computes with (``params`` of them held, ``weight_bytes`` each; ZeRO-3 keeps
-    1/``shards`` of them). ``fp8_copies``: Transformer Engine's fp8 copy and transpose of each matmul weight.
+    ``weights``: the parameters it computes with (``params`` of them held, ``weight_bytes`` each, but for
+    ``fp8_params`` of them kept in fp8, 1 byte each; ZeRO-3 keeps 1/``shards`` of them). ``fp8_copies``: what
+    Transformer Engine keeps of each matmul weight besides: its fp8 copy of a bf16 weight, and where the GPU's fp8
+    GEMMs take only one layout (``fp8_transposed``) its transpose — of a weight kept in fp8, the transpose alone.
     ``gradients``: ``grad_bytes`` each (ZeRO-2 and 3: 1/``shards``). ``optimizer``: ``optimizer_bytes`` each —
     Adam's two fp32 moments, and the fp32 master copy where the weights are half precision — 1/``shards`` of
     them from ZeRO-1 on (Megatron-LM's distributed optimizer is ZeRO-1). ``activations``: :class:`Activations`.
@@ -110,6 +112,8 @@ class MemoryParts:
     fp8_copies: float = 0.0
     buffers: dict = field(default_factory=dict)
     kept_by: str = "gpucourse"   # whose tensors these are: the course's runtime, or a framework's name
+    fp8_params: float = 0.0      # of ``params``, those kept in fp8 themselves (Megatron-Core's fp8_param_gather)
+    fp8_transposed: bool = True  # whether ``fp8_copies`` hold transposes (fp8 GEMMs that take only "TN")
 
     @property
     def categories(self) -> dict:
@@ -130,6 +134,7 @@ class MemoryParts:
         ``attention``), ``activations`` and ``buffers_bytes`` in bytes and the ``total``."""
         act = self.activations
         return {"stage": self.stage, "params": self.params, "weights": self.weights, "fp8_copies": self.fp8_copies,
+                "fp8_params": self.fp8_params, "fp8_transposed": self.fp8_transposed,
                 "gradients": self.gradients, "optimizer": self.optimizer, "activations": act.total,
                 "buffers": dict(self.buffers), "buffers_bytes": self.buffers_bytes, "total": self.total,
                 "weight_bytes": self.weight_bytes, "grad_bytes": self.grad_bytes,
@@ -549,6 +554,15 @@ def _course_parts(cfg: TrainConfig, mc: GPTConfig, stage: int, n: int, mem: dict
                        cfg.dp * cfg.cp, buffers={"zero3_gathered": gathered} if gathered else {})
 
 
+def fp8_copies_are(parts: dict) -> str:
+    """What a rank's ``fp8_copies`` are (:meth:`MemoryParts.as_dict`'s parts), in words."""
+    if parts.get("fp8_params"):
+        return "the transpose of each matmul weight kept in fp8 (fp8 GEMMs that take only TN)"
+    if parts.get("fp8_transposed", True):
+        return "each matmul weight once more in fp8, and transposed"
+    return "each matmul weight once more in fp8 (GEMMs that read either layout: no transpose)"
+
+
 def format_parts(parts: dict, indent: str = "  ") -> list[str]:
     """The lines ``gpucourse memory`` prints for one rank's :class:`MemoryParts` (as ``as_dict`` gives them): each
     part, its bytes and what it is made of."""
@@ -557,9 +571,11 @@ def format_parts(parts: dict, indent: str = "  ") -> list[str]:
     shard = {"weights": zero == 3, "gradients": zero >= 2, "optimizer": zero >= 1}
     over = {k: f", ÷ {d} (ZeRO-{zero})" if on and d > 1 else "" for k, on in shard.items()}
     moments = "fp32 master copy and Adam's two moments" if parts["optimizer_bytes"] == 12 else "Adam's two moments"
-    rows = [("weights", parts["weights"], f"{n:,.0f} parameters × {parts['weight_bytes']} bytes{over['weights']}")]
+    f = parts.get("fp8_params", 0)
+    held = f"{n - f:,.0f} parameters × {parts['weight_bytes']} bytes" + f" + {f:,.0f} in fp8 × 1 byte" * bool(f)
+    rows = [("weights", parts["weights"], held + over["weights"])]
     if parts["fp8_copies"]:
-        rows.append(("fp8 copies", parts["fp8_copies"], "each matmul weight once more in fp8, and transposed"))
+        rows.append(("fp8 copies", parts["fp8_copies"], fp8_copies_are(parts)))
     rows += [("gradients", parts["gradients"], f"× {parts['grad_bytes']} bytes{over['gradients']}"),
              ("optimizer", parts["optimizer"], f"× {parts['optimizer_bytes']} bytes ({moments}){over['optimizer']}"),
              ("activations", parts["activations"],

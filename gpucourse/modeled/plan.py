@@ -58,7 +58,7 @@ from . import shapes
 from .cluster import Cluster
 from .costs import COSTS, Step, StepTime
 from .gpus import get_gpu
-from .memory import Activations, MemoryParts, bytes_per_param, estimate, estimate_params
+from .memory import Activations, MemoryParts, bytes_per_param, estimate, estimate_params, fp8_copies_are
 from .offload import offload_memory, offload_time
 from .shapes import Shape, ShapeError, for_params, get_shape
 
@@ -221,20 +221,22 @@ def _enough(cfg: TrainConfig) -> int:
 
 
 def memory_of(cfg: TrainConfig, shape: Shape, offload: bool = False, framework=None, fp8: bool = False,
-              ends_as_layers: bool = False) -> dict:
+              ends_as_layers: bool = False, gpu=None, fp8_params: bool = False, fp32_grads: bool | None = None) -> dict:
     """Memory per GPU of ``cfg`` training ``shape``, on the busiest pipeline rank: ``max`` (the four categories),
     ``max_total`` (those and the communication buffers) and ``parts`` (:meth:`MemoryParts.as_dict`).
 
     The course's own block with no ``framework`` named: :func:`gpucourse.modeled.memory.estimate` (``gpucourse memory``,
     what the course's runtime keeps, checked against its runs). Otherwise what ``framework`` (:data:`FRAMEWORKS`;
     None: ``DEFAULT_FRAMEWORK``) keeps, part by part (:func:`memory_parts`). ``ends_as_layers``: the embedding and
-    the loss each take a layer's place in the pipeline's split (Llama 3's balancing).
+    the loss each take a layer's place in the pipeline's split (Llama 3's balancing). ``gpu``, ``fp8_params``,
+    ``fp32_grads``: as :func:`memory_parts` takes them.
 
     NCCL's own buffers, cuBLAS's workspaces and the allocator's slack are not counted here: they are the reserve
     :meth:`gpucourse.modeled.gpus.GPUSpec.usable_bytes` keeps out of the card. ``offload``: the optimizer's state on the
     host (:func:`gpucourse.modeled.offload.offload_memory`; ``host_bytes`` says how much)."""
     if offload:
-        held = memory_of(cfg, shape, framework=framework, fp8=fp8, ends_as_layers=ends_as_layers)
+        held = memory_of(cfg, shape, framework=framework, fp8=fp8, ends_as_layers=ends_as_layers, gpu=gpu,
+                         fp8_params=fp8_params, fp32_grads=fp32_grads)
         on_gpu, host = offload_memory(held["max"], cfg.master_weights and cfg.precision != "fp32")
         moved = held["max"]["optimizer"]
         parts = {**held["parts"], "optimizer": 0, "total": held["parts"]["total"] - moved}
@@ -248,14 +250,15 @@ def memory_of(cfg: TrainConfig, shape: Shape, offload: bool = False, framework=N
         return {**estimate(fewer, every_rank=False), "config": cfg.to_dict()}
     check(cfg, runnable=False)
     overlap = get_framework(framework)
-    worst = max((memory_parts(cfg, shape, stage, overlap, fp8, ends_as_layers) for stage in range(cfg.pp)),
-                key=lambda parts: parts.total)
+    worst = max((memory_parts(cfg, shape, stage, overlap, fp8, ends_as_layers, gpu, fp8_params, fp32_grads)
+                 for stage in range(cfg.pp)), key=lambda parts: parts.total)
     return {"config": cfg.to_dict(), "num_params": shape.params(), "max": worst.categories,
             "max_total": worst.total, "parts": worst.as_dict(), "framework": overlap.name}
 
 
 def memory_parts(cfg: TrainConfig, shape: Shape, stage: int, framework=None, fp8: bool = False,
-                 ends_as_layers: bool = False) -> MemoryParts:
+                 ends_as_layers: bool = False, gpu=None, fp8_params: bool = False,
+                 fp32_grads: bool | None = None) -> MemoryParts:
     """One rank of pipeline stage ``stage`` as ``framework`` keeps it, part by part
     (:class:`gpucourse.modeled.memory.MemoryParts`), from the shape's own parameters (GQA, SwiGLU, its vocabulary,
     experts over ep) and the layers the rank's chunks hold:
@@ -266,8 +269,15 @@ def memory_parts(cfg: TrainConfig, shape: Shape, stage: int, framework=None, fp8
       table, "bf16 param, fp32 grads": 18 bytes a parameter, 6 + 12/d with the distributed optimizer; Rajbhandari
       et al. 2020 (ZeRO), section 3 and Table 1: (2 + 2 + K)·Ψ, K = 12; ZeRO-2 and 3 shard the gradients, ZeRO-3
       the weights;
-    - ``fp8``: Transformer Engine's fp8 copy of every matmul weight and its transpose (1 byte each: Hopper's fp8
-      GEMMs take only the "TN" layout, so backward reads a transposed copy), kept between microbatches;
+    - ``fp8``: Transformer Engine's fp8 copy of every matmul weight, kept between microbatches, and its transpose
+      (1 byte each) where the ``gpu``'s fp8 GEMMs take only the "TN" layout, so backward reads a transposed copy:
+      Hopper's; Blackwell's read either (:meth:`gpucourse.modeled.gpus.GPUSpec.fp8_any_layout`; no ``gpu``:
+      Hopper's). ``fp8_params``: the matmul weights are kept in fp8 themselves, 1 byte each and no bf16 copy, the
+      transpose beside them where the GPU needs it (Megatron-Core's fp8_param_gather: its parameter buffer holds
+      them as uint8, megatron/core/distributed/distributed_data_parallel.py at core_v0.11.0; TransformerEngine
+      v2.9's Float8TensorStorage.update_usage makes the transpose on TN-only GPUs and never on the others; the fp32
+      master copy stays in the optimizer's 12 bytes). ``fp32_grads``: the gradients' precision where the run sets
+      it (Megatron-Core's grad_reduce_in_fp32: fp32, or the weights' bf16); None: the framework's own;
     - **activations**: :func:`activations`, by the recomputation and the attention kernel, times the
       layer-microbatches the schedule keeps in flight;
     - **buffers**: ZeRO-3's gathered weights, the unit computing and the next one prefetched, with the root unit
@@ -293,14 +303,19 @@ def memory_parts(cfg: TrainConfig, shape: Shape, stage: int, framework=None, fp8
         mem = {c: v + more[c] for c, v in mem.items()}
     w, g, o = bytes_per_param(cfg.precision, cfg.master_weights)
     half = cfg.precision != "fp32" and cfg.master_weights
-    if half and overlap.fp32_grads:  # Megatron-LM accumulates and reduces bf16 runs' gradients in fp32
-        mem["gradients"] *= 2
+    if half and (overlap.fp32_grads if fp32_grads is None else fp32_grads):
+        mem["gradients"] *= 2  # Megatron-LM accumulates and reduces bf16 runs' gradients in fp32
         g = 4
     # Every matmul weight the rank holds (not the norms, 2·C a layer, the embedding or the head, nor the final norm).
     root = shape.stage_params(cfg.pp, stage, cfg.tp, cfg.ep, ids=[], first=first, last=last)[0]
     matmul = n - 2 * shape.hidden * len(ids) - root
     sharded = cfg.dp * cfg.cp if cfg.zero == 3 else 1
-    copies = 2 * matmul / sharded if fp8 else 0.0
+    transposed = not (gpu is not None and (get_gpu(gpu) if isinstance(gpu, str) else gpu).fp8_any_layout())
+    in_fp8 = matmul if fp8 and fp8_params else 0.0
+    mem["weights"] -= (w - 1) * in_fp8 / sharded   # 1 byte each, not the bf16 copy's w
+    copies = 0.0
+    if fp8:  # a transpose of each matmul weight where the GPU needs one; an fp8 copy of a bf16 weight
+        copies = (transposed + (not fp8_params)) * matmul / sharded
     buffers = {}
     compute = 4 if cfg.precision == "fp32" else 2  # what the matmuls read and what backward produces, a value
     if cfg.zero == 3 and cfg.dp * cfg.cp > 1:
@@ -324,7 +339,7 @@ def memory_parts(cfg: TrainConfig, shape: Shape, stage: int, framework=None, fp8
     if overlap.bucket_copy and cfg.dp * cfg.cp > 1:
         buffers["ddp_buckets"] = mem["gradients"]
     return MemoryParts(stage, n, mem["weights"], mem["gradients"], mem["optimizer"], act, w, g, o, cfg.zero,
-                       cfg.dp * cfg.cp, copies, buffers, overlap.name)
+                       cfg.dp * cfg.cp, copies, buffers, overlap.name, in_fp8, fp8 and transposed)
 
 
 def attention_flops(n_layer: int, n_embd: int, seq_len: int, recompute: bool = False) -> float:
@@ -612,7 +627,7 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
                 # The course's own block as the course's runtime keeps it (gpucourse memory); other shapes as the
                 # framework does.
                 mem = memory_of(cfg, shape, offloaded, None if shape.is_course_block else framework,
-                                fp8=matmuls == "fp8")
+                                fp8=matmuls == "fp8", gpu=spec)
             except ConfigError as e:
                 refused.append(str(e))
                 break
@@ -719,9 +734,11 @@ def memory_terms(mem: dict, parts: dict | None = None) -> str:
     def each(name: str, sharded: bool) -> str:
         return f"{parts[name + '_bytes']} bytes a parameter" + (f" ÷ {d}" if sharded and d > 1 else "")
 
-    terms = [f"weights {human_bytes(parts['weights'])} ({each('weight', zero == 3)})"]
+    in_fp8 = parts.get("fp8_params", 0)
+    terms = [f"weights {human_bytes(parts['weights'])} ({each('weight', zero == 3)}"
+             + f", {in_fp8 / parts['params']:.0%} of them in fp8 at 1 byte" * bool(in_fp8) + ")"]
     if parts["fp8_copies"]:
-        terms.append(f"fp8 copies {human_bytes(parts['fp8_copies'])}")
+        terms.append(f"fp8 copies {human_bytes(parts['fp8_copies'])} ({fp8_copies_are(parts)})")
     terms += [f"gradients {human_bytes(parts['gradients'])} ({each('grad', zero >= 2)})",
               f"optimizer {human_bytes(parts['optimizer'])} ({each('optimizer', zero >= 1)})",
               f"activations {human_bytes(parts['activations'])} ({human_bytes(parts['layer_bytes'])} a layer and "

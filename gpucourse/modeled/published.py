@@ -482,7 +482,7 @@ def memory(run: Published) -> dict:
     cfg = TrainConfig(**run.layout)
     shape = get_shape(run.shape or {k: v for k, v in cfg.overrides.items() if k != "block_size"})
     mem = memory_of(cfg, shape, framework=run.framework or DEFAULT_FRAMEWORK, fp8=run.matmuls == "fp8",
-                    ends_as_layers=run.ends_as_layers)
+                    ends_as_layers=run.ends_as_layers, gpu=run.gpu)
     usable = get_gpu(run.gpu).usable_bytes()
     return {**mem, "name": run.name, "usable": usable, "fits": mem["max_total"] <= usable}
 
