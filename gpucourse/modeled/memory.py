@@ -557,10 +557,10 @@ def _course_parts(cfg: TrainConfig, mc: GPTConfig, stage: int, n: int, mem: dict
 def fp8_copies_are(parts: dict) -> str:
     """What a rank's ``fp8_copies`` are (:meth:`MemoryParts.as_dict`'s parts), in words."""
     if parts.get("fp8_params"):
-        return "the transpose of each matmul weight kept in fp8 (fp8 GEMMs that take only TN)"
+        return "the transpose of each matmul weight kept in fp8: the GPU's fp8 GEMMs take only TN"
     if parts.get("fp8_transposed", True):
         return "each matmul weight once more in fp8, and transposed"
-    return "each matmul weight once more in fp8 (GEMMs that read either layout: no transpose)"
+    return "each matmul weight once more in fp8, not transposed: the GPU's fp8 GEMMs read either layout"
 
 
 def format_parts(parts: dict, indent: str = "  ") -> list[str]:

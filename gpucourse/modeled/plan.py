@@ -736,7 +736,7 @@ def memory_terms(mem: dict, parts: dict | None = None) -> str:
 
     in_fp8 = parts.get("fp8_params", 0)
     terms = [f"weights {human_bytes(parts['weights'])} ({each('weight', zero == 3)}"
-             + f", {in_fp8 / parts['params']:.0%} of them in fp8 at 1 byte" * bool(in_fp8) + ")"]
+             + f", {in_fp8:,.0f} of the {parts['params']:,.0f} in fp8 at 1 byte" * bool(in_fp8) + ")"]
     if parts["fp8_copies"]:
         terms.append(f"fp8 copies {human_bytes(parts['fp8_copies'])} ({fp8_copies_are(parts)})")
     terms += [f"gradients {human_bytes(parts['gradients'])} ({each('grad', zero >= 2)})",

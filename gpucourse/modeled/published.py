@@ -47,6 +47,9 @@ class Published:
     ends_as_layers: bool = False     # the embedding and the loss each take a layer's place in the pipeline's split
     matmuls: str = ""                # what the matmuls multiply in, when not the layout's precision ("fp8")
     assumed: str = ""                # what the source leaves out of the setting, and what the row takes for it
+    fp8_params: bool = False         # the matmul weights held in fp8 themselves (Megatron-Core's fp8_param_gather)
+    fp32_grads: bool | None = None   # the gradients in fp32 (True) or bf16 (False) where the run sets it; None: the
+                                     # framework's own (gpucourse.modeled.plan.Overlap.fp32_grads)
 
     @property
     def tolerance(self) -> float:
@@ -202,11 +205,22 @@ BRIDGE_2511 = ("Megatron-Bridge docs/performance-summary.md, '25.11 NeMo Contain
                "Megatron-Bridge, commit 97ad8cc, 2025-12-04)")
 # What the NeMo and Megatron-Bridge tables leave out, the same for each of their rows: the recipes' tensor-parallel
 # communication overlap and sequence parallelism where tp > 1, the distributed optimizer, FlashAttention (cuDNN's
-# fused attention through Transformer Engine) and no activation recomputation. The last is the B200 recipes' own
-# setting (NVIDIA/NeMo scripts/performance/recommended_model_configs/model_configs_b200.csv, commit d26ad52,
-# 2025-03-21: recompute_layers 0 and no activation offloading on each of these layouts).
+# fused attention through Transformer Engine) and no activation recomputation. The last is the recipes' own
+# setting (NVIDIA/NeMo scripts/performance/recommended_model_configs/model_configs_b200.csv and _h100.csv, commit
+# 96578928a7, 2025-04-07, the first with those columns: recompute_layers 0 and activation_offload_layers 0 on each
+# of these layouts; at d26ad52, 2025-03-21, the recipes set no recomputation either).
+# The same recipes keep the weights in fp8 and reduce the gradients in bf16 (fp8_params, fp32_grads False):
+# - NeMo 25.02: scripts/performance/llm/pretrain_*.py (NVIDIA/NeMo d26ad52) take bf16_with_fp8_mixed()
+#   (nemo/collections/llm/recipes/precision/mixed_precision.py: fp8_params=True, which MegatronMixedPrecision turns
+#   into fp8_param_gather) and set grad_reduce_in_fp32 False, which MegatronStrategy copies into the DDP config;
+# - Megatron-Bridge 25.09 (fa0315a): scripts/performance/configs/*/*.yaml set mixed_precision.grad_reduce_in_fp32
+#   false, and utils/helpers.py's "cs" recipe is bf16_with_fp8_current_scaling_mixed()
+#   (src/megatron/bridge/training/mixed_precision.py: fp8_param_gather=True; first_last_layers_bf16 set False);
+# - Megatron-Bridge 25.11 (97ad8cc): scripts/performance/configs/llama/llama3(1)_llm_pretrain.py's common configs
+#   set grad_reduce_in_fp32 False, utils/precision.py's fp8_cs the same current-scaling recipe.
 NEMO_ASSUMED = ("sequence parallelism and --tp-comm-overlap where tp > 1, the distributed optimizer (ZeRO-1), fused "
-                "attention and no activation recomputation; microbatches as the table's MBS")
+                "attention and no activation recomputation; microbatches as the table's MBS; the recipes' weights "
+                "in fp8 (fp8_param_gather) and gradients reduced in bf16 (grad_reduce_in_fp32 False)")
 # The 25.09 table has no precision column; its footnote says the figures in parentheses use 32 × 32 block scaling.
 BRIDGE_2509_ASSUMED = ("; FP8 with per-tensor current scaling for the figure outside the parentheses (the 25.11 "
                        "table labels the same rows 'FP8-CS (FP8-MX)')")
@@ -242,7 +256,8 @@ def _nemo(source: str, system: str, gpu: str, model: str, shape, params: float, 
         + (", FSDP" if zero == 3 else "") + f": {tokens:,} tokens/s per GPU",
         gpu, float(tokens), "tokens/s per GPU", "compute", layout, params=params,
         shape=shape, framework="megatron-core-tp-overlap" if tp > 1 else "megatron-core", split=split,
-        ends_as_layers=shape == "llama3-405b", matmuls="fp8", assumed=NEMO_ASSUMED + assumed)
+        ends_as_layers=shape == "llama3-405b", matmuls="fp8", assumed=NEMO_ASSUMED + assumed, fp8_params=True,
+        fp32_grads=False)
 
 
 def _moe(layout: dict, experts: int, top_k: int) -> dict:
@@ -482,7 +497,8 @@ def memory(run: Published) -> dict:
     cfg = TrainConfig(**run.layout)
     shape = get_shape(run.shape or {k: v for k, v in cfg.overrides.items() if k != "block_size"})
     mem = memory_of(cfg, shape, framework=run.framework or DEFAULT_FRAMEWORK, fp8=run.matmuls == "fp8",
-                    ends_as_layers=run.ends_as_layers, gpu=run.gpu)
+                    ends_as_layers=run.ends_as_layers, gpu=run.gpu, fp8_params=run.fp8_params,
+                    fp32_grads=run.fp32_grads)
     usable = get_gpu(run.gpu).usable_bytes()
     return {**mem, "name": run.name, "usable": usable, "fits": mem["max_total"] <= usable}
 
