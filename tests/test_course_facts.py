@@ -1390,3 +1390,33 @@ def test_notebook_00_says_how_the_hint_ladder_climbs_and_what_is_a_try(tmp_path,
     assert ("the first time, the idea the exercise tests; from the second try, where its notebook teaches it; from "
             "the fourth, each failing check's fix") in text and "the score out of 10" in text
     assert 'not a stub whose every check still says "not written yet": that is no try' in text
+
+
+def test_notebook_06_plans_the_same_model_on_blackwell_and_hopper():
+    """06: a B200 multiplies about 2.3 times as fast as an H100 in bf16 with 180 GB instead of 80; its first fitting
+    layout for Llama 3 70B on 64 GPUs splits the model over fewer ranks and steps faster, in bf16 and fp8; fp8
+    speeds each up by less than the peaks' ratio."""
+    from gpucourse.modeled import plan
+    from gpucourse.modeled.gpus import get_gpu
+
+    text = prose("06_hybrid_planning")
+    h100, b200 = get_gpu("h100"), get_gpu("b200")
+    assert round(b200.peak_flops("bf16") / h100.peak_flops("bf16"), 1) == 2.3
+    assert (b200.memory_gb, h100.memory_gb) == (180, 80)
+    assert "about 2.3 times as fast as an H100 in bf16 and has 180 GB instead of 80" in text
+    best = {}
+    for gpu in ("h100", "b200"):
+        for precision in ("bf16", "fp8"):
+            result = plan.plan(None, shape="llama3-70b", gpus=64, gpu=gpu, gpus_per_node=8, batch_size=1024,
+                               seq_len=4096, precision=precision)
+            best[gpu, precision] = next(r for r in result["layouts"] if r["fits"])
+    for precision in ("bf16", "fp8"):
+        hopper, blackwell = best["h100", precision], best["b200", precision]
+        assert blackwell["tp"] * blackwell["pp"] < hopper["tp"] * hopper["pp"], precision
+        assert blackwell["step_s"] < hopper["step_s"], precision
+    for gpu in ("h100", "b200"):
+        speedup = best[gpu, "bf16"]["step_s"] / best[gpu, "fp8"]["step_s"]
+        assert 1 < speedup < get_gpu(gpu).peak_flops("fp8") / get_gpu(gpu).peak_flops("bf16"), (gpu, speedup)
+    assert "the B200's layout splits the model over fewer ranks (tp · pp) than the H100's; its step is shorter" in text
+    assert "fp8 speeds each up by less than the twice that the peaks promise" in text
+    assert all(round(get_gpu(g).peak_flops("fp8") / get_gpu(g).peak_flops("bf16")) == 2 for g in ("h100", "b200"))
