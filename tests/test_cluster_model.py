@@ -393,3 +393,28 @@ def test_plan_offload_from_the_command_line(capsys):
                  "--offload", "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert " offl " in out and out.splitlines()[3].split()[4] == "yes"
+
+
+def test_explain_states_the_search_space_the_ranking_came_from(capsys):
+    """plan --explain says what a layout could have been: each degree, ZeRO stage, schedule and recomputation the
+    sized layouts took, and where context parallelism starts; a mixture of experts adds ep, a long sequence cp."""
+    from gpucourse import cli
+    from gpucourse.modeled import plan
+
+    result = plan.plan(None, shape="llama3-70b", gpus=64, gpu="h100", batch_size=1024, seq_len=4096)
+    searched = result["searched"]
+    rows = result["layouts"]
+    assert searched["layouts"] == len(rows)
+    for key in ("tp", "pp", "dp", "cp", "zero"):
+        assert searched[key] == sorted({r[key] for r in rows}), key
+    assert searched["tp"] == [1, 2, 4, 8] and searched["cp"] == [1] and searched["zero"] == [0, 1, 2, 3]
+    assert searched["recompute"] == [False, True] and "i8" in searched["schedules"]
+    text = plan.format_searched(searched)
+    assert "tp 1, 2, 4 and 8" in text and "; ep" not in text and "not tried at 4096" in text
+    long = plan.plan(None, shape="mixtral-8x7b", gpus=16, gpu="h100", batch_size=64, seq_len=16384)["searched"]
+    assert long["cp"][-1] > 1 and long["ep"][-1] > 1 and "16384 tokens on" in long["cp_rule"]
+    assert "; ep 1, 2" in plan.format_searched(long) and "not tried" not in long["cp_rule"]
+    assert cli.main(["plan", "--shape", "llama3-8b", "--gpus", "8", "--top", "1", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "searched " in out and "A tensor-parallel group stays inside a server." in " ".join(out.split())
+    assert max(len(line) for line in out.splitlines()[2:]) <= 110

@@ -374,7 +374,7 @@ def add_commands(sub) -> None:
     p.add_argument("--top", type=POSITIVE, default=10, help="rows to print")
     p.add_argument("--explain", action="store_true",
                    help="each row's step as its parts (compute, recompute, bubble, each kind of communication, "
-                        "optimizer) and its memory per GPU")
+                        "optimizer) and its memory per GPU, then the layouts searched")
     p.add_argument("--json", metavar="FILE", help="write every layout as JSON")
     p.set_defaults(func=cmd_plan)
 

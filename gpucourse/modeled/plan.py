@@ -640,7 +640,35 @@ def plan(num_params: float | None, gpus: int, gpu: str = "h100", gpus_per_node: 
             "gpu": dataclasses.asdict(spec), "gpus_per_node": gpus_per_node,
             "batch_size": batch_size, "seq_len": seq_len, "precision": matmuls,
             "efficiency": efficiency, "framework": overlap.name, "offload": offload,
-            "layouts": rows, "notes": _notes(shape, batch_size, left_out, refused)}
+            "layouts": rows, "notes": _notes(shape, batch_size, left_out, refused), "searched": _searched(rows, seq_len)}
+
+
+def _searched(rows: list[dict], seq_len: int) -> dict:
+    """What the planner tried, from the layouts it sized: each degree's values, the ZeRO stages, the schedules
+    (interleaved with its chunks a rank), the recomputations, and the rule that limited context parallelism."""
+    def values(key):
+        return sorted({r[key] for r in rows})
+
+    return {"layouts": len(rows), "tp": values("tp"), "pp": values("pp"), "dp": values("dp"), "cp": values("cp"),
+            "ep": values("ep"), "zero": values("zero"), "schedules": sorted({schedule_name(r) for r in rows} - {""}),
+            "recompute": [k for k in RECOMPUTE_NOTE if any(r["checkpoint_activations"] == k for r in rows)],
+            "offload": sorted({bool(r.get("offload")) for r in rows}),
+            "cp_rule": f"context parallelism from {LONG_SEQUENCE} tokens on" + (
+                "" if seq_len >= LONG_SEQUENCE else f": not tried at {seq_len}")}
+
+
+def format_searched(searched: dict) -> str:
+    """The search space in one paragraph (``gpucourse plan --explain``): what a layout could be, so that a layout
+    absent from the ranking reads as left out, not as losing."""
+    recompute = {False: "none", "selective": "selective", True: "full"}
+    degrees = "; ".join(f"{k} {_degrees(searched[k])}" for k in ("tp", "pp", "dp", "cp", "ep")
+                        if searched[k] and (k != "ep" or searched[k] != [1]))  # ep only for a mixture of experts
+    schedules = ", ".join(searched["schedules"]) or "none (no pipeline)"
+    return (f"searched {searched['layouts']} layouts: {degrees}; ZeRO {_degrees(searched['zero'])}; pipeline "
+            f"schedules {schedules} (iN: interleaved, N chunks a rank); recomputation "
+            f"{_degrees([recompute[k] for k in searched['recompute']])}"
+            + ("; the optimizer on the GPU or the CPU" if len(searched["offload"]) > 1 else "")
+            + f"; {searched['cp_rule']}. A tensor-parallel group stays inside a server.")
 
 
 def _degrees(values) -> str:
@@ -783,4 +811,7 @@ def format_plan(result: dict, top: int = 10, explained: bool = False) -> str:
                                       if best else ""))
     lines += [textwrap.fill(note, 110, initial_indent="  note: ", subsequent_indent="        ")
               for note in result.get("notes", [])]
+    if explained and result.get("searched"):
+        lines.append(textwrap.fill(format_searched(result["searched"]), 110, initial_indent="  ",
+                                   subsequent_indent="    "))
     return "\n".join(lines)
