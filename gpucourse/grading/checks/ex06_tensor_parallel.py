@@ -32,6 +32,10 @@ EXERCISE = Exercise(
 
 BATCH = 3
 COLUMN, ROW = "ColumnParallelLinear", "RowParallelLinear"
+BY_HAND = (" A linear layer's backward written by hand must take what autograd hands it: an input of 1 to 4 "
+           "dimensions (the bias's gradient sums the output gradient over all but the last; flatten with .reshape), "
+           "an output gradient with any strides (stored transposed, or expanded with stride 0, where .view refuses), "
+           "any dtype (compute in it: float64 in float64). F.linear on the slices gets all of it right.")
 
 # What every caller of a layer relies on besides its values (gpucourse.grading.contracts): the input comes back bit
 # for bit after forward and after backward, the output has the input's dtype, and the input may be a view with any
@@ -166,12 +170,12 @@ LAYERS = Space(dims=One((2, 1, 3, 4)), dtype=One(DTYPES), each=Int(1, 3), other=
 FOUR = ((True, False), (False, False), (True, True), (False, True))  # (a bias, the weight stored transposed)
 
 
-def _layer_words(case: dict) -> str:
+def _layer_words(case: dict, empty: bool = True) -> str:
     shape = "×".join(map(str, _x_shape(case, case["other"])))
     return (f"whole {generated.name(case['dtype'])} layers with {case['each']} feature{'s' * (case['each'] > 1)} a "
             f"rank on the cut side, {case['other']} on the other, with a bias and without, each with its weight "
             f"stored as usual and transposed; an input of {case['dims']} dimension{'s' * (case['dims'] > 1)}, "
-            f"{shape} whole{', and its first cut to 0 rows' if case['dims'] > 1 else ''}")
+            f"{shape} whole{', and its first cut to 0 rows' if empty and case['dims'] > 1 else ''}")
 
 
 def _x_shape(case: dict, features: int) -> tuple:
@@ -213,6 +217,82 @@ def _forward_drawn(ctx, kind: str, case: dict) -> str | None:
     return None
 
 
+# The cases of the backward checks: LAYERS's, with a first dimension of 2 or 3, so that an input of 3 or 4 dimensions
+# has two leading dimensions of more than one (only then can .view not flatten a gradient's leading dimensions).
+GRADS = Space(**{**LAYERS.knobs, "rows": Int(2, 3)})
+
+# How a layer's output gradient reaches its backward (gpucourse.grading.probes.ex06_tensor_parallel._laid_out): as
+# it is, stored transposed (a later op used the output transposed), broadcast with stride 0 over the batch (a sum
+# over the batch came after); and for an input of more than one dimension, an empty batch.
+RUNS = {"contiguous": "an output gradient handed contiguous",
+        "transposed": "an output gradient handed stored transposed (as autograd hands it when a later op used the "
+                      "output transposed)",
+        "expanded": "an output gradient handed expanded, one row broadcast over the batch with stride 0 (as "
+                    "autograd hands it when a sum over the batch came after)",
+        "empty": "an empty batch (the input's first dimension cut to 0 rows)"}
+
+
+def _grads_words(case: dict) -> str:
+    return (_layer_words(case, empty=False) + "; backward from output gradients handed contiguous, transposed and "
+            "expanded" + (", and from an empty batch" if case["dims"] > 1 else ""))
+
+
+def _backward_drawn(ctx, kind: str, case: dict) -> str | None:
+    """The four layers of a drawn case (as :func:`_forward_drawn`'s), each backward from its output under each run of
+    :data:`RUNS`: the input's, the weight's and the bias's gradients against the whole layer's, at the dtype's
+    tolerance. In half precision the numbers are small whole numbers, so the sums are exact in any order."""
+    n, dtype = ctx.world_size, case["dtype"]
+    cut = n * case["each"]
+    fan_in, fan_out = (case["other"], cut) if kind == COLUMN else (cut, case["other"])
+    w = _numbers(case, (fan_out, fan_in), dtype, "weight")
+    b = _numbers(case, (fan_out,), dtype, "bias")
+    x = _numbers(case, _x_shape(case, fan_in), dtype, "x")
+    grad = _numbers(case, x.shape[:-1] + (fan_out,), dtype, "grad")
+    runs = {"contiguous": (x, grad), "transposed": (x, grad),
+            "expanded": (x, grad[(slice(0, 1),) * max(grad.dim() - 1, 1)].expand(grad.shape).contiguous())}
+    if x.dim() > 1:
+        runs["empty"] = (x[:0], grad[:0])
+    wants = {}
+    for name, (xr, g) in runs.items():
+        g64, x64 = g.double(), xr.double()
+        rows = g64.reshape(-1, fan_out)
+        dx, dw, db = g64 @ w.double(), rows.T @ x64.reshape(-1, fan_in), rows.sum(0)
+        # A column layer's rank: the whole input's gradient (summed over ranks), its rows of the weight and bias; a
+        # row layer's: its slice of the input's gradient, its columns of the weight, the whole bias.
+        wants[name] = [tuple(t.to(dtype) for t in (
+            (dx, dw.chunk(n, dim=0)[r], db.chunk(n, dim=0)[r]) if kind == COLUMN else
+            (dx.chunk(n, dim=-1)[r], dw.chunk(n, dim=1)[r], db))) for r in range(n)]
+    mine = [{name: (xr, g.chunk(n, dim=-1)[r].contiguous()) if kind == COLUMN else
+             (xr.chunk(n, dim=-1)[r].contiguous(), g) for name, (xr, g) in runs.items()} for r in range(n)]
+    wholes, flipped = [(w, b if bias else None) for bias, _ in FOUR], [t for _, t in FOUR]
+    try:
+        outs = ctx.probe_all("gradients", [(kind, wholes, flipped, m) for m in mine])
+    except Exception as e:
+        if getattr(e, "sentence", None) is None:
+            raise
+        for name in runs:  # which run raised: each alone
+            try:
+                ctx.probe_all("gradients", [(kind, wholes, flipped, {name: m[name]}) for m in mine])
+            except Exception as alone:
+                if getattr(alone, "sentence", None) is None:
+                    raise
+                return f"for {RUNS[name]}: {alone.sentence}"
+        raise
+    for out in outs:
+        for name in runs:
+            dx, dw, db = wants[name][out.rank]
+            for (bias, transposed), layer in zip(FOUR, out.value[name]):
+                which = (f"the layer {'with a bias' if bias else 'without a bias'}, its weight stored "
+                         f"{'transposed' if transposed else 'as usual'}, for {RUNS[name]}")
+                for what, value, want in (("input's", layer["dx"], dx), ("weight's", layer["weight"], dw),
+                                          ("bias's", layer["bias"], db if bias else None)):
+                    problem = want is not None and generated.mismatch(f"rank {out.rank}: the {what} gradient of "
+                                                                      f"{which}", value, want)
+                    if problem:
+                        return problem
+    return None
+
+
 def _column_grads(r: int, n: int, report: dict, cases: list, ref: dict, probes: list, x_requires_grad: bool,
                   outcome, shared: bool) -> None:
     for i, ((w, b), params) in enumerate(zip(cases, report["layers"])):
@@ -250,7 +330,7 @@ def _column_grads(r: int, n: int, report: dict, cases: list, ref: dict, probes: 
     "is the identity forward and all-reduces the gradient backward (Megatron's f): it sums this layer's part "
     "exactly once, also when the same input feeds several layers (the queries, keys and values of attention) "
     "or does not need a gradient at all, where a hook on the input tensor goes wrong. The weight and bias "
-    "gradients need no communication: they are already this rank's slice."))
+    "gradients need no communication: they are already this rank's slice." + BY_HAND))
 def column_backward(ctx):
     n = ctx.world_size
     scenarios = [("one", [_whole(ctx, 4, 6, "one")], True),
@@ -261,6 +341,7 @@ def column_backward(ctx):
         for out in outs:
             _check_untouched(out.rank, out.value, cases)
             _column_grads(out.rank, n, out.value, cases, ref, probes, needs_grad, out, shared=len(cases) > 1)
+    generated.for_all(ctx, GRADS, lambda case: _backward_drawn(ctx, COLUMN, case), count=4, describe=_grads_words)
 
 
 def _run_row(ctx, bias: bool, key, backward: bool = True, fan_in: int = 6, fan_out: int = 4) -> tuple:
@@ -304,7 +385,7 @@ def row_forward(ctx):
 @EXERCISE.check("row-parallel backward", points=1, world_size=2, hint=(
     "The forward's all-reduce hands every rank the same output, so its backward hands every rank the same "
     "gradient unchanged: the identity. Summing it again over ranks multiplies the gradients by n. The bias "
-    "is added once, after the sum, on every rank: each rank's bias gets the whole bias gradient."))
+    "is added once, after the sum, on every rank: each rank's bias gets the whole bias gradient." + BY_HAND))
 def row_backward(ctx):
     n = ctx.world_size
     outs, cases, pieces, probe, ref = _run_row(ctx, True, "row back")
@@ -331,6 +412,7 @@ def row_backward(ctx):
                  (torch.zeros_like(db), "it is zero: the bias took no part in this rank's output")])
         _expect(f"rank {r}: the input's gradient", report["dx"], ref["dx"].chunk(n, dim=-1)[r],
                 [(n * ref["dx"].chunk(n, dim=-1)[r], twice)])
+    generated.for_all(ctx, GRADS, lambda case: _backward_drawn(ctx, ROW, case), count=4, describe=_grads_words)
 
 
 def _held(ctx, kind: str, dtype, strided: bool = False) -> None:

@@ -81,6 +81,43 @@ def layers(learner, x: torch.Tensor, kind: str, whole: list, grads_out: list, x_
             "marks": {"forward": [t0, t1], "backward": [t2, t3]}, "contract": {"value": ys, "after": after}}
 
 
+def _laid_out(grad: torch.Tensor, run: str) -> torch.Tensor:
+    """``grad`` with the strides autograd hands an output's gradient with: as it is ("contiguous", "empty"), stored
+    with its dimensions reversed ("transposed": a later op used the output transposed), or its first row broadcast
+    over the leading dimensions, with stride 0 there ("expanded": a sum over the batch came after; the check sends
+    a gradient whose rows are all that row)."""
+    if run == "transposed":
+        order = list(reversed(range(grad.dim())))
+        return grad.permute(order).contiguous().permute(order)
+    if run == "expanded":
+        return grad[(slice(0, 1),) * max(grad.dim() - 1, 1)].expand(grad.shape)
+    return grad
+
+
+def gradients(learner, kind: str, whole: list, transposed: list, runs: dict) -> dict:
+    """Each whole layer ``(weight, bias)`` of ``whole`` (its weight stored transposed where ``transposed`` says so)
+    cut with ``learner.<kind>``; then for each run ``name: (x, grad_out)`` of ``runs``, each layer applied to an
+    input of its own equal to ``x`` and backward from its output with ``grad_out`` as the output's gradient, laid
+    out as the run's name says (:func:`_laid_out`), the layers' gradients cleared before each run.
+
+    Reports ``{name: [{"dx": ..., "weight": ..., "bias": ...}, ...]}``: the input's gradient and the layer's
+    parameters' gradients, one dict per whole layer (``"bias"`` None where the layer has no bias)."""
+    built = [getattr(learner, kind)(_whole(w, b, t)) for (w, b), t in zip(whole, transposed)]
+    report = {}
+    for name, (x, grad) in runs.items():
+        report[name] = []
+        for layer in built:
+            params = dict(layer.named_parameters())
+            for p in params.values():
+                p.grad = None
+            mine = x.detach().clone().requires_grad_(True)
+            torch.autograd.backward(layer(mine), _laid_out(grad, name))
+            report[name].append({key: None if p is None or p.grad is None else p.grad.clone()
+                                 for key, p in (("dx", mine), ("weight", params.get("weight")),
+                                                ("bias", params.get("bias")))})
+    return report
+
+
 def mlp(learner, fc: tuple, proj: tuple, x: torch.Tensor, grad_out: torch.Tensor) -> dict:
     """``RowParallelLinear(proj)(gelu(ColumnParallelLinear(fc)(x)))``, then backward of ``sum(y * grad_out)``.
 
