@@ -233,7 +233,8 @@ def test_a_clone_in_a_folder_only_its_owner_may_enter_still_grades_as_nobody(tmp
     reach the clone's torch, yet learner code runs as ``nobody`` with that torch, and the solution gets full marks.
     As root the checkout is bound into such a folder in a mount namespace of the test's own, its package first on
     the path, so that everything the sandbox runs lies behind the closed folder. A clone in a folder open to all
-    (``/srv``), on a machine whose ``/var/cache`` is empty, as a fresh server's is: every solution, full marks."""
+    (``/srv``), on a machine whose ``/var/cache`` is empty, as a fresh server's is: every solution, full marks,
+    and no rank importing a slow module its exercise does not name (the suite's one grading of every solution)."""
     closed = tmp_path / "closed"
     clone = closed / "clone"
     clone.mkdir(parents=True)
@@ -268,9 +269,14 @@ def test_a_clone_in_a_folder_only_its_owner_may_enter_still_grades_as_nobody(tmp
     assert f"UID {uid} " in message and (os.geteuid() != 0 or f"TORCH {clone}" in message), message
     assert len(solutions) == len(solved)
     for solution in solutions:
-        assert solution["score"] == solution["max_score"], \
+        assert solution["score"] == solution["max_score"] == 10, \
             (solution["exercise"], [c["message"] for c in solution["checks"] if c["points"] == 0])
     assert not any(r.get("warning") for r in said["result"]), whoami.get("warning")
+    # A rank that imports a slow module (torch._dynamo, for an optimizer) its exercise does not name in
+    # rank_imports costs every grade a second or more; the sandbox imports the named ones once.
+    assert [(r["exercise"], r["late_imports"]) for r in solutions if r.get("late_imports")] == []
+    if mode == 0o755:  # every exercise's solution, in the catalogue's order: the course's own full marks
+        assert [r["exercise"] for r in solutions] == list(catalog.modules())
 
 
 def test_a_sandbox_that_cannot_become_nobody_says_why_and_the_grade_says_so_first(tmp_path):
