@@ -11,7 +11,8 @@ the weight, its gradient, and Adam's two moments (``exp_avg`` and
 on top and grow with the microbatch.
 
 ``model_state_bytes(num_params, precision="fp32", master_weights=False, dp=1, zero=0)``
-    The bytes ONE rank holds, as ``{"weights": ..., "gradients": ..., "optimizer": ...}``.
+    The bytes ONE rank holds, as ``{"weights": ..., "gradients": ..., "optimizer": ...}``,
+    each an int (a whole number of bytes).
 
     - ``precision="fp32"``: weights 4 bytes, gradients 4, optimizer 8 (two
       moments): the famous 16 bytes per parameter.

@@ -208,6 +208,9 @@ WRONG_ANSWERS = {
     "ex07_memory_estimate/pads_stage_zero": (["shards round up, and stages 1 and 2 pad the buffer"],
                                              "only stages 1 and 2 keep that buffer"),
     "ex07_memory_estimate/float_microbatch": (["largest_microbatch fits the budget"], "a float"),
+    # Equal in value, not in type: the listed cases compare values; the drawn ones hold the bytes to ints.
+    "ex07_memory_estimate/bytes_from_bits": (["shards round up, and stages 1 and 2 pad the buffer"],
+                                             "bytes are counted whole, an int"),
     "ex08_loss_scaler/unscale_multiplies": (["scale multiplies the loss, unscale_ divides in place",
                                              "a skipped step changes no weight and no optimizer state",
                                              "training with overflows follows torch.amp.GradScaler",

@@ -15,7 +15,9 @@ from ...measure import optimizer_state_bytes, tensor_bytes
 from ...modeled.memory import estimate, estimate_params, largest_microbatch, with_microbatch
 from ...model import MODELS, build_model
 from ...optim import MasterWeightsAdamW, make_optimizer
+from .. import generated
 from ..core import Exercise, Fail
+from ..generated import Int, One, Space
 
 EXERCISE = Exercise("ex07_memory_estimate", "Memory estimate", "notebooks/07_memory_batch.ipynb",
                     concept=("training memory is the model states, bytes per parameter by precision and by what ZeRO "
@@ -195,7 +197,7 @@ def zero_stages(ctx):
     "S = ceil(num_params / dp), the last one padded (rounding down would leave the last parameters to no "
     "rank). Stages 1 and 2 keep all weights in one flat buffer of S·dp elements, so what they do not shard "
     "is S·dp elements, a little more than num_params; stage 3 holds S of everything, and stage 0, which "
-    "shards nothing, keeps num_params of everything, unpadded."))
+    "shards nothing, keeps num_params of everything, unpadded. Every count is whole: an int of bytes."))
 def rounding(ctx):
     cases = [(10, 4), (7, 8), (1_000_001, 8), (5, 3), (1, 2)]
     g = ctx.generator()
@@ -205,6 +207,41 @@ def rounding(ctx):
             cases.append((num, dp))
     _sharded(ctx, [(n, dp, z, p, m) for n, dp in cases for z in (1, 2, 3, 0)
                    for p, m in (("fp32", False), ("bf16", True))])
+    generated.for_all(ctx, STATE_CASES, lambda case: _state_matches(ctx, case), count=6, describe=_state_case)
+
+
+# Drawn cases of model_state_bytes: every stage of each, over parameter counts from none to a trillion, dp from 1 to
+# 1024, every precision with and without master weights.
+STATE_CASES = Space(num=One(("none", "one", "odd", "a multiple of dp", "hundreds of billions")), dp=Int(1, 1024),
+                    precision=One(("fp32", "bf16", "fp16")), master=One((False, True)))
+
+
+def _state_num(case: dict) -> int:
+    g = generated.generator(case, "num")
+    draw = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))  # noqa: E731
+    return {"none": 0, "one": 1, "odd": 2 * draw(1, 500_000) + 1, "a multiple of dp": case["dp"] * draw(1, 10**6),
+            "hundreds of billions": draw(10**11, 10**12)}[case["num"]]
+
+
+def _state_case(case: dict) -> str:
+    return (f"{_state_num(case):,} parameters ({case['num']}), dp={case['dp']}, {case['precision']}, "
+            f"master_weights={case['master']}")
+
+
+def _state_matches(ctx, case: dict) -> str | None:
+    num, dp = _state_num(case), case["dp"]
+    for zero in range(4):
+        call, got = _call(ctx, num, case["precision"], case["master"], dp, zero)
+        want = estimate_params(num, dp, zero, case["precision"], case["master"])
+        key = next((k for k in KEYS if got[k] != want[k]), None)
+        if key:
+            return (f"{call}: {key} {got[key]:,} bytes, expected {want[key]:,} (S = ceil({num:,} / {dp}) = "
+                    f"{-(-num // dp):,} elements per shard)")
+        key = next((k for k in KEYS if type(got[k]) is not int), None)
+        if key:
+            return (f"{call} gave {key} = {got[key]!r}, a {type(got[key]).__name__}: bytes are counted whole, an int "
+                    f"({want[key]:,}); a / on the way makes a float")
+    return None
 
 
 def _measured(ctx, master: bool) -> tuple[int, dict]:
