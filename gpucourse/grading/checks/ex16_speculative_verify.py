@@ -5,15 +5,17 @@ compared here with the rule written out plainly, on cases drawn as a server meet
 context and k drafted tokens, drafts that agree with it for a while and then do not; greedy rounds chained into a
 whole decode, which must be the target's own; and for sampling a generator sent along and replayed here, so that
 the same draws must make the same tokens. The values' checks read a 0-d tensor as the int it holds; the types are
-the contract's check.
+the contract's check. Greedy rounds and the residual are also drawn with ``generated.Space`` (dtypes, sizes, where
+the first rejection falls, transposed logits, zeros in p or q), their types and inputs held exactly there too.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import contracts
+from .. import contracts, generated
 from ..core import Exercise, Fail, expect_close
+from ..generated import DTYPES, Int, One, Space
 
 EXERCISE = Exercise("ex16_speculative_verify", "Speculative decoding: verify k drafted tokens in one forward",
                     "notebooks/15_inference_optimization.ipynb",
@@ -106,7 +108,9 @@ def _verify_greedy(ctx, logits: torch.Tensor, drafted: list[int]) -> tuple[int, 
                       "n − k − 1 judges drafted[0] and row n − 1 is the bonus), their argmax, and walk the drafts "
                       "in order: accept while drafted[i] equals argmax i, stop at the first that does not — what "
                       "follows a rejected token was drafted after a token the target never made. The round's tokens "
-                      "are the accepted drafts, then argmax[accepted]."))
+                      "are the accepted drafts, then argmax[accepted]. Take the argmax of the logits as they come, "
+                      "in their own dtype: cast to a narrower one, two logits it cannot tell apart tie, and a tie "
+                      "goes to the lower token."))
 def greedy_rejects(ctx):
     g = ctx.generator()
     cases = [(5, 4, 2), (3, 4, 0), (2, 6, 3), (6, 1, 0), (9, 5, 4), (4, 3, 1)]
@@ -115,6 +119,64 @@ def greedy_rejects(ctx):
         cases.append((int(torch.randint(1, 12, (1,), generator=g)), k, int(torch.randint(0, k, (1,), generator=g))))
     for context, k, agree in cases:
         _verify_greedy(ctx, *greedy_case(g, context, k, agree))
+    generated.for_all(ctx, ROUNDS, lambda case: _greedy_holds(ctx, case), count=8, describe=_round_words)
+
+
+# Drawn rounds: each row's largest logit a few units in the last place of the logits' dtype above the next one,
+# which sits at a lower token (an argmax taken in a narrower dtype sees a tie and picks that lower token).
+ROUNDS = Space(dtype=One(DTYPES), context=Int(1, 12), k=Int(0, 6), vocab=One((8, 2, 64, 1000)),
+               rejected=One(("none", "first", "middle", "last")), layout=One(("contiguous", "transposed")))
+NEAR = 8  # the largest logit is (1 + NEAR·eps) times the next: distinct in the dtype, equal in a much narrower one
+
+
+def _drawn_round(case: dict) -> tuple[torch.Tensor, list[int]]:
+    """The logits and drafts of a drawn round (:data:`ROUNDS`)."""
+    g = generated.generator(case, "round")
+    context, k, vocab, dtype = case["context"], case["k"], case["vocab"], case["dtype"]
+    best = torch.randint(1, vocab, (context + k,), generator=g)  # each row's argmax, above token 0
+    logits = torch.randn(context + k, vocab, generator=g, dtype=torch.float64)
+    rows = torch.arange(context + k)
+    top = logits.max(-1).values.clamp(min=0) + 1
+    second = (torch.rand(context + k, generator=g, dtype=torch.float64) * best).long()  # a token below the argmax
+    logits[rows, second] = top
+    logits[rows, best] = top * (1 + NEAR * torch.finfo(dtype).eps)
+    logits = logits.to(dtype)
+    if case["layout"] == "transposed":
+        logits = logits.t().contiguous().t()
+    agree = {"none": k, "first": 0, "middle": k // 2, "last": k - 1}[case["rejected"]] if k else 0
+    judged = best[context - 1:].tolist()
+    drafted = []
+    for i in range(k):
+        if i != agree:
+            drafted.append(judged[i])
+        else:  # the target's runner-up, as a draft model's choice often is, unless it is the next row's argmax
+            near = int(second[context - 1 + i])
+            drafted.append(near if near not in judged[i + 1:i + 2] else
+                           next(t for t in range(vocab) if t not in judged[i:i + 2]))
+    return logits, drafted
+
+
+def _round_words(case: dict) -> str:
+    view = " (a transposed view)" if case["layout"] == "transposed" else ""
+    where = {"none": "every draft accepted", "first": "the first draft rejected", "middle": "a middle draft rejected",
+             "last": "the last draft rejected"}[case["rejected"]] if case["k"] else "no drafts"
+    return (f"greedy_verify on {generated.name(case['dtype'])} logits{view} of a {case['context']}-token context and "
+            f"{case['k']} drafts over {case['vocab']} tokens, {where}")
+
+
+def _greedy_holds(ctx, case: dict) -> str | None:
+    logits, drafted = _drawn_round(case)
+    words = _round_words(case)
+    out = contracts.call(ctx, GREEDY, logits, list(drafted))
+    _expect_kept("greedy_verify", out, 1, drafted, words)
+    _expect_types("greedy_verify", out.value, words)
+    want = greedy_reference(logits, drafted)
+    if out.value != want:
+        argmax = [int(row.double().argmax()) for row in logits[len(logits) - len(drafted) - 1:]]
+        return (f"{_call_greedy(logits, drafted)} returned {out.value!r}; expected {want} (the target's argmax at the "
+                f"last {len(drafted) + 1} positions: {argmax}, each a few units in the last place of "
+                f"{generated.name(logits.dtype)} above the next logit, at a lower token)")
+    return None
 
 
 @EXERCISE.check("greedy: every draft accepted earns a bonus token; no drafts, or a one-token context", points=1,
@@ -286,6 +348,37 @@ def residual_values(ctx):
         if torch.is_tensor(got) and got.is_floating_point():  # the values here; the dtype is the contract's check
             got = got.double()
         expect_close(f"residual(p, q) over {vocab} tokens", got, residual_reference(p, q), atol=1e-12, rtol=1e-9)
+    generated.for_all(ctx, RESIDUALS, lambda case: _residual_holds(ctx, case), count=4, describe=_residual_words)
+
+
+# Drawn residuals: p and q in one dtype, tokens impossible under p, under q, under both or neither.
+RESIDUALS = Space(dtype=One((torch.float32, torch.float64)), vocab=One((8, 2, 33, 1000)),
+                  zeros=One(("none", "in p", "in q", "in both")))
+
+
+def _drawn_residual(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """p and q of a drawn residual (:data:`RESIDUALS`); q's zeros fall on p's likeliest tokens, so that something
+    is left over however few tokens there are."""
+    g = generated.generator(case, "residual")
+    vocab, zeros = case["vocab"], case["zeros"]
+    p = _distribution(g, vocab, zeros=(vocab // 4 or 1) if zeros in ("in p", "in both") else 0)
+    q = _distribution(g, vocab)
+    if zeros in ("in q", "in both"):
+        q[p.topk(vocab // 3 or 1).indices] = 0
+        q = q / q.sum()
+    return p.to(case["dtype"]), q.to(case["dtype"])
+
+
+def _residual_words(case: dict) -> str:
+    zeros = "" if case["zeros"] == "none" else f", zeros {case['zeros']}"
+    return f"residual(p, q) in {generated.name(case['dtype'])} over {case['vocab']} tokens{zeros}"
+
+
+def _residual_holds(ctx, case: dict) -> str | None:
+    p, q = _drawn_residual(case)
+    got = contracts.call(ctx, RESIDUAL, p, q).value
+    return generated.mismatch(f"residual(p, q) in {generated.name(p.dtype)}", got,
+                              residual_reference(p, q).to(p.dtype))
 
 
 # --- the contract ------------------------------------------------------------------------------------------------
