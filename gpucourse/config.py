@@ -50,15 +50,10 @@ def run_option(default, help: str, train_only: bool = False, **flag):
     return field(default=default, metadata={"kind": "run", "help": help, "train_only": train_only, **flag})
 
 
+@functools.lru_cache(maxsize=None)  # a planner sizing thousands of layouts asks hundreds of thousands of times
 def allowed(name: str):
     """The kind of value (:mod:`gpucourse.values`) :class:`TrainConfig`'s field ``name`` takes."""
-    if not _ALLOWED:  # looked up by name: a planner sizing thousands of layouts asks hundreds of thousands of times
-        _ALLOWED.update((f.name, f.metadata["allowed"]) for f in dataclasses.fields(TrainConfig)
-                        if "allowed" in f.metadata)
-    return _ALLOWED[name]
-
-
-_ALLOWED: dict = {}
+    return next(f.metadata["allowed"] for f in dataclasses.fields(TrainConfig) if f.name == name)
 
 
 @functools.lru_cache(maxsize=1)

@@ -189,13 +189,19 @@ def _numbers(case: dict, shape: tuple, dtype, *key) -> torch.Tensor:
     return generated.tensor(case, shape, dtype, *key)
 
 
-def _forward_drawn(ctx, kind: str, case: dict) -> str | None:
-    n, dtype = ctx.world_size, case["dtype"]
+def _drawn_layer(kind: str, case: dict, n: int) -> tuple:
+    """A drawn case's whole layer on ``n`` ranks: (fan_in, fan_out, weight, bias, input), the cut dimension ``n``
+    times the case's share a rank."""
     cut = n * case["each"]
     fan_in, fan_out = (case["other"], cut) if kind == COLUMN else (cut, case["other"])
-    w = _numbers(case, (fan_out, fan_in), dtype, "weight")
-    b = _numbers(case, (fan_out,), dtype, "bias")
-    x = _numbers(case, _x_shape(case, fan_in), dtype, "x")
+    w = _numbers(case, (fan_out, fan_in), case["dtype"], "weight")
+    b = _numbers(case, (fan_out,), case["dtype"], "bias")
+    return fan_in, fan_out, w, b, _numbers(case, _x_shape(case, fan_in), case["dtype"], "x")
+
+
+def _forward_drawn(ctx, kind: str, case: dict) -> str | None:
+    n, dtype = ctx.world_size, case["dtype"]
+    _, _, w, b, x = _drawn_layer(kind, case, n)
     wholes = [(w, b if bias else None) for bias, _ in FOUR]
     ys = [F.linear(x.double(), w.double(), None if c is None else c.double()).to(dtype) for _, c in wholes]
     mine = ([(x, [y.chunk(n, dim=-1)[r] for y in ys]) for r in range(n)] if kind == COLUMN else
@@ -242,11 +248,7 @@ def _backward_drawn(ctx, kind: str, case: dict) -> str | None:
     :data:`RUNS`: the input's, the weight's and the bias's gradients against the whole layer's, at the dtype's
     tolerance. In half precision the numbers are small whole numbers, so the sums are exact in any order."""
     n, dtype = ctx.world_size, case["dtype"]
-    cut = n * case["each"]
-    fan_in, fan_out = (case["other"], cut) if kind == COLUMN else (cut, case["other"])
-    w = _numbers(case, (fan_out, fan_in), dtype, "weight")
-    b = _numbers(case, (fan_out,), dtype, "bias")
-    x = _numbers(case, _x_shape(case, fan_in), dtype, "x")
+    fan_in, fan_out, w, b, x = _drawn_layer(kind, case, n)
     grad = _numbers(case, x.shape[:-1] + (fan_out,), dtype, "grad")
     runs = {"contiguous": (x, grad), "transposed": (x, grad),
             "expanded": (x, grad[(slice(0, 1),) * max(grad.dim() - 1, 1)].expand(grad.shape).contiguous())}
