@@ -67,3 +67,19 @@ def test_paired_knobs_take_every_combination_whatever_the_seed(seed):
     space = Space(dtype=One(DTYPES), where=One(where), n=Int(0, 3), pairs=("dtype", "where"))
     cases = space.draw(seed, 12)
     assert {(c["dtype"], c["where"]) for c in cases} == {(d, w) for d in DTYPES for w in where}
+
+
+def test_a_mismatch_shows_the_two_numbers_with_the_digits_that_tell_them_apart():
+    """A float64 result computed in float32 differs in its eighth digit: the sentence must not read "got 0.0174646,
+    expected 0.0174646"."""
+    import torch
+
+    from gpucourse.grading.core import apart, describe_mismatch
+    from gpucourse.grading.generated import mismatch
+
+    want = torch.tensor([0.01746463384], dtype=torch.float64)
+    got = want.float().double() + 3e-10
+    for sentence in (describe_mismatch("r", got, want, atol=0, rtol=1e-12), mismatch("r", got, want)):
+        shown = sentence.split("got ")[1].split(", expected ")
+        assert shown[0] != shown[1].split(",")[0].rstrip(")"), sentence
+    assert apart(1.0, 2.0) == ("1", "2") and apart(0.5, 0.5) == ("0.5", "0.5")

@@ -235,8 +235,19 @@ def describe_mismatch(what: str, got, want: torch.Tensor, atol: float = 1e-5, rt
         return None
     idx = bad.nonzero()[0].tolist()
     at = idx[0] if len(idx) == 1 else tuple(idx)
+    got_s, want_s = apart(g[tuple(idx)].item(), w[tuple(idx)].item())
     return (f"{what}: {int(bad.sum())} of {bad.numel()} elements differ (first at index {at}: "
-            f"got {g[tuple(idx)].item():.6g}, expected {w[tuple(idx)].item():.6g})")
+            f"got {got_s}, expected {want_s})")
+
+
+def apart(got: float, want: float, digits: int = 6) -> tuple[str, str]:
+    """The two numbers with as many significant digits as tell them apart (``digits`` at least): a float64 result
+    computed in float32 differs in its eighth digit, and "got 0.0174646, expected 0.0174646" says nothing."""
+    for n in range(digits, 18):
+        shown = f"{got:.{n}g}", f"{want:.{n}g}"
+        if shown[0] != shown[1]:
+            break
+    return shown
 
 
 def expect_close(what: str, got, want: torch.Tensor, atol: float = 1e-5, rtol: float = 1e-5) -> None:

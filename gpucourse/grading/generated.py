@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from .core import Fail, derive_seed
+from .core import Fail, apart, derive_seed
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # the simplest first
 
@@ -258,9 +258,9 @@ def mismatch(what: str, got, want: torch.Tensor) -> str | None:
     if not bad.any():
         return None
     at = bad.nonzero()[0].tolist()
+    got_s, want_s = apart(g[tuple(at)].item(), w[tuple(at)].item(), 10)
     return (f"{what}: {int(bad.sum())} of {bad.numel()} elements differ (first at index {tuple(at) or '()'}: got "
-            f"{g[tuple(at)].item():.10g}, expected {w[tuple(at)].item():.10g}, to {name(want.dtype)}'s tolerance "
-            f"{rtol:g})")
+            f"{got_s}, expected {want_s}, to {name(want.dtype)}'s tolerance {rtol:g})")
 
 
 def coarser(a: torch.dtype, b: torch.dtype) -> torch.dtype:
